@@ -1,0 +1,1 @@
+"""k3: the Kimi K3 system in PyTorch."""
