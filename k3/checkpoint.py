@@ -1,0 +1,341 @@
+"""Checkpoints in the official K3 layout (checkpoint-layout.md): config.json + sharded safetensors + index.
+
+Our modules differ from the files in four places, all mapped here and nowhere else:
+  - names carry the multimodal wrapper's `language_model.` prefix on disk;
+  - routed experts are stacked tensors in memory, `experts.{e}.w{1,2,3}` on disk (plain `.weight`, or MXFP4
+    `weight_packed` + `weight_scale` when the config says the checkpoint is quantized);
+  - `A_log` is [H] in memory and zero-padded to a multiple of 128 on disk;
+  - MTP layers (ours; the release ships none) are stored as `model.layers.{L + d}` like DeepSeek-V3.
+Only safetensors and JSON are read; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from collections import defaultdict
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save_bytes
+
+from k3.config import ConfigError, K3Config
+from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
+
+PREFIX = "language_model."
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
+_DISK_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+# Tensors of the release that belong to the vision tower; the text model does not load them.
+_FOREIGN = ("vision_tower.", "mm_projector.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, broken or does not match the config; the message names what is wrong."""
+
+
+def _is_mxfp4(cfg: K3Config) -> bool:
+    q = cfg.quantization_config or {}
+    return q.get("format") == "mxfp4-pack-quantized"
+
+
+def _a_log_padded(h: int) -> int:
+    return math.ceil(h / 128) * 128
+
+
+# --- name mapping --------------------------------------------------------------------------------------
+def _internal_to_disk_name(name: str, num_layers: int) -> str:
+    m = _MTP.match(name)
+    if m:
+        name = f"model.layers.{num_layers + int(m.group(1))}.{m.group(3)}"
+    return PREFIX + name
+
+
+def _disk_to_internal_name(name: str, num_layers: int, num_mtp: int) -> str | None:
+    """Returns None for tensors that are not part of the text model (vision)."""
+    if name.startswith(_FOREIGN):
+        return None
+    if not name.startswith(PREFIX):
+        return name  # reported as unexpected by the caller
+    name = name[len(PREFIX):]
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= num_layers:
+        d = int(m.group(1)) - num_layers
+        rest = m.group(2)
+        if d >= num_mtp:
+            return f"<skip:{name}>"
+        own = rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "output_attn_res_norm", "output_attn_res_proj")
+        return f"mtp.{d}.{rest}" if own else f"mtp.{d}.block.{rest}"
+    return name
+
+
+def state_dict_for_disk(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (official name, tensor) in layer order, converting our in-memory layout to the file layout."""
+    cfg: K3Config = model.config
+    quant = _is_mxfp4(cfg)
+    from k3.model.model import FP32_PARAM_SUFFIXES
+
+    sd = model.state_dict()
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    for name, t in sd.items():
+        t = t.detach()
+        if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES):
+            t = t.to(dtype)
+        m = _EXPERT.match(name)
+        if m:
+            base = _internal_to_disk_name(m.group(1), cfg.num_hidden_layers)
+            for e in range(t.shape[0]):
+                w = t[e]
+                if quant:
+                    packed, scale = mxfp4_quantize(w.float())
+                    yield f"{base}.{e}.{m.group(2)}.weight_packed", packed
+                    yield f"{base}.{e}.{m.group(2)}.weight_scale", scale
+                else:
+                    yield f"{base}.{e}.{m.group(2)}.weight", w.contiguous()
+            continue
+        if name.endswith("self_attn.A_log"):
+            pad = torch.zeros(_a_log_padded(t.shape[0]), dtype=torch.float32)
+            pad[: t.shape[0]] = t.float()
+            t = pad
+        yield _internal_to_disk_name(name, cfg.num_hidden_layers), t.contiguous()
+
+
+# --- saving ----------------------------------------------------------------------------------------
+def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 4 << 30, extra_files: dict[str, bytes] | None = None) -> None:
+    """Write config.json + `model-000NN-of-0000MM.safetensors` shards + index atomically: everything goes to
+    a sibling temporary directory that replaces `path` only once complete."""
+    path = os.path.abspath(os.fspath(path))
+    tmp = path + ".partial"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    try:
+        cfg: K3Config = model.config
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in state_dict_for_disk(model, dtype):
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t.cpu()
+            size += nbytes
+        n = len(shards)
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{n:06d}.safetensors"  # the release's 5-digit/6-digit mix
+            with open(os.path.join(tmp, fname), "wb") as f:
+                f.write(st_save_bytes(shard, metadata={"format": "pt"}))
+                f.flush()
+                os.fsync(f.fileno())
+            for k, t in shard.items():
+                weight_map[k] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+        save_cfg = cfg.replace(dtype=_dtype_name(dtype) if dtype is not None else cfg.dtype)
+        save_cfg.save(os.path.join(tmp, "config.json"))
+        for fname, data in (extra_files or {}).items():
+            with open(os.path.join(tmp, fname), "wb") as f:
+                f.write(data)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace_dir(new: str, path: str) -> None:
+    """Swap a finished directory into place; the old one is removed only after the new one is in place."""
+    old = path + ".old"
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+def _shard_files(path: str) -> dict[str, list[str]]:
+    """Map shard file -> tensor names, from the index (or the single-file layout)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                wm = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        files: dict[str, list[str]] = defaultdict(list)
+        for name, fname in wm.items():
+            files[fname].append(name)
+        for fname in files:
+            if not os.path.exists(os.path.join(path, fname)):
+                raise CheckpointError(f"shard {fname} named in {index} is missing from {path}")
+        return dict(files)
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return {"model.safetensors": None}  # type: ignore[dict-item]
+    raise CheckpointError(f"no model.safetensors.index.json or model.safetensors in {path}")
+
+
+def _iter_disk_tensors(path: str, files: dict[str, list[str] | None], wanted) -> Iterator[tuple[str, torch.Tensor]]:
+    for fname, names in files.items():
+        fpath = os.path.join(path, fname)
+        try:
+            with safe_open(fpath, framework="pt") as f:
+                keys = list(f.keys())
+                missing = [n for n in (names or []) if n not in keys]
+                if missing:
+                    raise CheckpointError(f"{fname} lacks tensors its index assigns to it: {_show(missing)}")
+                for k in keys:
+                    if wanted(k):
+                        yield k, f.get_tensor(k)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise CheckpointError(f"cannot read {fpath}: {e} (the file is truncated or corrupt)") from None
+
+
+def _show(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, layer_limit: int | None = None) -> None:
+    """Fill `model`'s parameters and buffers from the checkpoint at `path`, converting the file layout.
+    Tensors of decoder layers >= `layer_limit` (and MTP layers) are skipped without being read."""
+    cfg: K3Config = model.config
+    L, n_mtp = cfg.num_hidden_layers, len(getattr(model, "mtp", []))
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    if cfg.tie_word_embeddings:
+        targets.pop("lm_head.weight", None)
+    filled: set[str] = set()
+    expert_parts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    unexpected, mismatched = [], []
+    files = _shard_files(path)
+
+    def assign(name: str, t: torch.Tensor, disk_name: str) -> None:
+        dst = targets[name]
+        if name.endswith("self_attn.A_log") and t.dim() == 1 and t.shape[0] >= dst.shape[0]:
+            t = t[: dst.shape[0]]  # the release pads [H] to a multiple of 128 (entries beyond H are 0)
+        if tuple(t.shape) != tuple(dst.shape):
+            mismatched.append(f"{disk_name}: file {tuple(t.shape)} vs model {tuple(dst.shape)}")
+            return
+        with torch.no_grad():
+            dst.copy_(t.to(dst.dtype))
+        filled.add(name)
+
+    def wanted(disk_name: str) -> bool:
+        if layer_limit is None or not disk_name.startswith(PREFIX):
+            return True
+        m = _LAYER.match(disk_name[len(PREFIX):])
+        return m is None or int(m.group(1)) < layer_limit
+
+    for disk_name, t in _iter_disk_tensors(path, files, wanted):
+        name = _disk_to_internal_name(disk_name, L, n_mtp)
+        if name is None:
+            continue
+        if name.startswith("<skip:"):
+            if strict and layer_limit is None:
+                unexpected.append(disk_name)
+            continue
+        m = _DISK_EXPERT.match(name)
+        if m:
+            key = (f"{m.group(1)}.{m.group(3)}", m.group(4))
+            expert_parts[(key[0], "")][int(m.group(2))][m.group(4)] = t
+            continue
+        if name not in targets:
+            unexpected.append(disk_name)
+            continue
+        assign(name, t, disk_name)
+
+    for (name, _), per_expert in expert_parts.items():
+        if name not in targets:
+            unexpected.append(PREFIX + name)
+            continue
+        dst = targets[name]
+        E = dst.shape[0]
+        have = sorted(per_expert)
+        if have != list(range(E)):
+            missing_e = sorted(set(range(E)) - set(have))
+            extra_e = sorted(set(have) - set(range(E)))
+            if missing_e:
+                mismatched.append(f"{PREFIX}{name}: experts missing {missing_e[:8]}{'...' if len(missing_e) > 8 else ''}")
+            if extra_e:
+                mismatched.append(f"{PREFIX}{name}: experts beyond num_experts={E}: {extra_e[:8]}")
+            continue
+        with torch.no_grad():
+            for e in range(E):
+                parts = per_expert[e]
+                if "weight" in parts:
+                    w = parts["weight"]
+                elif "weight_packed" in parts and "weight_scale" in parts:
+                    try:
+                        w = mxfp4_dequantize(parts["weight_packed"], parts["weight_scale"], dtype=torch.float32)
+                    except ValueError as err:
+                        mismatched.append(f"{PREFIX}{name} expert {e}: {err}")
+                        break
+                else:
+                    mismatched.append(f"{PREFIX}{name} expert {e}: needs `weight` or `weight_packed`+`weight_scale`")
+                    break
+                if tuple(w.shape) != tuple(dst.shape[1:]):
+                    mismatched.append(f"{PREFIX}{name} expert {e}: file {tuple(w.shape)} vs model {tuple(dst.shape[1:])}")
+                    break
+                dst[e].copy_(w.to(dst.dtype))
+            else:
+                filled.add(name)
+
+    missing = [n for n in targets if n not in filled]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_show(_internal_to_disk_name(n, L) for n in missing)}")
+    if unexpected and strict:
+        problems.append(f"unexpected tensors: {_show(unexpected)}")
+    if mismatched:
+        problems.append(f"mis-shaped tensors: {_show(mismatched)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
+
+
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
+                    layers: int | None = None, strict: bool = True):
+    """Load a checkpoint in the official layout. `layers=N` builds and loads only the first N decoder layers
+    (plus embedding, output site, final norm and head), for analysing a slice of a large checkpoint."""
+    from k3.model.model import K3ForCausalLM
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    cfg = K3Config.load(path)
+    if layers is not None:
+        if not isinstance(layers, int) or not 1 <= layers <= cfg.num_hidden_layers:
+            raise CheckpointError(f"layers={layers!r} must be an integer in [1, {cfg.num_hidden_layers}]")
+        cfg = cfg.replace(
+            num_hidden_layers=layers, num_nextn_predict_layers=0,
+            kda_layers=[i for i in cfg.kda_layers if i <= layers],
+            full_attn_layers=[i for i in cfg.full_attn_layers if i <= layers],
+        )
+    target_dtype = dtype if dtype is not None else cfg.torch_dtype
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    model.to_empty(device=device)
+    model.set_dtype(target_dtype)
+    # With layers=N the later layers are in the files but deliberately neither read nor reported.
+    load_state_into(model, path, strict=strict, layer_limit=layers)
+    model.eval()
+    return model

@@ -1,0 +1,375 @@
+"""K3Config: every field of the K3 architecture (report §2), its presets, and the official config.json.
+
+Field names follow the release's `text_config` keys (see checkpoint-layout.md §3). The nested
+`linear_attn_config` of the official file is flattened here with a `kda_` prefix; `to_dict`/`from_dict`
+translate. Layer lists are 1-based, exactly as in the official file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field, the value and what is allowed."""
+
+
+def _pattern_layers(num_layers: int, period: int = 4) -> tuple[list[int], list[int]]:
+    """K3's hybrid pattern (§2.1): every `period`-th layer (1-based) and the last layer are Gated MLA."""
+    full = [i for i in range(1, num_layers + 1) if i % period == 0 or i == num_layers]
+    kda = [i for i in range(1, num_layers + 1) if i not in full]
+    return kda, full
+
+
+@dataclass
+class K3Config:
+    # --- backbone -------------------------------------------------------------------------------
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_hidden_layers: int = 93
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576
+    # --- hybrid attention (1-based layer lists, as in the official file) --------------------------
+    kda_layers: list[int] = field(default_factory=lambda: _pattern_layers(93)[0])
+    full_attn_layers: list[int] = field(default_factory=lambda: _pattern_layers(93)[1])
+    # --- Kimi Delta Attention (§2.1.1) -------------------------------------------------------------
+    kda_num_heads: int = 96
+    kda_head_dim: int = 128
+    kda_short_conv_kernel_size: int = 4
+    kda_gate_lower_bound: float = -5.0
+    kda_use_full_rank_gate: bool = True
+    # --- Gated MLA, NoPE (§2.1.2) ------------------------------------------------------------------
+    num_attention_heads: int = 96
+    num_key_value_heads: int = 96
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64  # "rope" in name only: these 64 shared key dims are never rotated
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    # --- FFN: dense first layer, then Stable LatentMoE (§2.3) ---------------------------------------
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    intermediate_size: int = 33792
+    num_experts: int = 896
+    num_experts_per_token: int = 16
+    moe_intermediate_size: int = 3072
+    num_shared_experts: int = 2
+    routed_expert_hidden_size: int = 3584
+    latent_moe_use_norm: bool = True
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "noaux_tc"
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    hidden_act: str = "situ"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    # --- Block Attention Residuals (§2.2) ------------------------------------------------------------
+    attn_res_block_size: int = 12
+    # --- multi-token prediction (§4.1.4) ---------------------------------------------------------
+    num_nextn_predict_layers: int = 0
+    # --- tokens and storage ------------------------------------------------------------------------
+    bos_token_id: int = 163584
+    eos_token_id: int = 163586
+    pad_token_id: int = 163839
+    dtype: str = "bfloat16"
+    initializer_range: float = 0.02
+    quantization_config: dict | None = None
+
+    # ------------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.kda_layers = [int(i) for i in self.kda_layers]
+        self.full_attn_layers = [int(i) for i in self.full_attn_layers]
+        self.validate()
+
+    # --- derived quantities ----------------------------------------------------------------------------
+    def is_kda_layer(self, idx: int) -> bool:
+        """0-based layer index; the official rule is `(idx + 1) in kda_layers`."""
+        return (idx + 1) in self._kda_set
+
+    def is_moe_layer(self, idx: int) -> bool:
+        return (
+            self.num_experts > 0
+            and idx >= self.first_k_dense_replace
+            and (idx - self.first_k_dense_replace) % self.moe_layer_freq == 0
+        )
+
+    @property
+    def _kda_set(self) -> frozenset[int]:
+        return frozenset(self.kda_layers)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        """Blocks of layers (the last may be partial); the output site sees this many + 1 (embedding)."""
+        return math.ceil(self.num_hidden_layers / self.attn_res_block_size)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.dtype]
+
+    # --- validation ----------------------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(name: str, value: Any, allowed: str) -> None:
+            raise ConfigError(f"config field '{name}' = {value!r} is invalid: {allowed}")
+
+        positive = [
+            "vocab_size", "hidden_size", "num_hidden_layers", "kda_head_dim", "kda_short_conv_kernel_size",
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "attn_res_block_size",
+            "max_position_embeddings",
+        ]
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(name, v, "must be a positive integer")
+        nonneg = [
+            "qk_rope_head_dim", "first_k_dense_replace", "num_experts", "num_experts_per_token",
+            "num_shared_experts", "num_nextn_predict_layers", "intermediate_size", "moe_intermediate_size",
+            "routed_expert_hidden_size", "kda_num_heads", "num_attention_heads",
+        ]
+        for name in nonneg:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, v, "must be a non-negative integer")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1):
+            bad("rms_norm_eps", self.rms_norm_eps, "must be a number in (0, 1)")
+        if not (isinstance(self.initializer_range, (int, float)) and self.initializer_range > 0):
+            bad("initializer_range", self.initializer_range, "must be a positive number")
+        L = self.num_hidden_layers
+        for name in ("kda_layers", "full_attn_layers"):
+            lst = getattr(self, name)
+            out = [i for i in lst if not 1 <= i <= L]
+            if out:
+                bad(name, out, f"layer numbers are 1-based and must lie in [1, {L}]")
+            if len(set(lst)) != len(lst):
+                bad(name, lst, "contains repeated layer numbers")
+        both = set(self.kda_layers) & set(self.full_attn_layers)
+        if both:
+            bad("kda_layers", sorted(both), "these layers are also listed in full_attn_layers")
+        missing = set(range(1, L + 1)) - set(self.kda_layers) - set(self.full_attn_layers)
+        if missing:
+            bad("kda_layers", sorted(missing), "every layer must be in kda_layers or full_attn_layers")
+        if self.kda_layers and self.kda_num_heads <= 0:
+            bad("kda_num_heads", self.kda_num_heads, "must be positive when kda_layers is not empty")
+        if self.full_attn_layers and self.num_attention_heads <= 0:
+            bad("num_attention_heads", self.num_attention_heads, "must be positive when full_attn_layers is not empty")
+        if self.num_key_value_heads != self.num_attention_heads:
+            bad("num_key_value_heads", self.num_key_value_heads,
+                f"MLA has one key/value head per query head: must equal num_attention_heads ({self.num_attention_heads})")
+        if not self.kda_gate_lower_bound < 0:
+            bad("kda_gate_lower_bound", self.kda_gate_lower_bound, "must be negative (the log-decay lies in (lower_bound, 0))")
+        if not self.kda_use_full_rank_gate:
+            bad("kda_use_full_rank_gate", self.kda_use_full_rank_gate, "K3 uses the full-rank output gate (true)")
+        if not self.mla_use_nope:
+            bad("mla_use_nope", self.mla_use_nope, "K3's MLA has no positional encoding (true)")
+        if not self.mla_use_output_gate:
+            bad("mla_use_output_gate", self.mla_use_output_gate, "K3's MLA is gated (true)")
+        if self.first_k_dense_replace > L:
+            bad("first_k_dense_replace", self.first_k_dense_replace, f"must be <= num_hidden_layers ({L})")
+        if self.first_k_dense_replace > 0 and self.intermediate_size <= 0:
+            bad("intermediate_size", self.intermediate_size, "must be positive when there are dense layers")
+        if self.moe_layer_freq != 1:
+            bad("moe_layer_freq", self.moe_layer_freq, "K3 puts an MoE in every layer after the dense ones (1)")
+        if self.num_experts > 0:
+            if not 1 <= self.num_experts_per_token <= self.num_experts:
+                bad("num_experts_per_token", self.num_experts_per_token, f"must lie in [1, num_experts={self.num_experts}]")
+            for name in ("moe_intermediate_size", "routed_expert_hidden_size"):
+                if getattr(self, name) <= 0:
+                    bad(name, getattr(self, name), "must be positive when num_experts > 0")
+        if self.moe_router_activation_func != "sigmoid":
+            bad("moe_router_activation_func", self.moe_router_activation_func, "K3's router uses 'sigmoid'")
+        if self.num_expert_group != 1 or self.topk_group != 1:
+            bad("num_expert_group", (self.num_expert_group, self.topk_group),
+                "K3 routes over one group (num_expert_group = topk_group = 1)")
+        if self.hidden_act != "situ":
+            bad("hidden_act", self.hidden_act, "K3 uses 'situ' (SiTU-GLU)")
+        for name in ("activation_situ_beta", "activation_situ_linear_beta", "routed_scaling_factor"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                bad(name, v, "must be a positive number")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            bad("dtype", self.dtype, "must be one of 'bfloat16', 'float16', 'float32'")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and 0 <= v < self.vocab_size):
+                bad(name, v, f"must be a token id in [0, vocab_size={self.vocab_size})")
+
+    # --- presets and I/O -----------------------------------------------------------------------
+    def replace(self, **changes: Any) -> "K3Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_preset(cls, name: str) -> "K3Config":
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+        return PRESETS[name]()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The official config.json structure: a multimodal wrapper holding `text_config`."""
+        text: dict[str, Any] = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}
+        for f in dataclasses.fields(self):
+            if f.name.startswith("kda_") or f.name == "full_attn_layers":
+                continue
+            text[f.name] = getattr(self, f.name)
+        text["linear_attn_config"] = {
+            "kda_layers": list(self.kda_layers),
+            "full_attn_layers": list(self.full_attn_layers),
+            "num_heads": self.kda_num_heads,
+            "head_dim": self.kda_head_dim,
+            "short_conv_kernel_size": self.kda_short_conv_kernel_size,
+            "gate_lower_bound": self.kda_gate_lower_bound,
+            "use_full_rank_gate": self.kda_use_full_rank_gate,
+        }
+        if self.quantization_config is None:
+            text.pop("quantization_config")
+        return {
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "model_type": "kimi_k3",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "ignore_index": -100,
+            "dtype": self.dtype,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "K3Config":
+        """Accepts the official wrapper (`text_config` inside) or a bare text config."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
+        text = d.get("text_config", d)
+        if not isinstance(text, dict):
+            raise ConfigError("config field 'text_config' must be a JSON object")
+        text = dict(text)
+        lac = text.pop("linear_attn_config", None) or {}
+        if not isinstance(lac, dict):
+            raise ConfigError("config field 'linear_attn_config' must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {k: v for k, v in text.items() if k in names}
+        rename = {
+            "kda_layers": "kda_layers", "full_attn_layers": "full_attn_layers", "num_heads": "kda_num_heads",
+            "head_dim": "kda_head_dim", "short_conv_kernel_size": "kda_short_conv_kernel_size",
+            "gate_lower_bound": "kda_gate_lower_bound", "use_full_rank_gate": "kda_use_full_rank_gate",
+        }
+        for src, dst in rename.items():
+            if src in lac:
+                kwargs[dst] = lac[src]
+        if "quantization_config" in d and "quantization_config" not in kwargs:
+            kwargs["quantization_config"] = d["quantization_config"]
+        if "tie_word_embeddings" in d and "tie_word_embeddings" not in kwargs:
+            kwargs["tie_word_embeddings"] = d["tie_word_embeddings"]
+        for k in ("kda_layers", "full_attn_layers"):
+            if k in kwargs and not isinstance(kwargs[k], list):
+                raise ConfigError(f"config field '{k}' = {kwargs[k]!r} is invalid: must be a list of 1-based layer numbers")
+        # Types: JSON gives ints/floats; reject strings and other surprises with the field's name.
+        for f in dataclasses.fields(cls):
+            if f.name not in kwargs or kwargs[f.name] is None:
+                continue
+            v, t = kwargs[f.name], str(f.type)
+            if t.startswith("int") and not (isinstance(v, int) and not isinstance(v, bool)):
+                raise ConfigError(f"config field '{f.name}' = {v!r} is invalid: must be an integer")
+            if t.startswith("float") and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                raise ConfigError(f"config field '{f.name}' = {v!r} is invalid: must be a number")
+            if t.startswith("bool") and not isinstance(v, bool):
+                raise ConfigError(f"config field '{f.name}' = {v!r} is invalid: must be true or false")
+            if t.startswith("str") and not isinstance(v, str):
+                raise ConfigError(f"config field '{f.name}' = {v!r} is invalid: must be a string")
+        return cls(**kwargs)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write config.json atomically (a crash never leaves a half-written file)."""
+        from k3.utils import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "K3Config":
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise ConfigError(f"no config file at {path}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+
+# --- presets ------------------------------------------------------------------------------------------
+def _k3() -> K3Config:
+    """The release configuration (checkpoint-layout.md §3), exactly."""
+    return K3Config(
+        quantization_config={
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                                "group_size": 32, "scale_dtype": "torch.uint8", "dynamic": False},
+                    "input_activations": None,
+                    "targets": ["Linear"],
+                }
+            },
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                       "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+        }
+    )
+
+
+def _k3_mini() -> K3Config:
+    """The model we train on one H200: K3's topology at ~2B total / ~0.3B active parameters."""
+    L = 13
+    kda, full = _pattern_layers(L)
+    return K3Config(
+        vocab_size=32768, hidden_size=1024, num_hidden_layers=L, kda_layers=kda, full_attn_layers=full,
+        kda_num_heads=8, kda_head_dim=128,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=256,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=4096, num_experts=128, num_experts_per_token=8, moe_intermediate_size=768,
+        num_shared_experts=2, routed_expert_hidden_size=512, attn_res_block_size=4,
+        num_nextn_predict_layers=1, max_position_embeddings=131072,
+        bos_token_id=None, eos_token_id=0, pad_token_id=0,
+    )
+
+
+def _tiny() -> K3Config:
+    """For CPU development and tests; big enough to learn something on 2 cores in minutes."""
+    L = 5
+    kda, full = _pattern_layers(L)
+    return K3Config(
+        vocab_size=4096, hidden_size=128, num_hidden_layers=L, kda_layers=kda, full_attn_layers=full,
+        kda_num_heads=2, kda_head_dim=64,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=32,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        intermediate_size=384, num_experts=8, num_experts_per_token=2, moe_intermediate_size=128,
+        num_shared_experts=2, routed_expert_hidden_size=64, attn_res_block_size=2,
+        num_nextn_predict_layers=1, max_position_embeddings=65536, dtype="float32",
+        bos_token_id=None, eos_token_id=0, pad_token_id=0,
+    )
+
+
+PRESETS = {"k3": _k3, "k3-mini": _k3_mini, "tiny": _tiny}

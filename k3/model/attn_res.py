@@ -1,0 +1,62 @@
+"""Block Attention Residuals over the layer stack (report §2.2, checkpoint-layout quirk 8).
+
+Sources are the token embedding, the completed block sums and the running partial sum of the current
+block. At layer l:
+  attention site: mix(completed + [partial])   (layer 0 has no completed block: its input is the embedding)
+  if l % S == 0:  the partial is closed into a completed block, and a new partial starts with the mixer output
+  FFN site:       mix(completed + [partial incl. this layer's mixer output])
+and the output site mixes completed + [final partial]. `AttnResStream` keeps that state.
+
+`two_phase=True` computes the same result the inference way: once per block, one batched pass of every
+site's query over the completed blocks (which stay fixed for the whole block), then an online-softmax merge
+with the partial sum at each site.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.model.common import RMSNorm
+from k3.ops.attn_res import attn_res, attn_res_inter, attn_res_merge
+
+
+def site_query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """The official site stores gamma [D] and proj [1, D]; only their product enters the score."""
+    return norm.weight.float() * proj.weight[0].float()
+
+
+class AttnResStream:
+    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False):
+        self.blocks: list[torch.Tensor] = []
+        self.partial: torch.Tensor | None = embedding
+        self.block_size, self.eps, self.two_phase = block_size, eps, two_phase
+        self._stats = None  # phase-1 statistics for the sites of the current block
+        self._site_of: dict = {}
+
+    def _mix(self, key, w: torch.Tensor) -> torch.Tensor:
+        if self.two_phase and key in self._site_of:
+            return attn_res_merge(self._stats, self._site_of[key], self.partial, w, self.eps)
+        return attn_res(self.blocks + [self.partial], w, self.eps)
+
+    def attn_input(self, layer_idx: int, w: torch.Tensor, upcoming: list[tuple[object, torch.Tensor]]):
+        """Input of layer `layer_idx`'s mixer. `upcoming` lists (key, query) of the sites of the block
+        that starts here (only used at a block boundary, for the two-phase batched pass)."""
+        h = self.partial if not self.blocks else self._mix(("attn", layer_idx), w)
+        if layer_idx % self.block_size == 0:
+            self.blocks.append(self.partial)
+            self.partial = None
+            if self.two_phase and upcoming:
+                ws = torch.stack([q for _, q in upcoming])
+                self._stats = attn_res_inter(torch.stack(self.blocks), ws, self.eps)
+                self._site_of = {key: i for i, (key, _) in enumerate(upcoming)}
+        return h
+
+    def add(self, out: torch.Tensor) -> None:
+        self.partial = out if self.partial is None else self.partial + out
+
+    def mlp_input(self, layer_idx: int, w: torch.Tensor) -> torch.Tensor:
+        return self._mix(("mlp", layer_idx), w)
+
+    def output(self, w: torch.Tensor) -> torch.Tensor:
+        return self._mix(("out", None), w)

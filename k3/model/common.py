@@ -1,0 +1,40 @@
+"""Building blocks shared by the model's layers: RMSNorm and the dense SiTU-GLU MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.ops.situ import situ_glu
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; the normalized value is cast back before the weight, as the release does."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * y.to(dtype)).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class SituMLP(nn.Module):
+    """Dense FFN (layer 0) and the fused shared experts: down(SiTU-GLU(gate x, up x)), report §2.3.2."""
+
+    def __init__(self, hidden: int, intermediate: int, beta1: float, beta2: float):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.beta1, self.beta2 = beta1, beta2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))

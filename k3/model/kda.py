@@ -1,0 +1,66 @@
+"""Kimi Delta Attention layer (report §2.1.1), parameter names as in the official checkpoint."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.common import RMSNorm
+from k3.ops import kda as kda_ops
+
+
+class KDACache:
+    """One KDA layer's decode state: the fp32 recurrent state and the q/k/v short-conv tails."""
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None  # [B, H, K, V] fp32
+        self.conv: list[torch.Tensor | None] = [None, None, None]  # q, k, v tails [B, P, W-1]
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int):
+        super().__init__()
+        D, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        P, W = H * K, cfg.kda_short_conv_kernel_size
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
+        self.lower_bound = cfg.kda_gate_lower_bound
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        # Depthwise causal convs; nn.Conv1d only holds the [P, 1, W] weight, the op does the math.
+        self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        # Decay logits z = W_up W_down x + dt_bias, low rank = head_dim (f_a: D -> K, f_b: K -> P).
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))  # one log-scale per head, initialized 0 (report §2.1.1)
+        self.dt_bias = nn.Parameter(torch.zeros(P))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_proj = nn.Linear(D, P, bias=False)  # full-rank output gate
+        self.o_norm = RMSNorm(K, eps=cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        conv_in = cache.conv if cache is not None else [None, None, None]
+        q, cq = kda_ops.short_conv(self.q_proj(x), self.q_conv1d.weight, conv_in[0], cu_seqlens=cu_seqlens)
+        k, ck = kda_ops.short_conv(self.k_proj(x), self.k_conv1d.weight, conv_in[1], cu_seqlens=cu_seqlens)
+        v, cv = kda_ops.short_conv(self.v_proj(x), self.v_conv1d.weight, conv_in[2], cu_seqlens=cu_seqlens)
+        q = kda_ops.l2norm(q.view(B, T, H, K))
+        k = kda_ops.l2norm(k.view(B, T, H, K))
+        v = v.view(B, T, H, K)
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        g = kda_ops.kda_gate(z, self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        state = cache.state if cache is not None else None
+        # Both forms are exact; the recurrence is cheaper for a single decode token.
+        fn = kda_ops.kda_recurrent if T == 1 else kda_ops.kda_chunk
+        o, new_state = fn(q, k, v, g, beta, initial_state=state, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache.state, cache.conv = new_state, [cq, ck, cv]
+        o = self.o_norm(o.float()) * torch.sigmoid(self.g_proj(x).float().view(B, T, H, K))
+        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))

@@ -1,0 +1,81 @@
+"""Stable LatentMoE (report §2.3): shared full-width experts + routed experts in a latent width.
+
+    y = shared(x) + W_up RMSNorm( sum_{j in top-k} p_j E_j(W_down x) )
+
+Routed experts are stored stacked ([E, F, L] and [E, L, F]) so they can be computed with grouped GEMMs and
+orthogonalized per expert; checkpoint I/O maps them to the official `experts.{e}.w{1,2,3}` names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.common import RMSNorm, SituMLP
+from k3.ops.moe import Routing, moe_experts, route
+from k3.ops.situ import situ_glu
+
+
+class MoEGate(nn.Module):
+    """Sigmoid router. The score-correction bias is set by Quantile Balancing, not by gradients."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, scaling: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x.float(), self.weight.float())  # router in fp32 (report §2.3.3)
+        return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts: E independent SiTU-GLU FFNs of width latent -> F -> latent."""
+
+    def __init__(self, num_experts: int, latent: int, inter: int, beta1: float, beta2: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, inter, latent))  # gate
+        self.w3 = nn.Parameter(torch.empty(num_experts, inter, latent))  # up
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent, inter))  # down
+        self.beta1, self.beta2 = beta1, beta2
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ_glu(gate, up, self.beta1, self.beta2)
+
+    def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return moe_experts(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int):
+        super().__init__()
+        D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
+        self.layer_idx = layer_idx
+        self.gate = MoEGate(D, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_renormalize,
+                            cfg.routed_scaling_factor)
+        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.routed_expert_norm = RMSNorm(L, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else nn.Identity()
+        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.experts = GroupedExperts(cfg.num_experts, L, cfg.moe_intermediate_size,
+                                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.shared_experts = (
+            SituMLP(D, cfg.shared_intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+            if cfg.num_shared_experts > 0 else None
+        )
+        self.last_routing: Routing | None = None  # read by load balancing and metrics
+        self.record_routing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.gate(flat)
+        if self.record_routing:
+            self.last_routing = Routing(*(t.detach() for t in routing))
+        u = self.experts(self.routed_expert_down_proj(flat), routing)
+        y = self.routed_expert_up_proj(self.routed_expert_norm(u))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(shape)

@@ -1,0 +1,87 @@
+"""Gated MLA with no positional encoding (report §2.1.2), parameter names as in the official checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.common import RMSNorm
+from k3.ops.mla import mla_absorbed, mla_attention, split_kv_b
+
+
+class MLACache:
+    """One MLA layer's decode cache: the normalized latent c and the shared extra key dims, per token."""
+
+    def __init__(self) -> None:
+        self.c: torch.Tensor | None = None  # [B, L, kv_lora_rank]
+        self.k_rope: torch.Tensor | None = None  # [B, L, qk_rope_head_dim]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.c is None else self.c.shape[1]
+
+    def append(self, c: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.c is None:
+            self.c, self.k_rope = c, k_rope
+        else:
+            self.c = torch.cat([self.c, c], dim=1)
+            self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
+        return self.c, self.k_rope
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.scale = (self.dn + self.dr) ** -0.5
+        self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)  # the release builds these two with eps 1e-6
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
+        self.g_proj = nn.Linear(D, H * self.dv, bias=False)
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self.last_max_logit: torch.Tensor | None = None  # per-head max pre-softmax logit, for QK-Clip
+        self.record_max_logit = False
+
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, segment_ids: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, dn + dr)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, dr], dim=-1)
+        c = self.kv_a_layernorm(c)
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            c_all, kr_all = cache.append(c, k_rope)
+        if past == 0:
+            # Prefill: expand the latent into per-head keys and values.
+            kv = self.kv_b_proj(c).view(B, T, H, dn + dv)
+            k_nope, v = kv.split([dn, dv], dim=-1)
+            k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, dr)], dim=-1)
+            if self.record_max_logit:
+                self.last_max_logit = _max_logit(q, k, self.scale, segment_ids)
+            o = mla_attention(q, k, v, self.scale, segment_ids=segment_ids)
+        else:
+            # Decode / continued prefill: attend against the latent cache directly (absorbed form).
+            w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
+            q_nope, q_rope = q.split([dn, dr], dim=-1)
+            o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past)
+        o = o.reshape(B, T, H * dv)
+        return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
+
+
+@torch.no_grad()
+def _max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """Largest causal pre-softmax logit of each head over the batch: [H] fp32 (QK-Clip's signal)."""
+    B, T, H, _ = q.shape
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), k.float()) * scale
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    mask = mask.expand(B, 1, T, T)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))

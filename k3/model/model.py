@@ -1,0 +1,202 @@
+"""K3ForCausalLM: embedding -> 93 hybrid layers over a Block-AttnRes stream -> output site -> norm -> head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.attn_res import AttnResStream, site_query
+from k3.model.block import DecoderLayer
+from k3.model.cache import K3Cache
+from k3.model.common import RMSNorm
+from k3.model.mtp import MTPLayer
+
+# Parameters kept in fp32 whatever the model dtype (they are fp32 in the release, checkpoint-layout §2.9).
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+                       "o_norm.weight", "e_score_correction_bias")
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # next-token cross-entropy when labels are given
+    hidden_states: torch.Tensor | None = None  # output-site mix before the final norm [B, T, D]
+    mtp_loss: torch.Tensor | None = None  # token t+2 cross-entropy of the MTP layer(s), when labels are given
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        self.config = cfg
+        D = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        self.two_phase_attn_res = False  # inference form of Block AttnRes (same result)
+
+    def _block_sites(self, start: int) -> list:
+        """(key, query) of every AttnRes site served by the completed blocks of the block at `start`."""
+        S, L = self.config.attn_res_block_size, len(self.layers)
+        sites = []
+        for i in range(start, min(start + S, L)):
+            w_attn, w_mlp = self.layers[i].site_queries()
+            if i != start:
+                sites.append((("attn", i), w_attn))
+            sites.append((("mlp", i), w_mlp))
+        if start + S >= L:
+            sites.append((("out", None), site_query(self.output_attn_res_norm, self.output_attn_res_proj)))
+        return sites
+
+    def forward(self, input_ids=None, inputs_embeds=None, cache: K3Cache | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the output-site hidden state [B, T, D] (before the final norm)."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cu_seqlens = None
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed documents) cannot be combined with a decode cache")
+            cu_seqlens = packed_cu_seqlens(segment_ids)
+        S = self.config.attn_res_block_size
+        stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res)
+        for i, layer in enumerate(self.layers):
+            upcoming = self._block_sites(i) if (self.two_phase_attn_res and i % S == 0) else None
+            layer(stream, cache[i] if cache is not None else None, segment_ids=segment_ids,
+                  cu_seqlens=cu_seqlens, upcoming=upcoming)
+        if cache is not None:
+            cache.seq_len += h.shape[1]
+        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+def packed_cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Offsets of the documents of a [B, T] batch flattened to one row: a document starts at every row
+    start and wherever the segment id changes."""
+    B, T = segment_ids.shape
+    start = torch.ones_like(segment_ids, dtype=torch.bool)
+    start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    idx = torch.nonzero(start.reshape(-1)).squeeze(1)
+    return torch.cat([idx, idx.new_tensor([B * T])])
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        self.config = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, d) for d in range(cfg.num_nextn_predict_layers))
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # --- construction ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> "K3ForCausalLM":
+        """Initialization that trains well: N(0, 0.02) matrices (output projections scaled by
+        1/sqrt(2L)), unit norms, zero AttnRes pseudo-queries (uniform mixing at the start, report §2.2),
+        A = 0 and Kimi Linear's dt_bias (report §2.1.1), zero router bias."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(0 if seed is None else seed)
+        std = self.config.initializer_range
+        out_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+
+        def normal_(p, s):
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
+
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 2)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("_res_proj.weight"):
+                p.zero_()
+            elif name.endswith("A_log"):
+                p.zero_()
+            elif name.endswith("dt_bias"):
+                p.copy_(_kimi_linear_dt_bias(p.numel(), gen))
+            elif name.endswith("conv1d.weight"):
+                bound = 1.0 / math.sqrt(p.shape[-1])  # nn.Conv1d's default for a depthwise kernel
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
+            elif any(name.endswith(s) for s in ("o_proj.weight", "down_proj.weight", "experts.w2",
+                                                "routed_expert_up_proj.weight")):
+                normal_(p, out_std)
+            else:
+                normal_(p, std)
+            del leaf
+        for name, b in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+        return self
+
+    def set_dtype(self, dtype: torch.dtype) -> "K3ForCausalLM":
+        """Cast to `dtype`, keeping the release's fp32 parameters (KDA decay, convs, norms, router bias) fp32."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+            if t.is_floating_point() and t.dtype != target:
+                t.data = t.data.to(target)
+        return self
+
+    def new_cache(self) -> K3Cache:
+        return K3Cache([layer.new_cache() for layer in self.model.layers])
+
+    # --- forward ---------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                logits_to_keep: int = 0) -> CausalLMOutput:
+        """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
+        segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
+        MLA does not attend across documents. logits_to_keep > 0 computes logits for the last N positions only."""
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, segment_ids=segment_ids)
+        h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        logits = self.lm_head(self.model.norm(h))
+        out = CausalLMOutput(logits=logits, hidden_states=hidden)
+        if labels is not None:
+            out.loss = _shifted_ce(logits, labels, 1)
+            if len(self.mtp) and input_ids is not None:
+                out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, segment_ids)
+        return out
+
+    def mtp_loss(self, hidden, input_ids, labels, segment_ids=None) -> torch.Tensor:
+        """Depth-d MTP layer predicts token t+1+d from the depth-(d-1) hidden state at t and the
+        embedding of token t+d (DeepSeek-V3-style chaining); losses averaged over depths."""
+        losses = []
+        h = hidden
+        for d, layer in enumerate(self.mtp, start=1):
+            T = input_ids.shape[1]
+            if T <= d + 1:
+                break
+            emb = self.model.embed_tokens(input_ids[:, d:])
+            seg = segment_ids[:, d:] if segment_ids is not None else None
+            h = layer(h[:, : T - d] if d == 1 else h[:, :-1], emb, segment_ids=seg)
+            logits = self.lm_head(self.model.norm(h))
+            losses.append(_shifted_ce(logits, labels[:, d:], 1))
+        return torch.stack(losses).mean() if losses else hidden.new_zeros(())
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def save_pretrained(self, path, **kwargs) -> None:
+        from k3.checkpoint import save_pretrained
+
+        save_pretrained(self, path, **kwargs)
+
+
+def _shifted_ce(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:
+    V = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-shift].float().reshape(-1, V), labels[:, shift:].reshape(-1),
+                           ignore_index=-100)
+
+
+def _kimi_linear_dt_bias(n: int, gen: torch.Generator, dt_min=1e-3, dt_max=0.1, floor=1e-4) -> torch.Tensor:
+    """dt sampled log-uniformly in [dt_min, dt_max], stored as its softplus inverse (Mamba / Kimi Linear)."""
+    dt = torch.exp(torch.rand(n, generator=gen) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))

@@ -1,0 +1,34 @@
+"""Multi-token prediction layer (report §4.1.4): one extra block that predicts token t+2 from the
+backbone's final hidden state at t and the embedding of token t+1. It mirrors a backbone block
+(Gated MLA + LatentMoE with its own AttnRes sites) and shares the embedding, final norm and output head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.attn_res import AttnResStream, site_query
+from k3.model.block import DecoderLayer
+from k3.model.common import RMSNorm
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: K3Config, depth: int):
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(D, eps)
+        self.hnorm = RMSNorm(D, eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + depth, is_kda=False,
+                                  is_moe=cfg.num_experts > 0, res_idx=0)
+        self.output_attn_res_norm = RMSNorm(D, eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        self.eps, self.block_size = eps, cfg.attn_res_block_size
+
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, segment_ids=None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        stream = AttnResStream(x, self.block_size, self.eps)
+        self.block(stream, segment_ids=segment_ids)
+        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))

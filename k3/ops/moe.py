@@ -1,0 +1,165 @@
+"""Sigmoid router and latent MoE dispatch/combine (report §2.3, §2.3.3).
+
+Routing (§2.3): every expert gets an independent sigmoid score. A per-expert bias,
+adjusted outside the gradient by load balancing, steers which experts are *selected*
+(top-k of ``scores + bias``), but the combine weights use the *unbiased* scores, so
+balancing never distorts the mixture itself. The (k+1)-th largest biased score is
+returned as well: it is the per-token cutoff ``alpha_i`` that Quantile Balancing uses
+to set the biases.
+
+Latent MoE (§2.3.3): routed experts run in a down-projected latent space of width L:
+the model projects the hidden state to ``z`` [N, L] once, the experts map L -> F -> L,
+and the model projects the combined ``u`` back up. This module is the part in between.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Routing", "route", "expert_load", "moe_experts"]
+
+
+class Routing(NamedTuple):
+    """Routing decision for N tokens over E experts, k per token."""
+
+    weights: Tensor  # [N, k] fp32 combine weights: unbiased scores of the selected experts (renormalized, scaled)
+    indices: Tensor  # [N, k] int64 selected experts: top-k of scores + bias
+    scores: Tensor  # [N, E] fp32 unbiased sigmoid scores
+    cutoff: Tensor  # [N] fp32 (k+1)-th largest biased score (Quantile Balancing's alpha_i); -inf when k == E
+
+
+def route(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> Routing:
+    """Sigmoid top-k routing with a selection-only bias.
+
+    Args:
+        logits: [N, E] router logits (the caller computes them in fp32).
+        bias: [E] load-balancing bias, or None.
+        top_k: experts per token, 1 <= top_k <= E.
+        renormalize: divide the selected scores by their sum (``+ 1e-20``).
+        scaling_factor: multiplies the final weights (routed scaling factor).
+
+    Returns:
+        Routing(weights [N, k], indices [N, k], scores [N, E], cutoff [N]).
+    """
+    if logits.ndim != 2 or not logits.dtype.is_floating_point:
+        raise ValueError(
+            f"logits must be a floating [N, E] tensor, got shape {tuple(logits.shape)} dtype {logits.dtype}"
+        )
+    N, E = logits.shape
+    if bias is not None and (bias.shape != (E,) or not bias.dtype.is_floating_point):
+        raise ValueError(
+            f"bias must be a floating [E={E}] tensor or None, got shape {tuple(bias.shape)} dtype {bias.dtype}"
+        )
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
+
+    scores = torch.sigmoid(logits.float())
+    biased = scores if bias is None else scores + bias.float()
+
+    if top_k < E:
+        # One topk with k+1: the first k are the routes, the (k+1)-th is the cutoff.
+        top_vals, top_idx = torch.topk(biased, top_k + 1, dim=-1)
+        indices = top_idx[:, :top_k]
+        cutoff = top_vals[:, top_k]
+    else:
+        indices = torch.topk(biased, top_k, dim=-1).indices
+        cutoff = torch.full((N,), float("-inf"), device=logits.device)
+
+    # The bias only selects; the mixture uses the unbiased scores (§2.3).
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * scaling_factor
+    return Routing(weights=weights, indices=indices, scores=scores, cutoff=cutoff)
+
+
+def expert_load(indices: Tensor, num_experts: int) -> Tensor:
+    """Tokens routed to each expert: [E] int64 counts, summing to ``indices.numel()``."""
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise ValueError(f"indices must be an integer tensor, got dtype {indices.dtype}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    flat = indices.reshape(-1).long()
+    if flat.numel() and bool(((flat < 0) | (flat >= num_experts)).any()):
+        raise ValueError(
+            f"indices must lie in [0, num_experts={num_experts}), got min {int(flat.min())} max {int(flat.max())}"
+        )
+    return torch.bincount(flat, minlength=num_experts)
+
+
+def moe_experts(
+    z: Tensor,
+    weights: Tensor,
+    indices: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    act: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:
+    """Dispatch tokens to their experts and combine: ``u_n = sum_j p_nj * E_{e_nj}(z_n)``.
+
+    ``E_e(z) = w2[e] @ act(w1[e] @ z, w3[e] @ z)``. Tokens are grouped by expert and each
+    expert that received tokens runs once on its group (a reference; no capacity limit,
+    no token dropping).
+
+    Args:
+        z: [N, L] latent inputs.
+        weights: [N, k] combine weights (``Routing.weights``).
+        indices: [N, k] selected experts (``Routing.indices``).
+        w1: [E, F, L] gate projections.
+        w3: [E, F, L] up projections.
+        w2: [E, L, F] down projections.
+        act: ``act(gate, up) -> hidden``, e.g. ``situ_glu``.
+
+    Returns:
+        u: [N, L] in ``z.dtype``. Expert matmuls run in ``z.dtype``; the weighted
+        combine accumulates in fp32.
+    """
+    if z.ndim != 2 or not z.dtype.is_floating_point:
+        raise ValueError(f"z must be a floating [N, L] tensor, got shape {tuple(z.shape)} dtype {z.dtype}")
+    N, L = z.shape
+    if w1.ndim != 3 or w1.shape[2] != L:
+        raise ValueError(f"w1 must have shape [E, F, L={L}], got {tuple(w1.shape)}")
+    E, Fdim, _ = w1.shape
+    if w3.shape != (E, Fdim, L):
+        raise ValueError(f"w3 must have shape [E={E}, F={Fdim}, L={L}] like w1, got {tuple(w3.shape)}")
+    if w2.shape != (E, L, Fdim):
+        raise ValueError(f"w2 must have shape [E={E}, L={L}, F={Fdim}], got {tuple(w2.shape)}")
+    if indices.ndim != 2 or indices.shape[0] != N:
+        raise ValueError(f"indices must have shape [N={N}, k], got {tuple(indices.shape)}")
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise ValueError(f"indices must be an integer tensor, got dtype {indices.dtype}")
+    if weights.shape != indices.shape or not weights.dtype.is_floating_point:
+        raise ValueError(
+            f"weights must be a floating tensor of shape {tuple(indices.shape)} like indices, "
+            f"got shape {tuple(weights.shape)} dtype {weights.dtype}"
+        )
+
+    # Group the N*k (token, expert) pairs by expert; a stable sort keeps token order.
+    flat_expert = indices.reshape(-1).long()
+    counts = expert_load(flat_expert, E)  # also checks the range of indices
+    order = torch.argsort(flat_expert, stable=True)
+    token_of = torch.arange(N, device=z.device).repeat_interleave(indices.shape[1])[order]
+    weight_of = weights.reshape(-1)[order].float()
+
+    u = torch.zeros(N, L, dtype=torch.float32, device=z.device)
+    begin = 0
+    for e, count in enumerate(counts.tolist()):
+        if count == 0:  # experts that received no tokens do no work
+            continue
+        tokens = token_of[begin : begin + count]
+        x = z[tokens]  # [count, L]
+        hidden = act(x @ w1[e].to(z.dtype).T, x @ w3[e].to(z.dtype).T)  # [count, F]
+        y = hidden.to(z.dtype) @ w2[e].to(z.dtype).T  # [count, L]
+        u.index_add_(0, tokens, y.float() * weight_of[begin : begin + count, None])
+        begin += count
+    return u.to(z.dtype)

@@ -1,0 +1,125 @@
+import pytest
+import torch
+
+from helpers import randomize_, rel_err
+from k3.model.model import K3ForCausalLM
+
+
+def make(cfg, seed=0):
+    return randomize_(K3ForCausalLM(cfg), seed=seed).eval()
+
+
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(tiny_cfg):
+    torch.manual_seed(0)
+    model = make(tiny_cfg)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 40))
+    full = model(ids).logits
+    cache = model.new_cache()
+    parts = [model(ids[:, :17], cache=cache).logits]
+    for t in range(17, 40):
+        parts.append(model(ids[:, t:t + 1], cache=cache).logits)
+    assert cache.seq_len == 40
+    assert rel_err(torch.cat(parts, 1), full) < 1e-4
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_full_forward(tiny_cfg):
+    model = make(tiny_cfg, seed=1)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (1, 150))
+    full = model(ids).logits
+    cache = model.new_cache()
+    out = [model(ids[:, a:b], cache=cache).logits for a, b in [(0, 70), (70, 71), (71, 140), (140, 150)]]
+    assert rel_err(torch.cat(out, 1), full) < 1e-4
+
+
+@torch.no_grad()
+def test_future_tokens_never_change_earlier_logits(tiny_cfg):
+    model = make(tiny_cfg, seed=2)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (1, 90))
+    ids2 = ids.clone()
+    ids2[:, 60:] = torch.randint(0, tiny_cfg.vocab_size, (1, 30))
+    a, b = model(ids).logits, model(ids2).logits
+    assert torch.equal(a[:, :60], b[:, :60])
+    assert not torch.allclose(a[:, 60:], b[:, 60:])
+
+
+@torch.no_grad()
+def test_two_phase_attn_res_equals_direct(tiny_cfg):
+    cfg = tiny_cfg.replace(num_hidden_layers=9, kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8, 9],
+                           attn_res_block_size=4)
+    model = make(cfg, seed=3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33))
+    direct = model(ids).logits
+    model.model.two_phase_attn_res = True
+    two = model(ids).logits
+    assert rel_err(two, direct) < 1e-4  # per site ~1e-6 (ops test); 9 layers of fp32 rounding on top
+
+
+@torch.no_grad()
+def test_packed_documents_equal_separate_forwards(tiny_cfg):
+    model = make(tiny_cfg, seed=4)
+    lens = [23, 70, 35]
+    docs = [torch.randint(0, tiny_cfg.vocab_size, (1, n)) for n in lens]
+    packed = torch.cat(docs, 1)
+    seg = torch.cat([torch.full((1, n), i) for i, n in enumerate(lens)], 1)
+    out = model(packed, segment_ids=seg).logits
+    ref = torch.cat([model(d).logits for d in docs], 1)
+    assert rel_err(out, ref) < 1e-4
+    # Two rows with their own documents behave the same as one row each.
+    rows = torch.cat([packed[:, :64], packed[:, 64:128]], 0)
+    seg_rows = torch.cat([seg[:, :64], seg[:, 64:128]], 0)
+    out_rows = model(rows, segment_ids=seg_rows).logits
+    ref_rows = torch.cat([model(rows[i:i + 1], segment_ids=seg_rows[i:i + 1]).logits for i in range(2)], 0)
+    assert rel_err(out_rows, ref_rows) < 1e-4
+
+
+def test_loss_and_mtp_loss_backpropagate(tiny_cfg):
+    cfg = tiny_cfg.replace(num_nextn_predict_layers=1)
+    model = make(cfg, seed=5).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    out = model(ids, labels=ids)
+    # At init the loss is near log(V): the model predicts almost uniformly.
+    assert abs(out.loss.item() - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 0.5
+    assert out.mtp_loss is not None and torch.isfinite(out.mtp_loss)
+    (out.loss + 0.3 * out.mtp_loss).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads["mtp.0.eh_proj.weight"] is not None and grads["mtp.0.eh_proj.weight"].abs().sum() > 0
+    assert grads["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+    assert grads["model.layers.3.self_attn.kv_b_proj.weight"].abs().sum() > 0
+    assert grads["model.layers.1.block_sparse_moe.experts.w1"].abs().sum() > 0
+    # The router bias is a buffer: balancing sets it, gradients never do.
+    assert "model.layers.1.block_sparse_moe.gate.e_score_correction_bias" not in grads
+
+
+def test_labels_ignore_index(tiny_cfg):
+    model = make(tiny_cfg)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (1, 12))
+    labels = ids.clone()
+    labels[:, :6] = -100
+    full = model(ids, labels=labels)
+    logits = full.logits[:, 5:-1].reshape(-1, tiny_cfg.vocab_size)
+    ref = torch.nn.functional.cross_entropy(logits, ids[:, 6:].reshape(-1))
+    assert abs(full.loss.item() - ref.item()) < 1e-6
+
+
+def test_bad_input_ids_are_reported(tiny_cfg):
+    model = make(tiny_cfg)
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([[1, tiny_cfg.vocab_size]]))
+    with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
+        model(torch.tensor([1, 2, 3]))
+
+
+def test_bf16_model_keeps_fp32_parameters(tiny_cfg):
+    model = make(tiny_cfg).set_dtype(torch.bfloat16)
+    dt = {n: p.dtype for n, p in model.named_parameters()}
+    assert dt["model.layers.0.self_attn.A_log"] == torch.float32
+    assert dt["model.layers.0.self_attn.q_conv1d.weight"] == torch.float32
+    assert dt["model.layers.0.self_attn.o_norm.weight"] == torch.float32
+    assert dt["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.dtype == torch.float32
+    ids = torch.randint(0, tiny_cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        out = model(ids).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
