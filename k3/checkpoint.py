@@ -31,7 +31,7 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123]
 _DISK_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _MTP = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-# Tensors of the release that belong to the vision tower; the text model does not load them.
+# Tensors of the release's vision encoder (stored without the language_model. prefix).
 _FOREIGN = ("vision_tower.", "mm_projector.")
 
 
@@ -50,16 +50,18 @@ def _a_log_padded(h: int) -> int:
 
 # --- name mapping --------------------------------------------------------------------------------------
 def _internal_to_disk_name(name: str, num_layers: int) -> str:
+    if name.startswith("vision."):
+        return name[len("vision."):]  # vision_tower.* / mm_projector.*: no language_model. prefix in the release
     m = _MTP.match(name)
     if m:
         name = f"model.layers.{num_layers + int(m.group(1))}.{m.group(3)}"
     return PREFIX + name
 
 
-def _disk_to_internal_name(name: str, num_layers: int, num_mtp: int) -> str | None:
-    """Returns None for tensors that are not part of the text model (vision)."""
+def _disk_to_internal_name(name: str, num_layers: int, num_mtp: int, vision: bool = False) -> str | None:
+    """Returns None for vision tensors when the model has no vision encoder (a text-only load)."""
     if name.startswith(_FOREIGN):
-        return None
+        return "vision." + name if vision else None
     if not name.startswith(PREFIX):
         return name  # reported as unexpected by the caller
     name = name[len(PREFIX):]
@@ -246,7 +248,7 @@ def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, laye
         return m is None or int(m.group(1)) < layer_limit
 
     for disk_name, t in _iter_disk_tensors(path, files, wanted):
-        name = _disk_to_internal_name(disk_name, L, n_mtp)
+        name = _disk_to_internal_name(disk_name, L, n_mtp, vision=getattr(model, "vision", None) is not None)
         if name is None:
             continue
         if name.startswith("<skip:"):

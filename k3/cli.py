@@ -47,6 +47,112 @@ def cmd_init(args) -> int:
     return 0
 
 
+TRAIN_FLAGS = ["max_steps", "max_minutes", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows", "balance",
+               "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes"]
+
+
+def cmd_train(args) -> int:
+    import json
+
+    from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, latest_checkpoint, pick_device, run_training
+    from k3.train.trainer import TrainConfig, TrainingError
+
+    device = pick_device(args.device)
+    defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    fields = {"out": args.out}
+    if args.resume:
+        ck = latest_checkpoint(args.out)
+        if ck is not None:  # continue with the run's own settings unless a flag overrides them
+            with open(os.path.join(ck, "trainer_state.json"), "rb") as f:
+                from k3.train.state import unflatten
+
+                saved = unflatten({}, json.load(f))["train_config"]
+            fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
+    else:
+        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"])
+    fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
+    if fields.get("max_steps") is None and fields.get("max_minutes") is None:
+        fields["max_minutes"] = 10.0
+    tcfg = TrainConfig(**fields)
+    opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
+                      resume=args.resume, device=args.device, max_corpus_mb=args.max_corpus_mb)
+    try:
+        summary = run_training(opts, tcfg, progress_bar=not args.no_progress)
+    except TrainingError as e:
+        print(f"k3 train: {e}", file=sys.stderr)
+        return 3
+    return 130 if summary.get("interrupted") else 0
+
+
+def _load_for_inference(ckpt: str, device: str):
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.train.run import pick_device
+
+    dev = pick_device(device)
+    model = from_pretrained(ckpt, device=dev)
+    try:
+        tok = load_any_tokenizer(ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"k3: {ckpt} has no usable tokenizer.json ({e})")
+    return model, tok, dev
+
+
+def _resolve_ckpt(path: str) -> str:
+    from k3.train.run import latest_checkpoint
+
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        ck = latest_checkpoint(path)
+        if ck is not None:
+            return ck  # a run directory: use its latest checkpoint
+    return path
+
+
+def cmd_eval(args) -> int:
+    import math
+
+    from k3.data.packing import tokenize_documents
+    from k3.train.run import load_corpus
+    from k3.train.trainer import evaluate_loss
+
+    ckpt = _resolve_ckpt(args.ckpt)
+    model, tok, dev = _load_for_inference(ckpt, args.device)
+    _, heldout = load_corpus(args.data or [], None, log=lambda *a: None)
+    docs = heldout
+    stream = tokenize_documents(tok, docs)
+    loss = evaluate_loss(model, stream, args.seq_len, tok.eos_id, args.max_batches, rows=args.batch_size, device=dev)
+    print(f"held-out loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
+          f"({len(stream):,} tokens, {len(docs)} documents)")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from k3.serve.generate import generate_tokens
+    from k3.serve.sampling import SamplingParams
+
+    ckpt = _resolve_ckpt(args.ckpt)
+    model, tok, _ = _load_for_inference(ckpt, args.device)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise SystemExit(f"k3 generate: {e}")
+    ids = tok.encode(args.prompt)
+    sys.stdout.write(args.prompt)
+    out: list[int] = []
+    printed = ""
+    for t in generate_tokens(model, ids, params, eos_id=tok.eos_id):
+        out.append(t)
+        text = tok.decode(out)
+        if not text.endswith("\ufffd"):  # wait for multi-byte characters to complete
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write(tok.decode(out)[len(printed):] + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="The Kimi K3 system: model, training and serving.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -62,7 +168,63 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--max-gib", type=float, default=64.0, help="refuse to write checkpoints larger than this")
     s.set_defaults(fn=cmd_init)
+
+    s = sub.add_parser("train", help="train a model (default: tiny on the Python standard library, on CPU)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--preset", choices=["k3", "k3-mini", "tiny"], help="model preset (default: tiny on CPU, k3-mini on GPU)")
+    g.add_argument("--config", help="a config.json (official layout) instead of a preset")
+    s.add_argument("--data", action="append", help="training text: .txt/.md/.py files, directories, .jsonl, .parquet (repeatable)")
+    s.add_argument("--out", default="runs/k3", help="run directory (checkpoints, metrics.jsonl, loss.png)")
+    s.add_argument("--max-steps", type=_positive_int)
+    s.add_argument("--max-minutes", type=_positive_float, help="training-time budget (default 10 when no --max-steps)")
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    s.add_argument("--seq-len", type=_positive_int)
+    s.add_argument("--batch-tokens", type=_positive_int, help="tokens per optimizer step")
+    s.add_argument("--micro-batch-rows", type=_positive_int, help="rows per forward/backward (gradient accumulation)")
+    s.add_argument("--lr", type=_positive_float, help="peak learning rate (Muon and AdamW)")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--vocab-size", type=_positive_int, help="BPE vocabulary size to train (default 4096 CPU, 32768 GPU)")
+    s.add_argument("--balance", choices=["histogram", "exact", "sign", "none"], help="expert load balancing (default histogram)")
+    s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
+    s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
+    s.add_argument("--grad-clip", type=_positive_float)
+    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 100)")
+    s.add_argument("--save-every-minutes", type=_positive_float)
+    s.add_argument("--max-corpus-mb", type=_positive_float, help="cap the default corpus's training text")
+    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("eval", help="held-out loss and perplexity of a checkpoint")
+    s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")
+    s.add_argument("--data", action="append", help="evaluation text (default: the held-out standard-library files)")
+    s.add_argument("--seq-len", type=_positive_int, default=256)
+    s.add_argument("--batch-size", type=_positive_int, default=8)
+    s.add_argument("--max-batches", type=_positive_int, default=None)
+    s.add_argument("--device", default="auto")
+    s.set_defaults(fn=cmd_eval)
+
+    s = sub.add_parser("generate", help="continue a prompt")
+    s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")
+    s.add_argument("prompt")
+    s.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--top-p", type=float, default=0.95)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--device", default="auto")
+    s.set_defaults(fn=cmd_generate)
     return p
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
 
 
 def _positive_int(s: str) -> int:
@@ -82,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, ValueError) as e:
         print(f"k3 {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

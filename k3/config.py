@@ -85,6 +85,9 @@ class K3Config:
     dtype: str = "bfloat16"
     initializer_range: float = 0.02
     quantization_config: dict | None = None
+    # --- native vision (§2.4): the official `vision_config` object, or None for a text-only model ---------
+    vision_config: dict | None = None
+    media_placeholder_token_id: int | None = None
 
     # ------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -208,7 +211,16 @@ class K3Config:
                 bad(name, v, "must be a positive number")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             bad("dtype", self.dtype, "must be one of 'bfloat16', 'float16', 'float32'")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if self.vision_config is not None:
+            from k3.model.vision import VisionConfig  # late import: vision.py imports ConfigError from here
+
+            vc = VisionConfig.from_dict(self.vision_config)
+            if self.media_placeholder_token_id is None:
+                bad("media_placeholder_token_id", None, "a model with vision_config needs the image placeholder token id")
+            if vc.text_hidden_size != self.hidden_size:
+                bad("vision_config", f"text_hidden_size={vc.text_hidden_size}",
+                    f"must equal hidden_size ({self.hidden_size})")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and 0 <= v < self.vocab_size):
                 bad(name, v, f"must be a token id in [0, vocab_size={self.vocab_size})")
@@ -227,7 +239,8 @@ class K3Config:
         """The official config.json structure: a multimodal wrapper holding `text_config`."""
         text: dict[str, Any] = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}
         for f in dataclasses.fields(self):
-            if f.name.startswith("kda_") or f.name == "full_attn_layers":
+            if f.name.startswith("kda_") or f.name in ("full_attn_layers", "vision_config",
+                                                          "media_placeholder_token_id"):
                 continue
             text[f.name] = getattr(self, f.name)
         text["linear_attn_config"] = {
@@ -241,7 +254,7 @@ class K3Config:
         }
         if self.quantization_config is None:
             text.pop("quantization_config")
-        return {
+        out = {
             "architectures": ["KimiK3ForConditionalGeneration"],
             "model_type": "kimi_k3",
             "bos_token_id": self.bos_token_id,
@@ -252,6 +265,10 @@ class K3Config:
             "tie_word_embeddings": self.tie_word_embeddings,
             "text_config": text,
         }
+        if self.vision_config is not None:
+            out["vision_config"] = dict(self.vision_config)
+            out["media_placeholder_token_id"] = self.media_placeholder_token_id
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "K3Config":
@@ -277,6 +294,10 @@ class K3Config:
                 kwargs[dst] = lac[src]
         if "quantization_config" in d and "quantization_config" not in kwargs:
             kwargs["quantization_config"] = d["quantization_config"]
+        if "text_config" in d:  # vision lives beside text_config in the official wrapper
+            kwargs["vision_config"] = d.get("vision_config")
+            if d.get("vision_config") is not None:
+                kwargs["media_placeholder_token_id"] = d.get("media_placeholder_token_id")
         if "tie_word_embeddings" in d and "tie_word_embeddings" not in kwargs:
             kwargs["tie_word_embeddings"] = d["tie_word_embeddings"]
         for k in ("kda_layers", "full_attn_layers"):
@@ -321,7 +342,11 @@ class K3Config:
 # --- presets ------------------------------------------------------------------------------------------
 def _k3() -> K3Config:
     """The release configuration (checkpoint-layout.md §3), exactly."""
+    from k3.model.vision import VisionConfig
+
     return K3Config(
+        vision_config=VisionConfig().to_dict(),
+        media_placeholder_token_id=163605,
         quantization_config={
             "quant_method": "compressed-tensors",
             "format": "mxfp4-pack-quantized",

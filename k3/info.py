@@ -11,13 +11,15 @@ import torch
 from k3.config import K3Config
 
 COMPONENTS = ["embeddings", "KDA", "MLA", "dense MLP", "routed experts", "shared experts", "latent projections",
-              "router", "AttnRes", "norms", "MTP", "output head"]
+              "router", "AttnRes", "norms", "MTP", "output head", "vision encoder"]
 
 
 def component_of(name: str, kda_layers: set[int]) -> str:
     """The component a parameter belongs to, by its module path; `kda_layers` are 0-based layer indices."""
     if name.startswith("mtp."):
         return "MTP"
+    if name.startswith("vision."):
+        return "vision encoder"
     if name == "model.embed_tokens.weight":
         return "embeddings"
     if name == "lm_head.weight":
@@ -50,6 +52,7 @@ class ModelInfo:
     kda_conv_bytes: int  # fp32 short-conv tails per sequence
     mla_cache_bytes_per_token: int  # bf16 latent + extra key dims
     flops_per_token: float  # forward, at `context` tokens
+    vision_params: int = 0  # MoonViT-V2 + projector, not in `total`
 
 
 def build_meta_model(cfg: K3Config):
@@ -71,11 +74,12 @@ def model_info(cfg: K3Config, context: int = 4096, cache_dtype_bytes: int = 2) -
         c = component_of(name, kda_layers)
         n = p.numel()
         rows[c][0] += n
-        if c == "embeddings" or c == "MTP":
-            continue  # active excludes the input embedding; MTP is not on the inference path
+        if c in ("embeddings", "MTP", "vision encoder"):
+            continue  # active: text path per token, excluding the input embedding; MTP is not on that path
         rows[c][1] += n * frac if c == "routed experts" else n
     breakdown = OrderedDict((c, (int(t), int(round(a)))) for c, (t, a) in rows.items() if t)
-    total = sum(t for t, _ in breakdown.values())
+    vision = breakdown.get("vision encoder", (0, 0))[0]
+    total = sum(t for t, _ in breakdown.values()) - vision  # the report's totals are the text model
     active = sum(a for _, a in breakdown.values())
 
     n_kda = len(kda_layers)
@@ -92,14 +96,14 @@ def model_info(cfg: K3Config, context: int = 4096, cache_dtype_bytes: int = 2) -
     mla = n_mla * 2 * Hm * (context / 2) * (cfg.qk_head_dim + cfg.v_head_dim)
     # KDA per token (recurrent view): decay+rank-1 update and readout, ~ 4 flops per state element + 2 for o.
     kda = n_kda * H * K * K * 6
-    return ModelInfo(total, active, breakdown, kda_state, kda_conv, mla_tok, float(matmul + mla + kda))
+    return ModelInfo(total, active, breakdown, kda_state, kda_conv, mla_tok, float(matmul + mla + kda), vision)
 
 
 def _vector_params(model) -> int:
     """1-D parameters in the active set (biases, A_log, dt_bias, norms counted separately) do no matmul."""
     n = 0
     for name, p in model.named_parameters():
-        if p.dim() == 1 and not name.startswith("mtp.") and not name.endswith("norm.weight"):
+        if p.dim() == 1 and not name.startswith(("mtp.", "vision.")) and not name.endswith("norm.weight"):
             n += p.numel()
     return n
 
@@ -124,10 +128,11 @@ def format_info(name: str, cfg: K3Config, info: ModelInfo, context: int) -> str:
              "", f"{'component':<20}{'total':>16}{'active':>16}"]
     for c, (t, a) in info.breakdown.items():
         lines.append(f"{c:<20}{t:>16,}{a:>16,}")
-    lines.append(f"{'all':<20}{info.total:>16,}{info.active:>16,}")
+    lines.append(f"{'text model':<20}{info.total:>16,}{info.active:>16,}")
     lines += [
         "",
-        f"total parameters:        {_fmt(info.total)}",
+        f"total parameters:        {_fmt(info.total)} (text model)"
+        + (f" + {_fmt(info.vision_params)} vision encoder" if info.vision_params else ""),
         f"active per token:        {_fmt(info.active)} (excluding the input embedding)",
         f"KDA state per sequence:  {info.kda_state_bytes:,} B = {info.kda_state_bytes / 1e6:.1f} MB fp32"
         f" (+ {info.kda_conv_bytes / 1e6:.1f} MB conv tails)",

@@ -93,6 +93,11 @@ class K3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, d) for d in range(cfg.num_nextn_predict_layers))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.vision = None
+        if cfg.vision_config is not None:
+            from k3.model.vision import VisionConfig, VisionEncoder
+
+            self.vision = VisionEncoder(VisionConfig.from_dict(cfg.vision_config))
 
     # --- construction ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -109,7 +114,8 @@ class K3ForCausalLM(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
 
         for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 2)
+            if name.startswith("vision."):
+                continue  # the vision encoder initializes itself below
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("_res_proj.weight"):
@@ -126,7 +132,8 @@ class K3ForCausalLM(nn.Module):
                 normal_(p, out_std)
             else:
                 normal_(p, std)
-            del leaf
+        if self.vision is not None:
+            self.vision.init_weights(seed=seed)
         for name, b in self.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()
@@ -146,16 +153,26 @@ class K3ForCausalLM(nn.Module):
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                logits_to_keep: int = 0) -> CausalLMOutput:
+                logits_to_keep: int = 0, pixel_values=None) -> CausalLMOutput:
         """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
         segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
-        MLA does not attend across documents. logits_to_keep > 0 computes logits for the last N positions only."""
+        MLA does not attend across documents. logits_to_keep > 0 computes logits for the last N positions only.
+        pixel_values ([N, 3, H, W] or a list of [3, H, W]) are encoded by MoonViT-V2 and replace, in order, the
+        embeddings at the `media_placeholder_token_id` positions of input_ids (report §2.4)."""
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
             if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
                 raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
                                  f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if pixel_values is not None:
+            if self.vision is None:
+                raise ValueError("pixel_values given, but this model has no vision encoder (no vision_config)")
+            from k3.model.vision import merge_image_embeddings
+
+            emb = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            inputs_embeds = merge_image_embeddings(emb, input_ids, self.vision(pixel_values),
+                                                   self.config.media_placeholder_token_id)
         hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, segment_ids=segment_ids)
         h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
         logits = self.lm_head(self.model.norm(h))

@@ -1,0 +1,500 @@
+"""Native vision: the MoonViT-V2 encoder and its patch-merger projector (report §2.4).
+
+MoonViT-V2 is a 27-layer ViT trained from scratch together with the LM: RMSNorm, no bias anywhere, 12 heads of
+width 128 (qkv width 1536 on a 1024-wide residual stream), a gelu(tanh) MLP of width 4096, 14x14 patches and a
+learned 64x64 position table bilinearly resized to each image's patch grid. Its output is pixel-shuffled 2x2
+("sd2_tpool": four neighbouring patches become one 4096-wide token) and mapped by the "patchmergerv2" MLP
+projector into the LM embedding width (7168).
+
+Parameter names are the release's (checkpoint-layout.md §2.8), without any `language_model.` prefix:
+
+    vision_tower.patch_embed.proj.weight          [1024, 3, 14, 14]   conv, stride 14
+    vision_tower.patch_embed.pos_emb.weight       [64, 64, 1024]      learned 2-D table
+    vision_tower.encoder.blocks.{i}.norm0.weight  [1024]              pre-attention RMSNorm
+    vision_tower.encoder.blocks.{i}.wqkv.weight   [4608, 1024]        rows [q | k | v], 1536 each
+    vision_tower.encoder.blocks.{i}.wo.weight     [1024, 1536]
+    vision_tower.encoder.blocks.{i}.norm1.weight  [1024]              pre-MLP RMSNorm
+    vision_tower.encoder.blocks.{i}.mlp.fc0.weight [4096, 1024]
+    vision_tower.encoder.blocks.{i}.mlp.fc1.weight [1024, 4096]
+    vision_tower.encoder.final_layernorm.weight   [1024]
+    mm_projector.proj.0.weight                    [4096, 4096]        pixel-shuffled token -> hidden
+    mm_projector.proj.2.weight                    [7168, 4096]        hidden -> LM width
+    mm_projector.post_norm.weight                 [7168]              RMSNorm on the projector output
+
+Projector shapes, derived from the release totals (§2.8: 447,358,976 params, ViT 401.2M + projector 46.1M):
+    ViT   = conv 602,112 + pos table 4,194,304 + 27 x 14,682,112 (per block) + final norm 1,024 = 401,214,464
+    rest  = 447,358,976 - 401,214,464 = 46,144,512
+    proj.0 (4096x4096) + proj.2 (7168x4096) = 16,777,216 + 29,360,128 = 46,137,344, leaving exactly 7,168
+so `post_norm` is a [7168] vector: it normalizes the projector *output* (after proj.2), in the LM width. A [4096]
+norm (on the pixel-shuffled input, or between proj.0 and proj.2) would leave 3,072 parameters unexplained.
+The ViT's own final_layernorm already normalizes every patch before the pixel shuffle, so there is no pre-norm.
+
+Inferred details (not readable from names and shapes alone; they matter only when loading release weights):
+  * wqkv rows are laid out [q; k; v], each split into heads as [heads, head_dim];
+  * inside a merged token the four patch vectors are concatenated in raster order of the 2x2 window:
+    (top-left, top-right, bottom-left, bottom-right);
+  * the position table is resized with align_corners=False;
+  * the projector activation is exact gelu (`projector_hidden_act: gelu`), the ViT MLP's is gelu(tanh)
+    (`activation_func: gelu_pytorch_tanh`).
+
+Video is not supported yet: the release adds a fixed (non-learned, not stored) temporal position part over
+`init_pos_emb_time` frames and factorizes attention into intra-frame and inter-frame passes with temporal
+pooling ("tpool"). An image is a single frame, for which none of that applies: this module implements T = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import ConfigError
+from k3.model.common import RMSNorm
+
+# The ViT's RMSNorms (norm0/norm1/final_layernorm). vision_config has no key for it; the release uses 1e-5.
+VIT_RMS_NORM_EPS = 1e-5
+IN_CHANNELS = 3
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+_INTERP_MODES = ("bilinear", "bicubic")
+
+
+# ------------------------------------------------------------------------------------------------------
+# configuration
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class VisionConfig:
+    """The release's `vision_config` (checkpoint-layout.md §3); field names are the official keys."""
+
+    vt_hidden_size: int = 1024
+    qkv_hidden_size: int = 1536
+    vt_intermediate_size: int = 4096
+    vt_num_attention_heads: int = 12
+    vt_num_hidden_layers: int = 27
+    patch_size: int = 14
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    merge_type: str = "sd2_tpool"
+    mm_projector_type: str = "patchmergerv2"
+    mm_hidden_size: int = 1024
+    text_hidden_size: int = 7168
+    norm_type: str = "rmsnorm"
+    activation_func: str = "gelu_pytorch_tanh"
+    projector_hidden_act: str = "gelu"
+    projector_ln_eps: float = 1e-5
+    pos_emb_type: str = "divided_fixed"
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 4
+    pos_emb_interpolation_mode: str = "bilinear"
+
+    def __post_init__(self) -> None:
+        mk = self.merge_kernel_size
+        if isinstance(mk, (list, tuple)):
+            self.merge_kernel_size = tuple(mk)
+        self.validate()
+
+    # --- presets --------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "VisionConfig":
+        """A small encoder for tests: width 64, 2 layers, 2 heads of 32, MLP 128, LM width 128, 8x8 table."""
+        kw: dict[str, Any] = dict(
+            vt_hidden_size=64, qkv_hidden_size=64, vt_intermediate_size=128, vt_num_attention_heads=2,
+            vt_num_hidden_layers=2, mm_hidden_size=64, text_hidden_size=128,
+            init_pos_emb_height=8, init_pos_emb_width=8,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def replace(self, **changes: Any) -> "VisionConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- derived quantities -----------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merge_area(self) -> int:
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @property
+    def projector_input_size(self) -> int:
+        """Width of one pixel-shuffled token: mm_hidden_size x (kh * kw) = 4096 for the release."""
+        return self.mm_hidden_size * self.merge_area
+
+    @property
+    def pixel_multiple(self) -> tuple[int, int]:
+        """Image height/width must be multiples of these (patch x merge kernel = 28 for the release)."""
+        kh, kw = self.merge_kernel_size
+        return self.patch_size * kh, self.patch_size * kw
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        """LM tokens (placeholders) one height x width image becomes: (H/28) * (W/28) for the release."""
+        mh, mw = self.pixel_multiple
+        if height <= 0 or width <= 0 or height % mh or width % mw:
+            raise ValueError(f"image size {height}x{width} must be a positive multiple of {mh}x{mw} pixels "
+                             f"(patch_size {self.patch_size} x merge_kernel_size {list(self.merge_kernel_size)})")
+        return (height // mh) * (width // mw)
+
+    # --- validation -----------------------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(name: str, value: Any, allowed: str) -> None:
+            raise ConfigError(f"vision_config field '{name}' = {value!r} is invalid: {allowed}")
+
+        positive = [
+            "vt_hidden_size", "qkv_hidden_size", "vt_intermediate_size", "vt_num_attention_heads",
+            "vt_num_hidden_layers", "patch_size", "mm_hidden_size", "text_hidden_size",
+            "init_pos_emb_height", "init_pos_emb_width", "init_pos_emb_time",
+        ]
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(name, v, "must be a positive integer")
+        mk = self.merge_kernel_size
+        if not (isinstance(mk, tuple) and len(mk) == 2
+                and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in mk)):
+            bad("merge_kernel_size", mk, "must be two positive integers [kh, kw]")
+        if self.qkv_hidden_size % self.vt_num_attention_heads:
+            bad("qkv_hidden_size", self.qkv_hidden_size,
+                f"must be divisible by vt_num_attention_heads ({self.vt_num_attention_heads})")
+        if self.mm_hidden_size != self.vt_hidden_size:
+            bad("mm_hidden_size", self.mm_hidden_size,
+                f"the projector reads the ViT output: must equal vt_hidden_size ({self.vt_hidden_size})")
+        fixed = {
+            "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm",
+            "pos_emb_type": "divided_fixed",
+        }
+        for name, want in fixed.items():
+            if getattr(self, name) != want:
+                bad(name, getattr(self, name), f"only {want!r} is implemented")
+        for name in ("activation_func", "projector_hidden_act"):
+            if getattr(self, name) not in _ACTIVATIONS:
+                bad(name, getattr(self, name), f"must be one of {sorted(_ACTIVATIONS)}")
+        if self.pos_emb_interpolation_mode not in _INTERP_MODES:
+            bad("pos_emb_interpolation_mode", self.pos_emb_interpolation_mode, f"must be one of {list(_INTERP_MODES)}")
+        eps = self.projector_ln_eps
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1):
+            bad("projector_ln_eps", eps, "must be a number in (0, 1)")
+
+    # --- (de)serialization --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The official `vision_config` object (merge_kernel_size as a JSON list)."""
+        d = dataclasses.asdict(self)
+        d["merge_kernel_size"] = list(self.merge_kernel_size)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
+        """Accepts a `vision_config` object or the whole official config.json (reads its `vision_config`).
+        Unknown keys are ignored; missing keys take the release values."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"vision_config must be a JSON object, got {type(d).__name__}")
+        if "vision_config" in d:
+            d = d["vision_config"]
+            if not isinstance(d, dict):
+                raise ConfigError("config field 'vision_config' must be a JSON object")
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d or d[f.name] is None:
+                continue
+            v, t = d[f.name], str(f.type)
+            if f.name == "merge_kernel_size":
+                if not isinstance(v, (list, tuple)):
+                    raise ConfigError(f"vision_config field 'merge_kernel_size' = {v!r} is invalid: "
+                                      "must be two positive integers [kh, kw]")
+                v = tuple(v)
+            elif t.startswith("int") and not (isinstance(v, int) and not isinstance(v, bool)):
+                raise ConfigError(f"vision_config field '{f.name}' = {v!r} is invalid: must be an integer")
+            elif t.startswith("float") and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                raise ConfigError(f"vision_config field '{f.name}' = {v!r} is invalid: must be a number")
+            elif t.startswith("str") and not isinstance(v, str):
+                raise ConfigError(f"vision_config field '{f.name}' = {v!r} is invalid: must be a string")
+            kwargs[f.name] = v
+        return cls(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------
+# building blocks
+# ------------------------------------------------------------------------------------------------------
+class DividedPosEmb(nn.Module):
+    """Learned 2-D position table [H0, W0, C] ("divided_fixed": the spatial part is learned; the temporal part
+    of the release is fixed and only used for video, see the module docstring). For a patch grid other than
+    H0 x W0 the table is resized (bilinear by default, align_corners=False) to that grid."""
+
+    def __init__(self, height: int, width: int, dim: int, mode: str = "bilinear"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(height, width, dim))
+        self.mode = mode
+        nn.init.normal_(self.weight, std=0.02)
+
+    def table(self, h: int, w: int) -> torch.Tensor:
+        """[h, w, C] position embeddings for an h x w patch grid (the stored table itself at the native size)."""
+        if (h, w) == tuple(self.weight.shape[:2]):
+            return self.weight
+        t = self.weight.permute(2, 0, 1).unsqueeze(0).float()  # [1, C, H0, W0]
+        t = F.interpolate(t, size=(h, w), mode=self.mode, align_corners=False)
+        return t[0].permute(1, 2, 0).to(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, h, w, C] -> x + table(h, w)."""
+        return x + self.table(x.shape[1], x.shape[2]).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, mode={self.mode}"
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        p = cfg.patch_size
+        self.proj = nn.Conv2d(IN_CHANNELS, cfg.vt_hidden_size, kernel_size=p, stride=p, bias=False)
+        self.pos_emb = DividedPosEmb(cfg.init_pos_emb_height, cfg.init_pos_emb_width, cfg.vt_hidden_size,
+                                     cfg.pos_emb_interpolation_mode)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, H/p, W/p, C] patch embeddings plus positions, patches in raster order."""
+        x = self.proj(pixel_values.to(self.proj.weight.dtype)).permute(0, 2, 3, 1)
+        return self.pos_emb(x)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.fc0 = nn.Linear(hidden, intermediate, bias=False)
+        self.fc1 = nn.Linear(intermediate, hidden, bias=False)
+        self.act_name = act
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(self.act(self.fc0(x)))
+
+    def extra_repr(self) -> str:
+        return f"act={self.act_name}"
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm ViT block: x += wo(attn(norm0 x)); x += fc1(act(fc0(norm1 x))). Full (non-causal) attention
+    over the patches of one image; no rotary positions (the learned table is the only position signal)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        C, Q = cfg.vt_hidden_size, cfg.qkv_hidden_size
+        self.num_heads, self.head_dim = cfg.vt_num_attention_heads, cfg.head_dim
+        self.norm0 = RMSNorm(C, VIT_RMS_NORM_EPS)
+        self.wqkv = nn.Linear(C, 3 * Q, bias=False)
+        self.wo = nn.Linear(Q, C, bias=False)
+        self.norm1 = RMSNorm(C, VIT_RMS_NORM_EPS)
+        self.mlp = VisionMLP(C, cfg.vt_intermediate_size, cfg.activation_func)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, L, C] (L patches of one image per row) -> [N, L, C]."""
+        N, L, _ = x.shape
+        qkv = self.wqkv(x).view(N, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # [N, heads, L, head_dim]
+        o = F.scaled_dot_product_attention(q, k, v)  # scale 1/sqrt(head_dim), no mask
+        return self.wo(o.transpose(1, 2).reshape(N, L, self.num_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x))
+        return x + self.mlp(self.norm1(x))
+
+
+class VisionEncoderStack(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.vt_num_hidden_layers))
+        self.final_layernorm = RMSNorm(cfg.vt_hidden_size, VIT_RMS_NORM_EPS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.final_layernorm(x)
+
+
+def pixel_shuffle(x: torch.Tensor, kernel: Sequence[int] = (2, 2)) -> torch.Tensor:
+    """Space-to-depth merge ("sd2"): x [N, h, w, C] -> [N, (h/kh)*(w/kw), kh*kw*C].
+
+    Merged tokens are in raster order of the (h/kh) x (w/kw) grid of windows; the features of one token are the
+    kh*kw patch vectors of its window concatenated in raster order within the window (for 2x2: top-left,
+    top-right, bottom-left, bottom-right). For an image (one frame) the temporal pooling of "sd2_tpool" is the
+    identity."""
+    kh, kw = kernel
+    N, h, w, C = x.shape
+    if h % kh or w % kw:
+        raise ValueError(f"patch grid {h}x{w} is not divisible by the merge kernel {kh}x{kw}")
+    x = x.reshape(N, h // kh, kh, w // kw, kw, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(N, (h // kh) * (w // kw), kh * kw * C)
+
+
+def _group_images(cfg: VisionConfig, pixel_values: torch.Tensor | Sequence[torch.Tensor],
+                  ) -> tuple[list[tuple[list[int], torch.Tensor]], int]:
+    """Validate the input and group same-sized images into batches: ([(indices, [n, 3, H, W])], n_images)."""
+    if isinstance(pixel_values, torch.Tensor):
+        if pixel_values.dim() == 3:
+            pixel_values = pixel_values.unsqueeze(0)
+        if pixel_values.dim() != 4:
+            raise ValueError(f"pixel_values must be [N, 3, H, W], got shape {tuple(pixel_values.shape)}")
+        groups = [(list(range(pixel_values.shape[0])), pixel_values)]
+        shapes = [tuple(pixel_values.shape[1:])] if pixel_values.shape[0] else []
+        n = pixel_values.shape[0]
+    else:
+        images = list(pixel_values)
+        for i, im in enumerate(images):
+            if not isinstance(im, torch.Tensor) or im.dim() != 3:
+                raise ValueError(f"image {i} must be a [3, H, W] tensor, got "
+                                 f"{tuple(im.shape) if isinstance(im, torch.Tensor) else type(im).__name__}")
+        by_shape: dict[tuple, list[int]] = {}
+        for i, im in enumerate(images):
+            by_shape.setdefault(tuple(im.shape), []).append(i)
+        groups = [(idx, torch.stack([images[i] for i in idx])) for idx in by_shape.values()]
+        shapes = list(by_shape)
+        n = len(images)
+    mh, mw = cfg.pixel_multiple
+    for c, H, W in shapes:
+        if c != IN_CHANNELS:
+            raise ValueError(f"images must have {IN_CHANNELS} channels, got {c}")
+        if H <= 0 or W <= 0 or H % mh or W % mw:
+            raise ValueError(f"image size {H}x{W} must be a positive multiple of {mh}x{mw} pixels "
+                             f"(patch_size {cfg.patch_size} x merge_kernel_size {list(cfg.merge_kernel_size)})")
+    return groups, n
+
+
+# ------------------------------------------------------------------------------------------------------
+# the three public modules
+# ------------------------------------------------------------------------------------------------------
+class MoonViT(nn.Module):
+    """MoonViT-V2 (`vision_tower`). State-dict keys: patch_embed.proj.weight, patch_embed.pos_emb.weight,
+    encoder.blocks.{i}.{norm0,wqkv,wo,norm1,mlp.fc0,mlp.fc1}.weight, encoder.final_layernorm.weight."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.config = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.encoder = VisionEncoderStack(cfg)
+
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Same-sized images [N, 3, H, W] -> normalized patch features [N, H/p, W/p, C]. Each image attends only
+        to its own patches."""
+        x = self.patch_embed(pixel_values)
+        N, h, w, C = x.shape
+        return self.encoder(x.reshape(N, h * w, C)).reshape(N, h, w, C)
+
+    def forward(self, pixel_values: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """[N, 3, H, W] tensor or a list of [3, H, W] images (sizes may differ; H, W multiples of
+        patch_size x merge kernel) -> per image the pixel-shuffled features [(H/28)*(W/28), 4*C]."""
+        groups, n = _group_images(self.config, pixel_values)
+        out: list[torch.Tensor | None] = [None] * n
+        for idx, batch in groups:
+            if batch.shape[0] == 0:
+                continue
+            merged = pixel_shuffle(self.encode(batch), self.config.merge_kernel_size)
+            for j, i in enumerate(idx):
+                out[i] = merged[j]
+        return out  # type: ignore[return-value]
+
+
+class PatchMergerProjector(nn.Module):
+    """"patchmergerv2" (`mm_projector`): pixel-shuffled token [4*C] -> proj.0 [4C -> 4C] -> gelu ->
+    proj.2 [4C -> text_hidden] -> post_norm (RMSNorm over text_hidden, eps projector_ln_eps).
+    post_norm is [text_hidden] = [7168]: the only shape that matches the release's 46,144,512 projector
+    parameters (see the module docstring for the arithmetic)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        d_in = cfg.projector_input_size
+        act = nn.GELU(approximate="tanh" if cfg.projector_hidden_act != "gelu" else "none")
+        self.proj = nn.Sequential(nn.Linear(d_in, d_in, bias=False), act,
+                                  nn.Linear(d_in, cfg.text_hidden_size, bias=False))
+        self.post_norm = RMSNorm(cfg.text_hidden_size, cfg.projector_ln_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 4*C] -> [..., text_hidden]."""
+        return self.post_norm(self.proj(x))
+
+
+class VisionEncoder(nn.Module):
+    """Images -> LM token embeddings. State-dict keys are exactly the release names (vision_tower.*,
+    mm_projector.*), so a release checkpoint's vision tensors load with strict=True and no renaming."""
+
+    def __init__(self, cfg: VisionConfig | None = None):
+        super().__init__()
+        cfg = VisionConfig() if cfg is None else cfg
+        self.config = cfg
+        self.vision_tower = MoonViT(cfg)
+        self.mm_projector = PatchMergerProjector(cfg)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, std: float = 0.02) -> "VisionEncoder":
+        """N(0, std) matrices, conv and position table; output projections (wo, fc1) scaled by 1/sqrt(2L);
+        unit norms."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(0 if seed is None else seed)
+        out_std = std / math.sqrt(2 * self.config.vt_num_hidden_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("norm.weight", "norm0.weight", "norm1.weight")):
+                p.fill_(1.0)
+                continue
+            s = out_std if name.endswith(("wo.weight", "mlp.fc1.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
+        return self
+
+    def forward(self, pixel_values, packed: bool = False):
+        """pixel_values: [N, 3, H, W] or a list of [3, H, W] (H, W multiples of 28 for the release).
+        Returns per image a [(H/28)*(W/28), text_hidden] tensor of token embeddings in raster order of the merged
+        2x2 patch groups, or (packed=True) those tensors concatenated in image order."""
+        feats = self.vision_tower(pixel_values)
+        if not feats:
+            empty = self.mm_projector.post_norm.weight.new_zeros(0, self.config.text_hidden_size)
+            return empty if packed else []
+        lens = [f.shape[0] for f in feats]
+        out = self.mm_projector(torch.cat(feats, 0))
+        return out if packed else list(out.split(lens, 0))
+
+
+def merge_image_embeddings(input_embeds: torch.Tensor, input_ids: torch.Tensor, image_embeds,
+                           placeholder_id: int) -> torch.Tensor:
+    """Put the image token embeddings at the placeholder positions of the text embeddings.
+
+    input_embeds [B, T, D], input_ids [B, T]; image_embeds: a list of [n_i, D] tensors (VisionEncoder's output)
+    or one packed [sum n_i, D] tensor. Placeholders are filled in reading order (batch row, then position) with the
+    image tokens in order. Returns a new tensor (differentiable w.r.t. both inputs). Raises ValueError when the
+    number of placeholders differs from the number of image tokens."""
+    if input_embeds.dim() != 3:
+        raise ValueError(f"input_embeds must be [batch, tokens, dim], got shape {tuple(input_embeds.shape)}")
+    if tuple(input_ids.shape) != tuple(input_embeds.shape[:2]):
+        raise ValueError(f"input_ids shape {tuple(input_ids.shape)} does not match input_embeds "
+                         f"{tuple(input_embeds.shape)}")
+    D = input_embeds.shape[-1]
+    if isinstance(image_embeds, torch.Tensor):
+        tokens = image_embeds
+    else:
+        parts = list(image_embeds)
+        tokens = torch.cat(parts, 0) if parts else input_embeds.new_zeros(0, D)
+    if tokens.dim() != 2:
+        raise ValueError(f"image embeddings must be [tokens, dim] tensors, got shape {tuple(tokens.shape)}")
+    if tokens.shape[-1] != D:
+        raise ValueError(f"image embeddings have width {tokens.shape[-1]} but the text embeddings have {D}")
+    mask = input_ids == placeholder_id
+    n_slots = int(mask.sum())
+    if n_slots != tokens.shape[0]:
+        raise ValueError(f"input_ids hold {n_slots} image placeholder tokens (id {placeholder_id}) but the images "
+                         f"give {tokens.shape[0]} token embeddings")
+    if n_slots == 0:
+        return input_embeds
+    mask3 = mask.unsqueeze(-1).expand_as(input_embeds)
+    return input_embeds.masked_scatter(mask3, tokens.to(device=input_embeds.device, dtype=input_embeds.dtype))
+
+
+__all__ = [
+    "VisionConfig", "MoonViT", "PatchMergerProjector", "VisionEncoder", "merge_image_embeddings", "pixel_shuffle",
+    "DividedPosEmb", "VIT_RMS_NORM_EPS",
+]
