@@ -1,12 +1,39 @@
-"""Tokenizers: a byte-level fallback (no training needed) and byte-level BPE via the `tokenizers` library."""
+"""Tokenizers: a byte-level fallback (no training needed) and byte-level BPE via the `tokenizers` library.
+
+`K3Tokenizer` wraps a `tokenizers.Tokenizer` so callers need not care where it came from: a
+`tokenizer.json`, a BPE trained here (`train_bpe`), or a tiktoken rank file converted to byte-level BPE
+(`load_any_tokenizer`). Every tokenizer made here is byte-level, so any string round-trips:
+``tok.decode(tok.encode(s)) == s``. The text "<|endoftext|>" inside a document is encoded as ordinary
+text, never as the end-of-text id, so documents cannot forge a document boundary.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import os
+import tempfile
+from typing import Callable, Iterable, Iterator
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
+
+# Pre-tokenizer split in the style of cl100k: contractions, letters with one leading non-letter, digits
+# in groups of up to three, punctuation runs (with trailing newlines), newline runs, other whitespace
+# (leaving a single space to attach to the next word).
+DEFAULT_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+DEFAULT_MAX_TRAIN_BYTES = 8_000_000
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -30,3 +57,342 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no tokenizer.json at {path}")
     return Tokenizer.from_file(path)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The byte-level alphabet: each byte maps to one printable character.
+
+    Printable Latin-1 bytes ('!'..'~', '¡'..'¬', '®'..'ÿ') stand for themselves; the other 68 bytes
+    (controls, space, DEL, NBSP, soft hyphen) map, in byte order, to the characters from U+0100 on.
+    This is the mapping of the `tokenizers` ByteLevel pre-tokenizer and decoder.
+    """
+    keep = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level_pre_tokenizer(pattern: str):
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+class K3Tokenizer:
+    """A byte-level tokenizer with an end-of-text id, whatever format it was loaded from."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token: str = EOS):
+        self.tokenizer = tokenizer
+        # Special-token text inside documents is tokenized as plain text (see the module docstring).
+        tokenizer.encode_special_tokens = True
+        eos_id = tokenizer.token_to_id(eos_token)
+        if eos_id is None:
+            raise ValueError(f"tokenizer has no end-of-text token {eos_token!r}")
+        self.eos_token = eos_token
+        self.eos_id: int = eos_id
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size: int = max(vocab.values()) + 1 if vocab else 0  # ids may have gaps
+
+    # -------------------------------------------------------------------------------- construction
+    @classmethod
+    def byte_level(cls) -> "K3Tokenizer":
+        return cls(byte_level_tokenizer())
+
+    @classmethod
+    def from_str(cls, json_str: str) -> "K3Tokenizer":
+        return cls(Tokenizer.from_str(json_str))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "K3Tokenizer":
+        return cls(load_tokenizer(path))
+
+    # ------------------------------------------------------------------------------------ encoding
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many texts at once with the (parallel) Rust batch encoder."""
+        texts = list(texts)
+        fast = getattr(self.tokenizer, "encode_batch_fast", None)  # no offsets: faster where available
+        encodings = (fast or self.tokenizer.encode_batch)(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tokenizer.id_to_token(i)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    # ------------------------------------------------------------------------------ serialization
+    def to_str(self) -> str:
+        return self.tokenizer.to_str()
+
+    def fingerprint(self) -> str:
+        """A hex digest that changes whenever the tokenizer's behaviour can."""
+        return hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write tokenizer.json atomically (temp file + os.replace). `path` is a directory (created if
+        needed; the file is `path/tokenizer.json`) or a file path ending in .json. Returns the file path."""
+        path = os.fspath(path)
+        if os.path.isdir(path) or not path.endswith(".json"):
+            os.makedirs(path, exist_ok=True)
+            path = os.path.join(path, "tokenizer.json")
+        _atomic_write_text(path, self.to_str())
+        return path
+
+    def __repr__(self) -> str:
+        return f"K3Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# ------------------------------------------------------------------------------------ BPE training
+
+
+def _limit_text(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
+    """The texts in order, stopping after `max_bytes` UTF-8 bytes (the last one cut to fit)."""
+    left = max_bytes
+    for t in texts:
+        if left is None:
+            yield t
+            continue
+        if left <= 0:
+            return
+        data = t.encode("utf-8", errors="replace")
+        if len(data) > left:
+            yield data[:left].decode("utf-8", errors="ignore")
+            return
+        left -= len(data)
+        yield t
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, max_train_bytes: int | None = DEFAULT_MAX_TRAIN_BYTES,
+              min_frequency: int = 2, pattern: str = DEFAULT_SPLIT_PATTERN, pad_to_vocab_size: bool = True,
+              show_progress: bool = False) -> K3Tokenizer:
+    """Train a byte-level BPE with the `tokenizers` library; "<|endoftext|>" is id 0 (eos).
+
+    Text is split with `pattern` (cl100k-style by default), mapped to the 256-character byte-level
+    alphabet (all 256 bytes are in the vocabulary, ids 1..256, so every string round-trips), and merged
+    by `trainers.BpeTrainer`. Only the first `max_train_bytes` bytes of `texts` (default 8 MB; None: all)
+    are read, which keeps training to seconds on two cores. Deterministic for the same input.
+
+    If the text runs out of pairs occurring `min_frequency` times before `vocab_size` is reached, the
+    vocabulary is padded with unused special tokens "<|reserved_N|>" (when `pad_to_vocab_size`), so
+    `vocab_size` is always exactly the size asked for.
+    """
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise ValueError(f"vocab_size must be at least {len(alphabet) + 1} (eos + 256 bytes), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pattern)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=show_progress,
+        special_tokens=[EOS],
+        initial_alphabet=sorted(alphabet),
+    )
+    tok.train_from_iterator(_limit_text(texts, max_train_bytes), trainer=trainer)
+    have = tok.get_vocab_size(with_added_tokens=True)
+    if pad_to_vocab_size and have < vocab_size:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - have)])
+    out = K3Tokenizer(tok)
+    assert out.eos_id == 0, out.eos_id
+    return out
+
+
+def cached_tokenizer(run_dir: str | os.PathLike, texts_fn: Callable[[], Iterable[str]], vocab_size: int,
+                     **train_kwargs) -> K3Tokenizer:
+    """`run_dir/tokenizer.json` if it exists and has `vocab_size` ids; otherwise train a BPE on
+    `texts_fn()` (called only then), save it there atomically, and return it."""
+    path = os.path.join(os.fspath(run_dir), "tokenizer.json")
+    if os.path.exists(path):
+        try:
+            tok = K3Tokenizer.from_file(path)
+        except Exception:  # unreadable or without an eos token: replace it
+            tok = None
+        if tok is not None and tok.vocab_size == vocab_size:
+            return tok
+    tok = train_bpe(texts_fn(), vocab_size, **train_kwargs)
+    tok.save(path)
+    return tok
+
+
+# ----------------------------------------------------------------------------- tiktoken conversion
+
+
+def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Read a tiktoken rank file: lines "<base64 of the token's bytes> <rank>"."""
+    path = os.fspath(path)
+    ranks: dict[bytes, int] = {}
+    seen: set[int] = set()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line:
+                continue
+            parts = line.split()
+            try:
+                if len(parts) != 2:
+                    raise ValueError("expected '<base64 token> <rank>'")
+                token = base64.b64decode(parts[0], validate=True)
+                rank = int(parts[1])
+                if rank < 0 or not token:
+                    raise ValueError("empty token or negative rank")
+            except (ValueError, binascii.Error) as e:
+                raise ValueError(f"{path}:{lineno}: not a tiktoken rank line ({e})") from None
+            if token in ranks or rank in seen:
+                raise ValueError(f"{path}:{lineno}: duplicate token or rank {rank}")
+            ranks[token] = rank
+            seen.add(rank)
+    if not ranks:
+        raise ValueError(f"{path}: no tokens")
+    return ranks
+
+
+def _rank_bpe(piece: bytes, ranks: dict[bytes, int], max_rank: int) -> list[bytes]:
+    """Merge `piece` byte by byte, always joining the adjacent pair whose join has the lowest rank
+    below `max_rank`, until no such pair is left."""
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+        best, best_i = max_rank, -1
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best:
+                best, best_i = r, i
+        if best_i < 0:
+            break
+        parts[best_i:best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts
+
+
+def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """For every multi-byte token, the two tokens whose merge makes it, ordered by its rank.
+
+    The split is the one rank-based BPE reaches on the token's own bytes using only lower ranks. A
+    token that BPE cannot build that way (possible in hand-edited files) takes the split into two
+    lower-ranked tokens with the smallest larger rank, or gets no merge (it is then only produced when
+    a whole pre-token equals it, which the converted model does, like tiktoken, via ignore_merges).
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = _rank_bpe(token, ranks, rank)
+        if len(parts) != 2:
+            cands = [(max(ranks[token[:i]], ranks[token[i:]]), i) for i in range(1, len(token))
+                     if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank]
+            if not cands:
+                continue
+            i = min(cands)[1]
+            parts = [token[:i], token[i:]]
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def tiktoken_to_tokenizer(ranks: dict[bytes, int], pattern: str = DEFAULT_SPLIT_PATTERN,
+                          special_tokens: dict[str, int] | None = None, eos_token: str = EOS) -> Tokenizer:
+    """A `tokenizers` byte-level BPE equivalent to rank-based BPE over `ranks` after a `pattern` split.
+
+    Token ids are the ranks. Special tokens get the given ids (above every rank; gaps are filled with
+    "<|reserved_N|>"); `eos_token` is added after the largest id when `special_tokens` lacks it.
+    """
+    b2u = bytes_to_unicode()
+
+    def to_str(b: bytes) -> str:
+        return "".join(b2u[x] for x in b)
+
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"tiktoken ranks do not cover every byte (missing {len(missing)}, e.g. {missing[0]}); "
+                         "byte-level BPE needs all 256")
+    vocab = {to_str(t): r for t, r in ranks.items()}
+    # Unused ranks get placeholders no text can produce (U+2400 is outside the byte-level alphabet), so
+    # ids stay the ranks and ids added later do not collide with them.
+    for r in sorted(set(range(max(ranks.values()) + 1)) - set(ranks.values())):
+        vocab[f"\u2400unused_{r}"] = r
+    merges = [(to_str(a), to_str(b)) for a, b in _merges_from_ranks(ranks)]
+    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=True)
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pattern)
+    tok.decoder = decoders.ByteLevel()
+
+    specials = dict(special_tokens or {})
+    if eos_token not in specials:
+        specials[eos_token] = max([*ranks.values(), *specials.values()]) + 1
+    if len(set(specials.values())) != len(specials):
+        raise ValueError(f"special token ids are not distinct: {specials}")
+    # Added tokens take the next free id, so ids must be contiguous after the ranks: fill gaps.
+    next_id = max(ranks.values()) + 1
+    for name, i in sorted(specials.items(), key=lambda kv: kv[1]):
+        if i < next_id:
+            raise ValueError(f"special token {name!r} id {i} must be above the largest rank {next_id - 1}")
+        while next_id < i:
+            tok.add_special_tokens([f"<|reserved_{next_id}|>"])
+            next_id += 1
+        tok.add_special_tokens([name])
+        if tok.token_to_id(name) != i:
+            raise ValueError(f"could not place special token {name!r} at id {i}")
+        next_id += 1
+    return tok
+
+
+def _is_tokenizer_json(path: str) -> bool:
+    if path.endswith(".json"):
+        return True
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    return head.startswith(b"{")
+
+
+def load_any_tokenizer(path: str | os.PathLike, *, pattern: str = DEFAULT_SPLIT_PATTERN,
+                       special_tokens: dict[str, int] | None = None, eos_token: str = EOS) -> K3Tokenizer:
+    """Load a tokenizer.json (a file, or a directory holding one) or a tiktoken rank file (e.g.
+    tiktoken.model: lines "<base64 token bytes> <rank>"; also found in a directory as tiktoken.model
+    or a single *.tiktoken file). A tiktoken file is converted to byte-level BPE (see
+    `tiktoken_to_tokenizer`), pre-tokenized with `pattern`, with `special_tokens` and eos added."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        candidates = [os.path.join(path, "tokenizer.json"), os.path.join(path, "tiktoken.model")]
+        candidates += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".tiktoken"))
+        found = [c for c in candidates if os.path.isfile(c)]
+        if not found:
+            raise FileNotFoundError(f"no tokenizer.json, tiktoken.model or *.tiktoken in {path}")
+        path = found[0]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no tokenizer at {path}")
+    if _is_tokenizer_json(path):
+        return K3Tokenizer(Tokenizer.from_file(path), eos_token=eos_token)
+    tok = tiktoken_to_tokenizer(read_tiktoken_ranks(path), pattern=pattern, special_tokens=special_tokens,
+                                eos_token=eos_token)
+    return K3Tokenizer(tok, eos_token=eos_token)

@@ -21,13 +21,18 @@ class MLACache:
     def length(self) -> int:
         return 0 if self.c is None else self.c.shape[1]
 
-    def append(self, c: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, c: torch.Tensor, k_rope: torch.Tensor):
+        """Add the new tokens' entries; returns (c_all, k_rope_all, past, kv_len) where `past` is the number of
+        tokens cached before this call (int, or LongTensor [B] for a batch of different lengths) and `kv_len` the
+        valid length of each row of the returned tensors (None: all rows full). A paged serving cache implements
+        the same method."""
+        past = self.length
         if self.c is None:
             self.c, self.k_rope = c, k_rope
         else:
             self.c = torch.cat([self.c, c], dim=1)
             self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
-        return self.c, self.k_rope
+        return self.c, self.k_rope, past, None
 
 
 class GatedMLA(nn.Module):
@@ -55,10 +60,10 @@ class GatedMLA(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, dn + dr)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, dr], dim=-1)
         c = self.kv_a_layernorm(c)
-        past = 0 if cache is None else cache.length
+        past, kv_len = 0, None
         if cache is not None:
-            c_all, kr_all = cache.append(c, k_rope)
-        if past == 0:
+            c_all, kr_all, past, kv_len = cache.append(c, k_rope)
+        if isinstance(past, int) and past == 0 and kv_len is None:
             # Prefill: expand the latent into per-head keys and values.
             kv = self.kv_b_proj(c).view(B, T, H, dn + dv)
             k_nope, v = kv.split([dn, dv], dim=-1)
@@ -70,7 +75,7 @@ class GatedMLA(nn.Module):
             # Decode / continued prefill: attend against the latent cache directly (absorbed form).
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
             q_nope, q_rope = q.split([dn, dr], dim=-1)
-            o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past)
+            o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past, kv_len=kv_len)
         o = o.reshape(B, T, H * dv)
         return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
 

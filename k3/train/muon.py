@@ -1,0 +1,345 @@
+"""Per-Head Muon (report §2.5) for the matrix parameters, AdamW for everything else.
+
+Muon (as in Kimi K2 / Moonlight) replaces each matrix's momentum by its approximate orthogonalization
+(a quintic Newton-Schulz iteration) and rescales it so that its RMS matches a typical AdamW update. K3
+refines this for the attention projections: the momentum of Q, K and V is split along the head
+dimension and every head block is orthogonalized on its own, so heads with small gradients are not
+drowned by heads with large ones. Routed experts, stored stacked, are orthogonalized one expert at a time.
+
+Which parameter goes where is decided by the MODULE TYPE that owns it (`muon_param_groups`):
+
+====================================================================  =================  ===========
+parameter                                                             optimizer          weight decay
+====================================================================  =================  ===========
+KimiDeltaAttention q_proj/k_proj/v_proj weight [H*K, D]               Muon, per head     yes
+GatedMLA q_b_proj [H*(dn+dr), r_q], kv_b_proj [H*(dn+dv), r_kv]       Muon, per head     yes
+GroupedExperts w1/w3 [E, F, L], w2 [E, L, F]                          Muon, per expert   yes
+any other nn.Linear weight with both dims > 1, MoEGate.weight [E, D]  Muon, whole        yes
+nn.Embedding weight, K3ForCausalLM.lm_head                            AdamW              yes
+vectors / scalars (norms, A_log, dt_bias, biases), nn.Conv1d taps,    AdamW              no
+AttnRes pseudo-queries (nn.Linear(D, 1) ``*_res_proj``)
+====================================================================  =================  ===========
+
+Buffers (the router's score-correction bias, set by Quantile Balancing) are never optimized.
+
+Learning rates. With the update RMS matched to AdamW (``0.2 * sqrt(max(rows, cols))``, the Moonlight /
+K2 convention), Muon and AdamW share one learning rate. The default ``lr = 2e-3`` is the value that
+suits the small development models (``tiny``, ``k3-mini``) with this RMS matching; at K3 scale the trainer
+passes its own (K2 trained with a peak of 2e-4). Every group carries its own ``lr`` and ``initial_lr``,
+so a scheduler scales all of them by one multiplier.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from k3.model.kda import KimiDeltaAttention
+from k3.model.latent_moe import GroupedExperts, MoEGate
+from k3.model.mla import GatedMLA
+
+__all__ = ["newton_schulz", "muon_param_groups", "describe_param_groups", "PerHeadMuon",
+           "NS_COEFFS", "MUON_RMS_SCALE"]
+
+# Quintic Newton-Schulz coefficients (Keller Jordan's Muon, also used by Moonlight and Kimi K2). They
+# trade exact convergence for speed: after 5 steps the singular values land in roughly [0.7, 1.2].
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# Muon update = O * MUON_RMS_SCALE * sqrt(max(rows, cols)): an orthogonal [rows, cols] block has RMS
+# 1/sqrt(max(rows, cols)), so this gives every block an update RMS of ~0.2, like AdamW's.
+MUON_RMS_SCALE = 0.2
+
+DEFAULT_LR = 2e-3
+DEFAULT_WEIGHT_DECAY = 0.1
+
+
+# --------------------------------------------------------------------------------------------------
+# Newton-Schulz
+# --------------------------------------------------------------------------------------------------
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """Approximate orthogonalization U V^T of G = U S V^T by the quintic Newton-Schulz iteration.
+
+    g: [..., rows, cols] (leading dims are a batch of independent matrices). Each matrix is first divided
+    by its Frobenius norm (so every singular value is <= 1); tall matrices are transposed so the iteration
+    works on the smaller Gram matrix. Computed in `dtype` (fp32 by default: deterministic on CPU; bf16 is
+    the fast choice on GPUs). Returns a tensor of g's shape and dtype. Pure: g is not modified.
+    """
+    if g.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix (or a batch of matrices), got shape {tuple(g.shape)}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    a, b, c = NS_COEFFS
+    x = g.to(dtype)
+    x = x / (torch.linalg.matrix_norm(x.float(), ord="fro", keepdim=True) + eps).to(dtype)
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:
+        x = x.mT
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    if transposed:
+        x = x.mT
+    return x.to(g.dtype).contiguous()
+
+
+def _blocks(t: torch.Tensor, split: str, num_blocks: int | None) -> torch.Tensor:
+    """View a Muon parameter (or its momentum) as a batch of independent matrices [N, rows, cols]."""
+    if split == "heads":
+        if t.ndim != 2 or t.shape[0] % num_blocks:
+            raise ValueError(f"per-head split needs a [H*d, D] matrix with H={num_blocks}, got {tuple(t.shape)}")
+        return t.reshape(num_blocks, t.shape[0] // num_blocks, t.shape[1])
+    if split == "experts":
+        if t.ndim != 3 or t.shape[0] != num_blocks:
+            raise ValueError(f"per-expert split needs an [E={num_blocks}, a, b] tensor, got {tuple(t.shape)}")
+        return t
+    if split == "none":
+        return t.reshape(1, t.shape[0], -1)
+    raise ValueError(f"unknown Muon split {split!r} (expected 'heads', 'experts' or 'none')")
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter classification
+# --------------------------------------------------------------------------------------------------
+# One class per parameter: (optimizer, split, num_blocks, weight decay?)
+_ADAMW_DECAY = ("adamw", None, None, True)
+_ADAMW_NO_DECAY = ("adamw", None, None, False)
+_MUON_WHOLE = ("muon", "none", None, True)
+
+
+def _heads(n: int):
+    return ("muon", "heads", n, True)
+
+
+def _experts(n: int):
+    return ("muon", "experts", n, True)
+
+
+def _label(cls) -> str:
+    opt, split, n, _ = cls
+    if opt == "adamw":
+        return "adamw"
+    return "muon" if split == "none" else f"muon/{split}({n})"
+
+
+def _group_name(cls) -> str:
+    if cls[0] == "adamw":
+        return "adamw/decay" if cls[3] else "adamw/no_decay"
+    return _label(cls)
+
+
+def _classify(model: nn.Module) -> list[tuple[str, nn.Parameter, tuple]]:
+    """[(name, param, class)] for every (deduplicated) parameter, in named_parameters order.
+
+    Pass 1 applies the rules that need to know the owning module (per-head / per-expert projections, the
+    router, the output head); pass 2 the generic rules by module type; anything left falls back on shape.
+    """
+    from k3.model.model import K3ForCausalLM  # local: model.py imports the whole model stack
+
+    cls_of: dict[int, tuple] = {}
+
+    def assign(p: nn.Parameter | None, cls: tuple, force: bool = True) -> None:
+        if p is None:
+            return
+        prev = cls_of.get(id(p))
+        if prev is None:
+            cls_of[id(p)] = cls
+        elif force and prev != cls:
+            raise ValueError(f"parameter of shape {tuple(p.shape)} is claimed as both {_label(prev)} "
+                             f"and {_label(cls)} (a weight shared by incompatible modules?)")
+
+    # Pass 1: module-specific rules.
+    for m in model.modules():
+        if isinstance(m, KimiDeltaAttention):
+            for lin in (m.q_proj, m.k_proj, m.v_proj):
+                assign(lin.weight, _heads(m.num_heads))
+        elif isinstance(m, GatedMLA):
+            assign(m.q_b_proj.weight, _heads(m.num_heads))
+            assign(m.kv_b_proj.weight, _heads(m.num_heads))
+        elif isinstance(m, GroupedExperts):
+            for w in (m.w1, m.w3, m.w2):
+                assign(w, _experts(w.shape[0]))
+        elif isinstance(m, MoEGate):
+            assign(m.weight, _MUON_WHOLE)
+        elif isinstance(m, K3ForCausalLM):
+            assign(m.lm_head.weight, _ADAMW_DECAY)
+        elif isinstance(m, nn.Embedding):
+            assign(m.weight, _ADAMW_DECAY)
+
+    # Pass 2: generic rules by module type (never overriding pass 1).
+    for m in model.modules():
+        direct = dict(m.named_parameters(recurse=False))
+        if isinstance(m, nn.Linear):
+            w = m.weight
+            # A Linear with a single output (or input) is a vector in disguise: the AttnRes pseudo-queries.
+            assign(w, _MUON_WHOLE if min(w.shape) > 1 else _ADAMW_NO_DECAY, force=False)
+            assign(m.bias, _ADAMW_NO_DECAY, force=False)
+        elif isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            for p in direct.values():  # depthwise conv taps [P, 1, W] and biases
+                assign(p, _ADAMW_NO_DECAY, force=False)
+        for name, p in direct.items():
+            if id(p) in cls_of:
+                continue
+            if p.ndim < 2:  # norms' gains, A_log, dt_bias, any other vector or scalar
+                assign(p, _ADAMW_NO_DECAY, force=False)
+            else:
+                warnings.warn(f"{type(m).__name__}.{name} {tuple(p.shape)} has no optimizer rule; "
+                              "using AdamW with weight decay", stacklevel=3)
+                assign(p, _ADAMW_DECAY, force=False)
+
+    return [(name, p, cls_of[id(p)]) for name, p in model.named_parameters()]
+
+
+def describe_param_groups(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> "muon/heads(H)", "muon/experts(E)", "muon" or "adamw" (tied weights listed once)."""
+    return {name: _label(cls) for name, _, cls in _classify(model)}
+
+
+def muon_param_groups(model: nn.Module, weight_decay: float = DEFAULT_WEIGHT_DECAY) -> list[dict]:
+    """Torch optimizer param groups for `PerHeadMuon`, derived from module types (see the module docstring).
+
+    Each group: {"name", "params", "use_muon", "split" ("heads" | "experts" | "none" | None),
+    "num_blocks" (H, E or None), "decay" (bool), "weight_decay" (`weight_decay` if decay else 0)}. Muon groups are keyed by (split, num_blocks); AdamW
+    comes as "adamw/decay" (embeddings, output head) and "adamw/no_decay" (vectors, norms, scalars, conv
+    taps, pseudo-queries). Empty groups are dropped. Learning rates are filled in by the optimizer.
+    """
+    groups: dict[str, dict] = {}
+    for _, p, cls in _classify(model):
+        opt, split, n, decay = cls
+        name = _group_name(cls)
+        if name not in groups:
+            groups[name] = {"name": name, "params": [], "use_muon": opt == "muon", "split": split,
+                            "num_blocks": n, "decay": decay, "weight_decay": weight_decay if decay else 0.0}
+        groups[name]["params"].append(p)
+    # Muon groups first, then AdamW; stable within each kind (first appearance in the model).
+    return sorted(groups.values(), key=lambda g: not g["use_muon"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The optimizer
+# --------------------------------------------------------------------------------------------------
+class PerHeadMuon(torch.optim.Optimizer):
+    """Muon (per head / per expert / whole matrix) on groups with ``use_muon=True``, AdamW on the rest.
+
+    Muon step for a parameter p with gradient g (lr, wd from its group):
+        buf = momentum * buf + g;   u = g + momentum * buf (Nesterov) or buf
+        for each block B of u (a head's rows, an expert, or the whole matrix):
+            O_B = newton_schulz(B) * 0.2 * sqrt(max(rows_B, cols_B))
+        p *= 1 - lr * wd;   p -= lr * O
+    AdamW step: standard bias-corrected Adam with decoupled weight decay.
+
+    `param_groups` is the output of `muon_param_groups` (or a module, which is passed through it).
+    Groups without an "lr" get `lr` (Muon) or `adamw_lr` (AdamW, default: `lr`); every group records
+    "initial_lr" for schedulers. `weight_decay=None` keeps each group's own value (muon_param_groups puts
+    0.1 on the decayed groups); a number replaces it on every group marked "decay": True (the no-decay
+    groups stay at 0) and is the default for groups that carry neither. `ns_dtype=None` runs Newton-Schulz in bf16 on CUDA and fp32 elsewhere.
+    Optimizer state lives in the parameter's dtype, so state_dict()/load_state_dict() round-trips exactly
+    and a resumed run continues bit-for-bit.
+    """
+
+    def __init__(self, param_groups: Iterable[dict] | nn.Module, lr: float = DEFAULT_LR, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, weight_decay: float | None = None,
+                 adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.95),
+                 adamw_eps: float = 1e-8, rms_scale: float = MUON_RMS_SCALE, ns_dtype: torch.dtype | None = None):
+        if lr <= 0 or (adamw_lr is not None and adamw_lr <= 0):
+            raise ValueError(f"learning rates must be > 0, got lr={lr}, adamw_lr={adamw_lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not all(0.0 <= b < 1.0 for b in adamw_betas):
+            raise ValueError(f"adamw_betas must be in [0, 1), got {adamw_betas}")
+        if weight_decay is not None and weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if isinstance(param_groups, nn.Module):
+            param_groups = muon_param_groups(param_groups)
+        wd_default = DEFAULT_WEIGHT_DECAY if weight_decay is None else weight_decay
+        adamw_lr = lr if adamw_lr is None else adamw_lr
+        groups = []
+        for g in param_groups:
+            if not isinstance(g, dict):
+                raise TypeError("PerHeadMuon takes param groups (dicts, see muon_param_groups), not bare tensors")
+            g = dict(g)
+            g.setdefault("use_muon", False)
+            g.setdefault("split", "none" if g["use_muon"] else None)
+            g.setdefault("num_blocks", None)
+            g.setdefault("lr", lr if g["use_muon"] else adamw_lr)
+            g.setdefault("initial_lr", g["lr"])
+            if "decay" in g:
+                if weight_decay is not None:
+                    g["weight_decay"] = weight_decay if g["decay"] else 0.0
+                g.setdefault("weight_decay", wd_default if g["decay"] else 0.0)
+            g.setdefault("weight_decay", wd_default)
+            groups.append(g)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=wd_default,
+                        betas=tuple(adamw_betas), eps=adamw_eps, rms_scale=rms_scale)
+        super().__init__(groups, defaults)
+        self.ns_dtype = ns_dtype
+
+    def _ns_dtype(self, device: torch.device) -> torch.dtype:
+        if self.ns_dtype is not None:
+            return self.ns_dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if g.is_sparse:
+                raise RuntimeError("PerHeadMuon does not support sparse gradients")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.mul_(mu).add_(g)
+            u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+            blocks = _blocks(u, group["split"], group["num_blocks"])
+            o = newton_schulz(blocks, steps=group["ns_steps"], dtype=self._ns_dtype(p.device))
+            rows, cols = blocks.shape[-2:]
+            o = o.float().mul_(group["rms_scale"] * math.sqrt(max(rows, cols)))
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr)
+
+    def _adamw_step(self, group: dict) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if g.is_sparse:
+                raise RuntimeError("PerHeadMuon does not support sparse gradients")
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            t = int(state["step"].item())
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bc1 = 1 - beta1 ** t
+            bc2_sqrt = math.sqrt(1 - beta2 ** t)
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / bc1)

@@ -1,0 +1,152 @@
+"""`k3 train`: wire corpus, tokenizer, model and trainer together, start fresh or resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.config import K3Config
+from k3.model.model import K3ForCausalLM
+from k3.train.trainer import Trainer, TrainConfig, TrainingError
+
+
+@dataclass
+class RunOptions:
+    preset: str | None = None
+    config: str | None = None
+    data: list[str] = field(default_factory=list)
+    vocab_size: int | None = None
+    resume: bool = False
+    device: str = "auto"
+    max_corpus_mb: float | None = None
+
+
+# Defaults that make plain `k3 train` learn something on the machine at hand.
+CPU_DEFAULTS = dict(preset="tiny", seq_len=256, batch_tokens=8192, lr=3e-3, vocab_size=4096)
+GPU_DEFAULTS = dict(preset="k3-mini", seq_len=4096, batch_tokens=131072, lr=2e-3, vocab_size=32768)
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return dev
+
+
+def latest_checkpoint(out: str) -> str | None:
+    p = os.path.join(out, "checkpoints", "latest.json")
+    if not os.path.exists(p):
+        return None
+    with open(p, encoding="utf-8") as f:
+        name = json.load(f)["checkpoint"]
+    path = os.path.join(out, "checkpoints", name)
+    return path if os.path.isdir(path) else None
+
+
+def load_corpus(data: list[str], max_corpus_mb: float | None, log=print):
+    from k3.data.corpus import default_corpus, load_documents, split_documents
+
+    if data:
+        docs = load_documents(data)
+        if not docs:
+            raise ValueError(f"--data {' '.join(data)} holds no documents")
+        train, heldout = split_documents(docs)
+        src = ", ".join(data)
+    else:
+        max_bytes = int(max_corpus_mb * 2**20) if max_corpus_mb else None
+        train, heldout = default_corpus(max_bytes=max_bytes)
+        src = "the Python standard library's source files"
+    mb = sum(len(d.text) for d in train) / 2**20
+    log(f"corpus: {src}: {len(train)} training documents ({mb:.1f} MB), {len(heldout)} held out")
+    return train, heldout
+
+
+def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
+    from k3.data.packing import PackedLoader, tokenize_documents
+    from k3.data.tokenizer import cached_tokenizer
+
+    device = pick_device(opts.device)
+    tcfg.device = str(device)
+    if device.type == "cuda":
+        tcfg.autocast_bf16 = True
+    out = tcfg.out
+    os.makedirs(out, exist_ok=True)
+    resume_from = latest_checkpoint(out) if opts.resume else None
+    if opts.resume and resume_from is None:
+        raise ValueError(f"--resume: no checkpoint found in {out}/checkpoints")
+    if not opts.resume and latest_checkpoint(out) is not None:
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+
+    if resume_from is not None:
+        cfg = K3Config.load(resume_from)
+        saved = json.load(open(os.path.join(resume_from, "trainer_state.json")))
+        del saved  # the trainer state is read by Trainer.load; options given now take precedence
+    elif opts.config:
+        cfg = K3Config.load(opts.config)
+    else:
+        cfg = K3Config.from_preset(opts.preset or (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)["preset"])
+
+    train_docs, heldout_docs = load_corpus(opts.data, opts.max_corpus_mb, log)
+    vocab = opts.vocab_size or (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)["vocab_size"]
+    if resume_from is not None:
+        from k3.data.tokenizer import load_any_tokenizer
+
+        tok = load_any_tokenizer(resume_from)
+    else:
+        t0 = time.perf_counter()
+        tok = cached_tokenizer(out, lambda: (d.text for d in train_docs), vocab)
+        log(f"tokenizer: byte-level BPE, {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)")
+        cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, bos_token_id=None)
+    if cfg.vocab_size < tok.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
+
+    t0 = time.perf_counter()
+    train_stream = tokenize_documents(tok, train_docs, cache_path=os.path.join(out, "train_tokens.npy"))
+    eval_stream = tokenize_documents(tok, heldout_docs, cache_path=os.path.join(out, "heldout_tokens.npy"))
+    log(f"tokens: {len(train_stream):,} train, {len(eval_stream):,} held out ({time.perf_counter() - t0:.1f}s)")
+    if len(train_stream) < tcfg.batch_tokens:
+        raise ValueError(f"the training data has {len(train_stream):,} tokens, fewer than one batch "
+                         f"(--batch-tokens {tcfg.batch_tokens}); add data or lower --batch-tokens")
+
+    torch.manual_seed(tcfg.seed)
+    model = K3ForCausalLM(cfg).init_weights(seed=tcfg.seed).to(device)
+    loader = PackedLoader(train_stream, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed)
+    tok_json = _tokenizer_json_bytes(tok)
+    trainer = Trainer(model, tcfg, loader, eval_stream=eval_stream, eos_id=tok.eos_id, tokenizer_json=tok_json,
+                      log=log)
+    if resume_from is not None:
+        trainer.load(resume_from)
+        log(f"resumed from {resume_from} at step {trainer.step}")
+    n = sum(p.numel() for p in model.parameters())
+    log(f"model: {n / 1e6:.2f}M parameters ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {device}")
+    return trainer
+
+
+def _tokenizer_json_bytes(tok) -> bytes:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        tok.save(d)
+        with open(os.path.join(d, "tokenizer.json"), "rb") as f:
+            return f.read()
+
+
+def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True, log=print) -> dict:
+    trainer = build_run(opts, tcfg, log)
+    try:
+        summary = trainer.fit(progress_bar=progress_bar)
+    except TrainingError:
+        raise
+    first, last = summary.get("first_val_loss"), summary.get("last_val_loss")
+    msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
+    if first is not None and last is not None:
+        msg += f": held-out loss {first:.3f} -> {last:.3f}"
+    log(f"{msg}; checkpoint {summary['checkpoint']}")
+    return summary

@@ -1,0 +1,60 @@
+"""Trainer state on disk without pickle: nested dicts/lists of tensors and plain values are split into a
+safetensors blob (the tensors) and a JSON document (everything else, with references to the tensors)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+_REF = "__tensor__"
+
+
+def flatten(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = o.detach().cpu().contiguous()
+            return {_REF: key}
+        if isinstance(o, dict):
+            if any(not isinstance(k, (str, int)) for k in o):
+                raise TypeError(f"state keys must be str or int, got {[type(k) for k in o]}")
+            # JSON keys are strings; remember which were ints so they come back as ints.
+            return {"__dict__": [[k, walk(v)] for k, v in o.items()]}
+        if isinstance(o, (list, tuple)):
+            return {"__list__": [walk(v) for v in o], "__tuple__": isinstance(o, tuple)}
+        if o is None or isinstance(o, (bool, int, float, str)):
+            return o
+        raise TypeError(f"cannot store {type(o).__name__} in trainer state")
+
+    return tensors, walk(obj)
+
+
+def unflatten(tensors: dict[str, torch.Tensor], doc: Any) -> Any:
+    def walk(o: Any) -> Any:
+        if isinstance(o, dict):
+            if _REF in o:
+                return tensors[o[_REF]]
+            if "__dict__" in o:
+                return {k: walk(v) for k, v in o["__dict__"]}
+            if "__list__" in o:
+                items = [walk(v) for v in o["__list__"]]
+                return tuple(items) if o.get("__tuple__") else items
+        return o
+
+    return walk(doc)
+
+
+def dumps(obj: Any) -> tuple[bytes, bytes]:
+    """(safetensors bytes, JSON bytes)."""
+    tensors, doc = flatten(obj)
+    return st_save(tensors), json.dumps(doc).encode("utf-8")
+
+
+def loads(tensor_bytes: bytes, json_bytes: bytes) -> Any:
+    return unflatten(st_load(tensor_bytes), json.loads(json_bytes.decode("utf-8")))

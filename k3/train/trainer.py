@@ -1,0 +1,414 @@
+"""The training loop: data -> model -> Per-Head Muon step -> QK-Clip -> Quantile Balancing, with metrics,
+atomic checkpoints and exact resume.
+
+The loop is single-device code. Everything a distributed wrapper needs to change is a constructor argument
+(the model, the process group for balancing) or a method to override (`_all_reduce_grads`); there is no
+global state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from k3.config import K3Config
+from k3.model.latent_moe import LatentMoE
+from k3.model.model import K3ForCausalLM
+from k3.train.balance import ExpertBalancer
+from k3.train.muon import PerHeadMuon, muon_param_groups
+from k3.train.qk_clip import enable_max_logit_recording, qk_clip_
+from k3.train.schedule import lr_multiplier
+from k3.train import state as state_io
+from k3.utils import atomic_write_text
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. repeated non-finite losses); the last good checkpoint is intact."""
+
+
+@dataclass
+class TrainConfig:
+    out: str = "runs/k3"
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    seq_len: int = 256
+    batch_tokens: int = 8192  # tokens per optimizer step
+    micro_batch_rows: int | None = None  # rows per forward/backward (None: the whole batch at once)
+    lr: float = 3e-3  # peak Muon and AdamW learning rate
+    warmup_frac: float = 0.01
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.3
+    balance: str = "histogram"  # histogram | exact | sign | none
+    qk_clip_tau: float = 100.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every_minutes: float = 5.0
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    max_bad_steps: int = 5
+    seed: int = 0
+    device: str = "cpu"
+    autocast_bf16: bool = False
+
+    def validate(self) -> None:
+        def bad(name, allowed):
+            raise ValueError(f"training option '{name}' = {getattr(self, name)!r} is invalid: {allowed}")
+
+        if self.max_steps is None and self.max_minutes is None:
+            bad("max_steps", "give --max-steps or --max-minutes (or both)")
+        if self.max_steps is not None and self.max_steps < 1:
+            bad("max_steps", "must be >= 1")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            bad("max_minutes", "must be > 0")
+        if self.seq_len < 8:
+            bad("seq_len", "must be >= 8")
+        if self.batch_tokens < self.seq_len:
+            bad("batch_tokens", f"must be >= seq_len ({self.seq_len})")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            bad("lr", "must be a positive number")
+        if self.balance not in ("histogram", "exact", "sign", "none"):
+            bad("balance", "must be histogram, exact, sign or none")
+        if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
+            bad("micro_batch_rows", "must be >= 1")
+
+    @property
+    def rows_per_step(self) -> int:
+        return max(1, self.batch_tokens // self.seq_len)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    elapsed_s: float
+    mtp_loss: float | None = None
+    max_logit: float | None = None
+    clipped_heads: int = 0
+    expert_load_max_over_mean: list[float] = field(default_factory=list)
+    skipped: bool = False
+
+
+class Trainer:
+    def __init__(self, model: K3ForCausalLM, tcfg: TrainConfig, train_loader, eval_stream=None, eos_id: int = 0,
+                 tokenizer_json: bytes | None = None, log=print):
+        tcfg.validate()
+        self.model, self.cfg, self.loader = model, tcfg, train_loader
+        self.eval_stream, self.eos_id, self.tokenizer_json, self.log = eval_stream, eos_id, tokenizer_json, log
+        self.device = torch.device(tcfg.device)
+        self.optimizer = PerHeadMuon(muon_param_groups(model), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+        self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
+        for m in self.moe_layers:
+            m.record_routing = True
+        self.balancers = [] if tcfg.balance == "none" else [
+            ExpertBalancer(m.gate.e_score_correction_bias.numel(), m.gate.top_k, method=tcfg.balance)
+            for m in self.moe_layers]
+        enable_max_logit_recording(model, tcfg.qk_clip_tau is not None and tcfg.qk_clip_tau > 0)
+        self.step = 0
+        self.elapsed = 0.0  # seconds of training (excluding evaluation), carried across resumes
+        self.bad_steps = 0
+        self.history: list[dict] = []
+        self._stop_requested = False
+
+    # --- schedule ----------------------------------------------------------------------------
+    def progress(self) -> float:
+        """Fraction of the run done: by steps when --max-steps is set, otherwise by training time."""
+        c = self.cfg
+        fracs = []
+        if c.max_steps is not None:
+            fracs.append(self.step / c.max_steps)
+        if c.max_minutes is not None and c.max_steps is None:
+            fracs.append(self.elapsed / (60 * c.max_minutes))
+        return max(fracs)
+
+    def done(self) -> bool:
+        c = self.cfg
+        if c.max_steps is not None and self.step >= c.max_steps:
+            return True
+        return c.max_minutes is not None and self.elapsed >= 60 * c.max_minutes
+
+    # --- one step ------------------------------------------------------------------------------
+    def train_step(self) -> StepMetrics:
+        c, model = self.cfg, self.model
+        model.train()
+        t0 = time.perf_counter()
+        mult = lr_multiplier(self.progress(), c.warmup_frac, c.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["initial_lr"] * mult
+        batch = self.loader.next_batch()
+        rows = batch["input_ids"].shape[0]
+        mb = c.micro_batch_rows or rows
+        n_tokens = int((batch["labels"][:, 1:] != -100).sum())
+        loss_sum, mtp_sum = 0.0, 0.0
+        bias_now = [m.gate.e_score_correction_bias.clone() for m in self.moe_layers]
+        for s in range(0, rows, mb):
+            part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
+            w = part["input_ids"].shape[0] / rows
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16):
+                out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"])
+                loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
+            (loss * w).backward()
+            loss_sum += float(out.loss.detach()) * w
+            mtp_sum += float(out.mtp_loss.detach()) * w if out.mtp_loss is not None else 0.0
+            for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
+                bal.observe(m.last_routing, b)
+        self._all_reduce_grads()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
+        metrics = StepMetrics(step=self.step + 1, loss=loss_sum, lr=self.optimizer.param_groups[0]["lr"],
+                              grad_norm=grad_norm, tokens_per_s=0.0, elapsed_s=0.0,
+                              mtp_loss=mtp_sum if len(model.mtp) else None)
+        loads = [bal.load_stats()["max_over_mean"] for bal in self.balancers]
+        if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+            # Skip: no parameter, bias or optimizer state changes; the data position moves on.
+            self.optimizer.zero_grad(set_to_none=True)
+            for bal, b in zip(self.balancers, bias_now):
+                bal.update(b)  # discard this window's statistics (the returned bias is not applied)
+            self.bad_steps += 1
+            metrics.skipped = True
+            self.log(f"step {self.step + 1}: non-finite loss or gradient (loss={loss_sum}, grad norm={grad_norm}); "
+                     f"step skipped ({self.bad_steps} in a row)")
+            if self.bad_steps >= c.max_bad_steps:
+                raise TrainingError(f"{self.bad_steps} consecutive steps had non-finite loss or gradients; stopping. "
+                                    "The last good checkpoint is intact; try a lower --lr.")
+        else:
+            self.bad_steps = 0
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if c.qk_clip_tau and c.qk_clip_tau > 0:
+                clip = qk_clip_(model, c.qk_clip_tau)
+                metrics.max_logit, metrics.clipped_heads = clip["max_logit"], clip["clipped_heads"]
+            # Quantile Balancing: the bias computed from this step's routing applies from the next step on.
+            with torch.no_grad():
+                for bal, m in zip(self.balancers, self.moe_layers):
+                    m.gate.e_score_correction_bias.copy_(bal.update(m.gate.e_score_correction_bias))
+        metrics.expert_load_max_over_mean = loads
+        self.step += 1
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        metrics.tokens_per_s = n_tokens / max(dt, 1e-9)
+        metrics.elapsed_s = self.elapsed
+        return metrics
+
+    def _all_reduce_grads(self) -> None:
+        """Hook for data-parallel wrappers; a single process has nothing to reduce."""
+
+    # --- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.eval_stream is None:
+            return None
+        from k3.data.packing import eval_batches
+
+        return evaluate_loss(self.model, self.eval_stream, self.cfg.seq_len, self.eos_id, self.cfg.eval_batches,
+                             rows=max(1, min(self.cfg.rows_per_step, 16)), device=self.device,
+                             autocast_bf16=self.cfg.autocast_bf16, batches_fn=eval_batches)
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.step, "elapsed": self.elapsed, "bad_steps": self.bad_steps,
+            "optimizer": self.optimizer.state_dict(),
+            "balancers": [b.state_dict() for b in self.balancers],
+            "loader": self.loader.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "train_config": asdict(self.cfg),
+        }
+
+    def save(self) -> str:
+        ckdir = os.path.join(self.cfg.out, "checkpoints")
+        name = f"step-{self.step:07d}"
+        t_bytes, j_bytes = state_io.dumps(self.trainer_state())
+        extra = {"trainer_state.safetensors": t_bytes, "trainer_state.json": j_bytes}
+        if self.tokenizer_json is not None:
+            extra["tokenizer.json"] = self.tokenizer_json
+        self.model.save_pretrained(os.path.join(ckdir, name), extra_files=extra)
+        atomic_write_text(os.path.join(ckdir, "latest.json"), json.dumps({"checkpoint": name, "step": self.step}))
+        self._prune(ckdir, keep=name)
+        return os.path.join(ckdir, name)
+
+    def _prune(self, ckdir: str, keep: str) -> None:
+        import shutil
+
+        names = sorted(n for n in os.listdir(ckdir) if n.startswith("step-") and not n.endswith((".partial", ".old")))
+        for n in names[: max(0, len(names) - self.cfg.keep_checkpoints)]:
+            if n != keep:
+                shutil.rmtree(os.path.join(ckdir, n), ignore_errors=True)
+
+    def load(self, ckpt_dir: str) -> None:
+        from k3.checkpoint import load_state_into
+
+        load_state_into(self.model, ckpt_dir)
+        with open(os.path.join(ckpt_dir, "trainer_state.safetensors"), "rb") as f:
+            t_bytes = f.read()
+        with open(os.path.join(ckpt_dir, "trainer_state.json"), "rb") as f:
+            j_bytes = f.read()
+        try:
+            st = state_io.loads(t_bytes, j_bytes)
+        except Exception as e:
+            raise TrainingError(f"trainer state in {ckpt_dir} is unreadable ({e}); the checkpoint is damaged") from None
+        self.step, self.elapsed, self.bad_steps = st["step"], st["elapsed"], st["bad_steps"]
+        self.optimizer.load_state_dict(st["optimizer"])
+        for b, s in zip(self.balancers, st["balancers"]):
+            b.load_state_dict(s)
+        self.loader.load_state_dict(st["loader"])
+        torch.set_rng_state(st["torch_rng"])
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def fit(self, progress_bar: bool = True) -> dict:
+        c = self.cfg
+        os.makedirs(c.out, exist_ok=True)
+        metrics_path = os.path.join(c.out, "metrics.jsonl")
+        prev_handler = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame):
+            if self._stop_requested:  # second Ctrl-C: stop now
+                signal.signal(signal.SIGINT, prev_handler)
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            self.log("\ninterrupt: finishing this step, saving a checkpoint, then exiting (Ctrl-C again to abort)")
+
+        in_main = _is_main_thread()
+        if in_main:
+            signal.signal(signal.SIGINT, on_sigint)
+        bar = _progress_bar(c, self.step, enabled=progress_bar)
+        summary = {"start_step": self.step}
+        try:
+            with open(metrics_path, "a", encoding="utf-8") as mf:
+                if self.step == 0:
+                    val = self.evaluate()
+                    if val is not None:
+                        self._record(mf, {"step": 0, "val_loss": val, "elapsed_s": 0.0})
+                        summary["first_val_loss"] = val
+                last_save = time.monotonic()
+                while not self.done() and not self._stop_requested:
+                    m = self.train_step()
+                    rec = {k: v for k, v in asdict(m).items() if v is not None}
+                    if self.step % c.eval_every == 0 or self.done():
+                        val = self.evaluate()
+                        if val is not None:
+                            rec["val_loss"] = val
+                            summary.setdefault("first_val_loss", val)
+                            summary["last_val_loss"] = val
+                    if self.step % c.log_every == 0 or "val_loss" in rec or self.done():
+                        self._record(mf, rec)
+                    summary["last_loss"] = m.loss
+                    bar.update(self, m)
+                    if time.monotonic() - last_save > 60 * c.save_every_minutes:
+                        self.save()
+                        last_save = time.monotonic()
+                path = self.save()
+                summary.update(step=self.step, checkpoint=path, interrupted=self._stop_requested)
+        finally:
+            bar.close()
+            if in_main:
+                signal.signal(signal.SIGINT, prev_handler)
+        self._plot()
+        return summary
+
+    def _record(self, f, rec: dict) -> None:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        self.history.append(rec)
+        if "val_loss" in rec:
+            self._plot()
+
+    def _plot(self) -> None:
+        try:
+            plot_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), os.path.join(self.cfg.out, "loss.png"))
+        except Exception as e:  # a plot must never stop training
+            self.log(f"(could not update loss.png: {e})")
+
+
+@torch.no_grad()
+def evaluate_loss(model, stream: np.ndarray, seq_len: int, eos_id: int, max_batches: int | None, rows: int,
+                  device, autocast_bf16: bool = False, batches_fn=None) -> float:
+    """Mean next-token loss over held-out windows (token-weighted)."""
+    if batches_fn is None:
+        from k3.data.packing import eval_batches as batches_fn
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches_fn(stream, seq_len, rows, eos_id, max_batches=max_batches):
+        b = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast_bf16):
+            out = model(b["input_ids"], labels=b["labels"], segment_ids=b["segment_ids"])
+        n = int((b["labels"][:, 1:] != -100).sum())
+        total += float(out.loss) * n
+        count += n
+    if count == 0:
+        raise ValueError("the held-out data has no complete window: use a shorter --seq-len or more data")
+    return total / count
+
+
+def plot_metrics(metrics_path: str, png_path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses, vsteps, vlosses = [], [], [], []
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if "loss" in r:
+                steps.append(r["step"])
+                losses.append(r["loss"])
+            if "val_loss" in r:
+                vsteps.append(r["step"])
+                vlosses.append(r["val_loss"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if steps:
+        ax.plot(steps, losses, lw=0.8, label="train")
+    if vsteps:
+        ax.plot(vsteps, vlosses, "o-", label="held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+class _progress_bar:
+    """tqdm bar showing step, loss, tokens/s, lr and the remaining time (by steps or by the time budget)."""
+
+    def __init__(self, c: TrainConfig, start: int, enabled: bool):
+        self.c = c
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            total = c.max_steps if c.max_steps is not None else None
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=True)
+
+    def update(self, tr: Trainer, m: StepMetrics) -> None:
+        if self.bar is None:
+            return
+        post = {"loss": f"{m.loss:.3f}", "tok/s": f"{m.tokens_per_s:,.0f}", "lr": f"{m.lr:.2e}"}
+        if self.c.max_steps is None and self.c.max_minutes is not None:
+            post["left"] = f"{max(0.0, 60 * self.c.max_minutes - tr.elapsed) / 60:.1f}min"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

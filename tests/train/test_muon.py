@@ -1,0 +1,309 @@
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from helpers import randomize_, rel_err
+from k3.config import K3Config
+from k3.model.kda import KimiDeltaAttention
+from k3.model.latent_moe import GroupedExperts
+from k3.model.mla import GatedMLA
+from k3.model.model import K3ForCausalLM
+from k3.train.muon import (MUON_RMS_SCALE, PerHeadMuon, describe_param_groups, muon_param_groups,
+                           newton_schulz)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matrices gain nothing from intra-op threads, and on a busy machine a thread pool can stall.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny(**kw) -> K3Config:
+    return K3Config.from_preset("tiny").replace(**kw)
+
+
+def _one_step_update(module: torch.nn.Module, param: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """The Muon update direction O of one first step on `param` (all other grads None): p_new = -lr * O
+    when p starts at 0 (so weight decay and fp32 rounding of p do not enter)."""
+    opt = PerHeadMuon(muon_param_groups(module), lr=lr)
+    with torch.no_grad():
+        param.zero_()
+    param.grad = grad.clone()
+    opt.step()
+    return -param.detach().clone() / lr
+
+
+def _block_ns(blocks: torch.Tensor) -> torch.Tensor:
+    """Reference: orthogonalize each [rows, cols] block on its own, one at a time."""
+    rows, cols = blocks.shape[-2:]
+    return torch.stack([newton_schulz(b) for b in blocks]) * MUON_RMS_SCALE * math.sqrt(max(rows, cols))
+
+
+def _head_scaled_grad(shape, heads, seed=0):
+    """A gradient whose heads differ in scale by 100x, where per-head and whole-matrix Muon disagree most."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    scale = torch.logspace(0, 2, heads).repeat_interleave(shape[0] // heads)[:, None]
+    return g * scale
+
+
+# --- (a) per-head / per-expert orthogonalization ------------------------------------------------------
+def test_muon_kda_q_proj_is_per_head():
+    cfg = _tiny()
+    kda = KimiDeltaAttention(cfg, 0)
+    H, K, D = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
+    w = kda.q_proj.weight
+    grad = _head_scaled_grad(w.shape, H)
+    lr = 0.01
+    upd = _one_step_update(kda, w, grad, lr)
+    ref = _block_ns(grad.view(H, K, D)).reshape(H * K, D)
+    for h in range(H):
+        assert rel_err(upd[h * K:(h + 1) * K], ref[h * K:(h + 1) * K]) < 1e-5
+    whole = newton_schulz(grad) * MUON_RMS_SCALE * math.sqrt(max(H * K, D))
+    assert rel_err(upd, whole) > 0.1
+    # Per head, every block gets the same update size whatever its gradient scale.
+    rms = upd.view(H, K, D).pow(2).mean(dim=(1, 2)).sqrt()
+    assert float(rms.max() / rms.min()) < 1.05
+
+
+def test_muon_mla_kv_b_and_q_b_are_per_head():
+    cfg = _tiny()
+    mla = GatedMLA(cfg, 3)
+    H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    lr = 0.01
+    for w, rows in ((mla.kv_b_proj.weight, dn + dv), (mla.q_b_proj.weight, dn + dr)):
+        grad = _head_scaled_grad(w.shape, H, seed=rows)
+        upd = _one_step_update(mla, w, grad, lr)
+        ref = _block_ns(grad.view(H, rows, -1)).reshape(w.shape)
+        for h in range(H):
+            assert rel_err(upd[h * rows:(h + 1) * rows], ref[h * rows:(h + 1) * rows]) < 1e-5
+        whole = newton_schulz(grad) * MUON_RMS_SCALE * math.sqrt(max(w.shape))
+        assert rel_err(upd, whole) > 0.1
+
+
+def test_muon_experts_are_orthogonalized_one_at_a_time():
+    cfg = _tiny()
+    ex = GroupedExperts(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, 4.0, 25.0)
+    E, F, L = ex.w1.shape
+    grad = _head_scaled_grad((E * F, L), E, seed=3).view(E, F, L)
+    lr = 0.01
+    upd = _one_step_update(ex, ex.w1, grad, lr)
+    ref = _block_ns(grad)
+    for e in range(E):
+        assert rel_err(upd[e], ref[e]) < 1e-5
+    whole = (newton_schulz(grad.reshape(E * F, L)) * MUON_RMS_SCALE * math.sqrt(E * F)).view(E, F, L)
+    assert rel_err(upd, whole) > 0.1
+    # w2 is [E, L, F]: wide blocks, scaled by sqrt(max(L, F)) = sqrt(F).
+    g2 = torch.randn(ex.w2.shape, generator=torch.Generator().manual_seed(4))
+    upd2 = _one_step_update(ex, ex.w2, g2, lr)
+    assert rel_err(upd2, _block_ns(g2)) < 1e-5
+
+
+def test_muon_whole_matrix_momentum_nesterov_two_steps():
+    lin = torch.nn.Linear(48, 32, bias=False)
+    opt = PerHeadMuon(muon_param_groups(lin), lr=0.02, momentum=0.9, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(5)
+    g1, g2 = torch.randn(32, 48, generator=gen), torch.randn(32, 48, generator=gen)
+    p0 = lin.weight.detach().clone()
+    scale = MUON_RMS_SCALE * math.sqrt(48)
+    buf = torch.zeros_like(p0)
+    expect = p0.clone()
+    for g in (g1, g2):
+        lin.weight.grad = g.clone()
+        opt.step()
+        buf = 0.9 * buf + g
+        expect = expect - 0.02 * newton_schulz(g + 0.9 * buf) * scale
+    assert rel_err(lin.weight.detach() - p0, expect - p0) < 1e-5
+
+
+def test_adamw_part_matches_torch_adamw():
+    emb = torch.nn.Embedding(64, 16)
+    norm_w = torch.nn.Parameter(torch.randn(16))
+    mod = torch.nn.Module()
+    mod.emb, mod.norm_w = emb, norm_w
+    ref = copy.deepcopy(mod)
+    opt = PerHeadMuon(muon_param_groups(mod), lr=3e-3)
+    ref_opt = torch.optim.AdamW([{"params": [ref.emb.weight], "weight_decay": 0.1},
+                                 {"params": [ref.norm_w], "weight_decay": 0.0}],
+                                lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        g_e, g_n = torch.randn(64, 16, generator=gen), torch.randn(16, generator=gen)
+        emb.weight.grad, norm_w.grad = g_e.clone(), g_n.clone()
+        ref.emb.weight.grad, ref.norm_w.grad = g_e.clone(), g_n.clone()
+        opt.step()
+        ref_opt.step()
+    assert rel_err(emb.weight.detach(), ref.emb.weight.detach()) < 1e-6
+    assert rel_err(norm_w.detach(), ref.norm_w.detach()) < 1e-6
+
+
+# --- (b) Newton-Schulz ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(256, 64), (64, 256), (96, 128), (4, 48, 32)])
+def test_newton_schulz_singular_values_near_one(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+    g_copy = g.clone()
+    o = newton_schulz(g, steps=5)
+    assert o.shape == g.shape and o.dtype == g.dtype
+    assert torch.equal(g, g_copy)  # pure
+    s = torch.linalg.svdvals(o.double())
+    assert float(s.min()) > 0.68 and float(s.max()) < 1.21, (float(s.min()), float(s.max()))
+    # Same singular vectors as the exact polar factor U V^T: O is close to it.
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    polar = u @ vh
+    assert float((o.double() - polar).norm() / polar.norm()) < 0.3
+
+
+def test_newton_schulz_is_scale_invariant_and_handles_zero():
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    assert rel_err(newton_schulz(1000 * g), newton_schulz(g)) < 1e-5
+    assert torch.equal(newton_schulz(torch.zeros(8, 4)), torch.zeros(8, 4))
+    o_bf16 = newton_schulz(g, dtype=torch.bfloat16)
+    o_fp32 = newton_schulz(g)
+    assert o_bf16.dtype == torch.float32 and float((o_bf16 - o_fp32).norm() / o_fp32.norm()) < 0.05
+
+
+# --- (c) classification ------------------------------------------------------------------------------------
+def test_describe_param_groups_tiny_model():
+    cfg = _tiny()  # MTP on: eh_proj and the MTP block are covered
+    model = K3ForCausalLM(cfg)
+    desc = describe_param_groups(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert list(desc) == names and len(set(names)) == len(names)
+    H_kda, H_mla, E = cfg.kda_num_heads, cfg.num_attention_heads, cfg.num_experts
+    for n, label in desc.items():
+        if n in ("lm_head.weight", "model.embed_tokens.weight"):
+            want = "adamw"
+        elif n.endswith(("norm.weight", "A_log", "dt_bias", "conv1d.weight", "_res_proj.weight")):
+            want = "adamw"
+        elif n.endswith("self_attn.q_b_proj.weight") or n.endswith("self_attn.kv_b_proj.weight"):
+            want = f"muon/heads({H_mla})"
+        elif n.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            want = f"muon/heads({H_kda})"
+        elif n.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            want = f"muon/experts({E})"
+        else:  # every other matrix: o/g/f_a/f_b/b/q_a/kv_a/gate/up/down/routed_* projections, router, eh_proj
+            want = "muon"
+            assert model.get_parameter(n).ndim == 2 and min(model.get_parameter(n).shape) > 1, n
+        assert label == want, (n, label, want)
+    for must in ("mtp.0.eh_proj.weight", "model.layers.1.block_sparse_moe.gate.weight",
+                 "model.layers.0.self_attn.b_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"):
+        assert desc[must] == "muon"
+
+    groups = muon_param_groups(model)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(names)  # every parameter exactly once
+    buffers = {id(b) for b in model.buffers()}
+    assert not buffers & set(ids)  # the router bias is never optimized
+    by_name = {g["name"]: g for g in groups}
+    assert set(by_name) == {f"muon/heads({H_kda})", f"muon/experts({E})", "muon", "adamw/decay", "adamw/no_decay"}
+    for g in groups:
+        assert g["use_muon"] == g["name"].startswith("muon")
+        assert g["weight_decay"] == (0.0 if g["name"] == "adamw/no_decay" else 0.1)
+    assert by_name[f"muon/experts({E})"]["split"] == "experts" and by_name[f"muon/experts({E})"]["num_blocks"] == E
+    assert by_name["muon"]["split"] == "none" and by_name["muon"]["num_blocks"] is None
+    decay_ids = {id(p) for p in by_name["adamw/decay"]["params"]}
+    assert decay_ids == {id(model.lm_head.weight), id(model.model.embed_tokens.weight)}
+
+
+def test_param_groups_distinct_head_counts_and_tied_embeddings():
+    cfg = _tiny(kda_num_heads=4, kda_head_dim=32, tie_word_embeddings=True, num_nextn_predict_layers=0)
+    model = K3ForCausalLM(cfg)
+    desc = describe_param_groups(model)
+    assert desc["model.layers.0.self_attn.k_proj.weight"] == "muon/heads(4)"
+    assert desc["model.layers.3.self_attn.kv_b_proj.weight"] == "muon/heads(2)"
+    assert "lm_head.weight" not in desc and desc["model.embed_tokens.weight"] == "adamw"
+    groups = {g["name"]: g for g in muon_param_groups(model)}
+    assert groups["muon/heads(4)"]["num_blocks"] == 4 and groups["muon/heads(2)"]["num_blocks"] == 2
+    assert [id(p) for p in groups["adamw/decay"]["params"]] == [id(model.lm_head.weight)]
+
+
+def test_optimizer_lr_and_weight_decay_plumbing():
+    model = K3ForCausalLM(_tiny(num_nextn_predict_layers=0))
+    opt = PerHeadMuon(muon_param_groups(model), lr=0.01, adamw_lr=0.003, weight_decay=0.05)
+    for g in opt.param_groups:
+        assert g["lr"] == g["initial_lr"] == (0.01 if g["use_muon"] else 0.003)
+        assert g["weight_decay"] == (0.0 if g["name"] == "adamw/no_decay" else 0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    for g in opt.param_groups:
+        assert g["lr"] == 0.5 * g["initial_lr"]
+    del sched
+    assert all(g["weight_decay"] in (0.0, 0.1) for g in PerHeadMuon(model).param_groups)
+
+
+# --- (d) real training ----------------------------------------------------------------------------------
+def _batch(cfg, seed=1, shape=(2, 48)):
+    return torch.randint(0, cfg.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _train(model, opt, x, steps):
+    losses = []
+    for _ in range(steps):
+        out = model(x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+    return losses
+
+
+def test_muon_trains_tiny_model(tiny_cfg):
+    model = K3ForCausalLM(tiny_cfg).init_weights(0)
+    x = _batch(tiny_cfg)
+    opt = PerHeadMuon(muon_param_groups(model))  # default lr
+    losses = _train(model, opt, x, 20)
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.9 * losses[0], losses
+    with torch.no_grad():
+        final = model(x, labels=x).loss.item()
+    assert final < 0.9 * losses[0], (losses[0], final)
+
+
+# --- (e) bit-exact resume ------------------------------------------------------------------------------
+def test_state_dict_round_trip_continues_bit_for_bit(tiny_cfg):
+    x = _batch(tiny_cfg, seed=2, shape=(2, 32))
+    model = randomize_(K3ForCausalLM(tiny_cfg), seed=3, scale=0.1)
+    opt = PerHeadMuon(muon_param_groups(model), lr=5e-3)
+    _train(model, opt, x, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    losses_a = _train(model, opt, x, 3)
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = K3ForCausalLM(tiny_cfg)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = PerHeadMuon(muon_param_groups(resumed), lr=1.0)  # hyperparameters come from the checkpoint
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.param_groups[0]["lr"] == 5e-3
+    losses_b = _train(resumed, opt2, x, 3)
+    assert losses_a == losses_b
+    for (n, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), n
+    sa, sb = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(sa[k][key], sb[k][key]), (k, key)
+
+
+# --- (f) weight decay ----------------------------------------------------------------------------------
+def test_weight_decay_with_zero_grad():
+    model = K3ForCausalLM(_tiny(num_nextn_predict_layers=0)).init_weights(0)
+    lr, wd = 0.02, 0.1
+    opt = PerHeadMuon(muon_param_groups(model), lr=lr, weight_decay=wd)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    desc = describe_param_groups(model)
+    for n, p in model.named_parameters():
+        no_decay = desc[n] == "adamw" and n not in ("lm_head.weight", "model.embed_tokens.weight")
+        expect = before[n] if no_decay else before[n] * (1 - lr * wd)
+        assert torch.equal(p.detach(), expect), n
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(model.get_parameter(q).detach(), before[q])

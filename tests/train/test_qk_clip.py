@@ -1,0 +1,196 @@
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import randomize_
+from k3.config import K3Config
+from k3.model.model import K3ForCausalLM
+from k3.train.qk_clip import enable_max_logit_recording, mla_layers, qk_clip_
+
+TAU = 5.0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matrices gain nothing from intra-op threads, and on a busy machine a thread pool can stall.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(blow_up: bool = True):
+    """Tiny model with MTP (three Gated MLA layers: 3, 4 and the MTP block's 5). With `blow_up`, head 0 of
+    every MLA layer gets its query and key-nope rows scaled by 40 (logits ~1600x, far above TAU) while head 1
+    stays small, and the shared extra key dims are enlarged so the query extra rows matter."""
+    model = randomize_(K3ForCausalLM(K3Config.from_preset("tiny")), seed=0, scale=0.1)
+    if blow_up:
+        with torch.no_grad():
+            for m in mla_layers(model):
+                H, dn, dr, dv = m.num_heads, m.dn, m.dr, m.dv
+                m.q_b_proj.weight.view(H, dn + dr, -1)[0] *= 40
+                m.kv_b_proj.weight.view(H, dn + dv, -1)[0, :dn] *= 40
+                m.kv_a_proj_with_mqa.weight[m.kv_rank:] *= 30
+    return model
+
+
+def _x(seed=0, shape=(2, 32)):
+    return torch.randint(0, 4096, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _forward(model, x, grad=False):
+    with torch.set_grad_enabled(grad):
+        model(x, labels=x)  # labels: the MTP layer runs too
+    return {m.layer_idx: m.last_max_logit.clone() for m in mla_layers(model)}
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_clipped_heads_end_at_or_below_tau_and_others_untouched():
+    model = _model()
+    x = _x()
+    enable_max_logit_recording(model)
+    before = _forward(model, x)
+    assert set(before) == {3, 4, 5}
+    over = {i: v > TAU for i, v in before.items()}
+    assert all(bool(o[0]) and not bool(o[1]) for o in over.values()), before  # head 0 above, head 1 below
+    w0 = _snapshot(model)
+
+    info = qk_clip_(model, tau=TAU)
+    assert info["clipped_heads"] == sum(int(o.sum()) for o in over.values()) == 3
+    assert info["max_logit"] == max(float(v.max()) for v in before.values())
+    assert info["per_layer"].keys() == before.keys()
+    for i in before:
+        assert torch.equal(info["per_layer"][i], before[i])
+
+    after = _forward(model, x)
+    for i, v in after.items():
+        assert bool((v <= TAU * (1 + 1e-5)).all()), (i, v)
+    for m in mla_layers(model):
+        prefix = _prefix(model, m)
+        H, dn, dr, dv = m.num_heads, m.dn, m.dr, m.dv
+        q_new = m.q_b_proj.weight.detach().view(H, dn + dr, -1)
+        kv_new = m.kv_b_proj.weight.detach().view(H, dn + dv, -1)
+        q_old = w0[prefix + "q_b_proj.weight"].view(H, dn + dr, -1)
+        kv_old = w0[prefix + "kv_b_proj.weight"].view(H, dn + dv, -1)
+        for h in range(H):
+            if not over[m.layer_idx][h]:
+                assert torch.equal(q_new[h], q_old[h]) and torch.equal(kv_new[h], kv_old[h])
+            else:
+                assert not torch.equal(q_new[h], q_old[h])
+
+
+def _prefix(model, module):
+    return next(n for n, m in model.named_modules() if m is module) + "."
+
+
+def test_shared_extra_key_dims_and_values_are_not_touched():
+    model = _model()
+    enable_max_logit_recording(model)
+    before = _forward(model, _x())
+    w0 = _snapshot(model)
+    info = qk_clip_(model, tau=TAU)
+    assert info["clipped_heads"] == 3
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), w0[n])}
+    assert changed == {_prefix(model, m) + s for m in mla_layers(model) for s in ("q_b_proj.weight", "kv_b_proj.weight")}
+    for m in mla_layers(model):
+        p = _prefix(model, m)
+        H, dn, dr, dv = m.num_heads, m.dn, m.dr, m.dv
+        # The extra key dims (rows kv_lora_rank: of kv_a_proj_with_mqa) are shared by all heads: untouched.
+        assert torch.equal(m.kv_a_proj_with_mqa.weight[m.kv_rank:], w0[p + "kv_a_proj_with_mqa.weight"][m.kv_rank:])
+        kv_new = m.kv_b_proj.weight.detach().view(H, dn + dv, -1)
+        kv_old = w0[p + "kv_b_proj.weight"].view(H, dn + dv, -1)
+        q_new = m.q_b_proj.weight.detach().view(H, dn + dr, -1)
+        q_old = w0[p + "q_b_proj.weight"].view(H, dn + dr, -1)
+        assert torch.equal(kv_new[:, dn:], kv_old[:, dn:])  # value rows, every head
+        gamma = TAU / float(before[m.layer_idx][0])
+        torch.testing.assert_close(q_new[0, :dn], q_old[0, :dn] * math.sqrt(gamma), rtol=1e-6, atol=0)
+        torch.testing.assert_close(q_new[0, dn:], q_old[0, dn:] * gamma, rtol=1e-6, atol=0)
+        torch.testing.assert_close(kv_new[0, :dn], kv_old[0, :dn] * math.sqrt(gamma), rtol=1e-6, atol=0)
+
+
+def test_clipped_logit_scales_exactly_to_tau():
+    """Same layer inputs before and after: every logit of a clipped head scales by gamma, so its max is tau."""
+    model = _model()
+    inputs = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args: inputs.__setitem__(mod.layer_idx, args[0].detach()))
+             for m in mla_layers(model)]
+    enable_max_logit_recording(model)
+    before = _forward(model, _x())
+    for h in hooks:
+        h.remove()
+    qk_clip_(model, tau=TAU)
+    for m in mla_layers(model):
+        with torch.no_grad():
+            m(inputs[m.layer_idx])
+        new = m.last_max_logit
+        old = before[m.layer_idx]
+        assert abs(float(new[0]) - TAU) <= 1e-4 * TAU, (m.layer_idx, float(new[0]))
+        torch.testing.assert_close(new[1], old[1], rtol=1e-6, atol=0)
+    # Without the extra-dim rows taking the full gamma the max would miss tau: the extra part is not negligible.
+    m = mla_layers(model)[0]
+    with torch.no_grad():
+        c_kr = m.kv_a_proj_with_mqa(inputs[m.layer_idx])
+        k_extra = c_kr[..., m.kv_rank:]
+    assert float(k_extra.abs().max()) > 1.0
+
+
+def test_no_op_when_all_heads_below_tau():
+    model = _model(blow_up=False)
+    enable_max_logit_recording(model)
+    before = _forward(model, _x())
+    w0 = _snapshot(model)
+    info = qk_clip_(model)  # default tau = 100
+    assert info["clipped_heads"] == 0
+    assert info["max_logit"] == max(float(v.max()) for v in before.values()) < 100
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), w0[n]), n
+
+
+def test_micro_batches_accumulate_and_eval_forwards_do_not():
+    model = _model(blow_up=False)
+    enable_max_logit_recording(model)
+    r1 = _forward(model, _x(1), grad=True)
+    r_eval = _forward(model, _x(9, shape=(4, 64)), grad=False)  # an evaluation between micro-batches
+    r2 = _forward(model, _x(2), grad=True)
+    want = {i: torch.maximum(r1[i], r2[i]) for i in r1}
+    assert any(bool((r_eval[i] > want[i]).any()) for i in want)  # the eval record would have mattered
+    assert any(not torch.equal(want[i], r2[i]) for i in want)  # and so does the first micro-batch
+    info = qk_clip_(model, tau=1e9)
+    for i in want:
+        assert torch.equal(info["per_layer"][i], want[i]), i
+    # Consumed: nothing recorded since, so the next call has nothing to work with.
+    with pytest.warns(UserWarning, match="recorded"):
+        again = qk_clip_(model, tau=1e9)
+    assert again == {"max_logit": -math.inf, "clipped_heads": 0, "per_layer": {}}
+
+
+def test_recording_off_records_nothing():
+    model = _model(blow_up=False)
+    enable_max_logit_recording(model)
+    enable_max_logit_recording(model)  # idempotent: one hook per layer
+    assert all(len(m._forward_hooks) == 1 and m.record_max_logit for m in mla_layers(model))
+    enable_max_logit_recording(model, on=False)
+    assert all(len(m._forward_hooks) == 0 and not m.record_max_logit for m in mla_layers(model))
+    with torch.no_grad():
+        model(_x(), labels=_x())
+    assert all(m.last_max_logit is None for m in mla_layers(model))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+def test_single_process_group_all_reduce(tmp_path):
+    model = _model()
+    enable_max_logit_recording(model)
+    before = _forward(model, _x())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        info = qk_clip_(model, tau=TAU)
+    finally:
+        dist.destroy_process_group()
+    assert info["clipped_heads"] == 3
+    for i in before:
+        assert torch.equal(info["per_layer"][i], before[i])

@@ -1,0 +1,148 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import randomize_
+from k3.checkpoint import CheckpointError
+from k3.config import K3Config
+from k3.data.packing import PackedLoader
+from k3.model.model import K3ForCausalLM
+from k3.train.trainer import Trainer, TrainConfig, TrainingError
+
+
+def _cfg():
+    return K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0, pad_token_id=0)
+
+
+def _stream(n=40_000, seed=0):
+    # A learnable synthetic stream: a noisy periodic sequence with document breaks (eos = 0).
+    rng = np.random.default_rng(seed)
+    base = np.tile(np.arange(1, 97, dtype=np.int32), n // 96 + 1)[:n]
+    noise = rng.integers(1, 512, size=n, dtype=np.int32)
+    s = np.where(rng.random(n) < 0.1, noise, base)
+    s[rng.random(n) < 0.01] = 0
+    return s.astype(np.int32)
+
+
+def _trainer(tmp_path, max_steps, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(_cfg()).init_weights(seed=seed)
+    tc = TrainConfig(out=str(tmp_path), max_steps=max_steps, seq_len=64, batch_tokens=512, lr=3e-3,
+                     eval_every=10, eval_batches=2, save_every_minutes=1e9, seed=seed, **kw)
+    loader = PackedLoader(_stream(), tc.seq_len, tc.rows_per_step, eos_id=0, seed=seed)
+    return Trainer(model, tc, loader, eval_stream=_stream(4000, seed=1), eos_id=0, log=lambda *a: None)
+
+
+def test_training_reduces_loss_and_logs_everything(tmp_path):
+    tr = _trainer(tmp_path, 30)
+    summary = tr.fit(progress_bar=False)
+    recs = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert recs[0]["step"] == 0 and "val_loss" in recs[0]
+    steps = [r for r in recs if "loss" in r]
+    assert len(steps) == 30
+    r = steps[-1]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "max_logit", "clipped_heads", "expert_load_max_over_mean",
+                "mtp_loss"):
+        assert key in r, key
+    assert len(r["expert_load_max_over_mean"]) == _cfg().num_hidden_layers  # 4 MoE layers + the MTP layer
+    assert summary["last_val_loss"] < 0.8 * summary["first_val_loss"]
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert os.path.isdir(summary["checkpoint"])
+
+
+def test_resume_is_bit_exact(tmp_path):
+    straight = _trainer(tmp_path / "a", 20)
+    straight.fit(progress_bar=False)
+    # The same 20-step run, stopped after step 10 (as Ctrl-C does) and resumed in a fresh trainer.
+    first = _trainer(tmp_path / "b", 20)
+    orig = first.train_step
+
+    def step_then_stop():
+        m = orig()
+        first._stop_requested = first.step == 10
+        return m
+
+    first.train_step = step_then_stop
+    assert first.fit(progress_bar=False)["step"] == 10
+    resumed = _trainer(tmp_path / "b", 20)
+    resumed.load(os.path.join(tmp_path / "b", "checkpoints", "step-0000010"))
+    assert resumed.step == 10
+    resumed.fit(progress_bar=False)
+    for (n, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), n
+    la = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl")]
+    lb = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl")]
+    loss_a = [r["loss"] for r in la if "loss" in r]
+    loss_b = [r["loss"] for r in lb if "loss" in r]
+    assert loss_a == loss_b
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
+    tr = _trainer(tmp_path, 50, max_bad_steps=3)
+    tr.fit(progress_bar=False)  # a good checkpoint at step 50
+    good = {n: p.clone() for n, p in tr.model.state_dict().items()}
+    tr.cfg.max_steps = 60
+    orig = tr.model.forward
+
+    def poisoned(*a, **k):
+        out = orig(*a, **k)
+        out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(tr.model, "forward", poisoned)
+    m = tr.train_step()
+    assert m.skipped
+    for n, p in tr.model.state_dict().items():
+        assert torch.equal(p, good[n]), n  # nothing changed, router biases included
+    with pytest.raises(TrainingError, match="consecutive"):
+        tr.fit(progress_bar=False)
+    from k3.checkpoint import from_pretrained
+
+    last = from_pretrained(tmp_path / "checkpoints" / "step-0000050")
+    assert torch.equal(last.lm_head.weight, good["lm_head.weight"])
+
+
+def test_stop_request_saves_and_exits(tmp_path):
+    tr = _trainer(tmp_path, 1000)
+    orig = tr.train_step
+
+    def step_then_stop():
+        m = orig()
+        if tr.step == 3:
+            tr._stop_requested = True  # what Ctrl-C does
+        return m
+
+    tr.train_step = step_then_stop
+    summary = tr.fit(progress_bar=False)
+    assert summary["interrupted"] and summary["step"] == 3
+    assert os.path.isdir(tmp_path / "checkpoints" / "step-0000003")
+
+
+def test_corrupted_checkpoint_is_refused(tmp_path):
+    tr = _trainer(tmp_path, 2)
+    tr.fit(progress_bar=False)
+    ck = tmp_path / "checkpoints" / "step-0000002"
+    shard = next(p for p in ck.iterdir() if p.name.startswith("model-"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    fresh = _trainer(tmp_path, 4)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        fresh.load(str(ck))
+    (ck / "trainer_state.json").write_text("{broken")
+    tr2 = _trainer(tmp_path / "x", 2)
+    tr2.fit(progress_bar=False)
+    ck2 = tmp_path / "x" / "checkpoints" / "step-0000002"
+    (ck2 / "trainer_state.json").write_text("{broken")
+    with pytest.raises(TrainingError, match="damaged"):
+        _trainer(tmp_path / "x", 4).load(str(ck2))
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="max_steps"):
+        TrainConfig(max_steps=None, max_minutes=None).validate()
+    with pytest.raises(ValueError, match="balance"):
+        TrainConfig(max_steps=1, balance="magic").validate()
+    with pytest.raises(ValueError, match="batch_tokens"):
+        TrainConfig(max_steps=1, seq_len=256, batch_tokens=100).validate()
