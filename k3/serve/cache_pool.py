@@ -1,0 +1,66 @@
+"""The unified page pool (report §5.4.1): MLA latent KV pages and KDA state pages share one pool of
+equal-size pages. Storage is raw bytes; each page type is a typed view, so a page handed to the wrong group
+reads as garbage rather than plausible data.
+
+  MLA page (one MLA layer):  page_tokens x (kv_lora_rank + qk_rope_head_dim) values of the cache dtype
+  KDA page (one KDA layer):  fp32 recurrent state [H, K, V] followed by the fp32 q/k/v conv tails [3, P, W-1]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.config import K3Config
+
+
+class CachePool:
+    def __init__(self, cfg: K3Config, num_pages: int, page_tokens: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if num_pages < 1 or page_tokens < 1:
+            raise ValueError(f"num_pages ({num_pages}) and page_tokens ({page_tokens}) must be positive")
+        self.cfg, self.num_pages, self.page_tokens, self.dtype = cfg, num_pages, page_tokens, dtype
+        self.mla_width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        self.kda_state_shape = (H, K, K)
+        self.kda_conv_shape = (3, H * K, cfg.kda_short_conv_kernel_size - 1)
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.mla_page_bytes = page_tokens * self.mla_width * esize
+        self.kda_elems = H * K * K + 3 * H * K * (cfg.kda_short_conv_kernel_size - 1)
+        self.kda_page_bytes = self.kda_elems * 4
+        # One byte size for every page, rounded to 64 bytes so typed views stay aligned.
+        self.page_bytes = -(-max(self.mla_page_bytes, self.kda_page_bytes) // 64) * 64
+        self.pages = torch.zeros(num_pages, self.page_bytes, dtype=torch.uint8, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.numel()
+
+    # --- typed views ------------------------------------------------------------------------------
+    def mla_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """Gather MLA pages -> [n, page_tokens, width] (a copy)."""
+        raw = self.pages.index_select(0, page_ids)[:, : self.mla_page_bytes].contiguous()
+        return raw.view(self.dtype).view(len(page_ids), self.page_tokens, self.mla_width)
+
+    def write_mla(self, page_ids: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
+        """Write token rows `values` [n, width] at (page_ids[i], offsets[i])."""
+        view = self.pages[:, : self.mla_page_bytes].view(self.dtype).view(self.num_pages, self.page_tokens, -1)
+        view[page_ids, offsets] = values.to(self.dtype)
+
+    def read_kda(self, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (state [n, H, K, V] fp32, conv [n, 3, P, W-1] fp32), copies."""
+        raw = self.pages.index_select(0, page_ids)[:, : self.kda_page_bytes].contiguous().view(torch.float32)
+        n, s = len(page_ids), self.kda_state_shape[0] * self.kda_state_shape[1] * self.kda_state_shape[2]
+        return raw[:, :s].reshape(n, *self.kda_state_shape), raw[:, s:].reshape(n, *self.kda_conv_shape)
+
+    def write_kda(self, page_ids: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
+        n = len(page_ids)
+        flat = torch.cat([state.float().reshape(n, -1), conv.float().reshape(n, -1)], dim=1)
+        self.pages[page_ids, : self.kda_page_bytes] = flat.contiguous().view(torch.uint8).view(n, -1)
+
+    def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
+        """Copy a whole page, or only the first `tokens` token rows of an MLA page (copy-on-write)."""
+        if tokens is None:
+            self.pages[dst].copy_(self.pages[src])
+        else:
+            nb = tokens * self.mla_width * (self.mla_page_bytes // (self.page_tokens * self.mla_width))
+            self.pages[dst, :nb].copy_(self.pages[src, :nb])

@@ -1,0 +1,308 @@
+"""The serving engine: request -> scheduler -> runner -> sampler -> request (report §5.4).
+
+`LLMEngine.step()` runs one scheduling step: plan the work (decode tokens and prefill chunks under the token
+budget), restore prefix-cache hits, run the model against the paged pool, persist KDA checkpoints at
+hash-aligned positions, sample, and apply stop rules. It is synchronous; the HTTP server drives it from a
+background thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.serve.cache_pool import CachePool
+from k3.serve.prefix_cache import OutOfPages, PrefixCache
+from k3.serve.runner import ModelRunner, SeqSlots
+from k3.serve.sampling import SamplingParams, sample
+from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
+from k3.serve.sequence import Sequence, Status
+
+
+@dataclass
+class EngineConfig:
+    cache_memory_mb: float = 512.0  # the page pool (MLA latent KV + KDA states + checkpoints)
+    page_tokens: int = 2048  # physical page (allocation unit) in tokens
+    hash_block_tokens: int = 512  # prefix-hash granularity; KDA checkpoints sit on these boundaries
+    enable_prefix_cache: bool = True
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        if self.page_tokens < 1 or self.hash_block_tokens < 1 or self.page_tokens % self.hash_block_tokens:
+            raise ValueError(f"page_tokens ({self.page_tokens}) must be a positive multiple of hash_block_tokens "
+                             f"({self.hash_block_tokens})")
+        if not self.cache_memory_mb > 0:
+            raise ValueError(f"cache_memory_mb must be positive, got {self.cache_memory_mb}")
+        self.scheduler.validate()
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+
+
+class EngineMetrics:
+    """Counters and latency samples for /metrics (Prometheus text)."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.queue_time: list[float] = []
+        self.prompt_tokens_cached = 0
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        self.requests_finished = 0
+        self.preemptions = 0
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+        self.cfg = config or EngineConfig()
+        self.cfg.validate()
+        self.model, self.tokenizer = model.eval(), tokenizer
+        mcfg = model.config
+        device = next(model.parameters()).device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        probe = CachePool(mcfg, 1, self.cfg.page_tokens, dtype=dtype, device="meta")
+        num_pages = int(self.cfg.cache_memory_mb * 2**20) // probe.page_bytes
+        n_kda = sum(1 for l in model.model.layers if l.is_kda)
+        n_mla = len(model.model.layers) - n_kda
+        if num_pages < n_kda + n_mla:
+            raise ValueError(f"cache_memory_mb={self.cfg.cache_memory_mb} holds {num_pages} pages of "
+                             f"{probe.page_bytes} bytes; one request needs at least {n_kda + n_mla}")
+        self.pool = CachePool(mcfg, num_pages, self.cfg.page_tokens, dtype=dtype, device=device)
+        self.prefix = PrefixCache(num_pages, n_mla, n_kda, page_tokens=self.cfg.page_tokens,
+                                  hash_block_tokens=self.cfg.hash_block_tokens, enable=self.cfg.enable_prefix_cache)
+        self.runner = ModelRunner(model, self.pool)
+        self.scheduler = Scheduler(self.cfg.scheduler)
+        self.scheduler.on_preempt = self._on_preempt
+        self.max_model_len = self.cfg.max_model_len or mcfg.max_position_embeddings
+        self.eos_id = mcfg.eos_token_id
+        self.metrics = EngineMetrics()
+        self.seqs: dict[str, Sequence] = {}
+        self.lock = threading.RLock()
+
+    # --- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context length {self.max_model_len}")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
+        seq.generator = torch.Generator(device=self.runner.device)
+        seq.generator.manual_seed(params.seed if params.seed is not None else int(torch.seed() % 2**63))
+        with self.lock:
+            if seq.request_id in self.seqs:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            self.seqs[seq.request_id] = seq
+            self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its cache (e.g. the client went away)."""
+        with self.lock:
+            seq = self.seqs.pop(request_id, None)
+            if seq is None or seq.status == Status.FINISHED:
+                return
+            if seq.status == Status.RUNNING:
+                self.prefix.abort(seq.request_id)
+            self.scheduler.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0
+
+    # --- cache hooks used by the scheduler ----------------------------------------------------
+    def _admit(self, seq: Sequence) -> bool:
+        try:
+            adm = self.prefix.admit(seq.request_id, seq.tokens)
+        except OutOfPages:
+            return False
+        for op in adm.copies:  # copy-on-write of a partial page, checkpoint -> private state
+            self.pool.copy_page(op.src, op.dst, op.tokens)
+        if adm.hit_tokens == 0:  # fresh pages still hold their previous owner's bytes
+            self._zero_kda(adm.kda_pages)
+        seq.num_computed = adm.hit_tokens
+        if seq.admitted_at is None:
+            seq.admitted_at = time.monotonic()
+            seq.cached_tokens = adm.hit_tokens
+            self.metrics.queue_time.append(seq.admitted_at - seq.arrival)
+            self.metrics.prompt_tokens_cached += adm.hit_tokens
+        return True
+
+    def _zero_kda(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        ids = torch.tensor(pages, device=self.pool.pages.device)
+        n = len(pages)
+        self.pool.write_kda(ids, torch.zeros(n, *self.pool.kda_state_shape), torch.zeros(n, *self.pool.kda_conv_shape))
+
+    def _grow(self, seq: Sequence, total: int) -> bool:
+        try:
+            self.prefix.ensure_capacity(seq.request_id, total)
+            return True
+        except OutOfPages:
+            return False
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        self.prefix.abort(seq.request_id)
+        seq.num_computed = 0
+        self.metrics.preemptions += 1
+
+    def _slots(self, seq: Sequence) -> SeqSlots:
+        tables, kda_pages = self.prefix.running_pages(seq.request_id)
+        return SeqSlots(tables, kda_pages)
+
+    # --- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self.lock:
+            work = self.scheduler.plan(self._admit, self._grow)
+            if not work:
+                if self.scheduler.running or self.scheduler.num_waiting:
+                    self._fail_unschedulable()
+                return []
+            logits: dict[str, torch.Tensor] = {}
+            singles = [w for w in work if w.end - w.start == 1]
+            for w in work:
+                if w.end - w.start > 1:
+                    logits[w.seq.request_id] = self._run_chunk(w)
+            if singles:
+                out = self.runner.forward([[w.seq.tokens[w.start]] for w in singles], [w.start for w in singles],
+                                          [self._slots(w.seq) for w in singles])
+                for i, w in enumerate(singles):
+                    self._after_forward(w.seq, w.end)
+                    logits[w.seq.request_id] = out[i]
+            outputs = []
+            for w in work:
+                self.metrics.prompt_tokens_computed += sum(1 for p in range(w.start, w.end)
+                                                           if p < len(w.seq.prompt_ids))
+                if w.end == len(w.seq.tokens):
+                    outputs.append(self._sample(w.seq, logits[w.seq.request_id]))
+            self.prefix.mark_landed()
+            return outputs
+
+    def _run_chunk(self, w: Work) -> torch.Tensor:
+        """A prefill chunk. It is split at the last hash-aligned position inside it, so the KDA state there can
+        be persisted as a checkpoint without recomputation."""
+        hb = self.cfg.hash_block_tokens
+        seq, start, end = w.seq, w.start, w.end
+        aligned = (end // hb) * hb
+        bounds = [start, aligned, end] if start < aligned < end else [start, end]
+        out = None
+        for a, b in zip(bounds, bounds[1:]):
+            out = self.runner.forward([seq.tokens[a:b]], [a], [self._slots(seq)])[0]
+            self._after_forward(seq, b)
+        return out
+
+    def _after_forward(self, seq: Sequence, end: int) -> None:
+        seq.num_computed = end
+        if not self.cfg.enable_prefix_cache:
+            return
+        self.prefix.register_tokens(seq.request_id, seq.tokens[:end])
+        if end % self.cfg.hash_block_tokens == 0:
+            pages = self.prefix.checkpoint_slots(seq.request_id, end)
+            if pages:
+                for src, dst in zip(self.prefix.running_pages(seq.request_id)[1], pages):
+                    self.pool.copy_page(src, dst)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        p = seq.params
+        tok = int(sample(logits[None], p, seq.generator)[0])
+        now = time.monotonic()
+        lp = {}
+        if p.logprobs is not None:
+            logp = torch.log_softmax(logits.float(), -1)
+            top = torch.topk(logp, max(p.logprobs, 1))
+            lp = {"token": tok, "logprob": float(logp[tok]),
+                  "top": [(int(i), float(v)) for v, i in zip(top.values, top.indices)][: p.logprobs]}
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft.append(now - seq.arrival)
+        elif seq.output_ids:
+            self.metrics.tpot.append(now - getattr(seq, "_last_token_at", now))
+        seq._last_token_at = now  # type: ignore[attr-defined]
+        self.metrics.generation_tokens += 1
+        reason = None
+        if (self.eos_id is not None and tok == self.eos_id) or tok in p.stop_token_ids:
+            reason = "stop"
+            new_ids = []
+        else:
+            seq.output_ids.append(tok)
+            if lp:
+                seq.logprobs.append(lp)
+            new_ids = [tok]
+        prev_text = seq.text
+        delta = ""
+        if self.tokenizer is not None:
+            full = self.tokenizer.decode(seq.output_ids)
+            stop_at = min((full.find(s) for s in p.stop if s and s in full), default=-1)
+            if stop_at >= 0:
+                full, reason = full[:stop_at], "stop"
+            if reason is None:
+                full = full[: len(full) - _held_back(full, p.stop)]
+            seq.text = full if len(full) >= len(prev_text) or reason else prev_text
+            delta = seq.text[len(prev_text):]
+        if reason is None and len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, [lp] if lp else [])
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.monotonic()
+        if self.tokenizer is not None and reason != "stop":
+            seq.text = self.tokenizer.decode(seq.output_ids)
+        self.prefix.finish(seq.request_id)
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        self.metrics.requests_finished += 1
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing could be scheduled: the oldest waiting request cannot fit even in an empty pool."""
+        if self.scheduler.running:
+            return
+        for q in self.scheduler.waiting.values():
+            if q:
+                seq = q.popleft()
+                seq.status, seq.finish_reason = Status.FINISHED, "error: the request does not fit in the cache"
+                self.seqs.pop(seq.request_id, None)
+                return
+
+    # --- offline use --------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(s.status != Status.FINISHED for s in seqs):
+            self.step()
+        return seqs
+
+    def cache_stats(self) -> dict:
+        st = dict(self.prefix.stats())
+        st["pool_bytes"] = self.pool.nbytes
+        st["page_bytes"] = self.pool.page_bytes
+        return st
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` to hold back: an incomplete UTF-8 character, or a prefix of a stop string."""
+    n = 1 if text.endswith("\ufffd") else 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                n = max(n, k)
+                break
+    return n

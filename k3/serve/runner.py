@@ -1,0 +1,87 @@
+"""Model runner: runs prefill chunks and batched decode steps of many requests against the paged pool.
+
+The model's layers take per-layer cache objects (k3/model/kda.py KDACache, k3/model/mla.py MLACache); the
+runner builds equivalents backed by pool pages for the requests in a batch, runs the model, and writes the
+new KDA states and latent KV back into the pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3.model.cache import K3Cache
+from k3.serve.cache_pool import CachePool
+
+
+@dataclass
+class SeqSlots:
+    """Where one request's cache lives: a block table per MLA layer, a running-state page per KDA layer."""
+    mla_tables: list[list[int]]
+    kda_pages: list[int]
+
+
+class _KDAView:
+    def __init__(self, state: torch.Tensor, conv: torch.Tensor):
+        self.state = state
+        self.conv = [conv[:, 0], conv[:, 1], conv[:, 2]]
+
+
+class _MLAView:
+    def __init__(self, pool: CachePool, tables: list[list[int]], starts: list[int], device):
+        self.pool, self.tables, self.starts, self.device = pool, tables, starts, device
+
+    def append(self, c: torch.Tensor, k_rope: torch.Tensor):
+        pool, pt = self.pool, self.pool.page_tokens
+        B, T, R = c.shape
+        pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(T, device=self.device)[None]
+        tables = torch.tensor([t + [0] * (max(map(len, self.tables)) - len(t)) for t in self.tables],
+                              device=self.device)
+        page = tables.gather(1, pos // pt)
+        pool.write_mla(page.reshape(-1), (pos % pt).reshape(-1), torch.cat([c, k_rope], -1).reshape(B * T, -1))
+        ends = [s + T for s in self.starts]
+        n_pages = -(-max(ends) // pt)
+        kv = pool.mla_pages(tables[:, :n_pages].reshape(-1)).reshape(B, n_pages * pt, -1)[:, : max(ends)]
+        kv = kv.to(c.dtype)
+        c_all, kr_all = kv[..., :R], kv[..., R:]
+        if B == 1:
+            return c_all, kr_all, self.starts[0], None
+        return (c_all, kr_all, torch.tensor(self.starts, device=self.device),
+                torch.tensor(ends, device=self.device))
+
+
+class ModelRunner:
+    def __init__(self, model, pool: CachePool):
+        self.model, self.pool = model, pool
+        self.device = next(model.parameters()).device
+        layers = model.model.layers
+        self.kda_layers = [i for i, l in enumerate(layers) if l.is_kda]
+        self.mla_layers = [i for i, l in enumerate(layers) if not l.is_kda]
+
+    @torch.no_grad()
+    def forward(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots]) -> torch.Tensor:
+        """Run len(tokens) requests; every request contributes the same number of new tokens (T) starting at
+        its own position. Returns the logits of each request's last new token [B, V] (fp32)."""
+        B = len(tokens)
+        T = len(tokens[0])
+        if any(len(t) != T for t in tokens):
+            raise ValueError("all requests of one forward must contribute the same number of tokens")
+        dev = self.device
+        kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
+                                 device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
+        per_layer: list = [None] * len(self.model.model.layers)
+        kda_views = []
+        for g, li in enumerate(self.kda_layers):
+            state, conv = self.pool.read_kda(kda_pages[g])
+            view = _KDAView(state, conv)
+            kda_views.append(view)
+            per_layer[li] = view
+        for g, li in enumerate(self.mla_layers):
+            per_layer[li] = _MLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev)
+        cache = K3Cache(per_layer)
+        ids = torch.tensor(tokens, device=dev)
+        logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1].float()
+        for g, view in enumerate(kda_views):
+            self.pool.write_kda(kda_pages[g], view.state, torch.stack(view.conv, 1))
+        return logits

@@ -1,0 +1,131 @@
+"""Continuous batching with chunked prefill and budget-based admission.
+
+Each step has a token budget. Every running request that is decoding gets one token; the rest of the budget
+goes to prefill chunks. Requests whose prompt is at least `long_prompt_tokens` are "long": while any short
+request is waiting or prefilling, long ones together get at most `long_share` of the prefill budget, so a
+burst of long-context requests cannot starve short ones (report §5.4.3). When the cache runs out of pages
+the most recently admitted request is preempted: its pages are released and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from k3.serve.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_step_tokens: int = 2048  # tokens processed per step (decode tokens + prefill chunks)
+    prefill_chunk: int = 512  # largest prefill chunk of one request in one step
+    long_prompt_tokens: int = 8192
+    long_share: float = 0.5
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_step_tokens", "prefill_chunk", "long_prompt_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"scheduler option '{name}' = {v!r} must be a positive integer")
+        if not 0 < self.long_share <= 1:
+            raise ValueError(f"scheduler option 'long_share' = {self.long_share!r} must lie in (0, 1]")
+
+
+@dataclass
+class Work:
+    seq: Sequence
+    start: int
+    end: int  # feed tokens[start:end]; sample a token when end == len(tokens)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.waiting: dict[str, deque[Sequence]] = {"short": deque(), "long": deque()}
+        self.running: list[Sequence] = []
+
+    def kind(self, seq: Sequence) -> str:
+        return "long" if len(seq.prompt_ids) >= self.cfg.long_prompt_tokens else "short"
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        q = self.waiting[self.kind(seq)]
+        q.appendleft(seq) if front else q.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        for q in self.waiting.values():
+            if seq in q:
+                q.remove(seq)
+
+    def plan(self, admit, grow) -> list[Work]:
+        """One step's work. `admit(seq) -> bool` admits a waiting request into the cache (False: no room);
+        `grow(seq, total_tokens) -> bool` makes room for a request's tokens (False: out of pages)."""
+        c = self.cfg
+        work: list[Work] = []
+        budget = c.max_step_tokens
+        # 1. Decode: one token for every running request past its prompt.
+        for seq in list(self.running):
+            if seq.pending == 1 and budget > 0:
+                while not grow(seq, seq.num_computed + 1):
+                    if not self._preempt_one(exclude=seq, work=work):
+                        break
+                else:
+                    work.append(Work(seq, seq.num_computed, seq.num_computed + 1))
+                    budget -= 1
+        # 2. Prefill chunks of running requests, then new admissions, under per-class budgets.
+        short_busy = self.waiting["short"] or any(self.kind(s) == "short" and s.pending > 1 for s in self.running)
+        long_cap = int(budget * c.long_share) if short_busy else budget
+        used = {"short": 0, "long": 0}
+
+        def room(kind: str) -> int:
+            left = budget - used["short"] - used["long"]
+            return min(left, long_cap - used["long"]) if kind == "long" else left
+
+        def schedule_chunk(seq: Sequence) -> bool:
+            kind = self.kind(seq)
+            n = min(seq.pending, c.prefill_chunk, room(kind))
+            if n <= 0:
+                return False
+            if not grow(seq, seq.num_computed + n):
+                return False
+            work.append(Work(seq, seq.num_computed, seq.num_computed + n))
+            used[kind] += n
+            return True
+
+        for seq in [s for s in self.running if s.pending > 1]:
+            schedule_chunk(seq)
+        for kind in ("short", "long"):
+            q = self.waiting[kind]
+            while q and len(self.running) < c.max_num_seqs and room(kind) > 0:
+                seq = q[0]
+                if not admit(seq):
+                    break
+                q.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                if seq.pending > 0 and not schedule_chunk(seq):
+                    break
+        return work
+
+    def _preempt_one(self, exclude: Sequence, work: list[Work]) -> bool:
+        """Release the most recently admitted running request that has no work this step."""
+        busy = {id(w.seq) for w in work} | {id(exclude)}
+        for seq in reversed(self.running):
+            if id(seq) not in busy:
+                self.running.remove(seq)
+                self.on_preempt(seq)
+                seq.status = Status.WAITING
+                seq.preemptions += 1
+                self.add(seq, front=True)
+                return True
+        return False
+
+    def on_preempt(self, seq: Sequence) -> None:  # the engine releases the request's cache
+        raise NotImplementedError

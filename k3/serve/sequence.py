@@ -1,0 +1,53 @@
+"""One request's life: tokens, sampling parameters, status, timing and its incremental detokenization."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.serve.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV / state are in the cache
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    finish_reason: str | None = None
+    text: str = ""  # detokenized output (stop strings cut off)
+    arrival: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed before the next token can be sampled: the prompt (in chunks) at first, then the last
+        sampled token (one decode step). After a preemption, the prompt and earlier outputs again."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+    def __hash__(self) -> int:
+        return hash(self.request_id)
