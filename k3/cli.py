@@ -127,7 +127,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from k3.serve.generate import generate_tokens
+    """Offline generation through the serving engine (same scheduler, cache and sampler as `k3 serve`)."""
+    from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.sampling import SamplingParams
 
     ckpt = _resolve_ckpt(args.ckpt)
@@ -138,18 +139,15 @@ def cmd_generate(args) -> int:
         params.validate()
     except ValueError as e:
         raise SystemExit(f"k3 generate: {e}")
-    ids = tok.encode(args.prompt)
+    engine = LLMEngine(model, tok, EngineConfig(cache_memory_mb=args.cache_memory_mb))
+    seq = engine.add_request(tok.encode(args.prompt), params)
     sys.stdout.write(args.prompt)
-    out: list[int] = []
-    printed = ""
-    for t in generate_tokens(model, ids, params, eos_id=tok.eos_id):
-        out.append(t)
-        text = tok.decode(out)
-        if not text.endswith("\ufffd"):  # wait for multi-byte characters to complete
-            sys.stdout.write(text[len(printed):])
+    while engine.has_work():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
             sys.stdout.flush()
-            printed = text
-    sys.stdout.write(tok.decode(out)[len(printed):] + "\n")
+    sys.stdout.write("\n")
+    del seq
     return 0
 
 
@@ -204,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto")
     s.set_defaults(fn=cmd_eval)
 
+    from k3.serve.server import add_serve_arguments, cmd_serve
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (binds 127.0.0.1 by default)")
+    add_serve_arguments(s)
+    s.set_defaults(fn=cmd_serve)
+
     s = sub.add_parser("generate", help="continue a prompt")
     s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")
     s.add_argument("prompt")
@@ -212,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=0.95)
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--cache-memory-mb", type=_positive_float, default=256.0, help="page pool for the decode cache")
     s.add_argument("--device", default="auto")
     s.set_defaults(fn=cmd_generate)
     return p

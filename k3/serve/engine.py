@@ -8,6 +8,7 @@ background thread.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
         seq.generator = torch.Generator(device=self.runner.device)
-        seq.generator.manual_seed(params.seed if params.seed is not None else int(torch.seed() % 2**63))
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") % 2**63
+        seq.generator.manual_seed(seed)
         with self.lock:
             if seq.request_id in self.seqs:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
@@ -147,9 +149,11 @@ class LLMEngine:
     def _zero_kda(self, pages: list[int]) -> None:
         if not pages:
             return
-        ids = torch.tensor(pages, device=self.pool.pages.device)
+        dev = self.pool.pages.device
+        ids = torch.tensor(pages, device=dev)
         n = len(pages)
-        self.pool.write_kda(ids, torch.zeros(n, *self.pool.kda_state_shape), torch.zeros(n, *self.pool.kda_conv_shape))
+        self.pool.write_kda(ids, torch.zeros(n, *self.pool.kda_state_shape, device=dev),
+                            torch.zeros(n, *self.pool.kda_conv_shape, device=dev))
 
     def _grow(self, seq: Sequence, total: int) -> bool:
         try:
@@ -173,7 +177,7 @@ class LLMEngine:
             work = self.scheduler.plan(self._admit, self._grow)
             if not work:
                 if self.scheduler.running or self.scheduler.num_waiting:
-                    self._fail_unschedulable()
+                    return self._fail_unschedulable()
                 return []
             logits: dict[str, torch.Tensor] = {}
             singles = [w for w in work if w.end - w.start == 1]
@@ -255,11 +259,11 @@ class LLMEngine:
             if reason is None:
                 full = full[: len(full) - _held_back(full, p.stop)]
             seq.text = full if len(full) >= len(prev_text) or reason else prev_text
-            delta = seq.text[len(prev_text):]
         if reason is None and len(seq.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
-            self._finish(seq, reason)
+            self._finish(seq, reason)  # releases any held-back tail of the text
+        delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
         return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, [lp] if lp else [])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -271,16 +275,17 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.metrics.requests_finished += 1
 
-    def _fail_unschedulable(self) -> None:
+    def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing could be scheduled: the oldest waiting request cannot fit even in an empty pool."""
         if self.scheduler.running:
-            return
+            return []
         for q in self.scheduler.waiting.values():
             if q:
                 seq = q.popleft()
                 seq.status, seq.finish_reason = Status.FINISHED, "error: the request does not fit in the cache"
                 self.seqs.pop(seq.request_id, None)
-                return
+                return [RequestOutput(seq.request_id, [], "", True, seq.finish_reason)]
+        return []
 
     # --- offline use --------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:

@@ -1,0 +1,113 @@
+"""Serving measurements of the engine: time to first token with and without a prefix-cache hit, and decode
+speed at several batch sizes against the memory-bandwidth floor.
+
+    python benchmarks/serve_bench.py --preset k3-mini --ttft 8192 32768 --decode-batch 1 16 64
+
+TTFT: a first request primes the cache with the first N-512 tokens of a prompt; a second request sends the
+full N-token prompt, so all but its last 512 tokens are cached. "cold" is the same prompt on an engine
+without the prefix cache. Decode floor: bytes read per step (all non-routed weights, the routed experts the
+batch can touch, KDA state read + write, MLA latent cache read) over 4.0 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from k3.config import K3Config
+from k3.model.model import K3ForCausalLM
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+
+COPY_BW = 4.0e12
+
+
+def _engine(model, enable, mb, chunk):
+    e = LLMEngine(model, None, EngineConfig(cache_memory_mb=mb, enable_prefix_cache=enable,
+                                            scheduler=SchedulerConfig(max_step_tokens=chunk, prefill_chunk=chunk,
+                                                                      max_num_seqs=128, long_prompt_tokens=10**9)))
+    e.eos_id = None
+    return e
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ttft(model, n, dev, mb, chunk) -> dict:
+    g = torch.Generator().manual_seed(n)
+    V = model.config.vocab_size
+    prompt = torch.randint(1, V, (n,), generator=g).tolist()
+    one = SamplingParams(max_tokens=1, temperature=0)
+    res = {}
+    for enable in (False, True):
+        eng = _engine(model, enable, mb, chunk)
+        if enable:
+            eng.generate([prompt[: n - 512] + [1]], one)  # primes the cache up to the boundary at n - 512
+        _sync(dev)
+        t0 = time.perf_counter()
+        s = eng.generate([prompt], one)[0]
+        _sync(dev)
+        res["cached" if enable else "cold"] = {"ttft_s": round(time.perf_counter() - t0, 4), "cached_tokens": s.cached_tokens}
+    res["speedup"] = round(res["cold"]["ttft_s"] / res["cached"]["ttft_s"], 2)
+    return res
+
+
+def decode(model, batch, dev, mb, ctx=1024, steps=32) -> dict:
+    cfg = model.config
+    V = cfg.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(1, V, (ctx,), generator=g).tolist() for _ in range(batch)]
+    eng = _engine(model, False, mb, 8192)
+    p = SamplingParams(max_tokens=steps + 8, temperature=0)
+    seqs = [eng.add_request(pr, p) for pr in prompts]
+    while any(len(s.output_ids) < 2 for s in seqs):  # finish prefill
+        eng.step()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync(dev)
+    dt = (time.perf_counter() - t0) / steps
+    wbytes = 2  # bf16 weights
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
+    other = sum(p.numel() for n, p in model.named_parameters()
+                if ".experts." not in n and not n.startswith(("mtp.", "vision.")))
+    touched = min(1.0, batch * cfg.num_experts_per_token / cfg.num_experts)
+    n_kda = len(cfg.kda_layers)
+    state = n_kda * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 * 2 * batch
+    mla = len(cfg.full_attn_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * ctx * batch
+    floor = (wbytes * (other + routed * touched) + state + mla) / COPY_BW
+    return {"batch": batch, "step_ms": round(dt * 1e3, 3), "tokens_per_s": round(batch / dt, 1),
+            "floor_ms": round(floor * 1e3, 4), "fraction_of_floor": round(floor / dt, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--ttft", type=int, nargs="*", default=[2048])
+    ap.add_argument("--decode-batch", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--cache-mb", type=float, default=4096)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cfg = K3Config.from_preset(args.preset).replace(num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).init_weights(seed=0)
+    if dev.type == "cuda":
+        model = model.set_dtype(torch.bfloat16)
+    model = model.to(dev).eval()
+    for n in args.ttft:
+        print(json.dumps({"preset": args.preset, "prompt_tokens": n, **ttft(model, n, dev, args.cache_mb, args.chunk)}))
+    for b in args.decode_batch:
+        print(json.dumps({"preset": args.preset, **decode(model, b, dev, args.cache_mb)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Prometheus text exposition (format 0.0.4) of the serving engine's metrics, for GET /metrics.
+
+Latencies are histograms in seconds, token and request counts are counters, queue depth and the cache pool are
+gauges; every name starts with `k3_`. The engine keeps its latency samples as lists (EngineMetrics); a
+`MetricsExporter` folds the samples it has not seen yet into cumulative bucket counts at each scrape, so a scrape
+costs O(new samples), not O(all samples).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket upper bounds in seconds; +Inf is implicit.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                         5.0, 10.0)
+
+HISTOGRAMS = (
+    # (name, EngineMetrics attribute, help, buckets)
+    ("k3_time_to_first_token_seconds", "ttft", "Time from a request's arrival to its first generated token.",
+     LATENCY_BUCKETS),
+    ("k3_time_per_output_token_seconds", "tpot", "Time between consecutive generated tokens of a request.",
+     TOKEN_LATENCY_BUCKETS),
+    ("k3_queue_time_seconds", "queue_time", "Time a request waited before it was first admitted into the cache.",
+     LATENCY_BUCKETS),
+)
+
+COUNTERS = (
+    ("k3_prompt_tokens_cached_total", "prompt_tokens_cached", "Prompt tokens served from the prefix cache."),
+    ("k3_prompt_tokens_computed_total", "prompt_tokens_computed", "Prompt tokens run through the model."),
+    ("k3_generation_tokens_total", "generation_tokens", "Tokens sampled."),
+    ("k3_requests_finished_total", "requests_finished", "Requests that finished (stop or length)."),
+    ("k3_preemptions_total", "preemptions", "Requests preempted for lack of cache pages (recomputed later)."),
+)
+
+
+class _Histogram:
+    def __init__(self, buckets):
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket (not cumulative); the last one is +Inf
+        self.sum = 0.0
+        self.seen = 0  # samples of the source list already folded in
+
+    def update(self, samples: list) -> None:
+        n = len(samples)
+        if n < self.seen:  # the source list was cleared or trimmed: start over from what is there now
+            self.counts = [0] * (len(self.bounds) + 1)
+            self.sum, self.seen = 0.0, 0
+        for v in samples[self.seen:n]:
+            v = float(v)
+            if math.isnan(v):
+                continue
+            self.counts[bisect.bisect_left(self.bounds, v)] += 1
+            self.sum += v
+        self.seen = n
+
+    def lines(self, name: str) -> list[str]:
+        out, acc = [], 0
+        for b, c in zip(self.bounds, self.counts):
+            acc += c
+            out.append(f'{name}_bucket{{le="{_fmt(b)}"}} {acc}')
+        acc += self.counts[-1]
+        out.append(f'{name}_bucket{{le="+Inf"}} {acc}')
+        out.append(f"{name}_sum {_fmt(self.sum)}")
+        out.append(f"{name}_count {acc}")
+        return out
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, int):
+        return str(v)
+    v = float(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if math.isnan(v):
+        return "NaN"
+    return repr(v)
+
+
+class MetricsExporter:
+    """Renders one engine's metrics; keep one per engine (it remembers which latency samples it has counted).
+    `extra_counters` adds server-side counters: {name: (help, value)}."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._hist = {name: _Histogram(buckets) for name, _, _, buckets in HISTOGRAMS}
+        self._lock = threading.Lock()
+
+    def render(self, extra_counters: dict | None = None) -> str:
+        eng = self.engine
+        with self._lock:
+            lock = getattr(eng, "lock", None)
+            if lock is not None:
+                lock.acquire()
+            try:  # one consistent snapshot: the engine does not step while we read
+                m = eng.metrics
+                for name, attr, _, _ in HISTOGRAMS:
+                    self._hist[name].update(getattr(m, attr))
+                counters = [(name, hlp, getattr(m, attr)) for name, attr, hlp in COUNTERS]
+                running = len(eng.scheduler.running)
+                waiting = eng.scheduler.num_waiting
+                cache = dict(eng.cache_stats())
+            finally:
+                if lock is not None:
+                    lock.release()
+            lines: list[str] = []
+            for name, _, hlp, _ in HISTOGRAMS:
+                lines += [f"# HELP {name} {hlp}", f"# TYPE {name} histogram"]
+                lines += self._hist[name].lines(name)
+        counters.append(("k3_prefix_cache_queries_total", "Admissions that looked up the prefix cache.",
+                         cache.get("queries", 0)))
+        counters.append(("k3_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache at admission "
+                         "(including re-admissions after preemption).", cache.get("hit_tokens", 0)))
+        counters.append(("k3_prefix_cache_evictions_total", "Prefix-cache entries evicted.", cache.get("evictions", 0)))
+        for name, (hlp, value) in (extra_counters or {}).items():
+            counters.append((name, hlp, value))
+        for name, hlp, value in counters:
+            lines += [f"# HELP {name} {hlp}", f"# TYPE {name} counter", f"{name} {_fmt(value)}"]
+        page_bytes = int(cache.get("page_bytes", 0))
+        num_pages = int(cache.get("num_pages", 0))
+        free = int(cache.get("free_pages", 0))
+        gauges = [
+            ("k3_requests_running", "Requests admitted into the cache and being processed.", running),
+            ("k3_requests_waiting", "Requests waiting for admission.", waiting),
+            ("k3_cache_pages_total", "Pages in the cache pool.", num_pages),
+            ("k3_cache_pages_free", "Pages held by nothing.", free),
+            ("k3_cache_pages_evictable", "Pages held only by the prefix cache (reclaimable).",
+             int(cache.get("evictable_pages", 0))),
+            ("k3_cache_page_bytes", "Bytes per page.", page_bytes),
+            ("k3_cache_bytes", "Bytes of the cache pool.", int(cache.get("pool_bytes", num_pages * page_bytes))),
+            ("k3_cache_used_bytes", "Bytes of pages not free (running requests and the prefix cache).",
+             (num_pages - free) * page_bytes),
+            ("k3_prefix_cache_blocks", "Hash blocks indexed by the prefix cache.", int(cache.get("cached_blocks", 0))),
+            ("k3_prefix_cache_checkpoints", "KDA state checkpoints held by the prefix cache.",
+             int(cache.get("checkpoints", 0))),
+        ]
+        for name, hlp, value in gauges:
+            lines += [f"# HELP {name} {hlp}", f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
+        return "\n".join(lines) + "\n"
+
+
+def render_metrics(engine, extra_counters: dict | None = None) -> str:
+    """One-off rendering (histograms rebuilt from all samples); a server keeps a MetricsExporter instead."""
+    return MetricsExporter(engine).render(extra_counters)

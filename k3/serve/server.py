@@ -1,0 +1,891 @@
+"""The OpenAI-compatible HTTP server (`k3 serve`).
+
+One background thread (`EngineLoop`) owns the engine: it adds submitted requests, applies aborts, and runs
+`engine.step()` while there is work, sleeping on a threading.Event otherwise. Each HTTP handler submits its request
+to the loop and awaits the request's outputs on an asyncio.Queue, which the engine thread fills through
+`loop.call_soon_threadsafe`. The event loop therefore never waits on the engine's lock, and the engine sees every
+request change between two steps, in one thread.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with server-sent-event streaming), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). Errors use the OpenAI shape
+{"error": {"message", "type", "param", "code"}}. A client that goes away (mid-stream or while waiting for a
+non-streamed answer) has its request aborted, which frees its cache pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, render_chat
+from k3.serve.engine import RequestOutput
+from k3.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from k3.serve.metrics import MetricsExporter
+from k3.serve.sampling import SamplingParams
+from k3.serve.sequence import Status
+
+logger = logging.getLogger("k3.serve")
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+
+
+# =====================================================================================================================
+# Errors
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """FastAPI/pydantic validation errors -> (message naming the field(s), param of the first)."""
+    parts, first_param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ())]
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        kind = e.get("type", "")
+        if kind == "json_invalid":
+            detail = str((e.get("ctx") or {}).get("error", "") or "")
+            where = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
+            return f"the request body is not valid JSON{': ' + detail if detail else ''}{where}", None
+        if not loc:
+            if kind == "missing":
+                parts.append("the request body is missing: send a JSON object")
+            else:
+                parts.append("the request body must be a JSON object")
+            continue
+        param = ".".join(loc)
+        first_param = first_param or param
+        msg = str(e.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if kind == "missing":
+            parts.append(f"'{param}' is a required field")
+        else:
+            parts.append(f"'{param}': {msg}")
+    return "; ".join(parts) or "invalid request", first_param
+
+
+# =====================================================================================================================
+# Request bodies
+
+Prob = Annotated[float, Field(strict=True, gt=0, le=1)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: Annotated[bool, Field(strict=True)] = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Field(strict=True)]
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0, le=2)] | None = None
+    top_p: Prob | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None  # extension; 0 or -1: no top-k cut
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: Any = None
+    stream: Annotated[bool, Field(strict=True)] | None = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(strict=True, ge=1)] | None = 1
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] | None = None
+    logit_bias: dict | None = None
+    user: Annotated[str, Field(strict=True)] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, v):
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(v)}")
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: Annotated[bool, Field(strict=True)] | None = False
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+    suffix: Annotated[str, Field(strict=True)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v):
+        # A string or a list of token ids; a batch of exactly one of either is unwrapped.
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                return v
+            if all(isinstance(x, (str, list)) for x in v):
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+        raise ValueError("prompt must be a string or a list of integer token ids")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Any
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    logprobs: Annotated[bool, Field(strict=True)] | None = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _check_messages(cls, v):
+        if not isinstance(v, list):
+            raise ValueError("messages must be a list of message objects")
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+
+# =====================================================================================================================
+# The engine loop
+
+
+@dataclass
+class Failure:
+    """Delivered instead of a RequestOutput when a request cannot complete."""
+    status: int
+    message: str
+    type: str = "server_error"
+
+
+class RequestHandle:
+    """A submitted request as its HTTP handler sees it: outputs (RequestOutput or Failure) arrive on `queue`."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 loop: asyncio.AbstractEventLoop):
+        self.request_id, self.prompt_ids, self.params, self.loop = request_id, prompt_ids, params, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.seq = None  # the engine's Sequence, set (by the engine thread) before the first output is delivered
+        self.finished = False  # set by the handler once it has consumed the final output
+        self.checked_at = time.monotonic()  # when the handler last checked that its client is still connected
+
+
+class EngineLoop:
+    """Runs `engine.step()` in one background thread while the engine has work.
+
+    `submit()` and `abort()` may be called from any thread (typically the event loop's): they queue the change and
+    wake the thread, which applies it between two steps. Outputs go to each request's asyncio.Queue through its
+    event loop's `call_soon_threadsafe`."""
+
+    def __init__(self, engine, idle_wait_s: float = 1.0):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._mutex = threading.Lock()
+        self._to_add: deque[RequestHandle] = deque()
+        self._to_abort: deque[str] = deque()
+        self._active: dict[str, RequestHandle] = {}  # owned by the engine thread
+        self._thread: threading.Thread | None = None
+        self.fatal: BaseException | None = None
+        self.steps = 0
+        self.step_failures = 0
+        self.aborted = 0
+        self.rejected = 0
+
+    # --- control (any thread) -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._mutex:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping.clear()
+            self.fatal = None
+            self._thread = threading.Thread(target=self._run, name="k3-engine-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        """Queue a request; call from a running event loop (the outputs are delivered to it)."""
+        h = RequestHandle(request_id or f"req-{uuid.uuid4().hex}", list(prompt_ids), params,
+                          asyncio.get_running_loop())
+        with self._mutex:
+            self._to_add.append(h)
+        self.start()
+        self._wake.set()
+        return h
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache; a no-op for a finished or unknown request."""
+        with self._mutex:
+            self._to_abort.append(request_id)
+        self._wake.set()
+
+    # --- the engine thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                self._apply_changes()
+                if not self.engine.has_work():
+                    self._wake.wait(self.idle_wait_s)
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # keep serving: fail the requests in flight, free their pages
+                    self.step_failures += 1
+                    logger.exception("engine step failed; failing %d request(s)", len(self._active))
+                    self._fail_all(Failure(500, f"the engine failed: {type(e).__name__}: {e}"))
+                    continue
+                self.steps += 1
+                for out in outputs:
+                    self._deliver_output(out)
+                self._reap()
+        except BaseException as e:  # a bug in this loop: record it so /health reports it, and fail everyone
+            self.fatal = e
+            logger.exception("the engine loop stopped")
+        finally:
+            self._apply_changes(adds_allowed=False)
+            self._fail_all(Failure(503, "the server is shutting down" if self.fatal is None else
+                                   f"the engine loop stopped: {type(self.fatal).__name__}: {self.fatal}"))
+
+    def _apply_changes(self, adds_allowed: bool = True) -> None:
+        with self._mutex:
+            adds, self._to_add = list(self._to_add), deque()
+            aborts, self._to_abort = set(self._to_abort), deque()
+        for h in adds:
+            if h.request_id in aborts:
+                continue  # the client left before the request reached the engine
+            if not adds_allowed:
+                self._send(h, Failure(503, "the server is shutting down"))
+                continue
+            try:
+                h.seq = self.engine.add_request(h.prompt_ids, h.params, request_id=h.request_id)
+            except ValueError as e:
+                self.rejected += 1
+                self._send(h, Failure(400, str(e), "invalid_request_error"))
+                continue
+            except Exception as e:
+                logger.exception("add_request failed")
+                self._send(h, Failure(500, f"could not add the request: {type(e).__name__}: {e}"))
+                continue
+            self._active[h.request_id] = h
+        for rid in aborts:
+            if self._active.pop(rid, None) is not None:
+                try:
+                    self.engine.abort_request(rid)
+                    self.aborted += 1
+                except Exception:
+                    logger.exception("abort_request(%s) failed", rid)
+
+    def _deliver_output(self, out: RequestOutput) -> None:
+        h = self._active.get(out.request_id)
+        if h is None:
+            return
+        if out.finished:
+            del self._active[out.request_id]
+        self._send(h, out)
+
+    def _reap(self) -> None:
+        """Requests the engine finished without a final output (e.g. one that cannot fit even an empty cache)."""
+        for rid, h in list(self._active.items()):
+            seq = h.seq
+            if seq is None or seq.status != Status.FINISHED:
+                continue
+            del self._active[rid]
+            reason = seq.finish_reason or "error"
+            if reason in ("stop", "length"):
+                self._send(h, RequestOutput(rid, [], "", True, reason))
+            elif "does not fit" in reason:
+                self._send(h, Failure(400, f"the request (prompt {len(seq.prompt_ids)} tokens + max_tokens "
+                                           f"{seq.params.max_tokens}) does not fit in the server's KV cache; lower "
+                                           f"max_tokens or shorten the prompt", "invalid_request_error"))
+            else:
+                self._send(h, Failure(500, f"the request ended: {reason}"))
+
+    def _fail_all(self, failure: Failure) -> None:
+        for rid, h in list(self._active.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort_request(%s) failed", rid)
+            self._send(h, failure)
+        self._active.clear()
+
+    @staticmethod
+    def _send(h: RequestHandle, item) -> None:
+        try:
+            h.loop.call_soon_threadsafe(h.queue.put_nowait, item)
+        except RuntimeError:  # the handler's event loop is closed: nobody is listening
+            pass
+
+
+# =====================================================================================================================
+# Response helpers
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    """The engine's reason as OpenAI spells it: "stop" (EOS or a stop string) or "length"."""
+    return reason if reason in ("stop", "length", None) else "stop"
+
+
+def _usage(h: RequestHandle) -> dict:
+    seq = h.seq
+    completion = len(seq.output_ids) if seq is not None else 0
+    prompt = len(h.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(seq.cached_tokens) if seq is not None else 0}}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _failure_response(f: Failure) -> JSONResponse:
+    return error_response(f.status, f.message, f.type)
+
+
+class _EngineStream(StreamingResponse):
+    """A streaming response that aborts its request when the response ends early, however it ends
+    (client disconnect, cancellation, error)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _Server:
+    """The state behind the endpoints of one app."""
+
+    def __init__(self, engine, tokenizer, model_name: str, chat_template: ChatTemplate | None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.template = chat_template or DEFAULT_CHAT_TEMPLATE
+        self.loop = EngineLoop(engine)
+        self.exporter = MetricsExporter(engine)
+        self.created = int(time.time())
+        self.vocab_size = int(engine.model.config.vocab_size)
+        self.http_errors = 0
+        self._tok_cache: dict[int, str] = {}
+
+    # --- validation -----------------------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           "invalid_request_error", "model", "model_not_found")
+
+    @staticmethod
+    def check_unsupported(body: _SamplingFields) -> None:
+        if body.n not in (None, 1):
+            raise APIError(400, f"n={body.n} is not supported: only one choice per request (n=1)", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(body, name)
+            if v not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    async def encode(self, text: str) -> list[int]:
+        if len(text) > 16384:  # long texts are tokenized off the event loop
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        return self.tokenizer.encode(text)
+
+    def sampling_params(self, body: _SamplingFields, prompt_len: int, prompt_param: str, max_tokens: int | None,
+                        default_max_tokens: int | None, extra_stop: list[str], logprobs: int | None,
+                        max_tokens_param: str = "max_tokens") -> SamplingParams:
+        ctx = int(self.engine.max_model_len)
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt is too long: it has {prompt_len} tokens, and this model's context of "
+                                f"{ctx} tokens must hold the prompt and at least one generated token",
+                           param=prompt_param, code="context_length_exceeded")
+        room = ctx - prompt_len
+        if max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        elif max_tokens > room:
+            raise APIError(400, f"{max_tokens_param} ({max_tokens}) is too large: the prompt has {prompt_len} tokens "
+                                f"and the context holds {ctx}, so at most {room} new tokens fit",
+                           param=max_tokens_param, code="context_length_exceeded")
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        stop = list(dict.fromkeys(list(body.stop or []) + list(extra_stop)))
+        p = SamplingParams(max_tokens=int(max_tokens), temperature=float(1.0 if body.temperature is None
+                                                                          else body.temperature),
+                           top_k=int(top_k), top_p=float(1.0 if body.top_p is None else body.top_p),
+                           seed=body.seed, stop=stop, logprobs=logprobs)
+        try:
+            p.validate()
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return p
+
+    # --- token strings for logprobs --------------------------------------------------------------------------------
+    def token_str(self, tid: int) -> str:
+        s = self._tok_cache.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid])
+            if len(self._tok_cache) < 1 << 16:
+                self._tok_cache[tid] = s
+        return s
+
+    def completion_logprobs(self, entries: list[dict], offset: int, text_len: int | None) -> dict:
+        """OpenAI completions logprobs; tokens starting at or past `text_len` (cut by a stop string) are left out."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            if text_len is not None and offset >= text_len:
+                break
+            s = self.token_str(e["token"])
+            out["tokens"].append(s)
+            out["token_logprobs"].append(e["logprob"])
+            out["top_logprobs"].append({self.token_str(i): lp for i, lp in e.get("top", [])})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def chat_logprobs(self, entries: list[dict], offset: int, text_len: int | None) -> dict:
+        """OpenAI chat logprobs ({"content": [...]}), cut like completion_logprobs."""
+        content = []
+        for e in entries:
+            if text_len is not None and offset >= text_len:
+                break
+            s = self.token_str(e["token"])
+            content.append({"token": s, "logprob": e["logprob"], "bytes": list(s.encode("utf-8")),
+                            "top_logprobs": [{"token": self.token_str(i), "logprob": lp,
+                                              "bytes": list(self.token_str(i).encode("utf-8"))}
+                                             for i, lp in e.get("top", [])]})
+            offset += len(s)
+        return {"content": content}
+
+    # --- running a request ----------------------------------------------------------------------------------------
+    async def next_item(self, h: RequestHandle, request: Request):
+        """The request's next output, or None when the client has gone away (checked every DISCONNECT_POLL_S,
+        whether or not outputs keep coming)."""
+        while True:
+            now = time.monotonic()
+            if now - h.checked_at >= DISCONNECT_POLL_S:
+                h.checked_at = now
+                if await request.is_disconnected():
+                    return None
+            if not h.queue.empty():
+                return h.queue.get_nowait()
+            try:
+                return await asyncio.wait_for(h.queue.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def run(self, request: Request, prompt_ids: list[int], params: SamplingParams, chat: bool,
+                  stream: bool, include_usage: bool, want_logprobs: bool) -> Response:
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        h = self.loop.submit(prompt_ids, params, request_id=rid)
+        if stream:
+            return _EngineStream(self._stream(request, h, created, chat, include_usage, want_logprobs),
+                                 on_close=lambda: None if h.finished else self.loop.abort(rid),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            lps: list[dict] = []
+            while True:
+                item = await self.next_item(h, request)
+                if item is None:  # the client left: free the request's pages
+                    self.loop.abort(rid)
+                    return Response(status_code=499)
+                if isinstance(item, Failure):
+                    h.finished = True
+                    return _failure_response(item)
+                lps.extend(item.logprobs)
+                if item.finished:
+                    h.finished = True
+                    break
+        finally:
+            if not h.finished:  # cancelled (e.g. server shutdown)
+                self.loop.abort(rid)
+        text = h.seq.text
+        reason = _finish_reason(item.finish_reason)
+        cut = len(text) if reason == "stop" else None  # logprobs of tokens past a stop string are left out
+        base = {"id": rid, "created": created, "model": self.model_name}
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                      "logprobs": self.chat_logprobs(lps, 0, cut) if want_logprobs else None}
+            body = {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(h)}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason,
+                      "logprobs": self.completion_logprobs(lps, 0, cut) if want_logprobs else None}
+            body = {**base, "object": "text_completion", "choices": [choice], "usage": _usage(h)}
+        return JSONResponse(body)
+
+    async def _stream(self, request: Request, h: RequestHandle, created: int, chat: bool, include_usage: bool,
+                      want_logprobs: bool):
+        base = {"id": h.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.model_name}
+
+        def chunk(text: str | None, reason: str | None, lps: list[dict] | None, offset: int, first: bool = False):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                lp = self.chat_logprobs(lps, offset, None) if lps else None
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            else:
+                lp = self.completion_logprobs(lps, offset, None) if lps else None
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
+            c = {**base, "choices": [choice]}
+            if include_usage:
+                c["usage"] = None
+            return _sse(c)
+
+        sent = ""
+        if chat:
+            yield chunk(None, None, None, 0, first=True)
+        while True:
+            item = await self.next_item(h, request)
+            if item is None:  # the client left; _EngineStream aborts the request
+                return
+            if isinstance(item, Failure):
+                h.finished = True
+                yield _sse(error_body(item.message, item.type))
+                yield "data: [DONE]\n\n"
+                return
+            lps = item.logprobs if want_logprobs else None
+            delta = item.new_text
+            if item.finished:
+                h.finished = True
+                final = h.seq.text if h.seq is not None else sent + delta
+                # The engine may hold back a tail (a partial stop string) until the end: send what is left.
+                rest = final[len(sent):] if final.startswith(sent) else delta
+                if rest or lps:
+                    yield chunk(rest, None, lps, len(sent))
+                    sent += rest
+                yield chunk(None, _finish_reason(item.finish_reason), None, len(sent))
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(h)})
+                yield "data: [DONE]\n\n"
+                return
+            if delta or lps:
+                yield chunk(delta, None, lps, len(sent))
+                sent += delta
+
+
+# =====================================================================================================================
+# The app
+
+
+class _APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on /v1/* (before the body is read, so a client without the key learns
+    nothing else). /health and /metrics stay open."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode("utf-8")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+            auth = ""
+            for k, v in scope.get("headers", ()):
+                if k == b"authorization":
+                    auth = v.decode("latin-1")
+                    break
+            scheme, _, token = auth.strip().partition(" ")
+            if not auth:
+                msg = "missing API key: send it as the header 'Authorization: Bearer <key>'"
+            elif scheme.lower() != "bearer":
+                msg = "the Authorization header must be 'Bearer <key>'"
+            elif not hmac.compare_digest(token.strip().encode("utf-8"), self.key):
+                msg = "invalid API key"
+            else:
+                msg = None
+            if msg is not None:
+                resp = error_response(401, msg, "authentication_error", None, "invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
+               chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`. Its engine loop starts with the app (lifespan) or at the first
+    request, and stops when the app shuts down."""
+    srv = _Server(engine, tokenizer, model_name, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        srv.loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(srv.loop.stop)
+
+    app = FastAPI(title="k3", summary="OpenAI-compatible API of a K3 model", lifespan=lifespan)
+    app.state.server = srv
+    app.state.engine = engine
+    app.state.engine_loop = srv.loop
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+
+    # --- errors ---------------------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        srv.http_errors += 1
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        srv.http_errors += 1
+        message, param = _validation_message(list(exc.errors()))
+        return error_response(400, message, "invalid_request_error", param, None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        srv.http_errors += 1
+        if exc.status_code == 404:
+            msg = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            msg = str(exc.detail)
+        return error_response(exc.status_code, msg, "invalid_request_error", None, None,
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        srv.http_errors += 1
+        logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error", None, None)
+
+    # --- endpoints ------------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if srv.loop.fatal is not None:
+            return JSONResponse({"status": "error", "message": f"the engine loop stopped: {srv.loop.fatal!r}"},
+                                status_code=503)
+        return {"status": "ok"}
+
+    def _model_card() -> dict:
+        return {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "k3",
+                "max_model_len": int(engine.max_model_len)}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        srv.check_model(model)
+        return _model_card()
+
+    @app.get("/metrics")
+    def metrics():  # a plain def: FastAPI runs it in a worker thread, as it waits for the engine's lock
+        extra = {
+            "k3_requests_aborted_total": ("Requests aborted (the client went away).", srv.loop.aborted),
+            "k3_requests_rejected_total": ("Requests the engine refused at submission.", srv.loop.rejected),
+            "k3_engine_steps_total": ("Engine steps run.", srv.loop.steps),
+            "k3_engine_step_failures_total": ("Engine steps that raised.", srv.loop.step_failures),
+            "k3_http_errors_total": ("HTTP requests answered with an error.", srv.http_errors),
+        }
+        return Response(srv.exporter.render(extra), media_type=METRICS_CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        srv.check_model(body.model)
+        srv.check_unsupported(body)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if body.best_of not in (None, 1):
+            raise APIError(400, f"best_of={body.best_of} is not supported (only 1)", param="best_of")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if isinstance(body.prompt, str):
+            ids = await srv.encode(body.prompt)
+            if not ids:
+                raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        else:
+            ids = list(body.prompt)
+            bad = next((x for x in ids if not 0 <= x < srv.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"prompt token id {bad} is out of range [0, {srv.vocab_size})", param="prompt")
+        params = srv.sampling_params(body, len(ids), "prompt", body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, [],
+                                     body.logprobs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await srv.run(request, ids, params, chat=False, stream=bool(body.stream), include_usage=include_usage,
+                             want_logprobs=body.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        srv.check_model(body.model)
+        srv.check_unsupported(body)
+        if body.tools:
+            raise APIError(400, "tool definitions are not supported by this server (tool-role messages are)",
+                           param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {body.response_format.get('type')!r} is not supported "
+                                f"(only 'text')", param="response_format")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        try:
+            text = render_chat(body.messages, srv.template)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids = await srv.encode(text)
+        use_mct = body.max_completion_tokens is not None  # the newer name wins
+        max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = srv.sampling_params(body, len(ids), "messages", max_tokens, None, list(srv.template.stop), logprobs,
+                                     "max_completion_tokens" if use_mct else "max_tokens")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await srv.run(request, ids, params, chat=True, stream=bool(body.stream), include_usage=include_usage,
+                             want_logprobs=bool(body.logprobs))
+
+    return app
+
+
+# =====================================================================================================================
+# `k3 serve`
+
+
+def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_tokens: int | None = None,
+                 hash_block_tokens: int | None = None, max_num_seqs: int | None = None,
+                 max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
+                 max_model_len: int | None = None):
+    """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template)."""
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.serve.chat import load_chat_template
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+    from k3.train.run import pick_device
+
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
+    dev = pick_device(device)
+    sched = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_step_tokens", max_step_tokens),
+                                                 ("prefill_chunk", prefill_chunk)) if v is not None})
+    ecfg = EngineConfig(scheduler=sched, max_model_len=max_model_len,
+                        **{k: v for k, v in (("cache_memory_mb", cache_memory_mb), ("page_tokens", page_tokens),
+                                             ("hash_block_tokens", hash_block_tokens)) if v is not None})
+    ecfg.validate()  # before the (possibly slow) load
+    tokenizer = load_any_tokenizer(ckpt_dir)
+    template = load_chat_template(ckpt_dir)
+    model = from_pretrained(ckpt_dir, device=dev)
+    return LLMEngine(model, tokenizer, ecfg), tokenizer, template
+
+
+def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          cache_memory_mb: float | None = None, page_tokens: int | None = None, hash_block_tokens: int | None = None,
+          max_num_seqs: int | None = None, max_step_tokens: int | None = None, prefill_chunk: int | None = None,
+          device: str = "auto", model_name: str | None = None, log_level: str = "info") -> None:
+    """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
+    as None take EngineConfig / SchedulerConfig defaults."""
+    import uvicorn
+
+    engine, tokenizer, template = build_engine(ckpt_dir, cache_memory_mb, page_tokens, hash_block_tokens,
+                                               max_num_seqs, max_step_tokens, prefill_chunk, device)
+    name = model_name or os.path.basename(os.path.normpath(ckpt_dir)) or "k3"
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
+    app = create_app(engine, tokenizer, name, api_key=api_key, chat_template=template)
+    stats = engine.cache_stats()
+    print(f"k3 serve: model '{name}' from {ckpt_dir}; context {engine.max_model_len} tokens; cache "
+          f"{stats['num_pages']} pages x {stats['page_bytes']} bytes; http://{host}:{port}/v1", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+
+
+def add_serve_arguments(parser) -> None:
+    """The flags of `k3 serve`."""
+    parser.add_argument("--ckpt", required=True, help="checkpoint directory (or a training run directory: its latest "
+                                                      "checkpoint)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("K3_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)")
+    parser.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
+                                                          "directory's name)")
+    parser.add_argument("--cache-memory-mb", type=float, default=None, help="KV/state page pool size (default 512)")
+    parser.add_argument("--page-tokens", type=int, default=None, help="tokens per cache page (default 2048)")
+    parser.add_argument("--hash-block-tokens", type=int, default=None,
+                        help="prefix-cache block size; divides --page-tokens (default 512)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default 64)")
+    parser.add_argument("--max-step-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="largest prefill chunk of one request per step (default 512)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_serve(args) -> int:
+    import sys
+
+    from k3.checkpoint import CheckpointError
+    from k3.train.run import latest_checkpoint
+
+    ckpt = args.ckpt
+    if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, "config.json")):
+        ckpt = latest_checkpoint(ckpt) or ckpt  # a training run directory
+    if not 0 <= args.port <= 65535:
+        print(f"k3 serve: --port {args.port} is not a port number", file=sys.stderr)
+        return 2
+    try:
+        serve(ckpt, host=args.host, port=args.port, api_key=args.api_key, cache_memory_mb=args.cache_memory_mb,
+              page_tokens=args.page_tokens, hash_block_tokens=args.hash_block_tokens, max_num_seqs=args.max_num_seqs,
+              max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk, device=args.device,
+              model_name=args.model_name, log_level=getattr(args, "log_level", "info"))
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        print(f"k3 serve: {e}", file=sys.stderr)
+        return 2
+    return 0
