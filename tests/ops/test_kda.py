@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import k3.ops.kda as kda_mod
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent, l2norm, short_conv
 
 
@@ -336,3 +337,192 @@ def test_l2norm():
     yb = l2norm(x.bfloat16())
     assert yb.dtype == torch.bfloat16
     torch.testing.assert_close(yb.float(), y, rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. intra-chunk pair scores: 16-token tiles == direct exact form; the fallback for g < -5
+# ---------------------------------------------------------------------------------------------
+
+
+def saturated_gates(B, T, H, K, seed, exact_bound=False):
+    """Log-decays close to the lower bound -5 everywhere (a 64-chunk decays by ~exp(-320))."""
+    gen = torch.Generator().manual_seed(seed)
+    if exact_bound:
+        return torch.full((B, T, H, K), -5.0)
+    z = 6.0 + 0.5 * torch.randn(B, T, H, K, generator=gen)
+    return kda_gate(z, torch.zeros(H), torch.zeros(H * K))  # in (-5, -4.5)
+
+
+@pytest.mark.parametrize("gates", ["realistic", "saturated", "at_bound"])
+@pytest.mark.parametrize("chunk", [64, 128, 40, 16, 8])
+def test_tiled_pair_scores_match_direct(gates, chunk):
+    B, T, H, K, V = 2, 300, 2, 32, 24
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, seed=20 + chunk)
+    if gates != "realistic":
+        g = saturated_gates(B, T, H, K, seed=21, exact_bound=gates == "at_bound")
+        assert g.min().item() >= -5.0 and g.max().item() <= -4.5
+    assert kda_mod._tiles_are_exact(g)
+    # the pair-score matrices themselves, on one block of chunks
+    G = g[0, : 2 * chunk].transpose(0, 1).reshape(H, 2, chunk, K).cumsum(-2)
+    qc = q[0, : 2 * chunk].transpose(0, 1).reshape(H, 2, chunk, K)
+    kc = k[0, : 2 * chunk].transpose(0, 1).reshape(H, 2, chunk, K)
+    if gates != "realistic":  # the decay over one chunk reaches about exp(-5 * chunk)
+        assert G[..., -1, :].max().item() <= -4.5 * chunk
+    tiled = kda_mod._pair_scores_tiled(qc, kc, G)
+    direct = kda_mod._pair_scores_direct(qc, kc, G)
+    for a, b in zip(tiled, direct):
+        assert torch.isfinite(a).all()
+        assert rel_err(a, b) < 1e-5
+    assert (tiled[0].triu(1) == 0).all() and (tiled[1].triu() == 0).all()
+    # the whole op, both ways
+    o_t, s_t = kda_mod._kda_chunk(q, k, v, g, beta, None, h0, None, chunk, pairs="tiled")
+    o_d, s_d = kda_mod._kda_chunk(q, k, v, g, beta, None, h0, None, chunk, pairs="direct")
+    assert torch.isfinite(o_t).all() and torch.isfinite(s_t).all()
+    assert rel_err(o_t, o_d) < 1e-5 and rel_err(s_t, s_d) < 1e-5
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, initial_state=h0)
+    assert rel_err(o_t, o_r) < 1e-5 and rel_err(s_t, s_r) < 1e-5
+
+
+def test_fallback_below_gate_bound(monkeypatch):
+    q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 24, seed=22)
+    g_low = torch.where(torch.arange(16) % 3 == 0, 2.0 * g, g)  # some g down to -10
+    assert g_low.min().item() < -5.0
+    assert not kda_mod._tiles_are_exact(g_low)
+    assert kda_mod._tiles_are_exact(torch.full((3,), -5.0))
+    assert not kda_mod._tiles_are_exact(torch.full((3,), -5.001))
+
+    def no_tiles(*args):
+        raise AssertionError("the tiled pair scores need g >= -5")
+
+    def no_direct(*args):
+        raise AssertionError("the direct pair scores are only the fallback")
+
+    # below the bound kda_chunk takes the exact direct form and still equals the recurrence
+    with monkeypatch.context() as m:
+        m.setattr(kda_mod, "_pair_scores_tiled", no_tiles)
+        for chunk in (64, 16):
+            o, s = kda_chunk(q, k, v, g_low, beta, initial_state=h0, chunk_size=chunk)
+            o_ref, s_ref = kda_recurrent(q, k, v, g_low, beta, initial_state=h0)
+            assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    # within the bound it takes the tiles
+    with monkeypatch.context() as m:
+        m.setattr(kda_mod, "_pair_scores_direct", no_direct)
+        kda_chunk(q, k, v, g, beta, initial_state=h0)
+        kda_chunk(q, k, v, torch.full_like(g, -5.0), beta, initial_state=h0)
+    with pytest.raises(ValueError, match="pairs"):
+        kda_mod._kda_chunk(q, k, v, g, beta, None, h0, None, 64, pairs="fast")
+
+
+@pytest.mark.parametrize("gates", ["realistic", "saturated"])
+def test_chunk_is_causal_bit_for_bit(gates):
+    # The tiles' reference positions never lie after the row: changing later tokens leaves
+    # every earlier output bit-for-bit unchanged (also inside a chunk and inside a tile).
+    q, k, v, g, beta, h0 = make_inputs(1, 150, 2, 16, 24, seed=23)
+    if gates == "saturated":
+        g = saturated_gates(1, 150, 2, 16, seed=24)
+    gen = torch.Generator().manual_seed(25)
+    for cut in (1, 40, 60, 64, 100):
+        later = [x.clone() for x in (q, k, v, g, beta)]
+        for x in later:
+            x[:, cut:] = torch.rand(x[:, cut:].shape, generator=gen) - 1.0  # g stays in (-1, 0)
+        o1, _ = kda_chunk(q, k, v, g, beta, initial_state=h0)
+        o2, _ = kda_chunk(*later, initial_state=h0)
+        assert torch.equal(o1[:, :cut], o2[:, :cut])
+        assert not torch.equal(o1[:, cut:], o2[:, cut:])
+
+
+@pytest.mark.parametrize("C", [1, 2, 5, 16, 37, 64, 128])
+def test_unit_lower_inverse(C):
+    gen = torch.Generator().manual_seed(C)
+    kk = l2norm(torch.randn(3, 2, C, 16, generator=gen))
+    A = (kk @ kk.transpose(-1, -2)).tril(-1) * torch.rand(3, 2, C, 1, generator=gen)
+    A[0, 0] = torch.ones(C, C).tril(-1)  # identical keys, beta = 1: alternating +-1 inverse
+    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double())
+    assert rel_err(kda_mod._unit_lower_inverse(A), ref) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def _grads(fn, inputs, cu=None, chunk=None, seed=30):
+    """Gradients of a fixed random linear function of (o, final state) w.r.t. every input."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    q, k, v, g, beta, h0 = leaves
+    kwargs = {} if chunk is None else {"chunk_size": chunk}
+    if fn == "separate":  # reference: kda_recurrent on each packed sequence on its own
+        outs, states = [], []
+        for i in range(len(cu) - 1):
+            sl = slice(int(cu[i]), int(cu[i + 1]))
+            o_i, s_i = kda_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                     initial_state=h0[i : i + 1])
+            outs.append(o_i)
+            states.append(s_i)
+        o, s = torch.cat(outs, dim=1), torch.cat(states)
+    else:
+        o, s = fn(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(s.shape, generator=gen)
+    ((o * w_o).sum() + (s * w_s).sum()).backward()
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("chunk,gates", [(64, "realistic"), (16, "realistic"), (64, "saturated"),
+                                         (32, "below_bound")])
+def test_chunk_gradients_match_recurrent(chunk, gates):
+    inputs = list(make_inputs(2, 150, 2, 16, 24, seed=31))
+    if gates == "saturated":
+        inputs[3] = saturated_gates(2, 150, 2, 16, seed=32)
+    elif gates == "below_bound":
+        inputs[3] = inputs[3] * 1.6  # g in (-8, 0): the direct fallback
+    ref = _grads(kda_recurrent, inputs)
+    got = _grads(kda_chunk, inputs, chunk=chunk)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], got, ref):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) < 1e-4, name
+
+
+def test_cu_seqlens_gradients():
+    lens = [7, 70, 0, 1, 33, 64, 17]  # includes an empty sequence and whole-chunk ones
+    T = sum(lens)
+    q, k, v, g, beta, _ = make_inputs(1, T, 2, 16, 24, seed=33)
+    h0 = torch.randn(len(lens), 2, 16, 24, generator=torch.Generator().manual_seed(34))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.long)
+    inputs = [q, k, v, g, beta, h0]
+    ref = _grads("separate", inputs, cu=cu)
+    for fn, chunk in ((kda_chunk, 64), (kda_chunk, 16), (kda_recurrent, None)):
+        got = _grads(fn, inputs, cu=cu, chunk=chunk)
+        for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], got, ref):
+            assert rel_err(a, b) < 1e-4, (fn.__name__, chunk, name)
+    # the empty sequence hands its initial state straight through
+    for fn in (kda_chunk, kda_recurrent):
+        _, s = fn(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+        assert torch.equal(s[2], h0[2])
+
+
+@pytest.mark.parametrize("W", [4, 2, 1])
+def test_cu_seqlens_short_conv_gradients(W):
+    gen = torch.Generator().manual_seed(35)
+    lens = [2, 10, 0, 1, 7]  # some shorter than W-1 = 3, one empty
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
+    x = torch.randn(1, sum(lens), 5, generator=gen, requires_grad=True)
+    w = torch.randn(5, W, generator=gen, requires_grad=True)
+    st0 = torch.randn(len(lens), 5, W - 1, generator=gen, requires_grad=True)
+    wy = torch.randn(1, sum(lens), 5, generator=gen)
+    ws = torch.randn(len(lens), 5, W - 1, generator=gen)
+    y, st = short_conv(x, w, conv_state=st0, cu_seqlens=cu)
+    ((y * wy).sum() + (st * ws).sum()).backward()
+    got = [t.grad.clone() for t in (x, w, st0)]
+    for t in (x, w, st0):
+        t.grad = None
+    loss = 0.0
+    for i in range(len(lens)):
+        sl = slice(int(cu[i]), int(cu[i + 1]))
+        y_i, st_i = short_conv(x[:, sl], w, conv_state=st0[i : i + 1])
+        torch.testing.assert_close(y[:, sl], y_i)
+        torch.testing.assert_close(st[i : i + 1], st_i)
+        loss = loss + (y_i * wy[:, sl]).sum() + (st_i * ws[i : i + 1]).sum()
+    loss.backward()
+    for a, t in zip(got, (x, w, st0)):
+        torch.testing.assert_close(a, t.grad)
