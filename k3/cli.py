@@ -43,6 +43,9 @@ def cmd_init(args) -> int:
     model = K3ForCausalLM(cfg).init_weights(seed=args.seed).set_dtype(cfg.torch_dtype)
     tok = byte_level_tokenizer().to_str().encode("utf-8")
     model.save_pretrained(args.out, extra_files={"tokenizer.json": tok})
+    from k3.serve.chat import save_chat_template
+
+    save_chat_template(args.out)
     print(f"wrote a randomly initialized '{args.preset}' checkpoint ({info.total:,} parameters) to {args.out}")
     return 0
 
@@ -66,7 +69,7 @@ def cmd_train(args) -> int:
             with open(os.path.join(ck, "trainer_state.json"), "rb") as f:
                 from k3.train.state import unflatten
 
-                saved = unflatten({}, json.load(f))["train_config"]
+                saved = unflatten(None, json.load(f))["train_config"]
             fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
     else:
         fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"])
@@ -186,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
     s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
     s.add_argument("--grad-clip", type=_positive_float)
-    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 100)")
+    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50)")
     s.add_argument("--save-every-minutes", type=_positive_float)
     s.add_argument("--max-corpus-mb", type=_positive_float, help="cap the default corpus's training text")
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")

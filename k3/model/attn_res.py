@@ -37,7 +37,13 @@ class AttnResStream:
     def _mix(self, key, w: torch.Tensor) -> torch.Tensor:
         if self.two_phase and key in self._site_of:
             return attn_res_merge(self._stats, self._site_of[key], self.partial, w, self.eps)
-        return attn_res(self.blocks + [self.partial], w, self.eps)
+        sources = self.blocks + [self.partial]
+        dt = sources[0].dtype
+        if any(s.dtype != dt for s in sources):  # under autocast the embedding is fp32, layer outputs bf16
+            for s in sources[1:]:
+                dt = torch.promote_types(dt, s.dtype)
+            sources = [s.to(dt) for s in sources]
+        return attn_res(sources, w, self.eps)
 
     def attn_input(self, layer_idx: int, w: torch.Tensor, upcoming: list[tuple[object, torch.Tensor]]):
         """Input of layer `layer_idx`'s mixer. `upcoming` lists (key, query) of the sites of the block
@@ -48,7 +54,10 @@ class AttnResStream:
             self.partial = None
             if self.two_phase and upcoming:
                 ws = torch.stack([q for _, q in upcoming])
-                self._stats = attn_res_inter(torch.stack(self.blocks), ws, self.eps)
+                dt = self.blocks[0].dtype
+                for b in self.blocks[1:]:
+                    dt = torch.promote_types(dt, b.dtype)
+                self._stats = attn_res_inter(torch.stack([b.to(dt) for b in self.blocks]), ws, self.eps)
                 self._site_of = {key: i for i, (key, _) in enumerate(upcoming)}
         return h
 

@@ -35,11 +35,12 @@ def flatten(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
     return tensors, walk(obj)
 
 
-def unflatten(tensors: dict[str, torch.Tensor], doc: Any) -> Any:
+def unflatten(tensors: dict[str, torch.Tensor] | None, doc: Any) -> Any:
+    """Rebuild the object; with tensors=None, tensor entries come back as None (reading only the JSON part)."""
     def walk(o: Any) -> Any:
         if isinstance(o, dict):
             if _REF in o:
-                return tensors[o[_REF]]
+                return None if tensors is None else tensors[o[_REF]]
             if "__dict__" in o:
                 return {k: walk(v) for k, v in o["__dict__"]}
             if "__list__" in o:

@@ -49,8 +49,8 @@ class TrainConfig:
     mtp_weight: float = 0.3
     balance: str = "histogram"  # histogram | exact | sign | none
     qk_clip_tau: float = 100.0
-    eval_every: int = 100
-    eval_batches: int = 8
+    eval_every: int = 50
+    eval_batches: int = 64  # x 16 rows x seq_len tokens: the whole held-out set of the default corpus
     save_every_minutes: float = 5.0
     keep_checkpoints: int = 2
     log_every: int = 1

@@ -161,3 +161,19 @@ def test_sampling_is_seeded_and_validated():
         eng.add_request([1] * 10, SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="empty"):
         eng.add_request([], GREEDY)
+
+
+def test_default_512_token_hash_blocks_hit_inside_a_2048_token_page():
+    """The release granularity: hits at 512 and 1024, both inside one 2,048-token physical page."""
+    eng = LLMEngine(_model(), None, EngineConfig(cache_memory_mb=64, scheduler=SchedulerConfig(
+        max_step_tokens=1024, prefill_chunk=1024)))
+    eng.eos_id = None
+    assert (eng.cfg.page_tokens, eng.cfg.hash_block_tokens) == (2048, 512)
+    base = torch.randint(1, 512, (1100,), generator=torch.Generator().manual_seed(9)).tolist()
+    for B in (512, 1024):
+        first = base[: B + 5]
+        assert _run(eng, [[first]])[0].output_ids == reference(tuple(first))
+        second = first + [3, 4]
+        s = _run(eng, [[second]])[0]
+        assert s.cached_tokens == B
+        assert s.output_ids == reference(tuple(second))

@@ -146,3 +146,24 @@ def test_bad_options_are_named():
         TrainConfig(max_steps=1, balance="magic").validate()
     with pytest.raises(ValueError, match="batch_tokens"):
         TrainConfig(max_steps=1, seq_len=256, batch_tokens=100).validate()
+
+
+def test_cli_train_resume_eval_generate(tmp_path, capsys):
+    from k3.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {j} + {i}\n\n" for j in range(300)))
+    out = str(tmp_path / "run")
+    common = ["train", "--data", str(data), "--out", out, "--seq-len", "64", "--batch-tokens", "512",
+              "--vocab-size", "300", "--eval-every", "2", "--no-progress", "--device", "cpu"]
+    assert main(common + ["--max-steps", "4"]) == 0
+    assert main(common + ["--max-steps", "4"]) == 2  # refuses to overwrite a run without --resume
+    assert main(common + ["--max-steps", "6", "--resume"]) == 0
+    recs = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert main(["eval", "--ckpt", out, "--data", str(data), "--seq-len", "64", "--device", "cpu"]) == 0
+    assert main(["generate", "--ckpt", out, "def f", "--max-new-tokens", "5", "--seed", "0", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "held-out loss" in text and "def f" in text
