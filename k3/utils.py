@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import BinaryIO, Callable
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`.
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Call `write(f)` on a temporary file in the same directory, fsync, then rename over `path`.
 
     A crash at any point leaves either the old file or the new one, never a torn write.
     """
@@ -17,7 +18,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix="-" + os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -25,6 +26,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from k3.data.corpus import Document
+from k3.utils import atomic_write
 
 IGNORE_INDEX = -100
 _CACHE_FORMAT = 1
@@ -58,24 +58,6 @@ def _load_cache(cache_path: str, fingerprint: str) -> np.ndarray | None:
     return arr
 
 
-def _atomic(path: str, write) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _save_cache(cache_path: str, stream: np.ndarray, fingerprint: str, num_docs: int) -> None:
     # The sidecar goes first and comes back last, so a crash in between leaves no sidecar (a miss), never
     # a sidecar vouching for the wrong array.
@@ -83,10 +65,10 @@ def _save_cache(cache_path: str, stream: np.ndarray, fingerprint: str, num_docs:
         os.unlink(_sidecar(cache_path))
     except FileNotFoundError:
         pass
-    _atomic(cache_path, lambda f: np.save(f, stream, allow_pickle=False))
+    atomic_write(cache_path, lambda f: np.save(f, stream, allow_pickle=False))
     meta = {"format": _CACHE_FORMAT, "fingerprint": fingerprint, "tokens": int(stream.shape[0]),
             "documents": num_docs}
-    _atomic(_sidecar(cache_path), lambda f: f.write(json.dumps(meta, indent=1).encode("utf-8")))
+    atomic_write(_sidecar(cache_path), lambda f: f.write(json.dumps(meta, indent=1).encode("utf-8")))
 
 
 def tokenize_documents(tok, docs: Sequence[Document], cache_path: str | os.PathLike | None = None) -> np.ndarray:

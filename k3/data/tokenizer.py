@@ -13,10 +13,11 @@ import base64
 import binascii
 import hashlib
 import os
-import tempfile
 from typing import Callable, Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from k3.utils import atomic_write_text
 
 EOS = "<|endoftext|>"
 
@@ -150,29 +151,11 @@ class K3Tokenizer:
         if os.path.isdir(path) or not path.endswith(".json"):
             os.makedirs(path, exist_ok=True)
             path = os.path.join(path, "tokenizer.json")
-        _atomic_write_text(path, self.to_str())
+        atomic_write_text(path, self.to_str())
         return path
 
     def __repr__(self) -> str:
         return f"K3Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 # ------------------------------------------------------------------------------------ BPE training

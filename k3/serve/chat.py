@@ -20,6 +20,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+from k3.utils import atomic_write_text
+
 CHAT_TEMPLATE_FILE = "chat_template.json"
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -85,11 +87,7 @@ def save_chat_template(directory: str | os.PathLike, template: ChatTemplate | No
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CHAT_TEMPLATE_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(template.to_dict(), f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(template.to_dict(), indent=2, ensure_ascii=False) + "\n")
     return path
 
 
