@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import RMSNorm
 from k3.ops import kda as kda_ops
+from k3.ops.kda_backend import kda as kda_mix
 
 
 class KDACache:
@@ -50,16 +50,11 @@ class KimiDeltaAttention(nn.Module):
         q, cq = kda_ops.short_conv(self.q_proj(x), self.q_conv1d.weight, conv_in[0], cu_seqlens=cu_seqlens)
         k, ck = kda_ops.short_conv(self.k_proj(x), self.k_conv1d.weight, conv_in[1], cu_seqlens=cu_seqlens)
         v, cv = kda_ops.short_conv(self.v_proj(x), self.v_conv1d.weight, conv_in[2], cu_seqlens=cu_seqlens)
-        q = kda_ops.l2norm(q.view(B, T, H, K))
-        k = kda_ops.l2norm(k.view(B, T, H, K))
-        v = v.view(B, T, H, K)
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        g = kda_ops.kda_gate(z, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
         state = cache.state if cache is not None else None
-        # Both forms are exact; the recurrence is cheaper for a single decode token.
-        fn = kda_ops.kda_recurrent if T == 1 else kda_ops.kda_chunk
-        o, new_state = fn(q, k, v, g, beta, initial_state=state, cu_seqlens=cu_seqlens)
+        # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
+        o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z, self.b_proj(x),
+                               self.A_log, self.dt_bias, self.lower_bound, initial_state=state, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache.state, cache.conv = new_state, [cq, ck, cv]
         o = self.o_norm(o.float()) * torch.sigmoid(self.g_proj(x).float().view(B, T, H, K))
