@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save_bytes
 
-from k3.config import ConfigError, K3Config
+from k3.config import K3Config
 from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
 
 PREFIX = "language_model."

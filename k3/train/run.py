@@ -84,9 +84,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
     if resume_from is not None:
-        cfg = K3Config.load(resume_from)
-        saved = json.load(open(os.path.join(resume_from, "trainer_state.json")))
-        del saved  # the trainer state is read by Trainer.load; options given now take precedence
+        cfg = K3Config.load(resume_from)  # the trainer state itself is read by Trainer.load
     elif opts.config:
         cfg = K3Config.load(opts.config)
     else:

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from k3.config import K3Config
 from k3.model.latent_moe import LatentMoE
 from k3.model.model import K3ForCausalLM
 from k3.train.balance import ExpertBalancer

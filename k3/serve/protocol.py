@@ -1,0 +1,157 @@
+"""The HTTP API's request schemas and error shape (OpenAI-compatible)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+# =====================================================================================================================
+# Errors
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """FastAPI/pydantic validation errors -> (message naming the field(s), param of the first)."""
+    parts, first_param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ())]
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        kind = e.get("type", "")
+        if kind == "json_invalid":
+            detail = str((e.get("ctx") or {}).get("error", "") or "")
+            where = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
+            return f"the request body is not valid JSON{': ' + detail if detail else ''}{where}", None
+        if not loc:
+            if kind == "missing":
+                parts.append("the request body is missing: send a JSON object")
+            else:
+                parts.append("the request body must be a JSON object")
+            continue
+        param = ".".join(loc)
+        first_param = first_param or param
+        msg = str(e.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if kind == "missing":
+            parts.append(f"'{param}' is a required field")
+        else:
+            parts.append(f"'{param}': {msg}")
+    return "; ".join(parts) or "invalid request", first_param
+
+
+# =====================================================================================================================
+# Request bodies
+
+Prob = Annotated[float, Field(strict=True, gt=0, le=1)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: Annotated[bool, Field(strict=True)] = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Field(strict=True)]
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0, le=2)] | None = None
+    top_p: Prob | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None  # extension; 0 or -1: no top-k cut
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: Any = None
+    stream: Annotated[bool, Field(strict=True)] | None = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(strict=True, ge=1)] | None = 1
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] | None = None
+    logit_bias: dict | None = None
+    user: Annotated[str, Field(strict=True)] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, v):
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(v)}")
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: Annotated[bool, Field(strict=True)] | None = False
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+    suffix: Annotated[str, Field(strict=True)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v):
+        # A string or a list of token ids; a batch of exactly one of either is unwrapped.
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                return v
+            if all(isinstance(x, (str, list)) for x in v):
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+        raise ValueError("prompt must be a string or a list of integer token ids")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Any
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    logprobs: Annotated[bool, Field(strict=True)] | None = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _check_messages(cls, v):
+        if not isinstance(v, list):
+            raise ValueError("messages must be a list of message objects")
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
