@@ -180,16 +180,7 @@ class LLMEngine:
                     return self._fail_unschedulable()
                 return []
             logits: dict[str, torch.Tensor] = {}
-            singles = [w for w in work if w.end - w.start == 1]
-            for w in work:
-                if w.end - w.start > 1:
-                    logits[w.seq.request_id] = self._run_chunk(w)
-            if singles:
-                out = self.runner.forward([[w.seq.tokens[w.start]] for w in singles], [w.start for w in singles],
-                                          [self._slots(w.seq) for w in singles])
-                for i, w in enumerate(singles):
-                    self._after_forward(w.seq, w.end)
-                    logits[w.seq.request_id] = out[i]
+            logits = self._run_batched(work)
             outputs = []
             for w in work:
                 self.metrics.prompt_tokens_computed += sum(1 for p in range(w.start, w.end)
@@ -199,18 +190,32 @@ class LLMEngine:
             self.prefix.mark_landed()
             return outputs
 
-    def _run_chunk(self, w: Work) -> torch.Tensor:
-        """A prefill chunk. It is split at the last hash-aligned position inside it, so the KDA state there can
-        be persisted as a checkpoint without recomputation."""
+    def _segments(self, w: Work) -> list[tuple[int, int]]:
+        """A prefill chunk is split at the last hash-aligned position inside it, so the KDA state there can be
+        persisted as a checkpoint without recomputation."""
         hb = self.cfg.hash_block_tokens
-        seq, start, end = w.seq, w.start, w.end
-        aligned = (end // hb) * hb
-        bounds = [start, aligned, end] if start < aligned < end else [start, end]
-        out = None
-        for a, b in zip(bounds, bounds[1:]):
-            out = self.runner.forward([seq.tokens[a:b]], [a], [self._slots(seq)])[0]
-            self._after_forward(seq, b)
-        return out
+        aligned = (w.end // hb) * hb
+        bounds = [w.start, aligned, w.end] if w.start < aligned < w.end else [w.start, w.end]
+        return list(zip(bounds, bounds[1:]))
+
+    def _run_batched(self, work: list[Work]) -> dict[str, torch.Tensor]:
+        """Run every request's segments; segments of equal length run as one batched forward (decode steps are
+        all length 1), and a request's second segment runs only after its first."""
+        segs = {id(w): self._segments(w) for w in work}
+        logits: dict[str, torch.Tensor] = {}
+        for r in range(max(len(v) for v in segs.values())):
+            groups: dict[int, list[tuple[Work, int, int]]] = {}
+            for w in work:
+                if r < len(segs[id(w)]):
+                    a, b = segs[id(w)][r]
+                    groups.setdefault(b - a, []).append((w, a, b))
+            for group in groups.values():
+                out = self.runner.forward([w.seq.tokens[a:b] for w, a, b in group], [a for _, a, _ in group],
+                                          [self._slots(w.seq) for w, _, _ in group])
+                for i, (w, a, b) in enumerate(group):
+                    self._after_forward(w.seq, b)
+                    logits[w.seq.request_id] = out[i]
+        return logits
 
     def _after_forward(self, seq: Sequence, end: int) -> None:
         seq.num_computed = end

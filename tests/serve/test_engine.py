@@ -177,3 +177,21 @@ def test_default_512_token_hash_blocks_hit_inside_a_2048_token_page():
         s = _run(eng, [[second]])[0]
         assert s.cached_tokens == B
         assert s.output_ids == reference(tuple(second))
+
+
+def test_prefill_chunks_of_several_requests_run_as_one_batch():
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(1, 512, (90,), generator=g).tolist() for _ in range(4)]
+    eng = _engine(mb=8, chunk=32, step_tokens=128, enable=False)
+    shapes = []
+    orig = eng.runner.forward
+
+    def spy(tokens, starts, slots):
+        shapes.append((len(tokens), len(tokens[0])))
+        return orig(tokens, starts, slots)
+
+    eng.runner.forward = spy
+    seqs = _run(eng, [prompts])
+    assert (4, 32) in shapes  # four requests' 32-token prefill chunks in one forward
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == reference(tuple(p))
