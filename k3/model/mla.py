@@ -81,12 +81,20 @@ class GatedMLA(nn.Module):
 
 
 @torch.no_grad()
-def _max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch.Tensor | None) -> torch.Tensor:
-    """Largest causal pre-softmax logit of each head over the batch: [H] fp32 (QK-Clip's signal)."""
+def _max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch.Tensor | None,
+               block: int = 512) -> torch.Tensor:
+    """Largest causal pre-softmax logit of each head over the batch: [H] fp32 (QK-Clip's signal). Queries are
+    taken `block` at a time so memory stays O(block x T), not O(T^2)."""
     B, T, H, _ = q.shape
-    s = torch.einsum("bihd,bjhd->bhij", q.float(), k.float()) * scale
-    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    mask = mask.expand(B, 1, T, T)
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+    kf = k.float()
+    best = torch.full((H,), float("-inf"), device=q.device)
+    pos = torch.arange(T, device=q.device)
+    for s0 in range(0, T, block):
+        s1 = min(T, s0 + block)
+        s = torch.einsum("bihd,bjhd->bhij", q[:, s0:s1].float(), kf[:, :s1]) * scale
+        mask = pos[None, :s1] <= pos[s0:s1, None]  # [blk, s1] causal
+        mask = mask.expand(B, 1, s1 - s0, s1)
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, None, s0:s1, None] == segment_ids[:, None, None, :s1])
+        best = torch.maximum(best, s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+    return best

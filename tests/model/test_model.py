@@ -123,3 +123,17 @@ def test_bf16_model_keeps_fp32_parameters(tiny_cfg):
     with torch.no_grad():
         out = model(ids).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_max_logit_in_query_blocks_equals_the_full_matrix():
+    from k3.model.mla import _max_logit
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 300, 3, 24, generator=g), torch.randn(2, 300, 3, 24, generator=g)
+    seg = torch.cat([torch.zeros(2, 170), torch.ones(2, 130)], 1).long()
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * 0.3
+    mask = torch.ones(300, 300, dtype=torch.bool).tril().expand(2, 1, 300, 300)
+    mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
+    full = s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+    assert torch.equal(_max_logit(q, k, 0.3, seg, block=64), full)
+    assert torch.equal(_max_logit(q, k, 0.3, None, block=7), _max_logit(q, k, 0.3, None, block=1000))
