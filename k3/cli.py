@@ -72,7 +72,8 @@ def cmd_train(args) -> int:
                 saved = unflatten(None, json.load(f))["train_config"]
             fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
     else:
-        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"])
+        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
+                      micro_batch_rows=defaults["micro_batch_rows"])
     fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
     if fields.get("max_steps") is None and fields.get("max_minutes") is None:
         fields["max_minutes"] = 10.0
