@@ -73,6 +73,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
     from k3.data.packing import PackedLoader, tokenize_documents
     from k3.data.tokenizer import cached_tokenizer
 
+    tcfg.validate()  # before any slow work (corpus, tokenizer)
     device = pick_device(opts.device)
     tcfg.device = str(device)
     if device.type == "cuda":
