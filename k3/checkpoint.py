@@ -143,7 +143,9 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
-        save_cfg = cfg.replace(dtype=_dtype_name(dtype) if dtype is not None else cfg.dtype)
+        # The config records the dtype the tensors are stored in (fp32 master weights save as float32).
+        stored = dtype if dtype is not None else model.lm_head.weight.dtype
+        save_cfg = cfg.replace(dtype=_dtype_name(stored))
         save_cfg.save(os.path.join(tmp, "config.json"))
         for fname, data in (extra_files or {}).items():
             with open(os.path.join(tmp, fname), "wb") as f:

@@ -187,3 +187,14 @@ def test_cli_init_and_info(tmp_path, capsys):
     assert "2.779T" in out and "104.2B" in out and "434.1 MB" in out and "27 GiB" in out
     with pytest.raises(SystemExit, match="raise --max-gib"):
         cli_main(["init", "--preset", "k3", "--out", str(tmp_path / "big")])
+
+
+def test_config_dtype_records_the_stored_dtype(tmp_path):
+    cfg = k3.K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, dtype="bfloat16")
+    model = randomize_(K3ForCausalLM(cfg))  # fp32 master weights, as training keeps them
+    model.save_pretrained(tmp_path / "a")
+    assert json.load(open(tmp_path / "a" / "config.json"))["dtype"] == "float32"
+    assert from_pretrained(tmp_path / "a").lm_head.weight.dtype == torch.float32
+    model.save_pretrained(tmp_path / "b", dtype=torch.bfloat16)
+    assert json.load(open(tmp_path / "b" / "config.json"))["dtype"] == "bfloat16"
+    assert from_pretrained(tmp_path / "b").lm_head.weight.dtype == torch.bfloat16
