@@ -100,6 +100,12 @@ class LLMEngine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context length {self.max_model_len}")
+        n_tok = len(prompt_ids) + params.max_tokens
+        need = self.prefix.num_mla_groups * (-(-n_tok // self.cfg.page_tokens) + 1) + self.prefix.num_kda_groups
+        if need > self.pool.num_pages:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs up to {need} "
+                             f"cache pages but the pool has {self.pool.num_pages}; lower max_tokens or give the "
+                             f"server more cache memory")
         vocab = self.model.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")

@@ -195,3 +195,10 @@ def test_prefill_chunks_of_several_requests_run_as_one_batch():
     assert (4, 32) in shapes  # four requests' 32-token prefill chunks in one forward
     for s, p in zip(seqs, prompts):
         assert s.output_ids == reference(tuple(p))
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submission():
+    eng = _engine(mb=0.3)
+    with pytest.raises(ValueError, match="cache pages"):
+        eng.add_request([1] * 600, SamplingParams(max_tokens=400))
+    assert not eng.has_work()
