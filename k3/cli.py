@@ -226,24 +226,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
-    return v
+def _positive(kind):
+    """argparse type: a positive int or float, with a message naming what was expected."""
+    word = "integer" if kind is int else "number"
+
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {word}, got {s!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {word}, got {v}")
+        return v
+
+    return parse
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+_positive_int, _positive_float = _positive(int), _positive(float)
 
 
 def main(argv: list[str] | None = None) -> int:

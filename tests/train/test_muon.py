@@ -15,13 +15,7 @@ from k3.train.muon import (MUON_RMS_SCALE, PerHeadMuon, describe_param_groups, m
                            newton_schulz)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matrices gain nothing from intra-op threads, and on a busy machine a thread pool can stall.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny(**kw) -> K3Config:

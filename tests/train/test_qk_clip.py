@@ -12,13 +12,7 @@ from k3.train.qk_clip import enable_max_logit_recording, mla_layers, qk_clip_
 TAU = 5.0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matrices gain nothing from intra-op threads, and on a busy machine a thread pool can stall.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(blow_up: bool = True):
