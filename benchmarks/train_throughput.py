@@ -1,6 +1,10 @@
 """Training throughput of a preset: tokens/s, model FLOP utilization and peak memory.
 
-    python benchmarks/train_throughput.py --preset k3-mini --seq-len 4096 --batch-tokens 32768 --steps 6
+    python benchmarks/train_throughput.py --preset k3-mini --seq-len 4096 --batch-tokens 32768 --steps 6 \
+        [--backend fast|torch] [--activation-checkpointing]
+
+`--backend fast` runs every op on its GPU fast path (fla KDA and AttnRes, flex MLA, grouped-GEMM MoE with the
+fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) lets k3.ops.backend decide.
 
 Runs the real training step (forward + backward incl. MTP, Per-Head Muon, QK-Clip, Quantile Balancing) on
 random tokens. MFU counts 6 x active parameters per token plus causal MLA attention (12 x layers x heads x
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -21,6 +26,7 @@ from k3.config import K3Config
 from k3.data.packing import PackedLoader
 from k3.info import model_info
 from k3.model.model import K3ForCausalLM
+from k3.ops.backend import FAST, env_var
 from k3.train.trainer import Trainer, TrainConfig
 
 PEAK_BF16 = 803e12
@@ -35,7 +41,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vocab-size", type=int, default=None)
+    ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto")
+    ap.add_argument("--activation-checkpointing", action="store_true")
     args = ap.parse_args()
+    if args.backend != "auto":
+        for op, fast in FAST.items():
+            os.environ[env_var(op)] = fast if args.backend == "fast" else "torch"
     cfg = K3Config.from_preset(args.preset)
     if args.vocab_size:
         cfg = cfg.replace(vocab_size=args.vocab_size)
@@ -46,7 +57,8 @@ def main() -> None:
                                                dtype=np.int64).astype(np.int32)
     tc = TrainConfig(out="/tmp/k3-bench", max_steps=10**6, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
                      micro_batch_rows=args.micro_batch_rows, device=str(dev), autocast_bf16=dev.type == "cuda",
-                     eval_every=10**9)
+                     eval_every=10**9,
+                     **({"activation_checkpointing": True} if args.activation_checkpointing else {}))
     loader = PackedLoader(stream, args.seq_len, tc.rows_per_step, eos_id=0, seed=0)
     tr = Trainer(model, tc, loader, log=lambda *a: None)
     times = []
@@ -57,6 +69,7 @@ def main() -> None:
         m = tr.train_step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        print(f"step {i}: {time.perf_counter() - t0:.3f} s, loss {m.loss:.4f}", flush=True)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
@@ -66,7 +79,7 @@ def main() -> None:
     attn = 12 * n_mla * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * args.seq_len / 2
     flops_tok = 6 * info.active + attn
     out = {
-        "preset": args.preset, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "preset": args.preset, "backend": args.backend, "ckpt": args.activation_checkpointing, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "seq_len": args.seq_len, "batch_tokens": args.batch_tokens, "step_s_median": round(dt, 4),
         "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * flops_tok / PEAK_BF16, 4) if dev.type == "cuda" else None,
         "model_tflops_per_s": round(tok_s * flops_tok / 1e12, 2), "loss": round(m.loss, 4),

@@ -51,7 +51,8 @@ def cmd_init(args) -> int:
 
 
 TRAIN_FLAGS = ["max_steps", "max_minutes", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows", "balance",
-               "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes"]
+               "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
+               "activation_checkpointing"]
 
 
 def cmd_train(args) -> int:
@@ -192,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-clip", type=_positive_float)
     s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50)")
     s.add_argument("--save-every-minutes", type=_positive_float)
+    s.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute each sublayer in backward instead of storing its activations: trades ~1 extra "
+                        "forward of compute for much less activation memory; needed for long contexts "
+                        "(default off; --resume keeps the run's setting)")
     s.add_argument("--max-corpus-mb", type=_positive_float, help="cap the default corpus's training text")
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from k3.model.common import RMSNorm
-from k3.ops.attn_res import attn_res, attn_res_inter, attn_res_merge
+from k3.ops.attn_res import attn_res, attn_res_fla, attn_res_inter, attn_res_merge, fla_available
+from k3.ops.backend import resolve
 
 
 def site_query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -43,6 +44,8 @@ class AttnResStream:
             for s in sources[1:]:
                 dt = torch.promote_types(dt, s.dtype)
             sources = [s.to(dt) for s in sources]
+        if resolve("attn_res", sources[0].device, fla_available) == "fla":
+            return attn_res_fla(sources, w, self.eps)
         return attn_res(sources, w, self.eps)
 
     def attn_input(self, layer_idx: int, w: torch.Tensor, upcoming: list[tuple[object, torch.Tensor]]):

@@ -1,9 +1,25 @@
-"""One decoder layer: AttnRes site -> norm -> KDA or Gated MLA; AttnRes site -> norm -> dense MLP or LatentMoE."""
+"""One decoder layer: AttnRes site -> norm -> KDA or Gated MLA; AttnRes site -> norm -> dense MLP or LatentMoE.
+
+Activation checkpointing (``DecoderLayer.activation_checkpointing``, normally set for the whole model with
+``K3ForCausalLM.set_activation_checkpointing``): in a training forward (module in training mode, gradients
+enabled, no decode cache, one-pass AttnRes) each of the two sublayer applications, "AttnRes mix -> RMSNorm ->
+mixer" and "AttnRes mix -> RMSNorm -> FFN", runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
+whose inputs are the stream's source tensors (the completed blocks and the running partial sum). Only those are
+kept (the stream holds them anyway); everything inside (the fp32 AttnRes softmax intermediates, the norms,
+projections, attention / KDA and MoE activations) is recomputed in backward, about one extra forward of compute.
+The stream's bookkeeping (closing a block at a block boundary, adding the sublayer outputs to the partial sum)
+happens once, outside the recomputed region. Forward side effects of the layers (MLA's ``last_max_logit``,
+LatentMoE's ``last_routing``) are recomputed from the same inputs during backward: they are overwritten with new
+tensors holding the same values.
+"""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
@@ -34,6 +50,8 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = LatentMoE(cfg, layer_idx)
         else:
             self.mlp = SituMLP(D, cfg.intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        # Recompute both sublayers in backward instead of keeping their activations (see the module docstring).
+        self.activation_checkpointing = False
 
     @property
     def ffn(self) -> nn.Module:
@@ -48,17 +66,50 @@ class DecoderLayer(nn.Module):
 
     def forward(self, stream: AttnResStream, cache=None, segment_ids=None, cu_seqlens=None,
                 upcoming=None) -> None:
-        w_attn, w_mlp = self.site_queries()
-        h = stream.attn_input(self.res_idx, w_attn, upcoming or [])
-        x = self.input_layernorm(h)
+        """Advance `stream` by this layer (mixer site, then FFN site). With `activation_checkpointing` on, each
+        site is checkpointed in training forwards only: a module in eval mode, a forward without gradients, a
+        decode cache or two-phase AttnRes run the plain path (those are inference forms)."""
+        ckpt = (self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
+                and not stream.two_phase)
+        if ckpt:
+            stream.add(_checkpointed(stream, lambda s: self._attn_site(s, None, segment_ids, cu_seqlens)))
+            stream.add(_checkpointed(stream, self._mlp_site))
+        else:
+            stream.add(self._attn_site(stream, cache, segment_ids, cu_seqlens, upcoming))
+            stream.add(self._mlp_site(stream))
+
+    def _attn_site(self, stream: AttnResStream, cache=None, segment_ids=None, cu_seqlens=None,
+                   upcoming=None) -> torch.Tensor:
+        """AttnRes mix -> input norm -> KDA / Gated MLA. Closes the stream's block at a block boundary."""
+        w = site_query(self.self_attention_res_norm, self.self_attention_res_proj)
+        x = self.input_layernorm(stream.attn_input(self.res_idx, w, upcoming or []))
         if self.is_kda:
             if cu_seqlens is not None:  # packed documents: one row of sequences, state reset at each start
                 B, T, D = x.shape
-                a = self.self_attn(x.reshape(1, B * T, D), cache, cu_seqlens=cu_seqlens).view(B, T, D)
-            else:
-                a = self.self_attn(x, cache)
-        else:
-            a = self.self_attn(x, cache, segment_ids=segment_ids)
-        stream.add(a)
-        h = stream.mlp_input(self.res_idx, w_mlp)
-        stream.add(self.ffn(self.post_attention_layernorm(h)))
+                return self.self_attn(x.reshape(1, B * T, D), cache, cu_seqlens=cu_seqlens).view(B, T, D)
+            return self.self_attn(x, cache)
+        return self.self_attn(x, cache, segment_ids=segment_ids)
+
+    def _mlp_site(self, stream: AttnResStream) -> torch.Tensor:
+        """AttnRes mix -> post-attention norm -> dense MLP / LatentMoE."""
+        h = stream.mlp_input(self.res_idx, site_query(self.mlp_res_norm, self.mlp_res_proj))
+        return self.ffn(self.post_attention_layernorm(h))
+
+
+def _checkpointed(stream: AttnResStream, site) -> torch.Tensor:
+    """`site(stream)` (one AttnRes site and its sublayer) under a non-reentrant checkpoint whose inputs are the
+    stream's sources.
+
+    The site runs on a private copy of the stream rebuilt from those inputs, so the forward and the recompute in
+    backward start from the same state; the state the forward's copy ends in (a block closed at a block boundary)
+    is then taken over by `stream`, once."""
+    proto = copy.copy(stream)
+
+    def run(*sources):
+        view = copy.copy(proto)
+        view.blocks, view.partial = list(sources[:-1]), sources[-1]
+        return site(view), view
+
+    out, view = checkpoint(run, *stream.blocks, stream.partial, use_reentrant=False)
+    vars(stream).update(vars(view))
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.ops.situ import situ_glu
+from k3.ops.situ import situ_glu_any
 
 
 class RMSNorm(nn.Module):
@@ -37,4 +37,4 @@ class SituMLP(nn.Module):
         self.beta1, self.beta2 = beta1, beta2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))
+        return self.down_proj(situ_glu_any(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))

@@ -7,7 +7,8 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import RMSNorm
-from k3.ops.mla import mla_absorbed, mla_attention, split_kv_b
+from k3.ops.backend import resolve
+from k3.ops.mla import flex_available, max_logit, mla_absorbed, mla_attention, mla_attention_flex, split_kv_b
 
 
 class MLACache:
@@ -68,9 +69,14 @@ class GatedMLA(nn.Module):
             kv = self.kv_b_proj(c).view(B, T, H, dn + dv)
             k_nope, v = kv.split([dn, dv], dim=-1)
             k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, dr)], dim=-1)
-            if self.record_max_logit:
-                self.last_max_logit = _max_logit(q, k, self.scale, segment_ids)
-            o = mla_attention(q, k, v, self.scale, segment_ids=segment_ids)
+            if cache is None and resolve("mla", x.device, flex_available) == "flex":
+                o = mla_attention_flex(q, k, v, self.scale, segment_ids, return_max_logit=self.record_max_logit)
+                if self.record_max_logit:
+                    o, self.last_max_logit = o
+            else:
+                if self.record_max_logit:
+                    self.last_max_logit = max_logit(q, k, self.scale, segment_ids)
+                o = mla_attention(q, k, v, self.scale, segment_ids=segment_ids)
         else:
             # Decode / continued prefill: attend against the latent cache directly (absorbed form).
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
@@ -78,23 +84,3 @@ class GatedMLA(nn.Module):
             o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past, kv_len=kv_len)
         o = o.reshape(B, T, H * dv)
         return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
-
-
-@torch.no_grad()
-def _max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch.Tensor | None,
-               block: int = 512) -> torch.Tensor:
-    """Largest causal pre-softmax logit of each head over the batch: [H] fp32 (QK-Clip's signal). Queries are
-    taken `block` at a time so memory stays O(block x T), not O(T^2)."""
-    B, T, H, _ = q.shape
-    kf = k.float()
-    best = torch.full((H,), float("-inf"), device=q.device)
-    pos = torch.arange(T, device=q.device)
-    for s0 in range(0, T, block):
-        s1 = min(T, s0 + block)
-        s = torch.einsum("bihd,bjhd->bhij", q[:, s0:s1].float(), kf[:, :s1]) * scale
-        mask = pos[None, :s1] <= pos[s0:s1, None]  # [blk, s1] causal
-        mask = mask.expand(B, 1, s1 - s0, s1)
-        if segment_ids is not None:
-            mask = mask & (segment_ids[:, None, s0:s1, None] == segment_ids[:, None, None, :s1])
-        best = torch.maximum(best, s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
-    return best

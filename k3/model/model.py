@@ -40,6 +40,23 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.two_phase_attn_res = False  # inference form of Block AttnRes (same result)
+        self.activation_checkpointing = False
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Activation checkpointing of every layer (default off): in training forwards (training mode, gradients
+        enabled, no cache, one-pass AttnRes) each layer keeps only its AttnRes sources and recomputes each
+        sublayer ("AttnRes mix -> norm -> KDA / MLA" and "AttnRes mix -> norm -> MLP / LatentMoE") in backward.
+        Costs about one extra forward of compute; needed for long contexts. Same loss and gradients. Setting it
+        sets every backbone layer's `DecoderLayer.activation_checkpointing` (the MTP layers are included by
+        `K3ForCausalLM.set_activation_checkpointing`)."""
+        return self._activation_checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, enabled: bool) -> None:
+        self._activation_checkpointing = bool(enabled)
+        for layer in self.layers:
+            layer.activation_checkpointing = bool(enabled)
 
     def _block_sites(self, start: int) -> list:
         """(key, query) of every AttnRes site served by the completed blocks of the block at `start`."""
@@ -145,6 +162,16 @@ class K3ForCausalLM(nn.Module):
             target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
             if t.is_floating_point() and t.dtype != target:
                 t.data = t.data.to(target)
+        return self
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> "K3ForCausalLM":
+        """Turn activation checkpointing on (or off) in every decoder layer, backbone and MTP: training forwards
+        then recompute each sublayer in backward instead of keeping its activations (see
+        `K3Model.activation_checkpointing`). Inference forwards (eval mode, no_grad, a cache) are unaffected."""
+        self.model.activation_checkpointing = enabled
+        for m in self.mtp.modules():
+            if isinstance(m, DecoderLayer):
+                m.activation_checkpointing = bool(enabled)
         return self
 
     def new_cache(self) -> K3Cache:

@@ -30,7 +30,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["AttnResPartial", "attn_res", "attn_res_inter", "attn_res_merge"]
+__all__ = ["AttnResPartial", "attn_res", "attn_res_fla", "attn_res_inter", "attn_res_merge", "fla_available"]
 
 
 class AttnResPartial(NamedTuple):
@@ -101,6 +101,27 @@ def attn_res(sources: Tensor | Sequence[Tensor], w: Tensor, eps: float = 1e-5) -
     weights = torch.softmax(scores, dim=0)  # softmax over depth (the sources)
     out = (weights[..., None] * v.float()).sum(dim=0)
     return out.to(v.dtype)
+
+
+def fla_available() -> tuple[bool, str]:
+    try:
+        from fla.ops.attnres import fused_attnres  # noqa: F401
+    except Exception as e:  # ImportError, or a Triton/driver problem at import
+        return False, f"fla-core is not importable ({type(e).__name__}: {e}); install it with `pip install k3[gpu]`"
+    return True, ""
+
+
+def attn_res_fla(sources: Sequence[Tensor], w: Tensor, eps: float = 1e-5) -> Tensor:
+    """``attn_res`` on fla-core's fused kernel: one read of every source computes the scores, the depth
+    softmax and the mix (fp32 inside), and the backward recomputes instead of storing the normalized
+    sources. Sources must be CUDA tensors of one shape and dtype."""
+    from fla.ops.attnres import fused_attnres
+
+    sources = list(sources)
+    v = sources[0]
+    _check_query("w", w, v.shape[-1])
+    ones = torch.ones(v.shape[-1], device=v.device, dtype=torch.float32)
+    return fused_attnres(w.float(), sources, ones, rms_eps=eps)
 
 
 def attn_res_inter(blocks: Tensor | Sequence[Tensor], ws: Tensor, eps: float = 1e-5) -> AttnResPartial:

@@ -1,24 +1,15 @@
 """KDA backends: the PyTorch reference (k3.ops.kda) or fla-core's Triton kernels (`chunk_kda` for training and
 prefill, `fused_recurrent_kda` for decode) with the gate, q/k L2 norm and beta sigmoid fused in the kernel.
 
-The choice never changes the math, only where it runs: `auto` (the default) uses fla on CUDA when fla-core
-is installed (and validated, see FLA_VALIDATED) and the reference otherwise; the environment variable K3_KDA_BACKEND=torch|fla|auto overrides
-it. Falling back on a GPU prints a one-time notice saying why.
+The choice never changes the math, only where it runs; k3.ops.backend decides (K3_KDA_BACKEND=auto|torch|fla).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
 from k3.ops import kda as ref
-
-_notices: set[str] = set()
-# `auto` picks fla only once tests/ops/test_kda_backend.py's GPU tests have passed on a GPU with this code;
-# until then fla runs only when asked for explicitly (K3_KDA_BACKEND=fla).
-FLA_VALIDATED = False
+from k3.ops.backend import resolve as _resolve
 
 
 def _fla_available() -> tuple[bool, str]:
@@ -30,26 +21,8 @@ def _fla_available() -> tuple[bool, str]:
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
-    req = (requested or os.environ.get("K3_KDA_BACKEND", "auto")).lower()
-    if req not in ("auto", "torch", "fla"):
-        raise ValueError(f"K3_KDA_BACKEND={req!r} is invalid: use auto, torch or fla")
-    if req == "torch":
-        return "torch"
-    ok, why = _fla_available()
-    if device.type != "cuda":
-        if req == "fla":
-            raise ValueError(f"the fla KDA backend needs CUDA tensors, got device {device}")
-        return "torch"
-    if ok and req == "auto" and not FLA_VALIDATED:
-        ok, why = False, "the fla backend is not yet validated against the reference on GPU (K3_KDA_BACKEND=fla forces it)"
-    if not ok:
-        if req == "fla":
-            raise ValueError(why)
-        if why not in _notices:
-            _notices.add(why)
-            print(f"k3: KDA runs on the PyTorch reference path: {why}", file=sys.stderr)
-        return "torch"
-    return "fla"
+    """'torch' or 'fla' (see k3.ops.backend; environment variable K3_KDA_BACKEND)."""
+    return _resolve("kda", device, _fla_available, requested)
 
 
 def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_state=None, cu_seqlens=None,

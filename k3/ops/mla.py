@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["mla_attention", "mla_absorbed", "split_kv_b"]
+__all__ = ["mla_attention", "mla_attention_flex", "mla_absorbed", "max_logit", "split_kv_b", "causal_block_mask"]
 
 
 def _as_positions(name: str, value, batch: int, device: torch.device) -> Tensor:
@@ -235,3 +235,117 @@ def split_kv_b(
     per_head = kv_b_weight.unflatten(0, (num_heads, qk_nope_head_dim + v_head_dim))
     w_kc, w_vc = per_head.split([qk_nope_head_dim, v_head_dim], dim=1)
     return w_kc, w_vc
+
+
+@torch.no_grad()
+def max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch.Tensor | None,
+               block: int = 512) -> torch.Tensor:
+    """Largest causal pre-softmax logit of each head over the batch: [H] fp32 (QK-Clip's signal). Queries are
+    taken `block` at a time so memory stays O(block x T), not O(T^2)."""
+    B, T, H, _ = q.shape
+    kf = k.float()
+    best = torch.full((H,), float("-inf"), device=q.device)
+    pos = torch.arange(T, device=q.device)
+    for s0 in range(0, T, block):
+        s1 = min(T, s0 + block)
+        s = torch.einsum("bihd,bjhd->bhij", q[:, s0:s1].float(), kf[:, :s1]) * scale
+        mask = pos[None, :s1] <= pos[s0:s1, None]  # [blk, s1] causal
+        mask = mask.expand(B, 1, s1 - s0, s1)
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, None, s0:s1, None] == segment_ids[:, None, None, :s1])
+        best = torch.maximum(best, s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+    return best
+
+
+# --- flex_attention backend ----------------------------------------------------------------------------------
+
+_FLEX_BLOCK = 128
+_compiled_flex = None
+
+
+def flex_available() -> tuple[bool, str]:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except Exception as e:
+        return False, f"torch {torch.__version__} has no usable flex_attention ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def _flex_max_scores_supported() -> bool:
+    from torch.nn.attention import flex_attention as fa
+
+    return hasattr(fa, "AuxRequest") and "max_scores" in getattr(fa.AuxRequest, "_fields", ())
+
+
+def causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None = None):
+    """flex_attention BlockMask for causal attention, restricted to each packed document when `segment_ids`
+    [B, T] is given. Built from per-block document ranges in O((T/128)^2) memory per row, never O(T^2):
+    a (query block, key block) tile is skipped when their documents cannot meet, taken whole when both
+    blocks lie in one document and the key block is strictly earlier, and masked per element otherwise."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = -(-T // _FLEX_BLOCK)
+    idx = torch.arange(n, device=device)
+    lower = idx[None, :] <= idx[:, None]  # [n, n] key block j <= query block i
+    strict = idx[None, :] < idx[:, None]
+    if segment_ids is None:
+        B = 1
+        partial = torch.eye(n, dtype=torch.bool, device=device)[None]
+        full = strict[None]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+    else:
+        B = segment_ids.shape[0]
+        seg = segment_ids.to(device=device, dtype=torch.int64)
+        pad = n * _FLEX_BLOCK - T
+        padded = torch.cat([seg, seg[:, -1:].expand(B, pad)], dim=1) if pad else seg
+        blocks = padded.view(B, n, _FLEX_BLOCK)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)  # [B, n] document range of each block
+        meet = (lo[:, None, :] <= hi[:, :, None]) & (hi[:, None, :] >= lo[:, :, None])  # [B, i, j]
+        single = lo == hi
+        same = single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+        full = strict[None] & same
+        partial = lower[None] & meet & ~full
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (seg[b, q_idx] == seg[b, kv_idx])
+
+    def as_blocks(m: Tensor) -> tuple[Tensor, Tensor]:
+        counts = m.sum(-1, dtype=torch.int32)  # [B, n]
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # listed blocks first
+        return counts[:, None], order[:, None]
+
+    kv_num, kv_idx = as_blocks(partial)
+    full_num, full_idx = as_blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))
+
+
+def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
+                       block_mask=None, return_max_logit: bool = False, compiled: bool = True):
+    """``mla_attention`` (q_start = 0, Tq = Tk) on flex_attention: fused causal/document-masked attention with
+    the 192/128 head dims, no T x T matrix in memory, fully masked tiles skipped.
+
+    Returns o [B, T, H, Dv], or (o, max_logit [H] fp32) with ``return_max_logit``: the largest scaled
+    pre-softmax logit of each head over the visible pairs (QK-Clip's signal), taken from the kernel's
+    running maxima when this torch provides them, else computed blockwise."""
+    from torch.nn.attention import flex_attention as fa
+
+    global _compiled_flex
+    B, T, H, _ = q.shape
+    if block_mask is None:
+        block_mask = causal_block_mask(T, q.device, segment_ids)
+    fn = fa.flex_attention
+    if compiled:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(fa.flex_attention, dynamic=False)
+        fn = _compiled_flex
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if return_max_logit and _flex_max_scores_supported() and q.is_cuda:
+        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, return_aux=fa.AuxRequest(max_scores=True))
+        return o.transpose(1, 2), aux.max_scores.detach().float().amax(dim=(0, 2))
+    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale).transpose(1, 2)
+    if return_max_logit:
+        return o, max_logit(q, k, scale, segment_ids)
+    return o

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.serve.cache_pool import CachePool
+from k3.serve.metrics import SampleWindow
 from k3.serve.prefix_cache import OutOfPages, PrefixCache
 from k3.serve.runner import ModelRunner, SeqSlots
 from k3.serve.sampling import SamplingParams, sample
@@ -55,9 +56,10 @@ class EngineMetrics:
     """Counters and latency samples for /metrics (Prometheus text)."""
 
     def __init__(self) -> None:
-        self.ttft: list[float] = []
-        self.tpot: list[float] = []
-        self.queue_time: list[float] = []
+        # Bounded: the most recent samples (the /metrics histograms count every sample ever added).
+        self.ttft = SampleWindow()
+        self.tpot = SampleWindow()
+        self.queue_time = SampleWindow()
         self.prompt_tokens_cached = 0
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0

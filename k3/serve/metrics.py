@@ -1,7 +1,8 @@
 """Prometheus text exposition (format 0.0.4) of the serving engine's metrics, for GET /metrics.
 
 Latencies are histograms in seconds, token and request counts are counters, queue depth and the cache pool are
-gauges; every name starts with `k3_`. The engine keeps its latency samples as lists (EngineMetrics); a
+gauges; every name starts with `k3_`. The engine keeps its latency samples in bounded windows (`SampleWindow`:
+the most recent samples plus a running total, so a server that runs for months holds constant memory); a
 `MetricsExporter` folds the samples it has not seen yet into cumulative bucket counts at each scrape, so a scrape
 costs O(new samples), not O(all samples).
 """
@@ -9,6 +10,7 @@ costs O(new samples), not O(all samples).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import threading
 
@@ -38,25 +40,50 @@ COUNTERS = (
 )
 
 
+class SampleWindow:
+    """The last `maxlen` samples of a latency series, with the count of all samples ever added.
+
+    Samples are numbered 0, 1, 2, ... in arrival order; `since(i)` returns those numbered >= i that are still
+    kept. A scraper that falls more than `maxlen` samples behind misses the oldest ones (and can tell, from
+    `total`, how many)."""
+
+    def __init__(self, maxlen: int = 100_000):
+        if not isinstance(maxlen, int) or isinstance(maxlen, bool) or maxlen < 1:
+            raise ValueError(f"maxlen must be a positive int, got {maxlen!r}")
+        self._kept: collections.deque = collections.deque(maxlen=maxlen)
+        self.total = 0
+
+    def append(self, value: float) -> None:
+        self._kept.append(value)
+        self.total += 1
+
+    def since(self, index: int) -> list:
+        first_kept = self.total - len(self._kept)
+        skip = max(0, index - first_kept)
+        return list(self._kept)[skip:] if skip < len(self._kept) else []
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __iter__(self):
+        return iter(self._kept)
+
+
 class _Histogram:
     def __init__(self, buckets):
         self.bounds = tuple(buckets)
         self.counts = [0] * (len(self.bounds) + 1)  # per bucket (not cumulative); the last one is +Inf
         self.sum = 0.0
-        self.seen = 0  # samples of the source list already folded in
+        self.seen = 0  # number of the next sample of the source window to fold in
 
-    def update(self, samples: list) -> None:
-        n = len(samples)
-        if n < self.seen:  # the source list was cleared or trimmed: start over from what is there now
-            self.counts = [0] * (len(self.bounds) + 1)
-            self.sum, self.seen = 0.0, 0
-        for v in samples[self.seen:n]:
+    def update(self, samples: SampleWindow) -> None:
+        for v in samples.since(self.seen):
             v = float(v)
             if math.isnan(v):
                 continue
             self.counts[bisect.bisect_left(self.bounds, v)] += 1
             self.sum += v
-        self.seen = n
+        self.seen = samples.total
 
     def lines(self, name: str) -> list[str]:
         out, acc = [], 0

@@ -126,7 +126,8 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
         log(f"resumed from {resume_from} at step {trainer.step}")
     n = sum(p.numel() for p in model.parameters())
     log(f"model: {n / 1e6:.2f}M parameters ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {device}")
+        f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {device}"
+        f"{', activation checkpointing' if tcfg.activation_checkpointing else ''}")
     return trainer
 
 

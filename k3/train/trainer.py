@@ -57,6 +57,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     autocast_bf16: bool = False
+    # Recompute each sublayer in backward instead of keeping its activations (K3ForCausalLM.
+    # set_activation_checkpointing): about one extra forward of compute for much less activation memory;
+    # needed for long contexts. Same losses and gradients.
+    activation_checkpointing: bool = False
 
     def validate(self) -> None:
         def bad(name, allowed):
@@ -78,6 +82,8 @@ class TrainConfig:
             bad("balance", "must be histogram, exact, sign or none")
         if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
             bad("micro_batch_rows", "must be >= 1")
+        if not isinstance(self.activation_checkpointing, bool):
+            bad("activation_checkpointing", "must be True or False")
 
     @property
     def rows_per_step(self) -> int:
@@ -107,6 +113,8 @@ class Trainer:
         self.eval_stream, self.eos_id, self.tokenizer_json, self.log = eval_stream, eos_id, tokenizer_json, log
         self.device = torch.device(tcfg.device)
         self.optimizer = PerHeadMuon(muon_param_groups(model), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+        # Training forwards only: evaluation (eval mode, no_grad) runs the plain path whatever the setting.
+        model.set_activation_checkpointing(tcfg.activation_checkpointing)
         self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
         for m in self.moe_layers:
             m.record_routing = True

@@ -126,7 +126,7 @@ def test_bf16_model_keeps_fp32_parameters(tiny_cfg):
 
 
 def test_max_logit_in_query_blocks_equals_the_full_matrix():
-    from k3.model.mla import _max_logit
+    from k3.ops.mla import max_logit as _max_logit
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 300, 3, 24, generator=g), torch.randn(2, 300, 3, 24, generator=g)

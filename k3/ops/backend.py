@@ -1,0 +1,74 @@
+"""Which implementation runs each op that has a GPU fast path.
+
+Every op has a PyTorch reference (the definition, runs anywhere) and one fast backend:
+
+    op         fast backend   what it is
+    kda        fla            fla-core's chunk_kda / fused_recurrent_kda (gate, L2 norm, beta fused)
+    attn_res   fla            fla-core's fused_attnres (one pass over all sources, forward and backward)
+    mla        flex           torch's flex_attention, compiled, with a block mask for causal + document masking
+                              (no T x T matrix; the per-head max logit for QK-Clip comes out of the kernel)
+    moe        grouped        tokens sorted by expert, torch._grouped_mm for the expert GEMMs
+    situ       triton         SiTU-GLU forward and backward as one Triton kernel each (k3.ops.situ_triton)
+
+The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
+when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
+code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
+K3_MLA_BACKEND, K3_MOE_BACKEND and K3_SITU_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
+Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
+saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+
+FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton"}
+# Set after the backend's GPU tests passed on an H200 (see BENCHMARKS.md for the run).
+VALIDATED = {"kda": False, "attn_res": False, "mla": False, "moe": False, "situ": False}
+# Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU).
+CPU_OK = {"moe"}
+
+_notices: set[str] = set()
+
+
+def env_var(op: str) -> str:
+    return f"K3_{op.upper()}_BACKEND"
+
+
+def notice(message: str) -> None:
+    """Print `message` to stderr once per process."""
+    if message not in _notices:
+        _notices.add(message)
+        print(f"k3: {message}", file=sys.stderr)
+
+
+def resolve(op: str, device: torch.device, available: Callable[[], tuple[bool, str]],
+            requested: str | None = None) -> str:
+    """'torch' or FAST[op] for tensors on `device`. `available()` says whether the fast backend can run
+    here (and why not); `requested` overrides the environment variable."""
+    fast = FAST[op]
+    var = env_var(op)
+    req = (requested or os.environ.get(var, "auto")).lower()
+    if req not in ("auto", "torch", fast):
+        raise ValueError(f"{var}={req!r} is invalid: use auto, torch or {fast}")
+    if req == "torch":
+        return "torch"
+    if device.type != "cuda" and op not in CPU_OK:
+        if req == fast:
+            raise ValueError(f"the {fast} {op} backend needs CUDA tensors, got device {device}")
+        return "torch"
+    if device.type != "cuda" and req == "auto":
+        return "torch"
+    ok, why = available()
+    if ok and req == "auto" and not VALIDATED[op]:
+        ok, why = False, f"the {fast} backend is not yet validated against the reference on GPU ({var}={fast} forces it)"
+    if not ok:
+        if req == fast:
+            raise ValueError(f"{var}={fast}: {why}")
+        notice(f"{op} runs on the PyTorch reference path: {why}")
+        return "torch"
+    return fast
