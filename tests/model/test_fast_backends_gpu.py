@@ -19,10 +19,8 @@ def _loss_and_grads(model, ids, seg):
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_k3_mini_loss_and_gradients_match_on_fast_backends(monkeypatch):
-    # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents.
-    # Tolerances: loss 1e-2 relative; each gradient tensor 1e-1 relative to its largest entry (bf16 kernels
-    # against bf16 reference ops summed in other orders over a 13-layer stack).
+@pytest.fixture(scope="module")
+def mini():
     cfg = K3Config.from_preset("k3-mini").replace(vocab_size=4096)
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).init_weights(seed=0).cuda().train()
@@ -30,13 +28,23 @@ def test_k3_mini_loss_and_gradients_match_on_fast_backends(monkeypatch):
     seg = torch.zeros_like(ids)
     seg[0, 300:] = 1
     seg[1, 700:] = 1
+    return model, ids, seg
+
+
+@pytest.mark.parametrize("fast_ops", [[op] for op in FAST] + [list(FAST)], ids=[*FAST, "all"])
+def test_k3_mini_loss_and_gradients_match_on_fast_backends(mini, monkeypatch, fast_ops):
+    # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents;
+    # each fast backend alone, then all together, against every op on the reference.
+    # Tolerances: loss 1e-2 relative; each gradient tensor 1e-1 relative to its largest entry (bf16 kernels
+    # against bf16 reference ops summed in other orders over a 13-layer stack).
+    model, ids, seg = mini
     for op in FAST:
         monkeypatch.setenv(env_var(op), "torch")
     loss_ref, g_ref = _loss_and_grads(model, ids, seg)
-    for op, fast in FAST.items():
-        monkeypatch.setenv(env_var(op), fast)
+    for op in fast_ops:
+        monkeypatch.setenv(env_var(op), FAST[op])
     loss, g = _loss_and_grads(model, ids, seg)
-    assert rel_err(loss, loss_ref) < 1e-2
+    assert rel_err(loss, loss_ref) < 1e-2, (float(loss), float(loss_ref))
     assert g.keys() == g_ref.keys()
-    worst = max(g, key=lambda n: rel_err(g[n], g_ref[n]))
-    assert rel_err(g[worst], g_ref[worst]) < 1e-1, worst
+    errs = sorted(((rel_err(g[n], g_ref[n]), n) for n in g), reverse=True)
+    assert errs[0][0] < 1e-1, errs[:5]
