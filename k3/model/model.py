@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
@@ -180,12 +181,14 @@ class K3ForCausalLM(nn.Module):
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                logits_to_keep: int = 0, pixel_values=None) -> CausalLMOutput:
+                logits_to_keep: int = 0, pixel_values=None, return_logits: bool = True) -> CausalLMOutput:
         """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
         segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
         MLA does not attend across documents. logits_to_keep > 0 computes logits for the last N positions only.
         pixel_values ([N, 3, H, W] or a list of [3, H, W]) are encoded by MoonViT-V2 and replace, in order, the
-        embeddings at the `media_placeholder_token_id` positions of input_ids (report §2.4)."""
+        embeddings at the `media_placeholder_token_id` positions of input_ids (report §2.4).
+        return_logits=False (training, with labels) skips the [B, T, V] logits: the loss is computed by
+        `head_loss` in chunks of rows, and `logits` is None."""
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -200,12 +203,16 @@ class K3ForCausalLM(nn.Module):
             emb = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             inputs_embeds = merge_image_embeddings(emb, input_ids, self.vision(pixel_values),
                                                    self.config.media_placeholder_token_id)
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels (it computes only the loss)")
         hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, segment_ids=segment_ids)
-        h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
-        logits = self.lm_head(self.model.norm(h))
+        logits = None
+        if return_logits:
+            h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+            logits = self.lm_head(self.model.norm(h))
         out = CausalLMOutput(logits=logits, hidden_states=hidden)
         if labels is not None:
-            out.loss = _shifted_ce(logits, labels, 1)
+            out.loss = _shifted_ce(logits, labels, 1) if return_logits else self.head_loss(hidden, labels)
             if len(self.mtp) and input_ids is not None:
                 out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, segment_ids)
         return out
@@ -222,9 +229,29 @@ class K3ForCausalLM(nn.Module):
             emb = self.model.embed_tokens(input_ids[:, d:])
             seg = segment_ids[:, d:] if segment_ids is not None else None
             h = layer(h[:, : T - d] if d == 1 else h[:, :-1], emb, segment_ids=seg)
-            logits = self.lm_head(self.model.norm(h))
-            losses.append(_shifted_ce(logits, labels[:, d:], 1))
+            losses.append(self.head_loss(h, labels[:, d:]))
         return torch.stack(losses).mean() if losses else hidden.new_zeros(())
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 8192) -> torch.Tensor:
+        """Mean next-token cross-entropy of `lm_head(norm(hidden))` against `labels` shifted by one (-100 ignored),
+        without the full [B, T, V] logits: rows are taken `chunk_tokens` at a time, and when there is more than
+        one chunk each chunk's logits are recomputed in backward instead of kept, so the head costs
+        O(chunk_tokens x V) memory at any context length. Equals `_shifted_ce(lm_head(norm(hidden)), labels, 1)`."""
+        D = hidden.shape[-1]
+        h = hidden[:, :-1].reshape(-1, D)
+        target = labels[:, 1:].reshape(-1)
+
+        def chunk_ce(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            logits = self.lm_head(self.model.norm(x)).float()
+            return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
+
+        n = h.shape[0]
+        if n <= chunk_tokens:
+            total = chunk_ce(h, target)
+        else:
+            total = sum(checkpoint(chunk_ce, h[i:i + chunk_tokens], target[i:i + chunk_tokens], use_reentrant=False)
+                        for i in range(0, n, chunk_tokens))
+        return total / (target != -100).sum()
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save_pretrained(self, path, **kwargs) -> None:

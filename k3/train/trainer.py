@@ -163,7 +163,8 @@ class Trainer:
             part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
             w = part["input_ids"].shape[0] / rows
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16):
-                out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"])
+                out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
+                            return_logits=False)
                 loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
             (loss * w).backward()
             loss_sum += float(out.loss.detach()) * w
@@ -348,7 +349,7 @@ def evaluate_loss(model, stream: np.ndarray, seq_len: int, eos_id: int, max_batc
     for batch in batches_fn(stream, seq_len, rows, eos_id, max_batches=max_batches):
         b = {k: v.to(device) for k, v in batch.items()}
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            out = model(b["input_ids"], labels=b["labels"], segment_ids=b["segment_ids"])
+            out = model(b["input_ids"], labels=b["labels"], segment_ids=b["segment_ids"], return_logits=False)
         n = int((b["labels"][:, 1:] != -100).sum())
         total += float(out.loss) * n
         count += n

@@ -137,3 +137,40 @@ def test_max_logit_in_query_blocks_equals_the_full_matrix():
     full = s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
     assert torch.equal(_max_logit(q, k, 0.3, seg, block=64), full)
     assert torch.equal(_max_logit(q, k, 0.3, None, block=7), _max_logit(q, k, 0.3, None, block=1000))
+
+
+def test_chunked_head_loss_equals_the_full_logits_loss_with_gradients(tiny_cfg):
+    from helpers import randomize_
+    from k3.model.model import K3ForCausalLM, _shifted_ce
+
+    model = randomize_(K3ForCausalLM(tiny_cfg))
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 50, tiny_cfg.hidden_size, generator=g, requires_grad=True)
+    labels = torch.randint(0, tiny_cfg.vocab_size, (2, 50), generator=g)
+    labels[0, 10:20] = -100
+    results = []
+    for fn in (lambda: _shifted_ce(model.lm_head(model.model.norm(hidden)), labels, 1),
+               lambda: model.head_loss(hidden, labels, chunk_tokens=17),  # 98 rows: 6 recomputed chunks
+               lambda: model.head_loss(hidden, labels)):  # one chunk
+        model.zero_grad()
+        loss = fn()
+        gh, gw = torch.autograd.grad(loss, [hidden, model.lm_head.weight])
+        results.append((loss.detach(), gh, gw))
+    for loss, gh, gw in results[1:]:  # fp32, same sums in another grouping: 1e-5 relative
+        assert rel_err(loss, results[0][0]) < 1e-5
+        assert rel_err(gh, results[0][1]) < 1e-5 and rel_err(gw, results[0][2]) < 1e-5
+
+
+def test_loss_only_forward_skips_the_logits(tiny_cfg):
+    from helpers import randomize_
+    from k3.model.model import K3ForCausalLM
+
+    model = randomize_(K3ForCausalLM(tiny_cfg))
+    ids = torch.randint(1, tiny_cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    full = model(ids, labels=ids)
+    lean = model(ids, labels=ids, return_logits=False)
+    assert lean.logits is None and rel_err(lean.loss, full.loss) < 1e-5
+    if full.mtp_loss is not None:
+        assert rel_err(lean.mtp_loss, full.mtp_loss) < 1e-5
+    with pytest.raises(ValueError, match="return_logits=False needs labels"):
+        model(ids, return_logits=False)
