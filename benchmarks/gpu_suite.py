@@ -1,0 +1,103 @@
+"""Run the GPU tests and the GPU benchmarks in one go, each step with its own time limit and log.
+
+    python benchmarks/gpu_suite.py --out gpu-results [--steps tests ops train ...] [--budget-s 560]
+
+Steps run in the order given (default: all, most important first). Each step is a separate process whose
+output is streamed to the terminal and to OUT/<step>.log, so a step that hangs or runs out of time loses only
+itself. Compiled Triton kernels, their autotuning results and torch.compile's kernels are cached under
+OUT/cache (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR): a second run on the same machine, or with that folder
+copied to another machine of the same kind, skips most of the first-call compilation (several minutes for
+fla's KDA kernels on a fresh machine). A summary line per step (exit status, seconds) ends the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+
+PY = sys.executable
+GPU_TEST_FILES = [
+    "tests/ops/test_kda_backend.py",
+    "tests/ops/test_attn_res.py",
+    "tests/ops/test_mla_flex.py",
+    "tests/ops/test_moe_grouped.py",
+    "tests/ops/test_situ_triton.py",
+    "tests/model/test_fast_backends_gpu.py",
+]
+TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "32768", "--steps", "4",
+         "--vocab-size", "32768", "--backend", "fast"]
+
+# name -> (commands, time limit in seconds for the whole step)
+STEPS = {
+    "tests": ([[PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "-rs", f]
+               for f in GPU_TEST_FILES], 300),
+    "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
+    "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"]], 180),
+    "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),
+    "train32k": ([TRAIN + ["--seq-len", "32768", "--micro-batch-rows", "1", "--activation-checkpointing"]], 150),
+    "long": ([[PY, "benchmarks/long_context.py", "--preset", "k3-mini", "--seq-len", "131072"]], 180),
+    "serve": ([[PY, "benchmarks/serve_bench.py"]], 240),
+}
+
+
+def run_step(name: str, cmds: list, limit: float, out: str, env: dict) -> tuple[int, float]:
+    t0 = time.monotonic()
+    rc = 0
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        for cmd in cmds:
+            left = limit - (time.monotonic() - t0)
+            if left <= 5:
+                print(f"[{name}] out of time before: {' '.join(cmd)}", flush=True)
+                return 124, time.monotonic() - t0
+            print(f"[{name}] $ {' '.join(cmd)}", flush=True)
+            log.write(f"$ {' '.join(cmd)}\n")
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+            watchdog = threading.Timer(left, proc.kill)  # a silent hang is stopped too
+            watchdog.start()
+            for line in proc.stdout:
+                sys.stdout.write(f"[{name}] {line}")
+                sys.stdout.flush()
+                log.write(line)
+                log.flush()
+            code = proc.wait()
+            watchdog.cancel()
+            if time.monotonic() - t0 >= limit - 1:
+                print(f"[{name}] time limit reached, stopped", flush=True)
+                return 124, time.monotonic() - t0
+            rc = max(rc, code)
+    return rc, time.monotonic() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for the logs and the kernel cache")
+    ap.add_argument("--steps", nargs="*", default=list(STEPS), choices=list(STEPS))
+    ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps after this many seconds")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cache = os.path.abspath(os.path.join(args.out, "cache"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    t_start = time.monotonic()
+    summary = []
+    for name in args.steps:
+        cmds, limit = STEPS[name]
+        if args.budget_s is not None:
+            left = args.budget_s - (time.monotonic() - t_start)
+            if left < 30:
+                summary.append((name, "skipped (budget)", 0.0))
+                continue
+            limit = min(limit, left)
+        rc, dt = run_step(name, cmds, limit, args.out, env)
+        summary.append((name, f"exit {rc}", dt))
+    for name, status, dt in summary:
+        print(f"SUMMARY {name}: {status} in {dt:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
