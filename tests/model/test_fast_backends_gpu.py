@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import randomize_, rel_err
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.ops.backend import FAST, env_var
@@ -15,7 +15,7 @@ def _loss_and_grads(model, ids, seg):
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = model(ids, labels=ids, segment_ids=seg)
-    (out.loss + 0.3 * out.mtp_loss).backward()
+    (out.loss + 0.3 * out.mtp_loss).backward()  # k3-mini has one MTP layer
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -23,7 +23,7 @@ def _loss_and_grads(model, ids, seg):
 def mini():
     cfg = K3Config.from_preset("k3-mini").replace(vocab_size=4096)
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).init_weights(seed=0).cuda().train()
+    model = randomize_(K3ForCausalLM(cfg)).cuda().train()  # non-zero AttnRes queries and router biases
     ids = torch.randint(1, cfg.vocab_size, (2, 1024), device="cuda")
     seg = torch.zeros_like(ids)
     seg[0, 300:] = 1
@@ -35,8 +35,10 @@ def mini():
 def test_k3_mini_loss_and_gradients_match_on_fast_backends(mini, monkeypatch, fast_ops):
     # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents;
     # each fast backend alone, then all together, against every op on the reference.
-    # Tolerances: loss 1e-2 relative; each gradient tensor 1e-1 relative to its largest entry (bf16 kernels
-    # against bf16 reference ops summed in other orders over a 13-layer stack).
+    # Tolerances: loss 1e-2 relative; all gradients together 3e-2 relative (L2); every gradient tensor points the
+    # same way (cosine > 0.99 for tensors of >= 64 entries). Per-element bounds do not fit here: a 13-layer bf16 stack summed in another order
+    # moves small entries by more than 10% (on CPU the grouped MoE alone, against the loop, gives 1% globally and
+    # cosines > 0.9998 per tensor).
     model, ids, seg = mini
     for op in FAST:
         monkeypatch.setenv(env_var(op), "torch")
@@ -46,5 +48,9 @@ def test_k3_mini_loss_and_gradients_match_on_fast_backends(mini, monkeypatch, fa
     loss, g = _loss_and_grads(model, ids, seg)
     assert rel_err(loss, loss_ref) < 1e-2, (float(loss), float(loss_ref))
     assert g.keys() == g_ref.keys()
-    errs = sorted(((rel_err(g[n], g_ref[n]), n) for n in g), reverse=True)
-    assert errs[0][0] < 1e-1, errs[:5]
+    flat = torch.cat([g[n].double().flatten() for n in g_ref])
+    flat_ref = torch.cat([t.double().flatten() for t in g_ref.values()])
+    assert float((flat - flat_ref).norm() / flat_ref.norm()) < 3e-2
+    cos = sorted((float(torch.nn.functional.cosine_similarity(g[n].double().flatten(), g_ref[n].double().flatten(),
+                                                               dim=0)), n) for n in g_ref if g_ref[n].numel() >= 64)
+    assert cos[0][0] > 0.99, cos[:5]
