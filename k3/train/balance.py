@@ -350,6 +350,10 @@ class ExpertBalancer:
         self._reset()
         return new.to(bias.device)
 
+    def discard(self) -> None:
+        """Drop the open window's observations on this rank only (no collective): for a step that is retried."""
+        self._reset()
+
     # ------------------------------------------------------------------ metrics
     def load_stats(self) -> dict[str, float]:
         """max/mean and min/mean of the routed loads observed in the open window (this rank).

@@ -28,6 +28,9 @@ from k3.train import state as state_io
 from k3.utils import atomic_write_text
 
 
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. repeated non-finite losses); the last good checkpoint is intact."""
 
@@ -155,22 +158,30 @@ class Trainer:
             g["lr"] = g["initial_lr"] * mult
         batch = self.loader.next_batch()
         rows = batch["input_ids"].shape[0]
-        mb = c.micro_batch_rows or rows
         n_tokens = int((batch["labels"][:, 1:] != -100).sum())
-        loss_sum, mtp_sum = 0.0, 0.0
         bias_now = [m.gate.e_score_correction_bias.clone() for m in self.moe_layers]
-        for s in range(0, rows, mb):
-            part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
-            w = part["input_ids"].shape[0] / rows
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16):
-                out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
-                            return_logits=False)
-                loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
-            (loss * w).backward()
-            loss_sum += float(out.loss.detach()) * w
-            mtp_sum += float(out.mtp_loss.detach()) * w if out.mtp_loss is not None else 0.0
-            for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
-                bal.observe(m.last_routing, b)
+        while True:
+            mb = min(c.micro_batch_rows or rows, rows)
+            try:
+                loss_sum, mtp_sum = self._accumulate(batch, mb, bias_now)
+                break
+            except _OOM:
+                pass
+            # Outside the handler, so the failed attempt's activations are already released: drop this step's
+            # partial gradients and routing statistics and retry the same batch in micro-batches of half the
+            # rows (the step's result is the same up to summation order).
+            self.optimizer.zero_grad(set_to_none=True)
+            for bal in self.balancers:
+                bal.discard()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if mb == 1:
+                raise TrainingError(
+                    f"out of {self.device.type} memory even with 1-row micro-batches of {c.seq_len} tokens; "
+                    "use --activation-checkpointing or a shorter --seq-len (the last checkpoint is intact)")
+            c.micro_batch_rows = mb // 2
+            self.log(f"step {self.step + 1}: out of memory with {mb}-row micro-batches; "
+                     f"retrying with {c.micro_batch_rows} rows (kept for the rest of the run)")
         self._all_reduce_grads()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
         metrics = StepMetrics(step=self.step + 1, loss=loss_sum, lr=self.optimizer.param_groups[0]["lr"],
@@ -207,6 +218,26 @@ class Trainer:
         metrics.tokens_per_s = n_tokens / max(dt, 1e-9)
         metrics.elapsed_s = self.elapsed
         return metrics
+
+    def _accumulate(self, batch: dict, mb: int, bias_now: list) -> tuple[float, float]:
+        """Forward + backward of the whole batch in micro-batches of `mb` rows, gradients summed with each
+        micro-batch weighted by its share of rows. Returns (loss, MTP loss) of the batch."""
+        c, model = self.cfg, self.model
+        rows = batch["input_ids"].shape[0]
+        loss_sum, mtp_sum = 0.0, 0.0
+        for s in range(0, rows, mb):
+            part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
+            w = part["input_ids"].shape[0] / rows
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16):
+                out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
+                            return_logits=False)
+                loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
+            (loss * w).backward()
+            loss_sum += float(out.loss.detach()) * w
+            mtp_sum += float(out.mtp_loss.detach()) * w if out.mtp_loss is not None else 0.0
+            for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
+                bal.observe(m.last_routing, b)
+        return loss_sum, mtp_sum
 
     def _all_reduce_grads(self) -> None:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""

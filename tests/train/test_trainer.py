@@ -167,3 +167,46 @@ def test_cli_train_resume_eval_generate(tmp_path, capsys):
     assert main(["generate", "--ckpt", out, "def f", "--max-new-tokens", "5", "--seed", "0", "--device", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "held-out loss" in text and "def f" in text
+
+
+# --- out of memory during a step: the same batch is retried in smaller micro-batches ----------------------
+
+def _oom_above(tr, max_rows):
+    """Make the model raise the out-of-memory error on micro-batches of more than `max_rows` rows (after the
+    forward has run, as a real allocation failure in the middle of a step would)."""
+    real = tr.model.forward
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+    def forward(input_ids, *a, **kw):
+        out = real(input_ids, *a, **kw)
+        if input_ids.shape[0] > max_rows:
+            raise oom("CUDA out of memory (simulated)")
+        return out
+
+    tr.model.forward = forward
+
+
+def test_oom_halves_the_micro_batch_and_the_step_equals_a_run_with_that_size(tmp_path):
+    # 8 rows per step: 8 fails, 4 fails, 2 fits. The trained weights equal a run that used 2 from the start.
+    tr = _trainer(tmp_path / "a", 3)
+    msgs = []
+    tr.log = msgs.append
+    _oom_above(tr, 2)
+    losses = [tr.train_step().loss for _ in range(3)]
+    assert tr.cfg.micro_batch_rows == 2
+    assert sum("out of memory" in m for m in msgs) == 2  # 8 -> 4 -> 2, then kept
+    ref = _trainer(tmp_path / "b", 3, micro_batch_rows=2)
+    ref_losses = [ref.train_step().loss for _ in range(3)]
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for (n, p), q in zip(tr.model.named_parameters(), ref.model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), n
+    for a, b in zip(tr.moe_layers, ref.moe_layers):  # balancing saw each row once, not the failed attempts
+        assert torch.allclose(a.gate.e_score_correction_bias, b.gate.e_score_correction_bias, atol=1e-6)
+
+
+def test_oom_with_one_row_stops_with_a_clear_message(tmp_path):
+    tr = _trainer(tmp_path, 3)
+    tr.log = lambda *a: None
+    _oom_above(tr, 0)
+    with pytest.raises(TrainingError, match="even with 1-row micro-batches.*--activation-checkpointing"):
+        tr.train_step()
