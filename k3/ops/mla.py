@@ -339,6 +339,9 @@ def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_id
     fn = fa.flex_attention
     if compiled:
         if _compiled_flex is None:
+            from k3.ops.backend import notice
+
+            notice("compiling the flex_attention MLA kernels (once per shape; the first call takes a while)")
             _compiled_flex = torch.compile(fa.flex_attention, dynamic=False)
         fn = _compiled_flex
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
