@@ -181,18 +181,20 @@ class K3ForCausalLM(nn.Module):
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                logits_to_keep: int = 0, pixel_values=None, return_logits: bool = True) -> CausalLMOutput:
+                logits_to_keep: int = 0, pixel_values=None, return_logits: bool = True,
+                check_ids: bool = True) -> CausalLMOutput:
         """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
         segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
         MLA does not attend across documents. logits_to_keep > 0 computes logits for the last N positions only.
         pixel_values ([N, 3, H, W] or a list of [3, H, W]) are encoded by MoonViT-V2 and replace, in order, the
         embeddings at the `media_placeholder_token_id` positions of input_ids (report §2.4).
         return_logits=False (training, with labels) skips the [B, T, V] logits: the loss is computed by
-        `head_loss` in chunks of rows, and `logits` is None."""
+        `head_loss` in chunks of rows, and `logits` is None. check_ids=False skips the token-id range check,
+        which reads the ids back from the device (the serving engine validates prompts when they arrive)."""
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            if check_ids and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
                 raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
                                  f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         if pixel_values is not None:

@@ -81,7 +81,7 @@ class ModelRunner:
             per_layer[li] = _MLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev)
         cache = K3Cache(per_layer)
         ids = torch.tensor(tokens, device=dev)
-        logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1].float()
+        logits = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False).logits[:, -1].float()
         for g, view in enumerate(kda_views):
             self.pool.write_kda(kda_pages[g], view.state, torch.stack(view.conv, 1))
         return logits
