@@ -62,6 +62,14 @@ class GatedMLA(nn.Module):
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, dr], dim=-1)
         c = self.kv_a_layernorm(c)
         past, kv_len = 0, None
+        if cache is not None and getattr(cache, "packed", False):
+            # Several requests' tokens in one row: each attends its own cached context (absorbed form).
+            w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
+            q_nope, q_rope = q.split([dn, dr], dim=-1)
+            o = torch.cat([mla_absorbed(q_nope[:, a:b], q_rope[:, a:b], c_i, kr_i, w_kc, w_vc, self.scale,
+                                        q_start=p_i) for a, b, c_i, kr_i, p_i in cache.append_packed(c, k_rope)], dim=1)
+            o = o.reshape(B, T, H * dv)
+            return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
         if cache is not None:
             c_all, kr_all, past, kv_len = cache.append(c, k_rope)
         if isinstance(past, int) and past == 0 and kv_len is None:

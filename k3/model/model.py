@@ -74,12 +74,16 @@ class K3Model(nn.Module):
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: K3Cache | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns the output-site hidden state [B, T, D] (before the final norm)."""
+        """Returns the output-site hidden state [B, T, D] (before the final norm).
+
+        With a cache, segment_ids [1, T] packs several requests' new tokens into one row (the cache must be
+        `packed`: per-request KDA states and one MLA view per layer that attends each request's own context)."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cu_seqlens = None
         if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("segment_ids (packed documents) cannot be combined with a decode cache")
+            if cache is not None and (segment_ids.shape[0] != 1 or not getattr(cache, "packed", False)):
+                raise ValueError("segment_ids with a cache need a packed cache (one row of several requests' "
+                                 "tokens, as the serving runner builds) and a batch of one row")
             cu_seqlens = packed_cu_seqlens(segment_ids)
         S = self.config.attn_res_block_size
         stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res)

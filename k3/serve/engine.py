@@ -207,16 +207,17 @@ class LLMEngine:
         return list(zip(bounds, bounds[1:]))
 
     def _run_batched(self, work: list[Work]) -> dict[str, torch.Tensor]:
-        """Run every request's segments; segments of equal length run as one batched forward (decode steps are
-        all length 1), and a request's second segment runs only after its first."""
+        """Run every request's segments in rounds (a request's second segment runs only after its first). In a
+        round, the single-token decode steps run as one batched forward and all prefill segments as another:
+        of one length they are the rows of a batch, of different lengths they are packed into one row."""
         segs = {id(w): self._segments(w) for w in work}
         logits: dict[str, torch.Tensor] = {}
         for r in range(max(len(v) for v in segs.values())):
-            groups: dict[int, list[tuple[Work, int, int]]] = {}
+            groups: dict[bool, list[tuple[Work, int, int]]] = {}
             for w in work:
                 if r < len(segs[id(w)]):
                     a, b = segs[id(w)][r]
-                    groups.setdefault(b - a, []).append((w, a, b))
+                    groups.setdefault(b - a == 1, []).append((w, a, b))
             for group in groups.values():
                 out = self.runner.forward([w.seq.tokens[a:b] for w, a, b in group], [a for _, a, _ in group],
                                           [self._slots(w.seq) for w, _, _ in group])

@@ -29,8 +29,31 @@ class _KDAView:
 
 
 class _MLAView:
-    def __init__(self, pool: CachePool, tables: list[list[int]], starts: list[int], device):
+    """One MLA layer's paged cache for a batch. Batched mode: every request adds the same number of tokens
+    (rows of a [B, T] batch). Packed mode (`lengths` given): the requests' tokens of different lengths sit
+    one after another in a single row, and each request attends its own context."""
+
+    def __init__(self, pool: CachePool, tables: list[list[int]], starts: list[int], device,
+                 lengths: list[int] | None = None):
         self.pool, self.tables, self.starts, self.device = pool, tables, starts, device
+        self.lengths = lengths
+        self.packed = lengths is not None
+
+    def append_packed(self, c: torch.Tensor, k_rope: torch.Tensor):
+        """Packed mode: write each request's new rows into its pages, then yield, per request,
+        (first, end) of its tokens in the row, its whole context c [1, L, R] and k_rope [1, L, Dr], and the
+        position of its first new token."""
+        pool, pt, R = self.pool, self.pool.page_tokens, c.shape[-1]
+        rows = torch.cat([c, k_rope], -1)[0]  # [total, R + Dr]
+        first = 0
+        for table, start, n in zip(self.tables, self.starts, self.lengths):
+            pos = start + torch.arange(n, device=self.device)
+            tab = torch.tensor(table, device=self.device)
+            pool.write_mla(tab[pos // pt], pos % pt, rows[first:first + n])
+            end = start + n
+            kv = pool.mla_pages(tab[: -(-end // pt)]).reshape(1, -1, rows.shape[-1])[:, :end].to(c.dtype)
+            yield first, first + n, kv[..., :R], kv[..., R:], start
+            first += n
 
     def append(self, c: torch.Tensor, k_rope: torch.Tensor):
         pool, pt = self.pool, self.pool.page_tokens
@@ -61,12 +84,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots]) -> torch.Tensor:
-        """Run len(tokens) requests; every request contributes the same number of new tokens (T) starting at
-        its own position. Returns the logits of each request's last new token [B, V] (fp32)."""
+        """Run len(tokens) requests, each adding its new tokens from its own position. Requests adding the
+        same number of tokens run as the rows of one batch; otherwise their tokens are packed into one row
+        (KDA runs them as separate sequences with their own states, MLA attends each request's own context).
+        Returns the logits of each request's last new token [B, V] (fp32)."""
         B = len(tokens)
-        T = len(tokens[0])
-        if any(len(t) != T for t in tokens):
-            raise ValueError("all requests of one forward must contribute the same number of tokens")
+        if not B or any(not t for t in tokens):
+            raise ValueError("every request of a forward must add at least one token")
+        lengths = [len(t) for t in tokens]
+        packed = any(n != lengths[0] for n in lengths)
         dev = self.device
         kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
                                  device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
@@ -78,10 +104,20 @@ class ModelRunner:
             kda_views.append(view)
             per_layer[li] = view
         for g, li in enumerate(self.mla_layers):
-            per_layer[li] = _MLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev)
+            per_layer[li] = _MLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev,
+                                     lengths if packed else None)
         cache = K3Cache(per_layer)
-        ids = torch.tensor(tokens, device=dev)
-        logits = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False).logits[:, -1].float()
+        cache.packed = packed
+        if packed:
+            ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
+            seg = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lengths, device=dev))[None]
+            hidden = self.model.model(ids, cache=cache, segment_ids=seg)
+            last = torch.cumsum(torch.tensor(lengths, device=dev), 0) - 1
+            m = self.model
+            logits = m.lm_head(m.model.norm(hidden[0, last])).float()
+        else:
+            ids = torch.tensor(tokens, device=dev)
+            logits = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False).logits[:, -1].float()
         for g, view in enumerate(kda_views):
             self.pool.write_kda(kda_pages[g], view.state, torch.stack(view.conv, 1))
         return logits
