@@ -11,6 +11,16 @@ from k3.ops.backend import resolve
 from k3.ops.mla import flex_available, max_logit, mla_absorbed, mla_attention, mla_attention_flex, split_kv_b
 
 
+def paged_decode_available(device: torch.device) -> tuple[bool, str]:
+    """The paged decode runs its Triton kernel on CUDA (or in Triton's interpreter) and its gather-based
+    reference elsewhere."""
+    if device.type != "cuda":
+        return True, ""
+    from k3.ops.situ_triton import available
+
+    return available()
+
+
 class MLACache:
     """One MLA layer's decode cache: the normalized latent c and the shared extra key dims, per token."""
 
@@ -68,6 +78,16 @@ class GatedMLA(nn.Module):
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             o = torch.cat([mla_absorbed(q_nope[:, a:b], q_rope[:, a:b], c_i, kr_i, w_kc, w_vc, self.scale,
                                         q_start=p_i) for a, b, c_i, kr_i, p_i in cache.append_packed(c, k_rope)], dim=1)
+            o = o.reshape(B, T, H * dv)
+            return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
+        if cache is not None and T == 1 and hasattr(cache, "append_paged") \
+                and resolve("mla_decode", x.device, lambda: paged_decode_available(x.device)) == "triton":
+            # Serving decode: attend straight from the page pool (no gathered copy of the cache).
+            from k3.ops.mla_decode import mla_decode_absorbed
+
+            w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
+            q_nope, q_rope = q[:, 0].split([dn, dr], dim=-1)
+            o = mla_decode_absorbed(q_nope, q_rope, *cache.append_paged(c, k_rope), w_kc, w_vc, self.scale)
             o = o.reshape(B, T, H * dv)
             return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
         if cache is not None:

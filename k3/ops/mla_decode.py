@@ -34,12 +34,13 @@ division by zero). With one split the first kernel writes the result directly an
 Numerics. Scores, softmax and accumulation are fp32. For an fp32 pool the products are exact fp32
 (``input_precision="ieee"``). For a bf16/fp16 pool they run on the tensor cores in the pool dtype with fp32
 accumulation: the cached rows are already in that dtype, so only the query and the probabilities are
-rounded. A query rounded to bf16 would shift a score by up to 2^-9 |score| (an absolute error, amplified by
-exp for large scores), so the query is split into hi + lo parts in the pool dtype and both are multiplied
-(two products for the scores instead of one): the scores then carry ~16 bits of the query. The probabilities
+rounded. A query rounded to bf16 would shift a score by up to 2^-9 sum_r |q_r c_r| (an absolute error that
+exp turns into a relative one, growing with the size of the scores), so the query is split into hi + lo
+parts in the pool dtype and both are multiplied (two products for the scores instead of one): the scores
+then carry ~16 bits of the query. The probabilities
 are rounded to the pool dtype for p @ c (a relative error of at most one rounding, 2^-9 in bf16 on GPU, not
 amplified), and the row sums are taken over the same rounded values, so the output is an exact convex
-combination of the cached c rows.
+combination of the cached c rows. (In an fp16 pool the query parts are fp16: |q| must stay below 65504.)
 
 Garbage. Slots past a request's length, pages past its last page, and block-table entries past its pages
 may hold anything (stale data, NaN, inf, out-of-range page ids): every load of a table entry or a cache row
@@ -74,14 +75,21 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _MAX_BLOCK_H = 64  # heads per program; more heads are split over several head groups (the grid's third axis)
 _MIN_SPLIT_TOKENS = 256  # a split's partial output (H x R fp32) should stay small next to the cache it reads
-_MAX_SPLITS = 128
+_MAX_SPLITS = 128  # the default's upper bound
+_MAX_FIXED_SPLITS = 1024  # the combine step holds every split of one head and column block at once
+_COMBINE_TILE = 8192  # partial-output elements one combine program holds
 _PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 132  # H200; used when no CUDA device says otherwise (the interpreter)
 _LOG2E = 1.4426950408889634
 
 # triton.language, bound by _kernels() on first use (see k3.ops.situ_triton: the interpreter resolves names in
-# the kernel's module globals only).
+# the kernel's module globals only). The kernels call only Triton builtins: Triton's own jitted helpers (tl.max,
+# tl.sum, tl.zeros, tl.cdiv) cannot be called by the interpreter when triton was imported before
+# TRITON_INTERPRET was set (as in the tests), so reductions are tl.reduce with the combine functions tl.max and
+# tl.sum use, _MAX and _SUM (which the interpreter also recognizes and runs as numpy reductions).
 tl = None
+_MAX = None
+_SUM = None
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -102,8 +110,13 @@ def _mla_decode_split_kernel(
         stride_ob, stride_os, stride_oh, stride_or,
         stride_lb, stride_ls, stride_lh,
         PAGE_TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_DR: tl.constexpr, SPLIT_Q: tl.constexpr, WRITE_LSE: tl.constexpr):
+        BLOCK_DR: tl.constexpr, SPLIT_Q: tl.constexpr, MMA_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        WRITE_LSE: tl.constexpr):
     """One (request b, split s, head group g): online softmax over the split's tokens for BLOCK_H heads.
+
+    SPLIT_Q: the pool is 16-bit and the query is multiplied as hi + lo parts in the pool dtype. MMA_F32: the
+    products take fp32 operands (an fp32 pool; or the interpreter, whose dot cannot multiply bf16 tensors:
+    there the pool-dtype values are upcast exactly, and only the accumulation order differs from the GPU).
 
     Writes o_ptr[b, s, heads, :R] = the split's normalized output (0 if it has no tokens) and, with WRITE_LSE,
     lse_ptr[b, s, heads] = log2 of its softmax denominator in the base-2 score domain (-inf if no tokens).
@@ -115,7 +128,9 @@ def _mla_decode_split_kernel(
     kv_dtype = kv_ptr.dtype.element_ty
 
     length = tl.load(len_ptr + b * stride_len).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N  # tokens per split, whole blocks
+    # Tokens per split: ceil(length / num_splits) rounded up to whole blocks.
+    per_split = (length + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, length)
 
@@ -135,12 +150,19 @@ def _mla_decode_split_kernel(
         q_lo = (q - q_hi.to(tl.float32)).to(kv_dtype)
         qr_hi = qr.to(kv_dtype)
         qr_lo = (qr - qr_hi.to(tl.float32)).to(kv_dtype)
+        if MMA_F32:
+            q_hi, q_lo = q_hi.to(tl.float32), q_lo.to(tl.float32)
+            qr_hi, qr_lo = qr_hi.to(tl.float32), qr_lo.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_R], 0.0, tl.float32)
     table_row = table_ptr + b.to(tl.int64) * stride_tb
-    for n0 in range(start, end, BLOCK_N):
+    # A while loop, not `for n0 in range(start, end, BLOCK_N)`: Triton 3.6's interpreter cannot take a tensor
+    # as a range() bound with numpy >= 2.4, and one loop form keeps the interpreted and the compiled kernel the
+    # same code.
+    n0 = start
+    while n0 < end:
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         # Per token: its page through the block table, its row in the page. Masked lanes (past the valid
@@ -151,27 +173,29 @@ def _mla_decode_split_kernel(
         c = tl.load(tok[:, None] + rr[None, :] * stride_kvd, mask=tmask[:, None] & rmask[None, :], other=0.0)
         kr = tl.load(tok[:, None] + (R + dd)[None, :] * stride_kvd, mask=tmask[:, None] & dmask[None, :],
                      other=0.0)
+        if MMA_F32:
+            c = c.to(tl.float32)
+            kr = kr.to(tl.float32)
         c_t = tl.trans(c)
         kr_t = tl.trans(kr)
         if SPLIT_Q:
-            qk = tl.dot(q_hi, c_t)
-            qk = tl.dot(q_lo, c_t, qk)
-            qk = tl.dot(qr_hi, kr_t, qk)
-            qk = tl.dot(qr_lo, kr_t, qk)
+            qk = tl.dot(q_hi, c_t, input_precision=DOT_PRECISION)
+            qk = tl.dot(q_lo, c_t, qk, input_precision=DOT_PRECISION)
+            qk = tl.dot(qr_hi, kr_t, qk, input_precision=DOT_PRECISION)
+            qk = tl.dot(qr_lo, kr_t, qk, input_precision=DOT_PRECISION)
         else:
-            qk = tl.dot(q, c_t, input_precision="ieee")
-            qk = tl.dot(qr, kr_t, qk, input_precision="ieee")
+            qk = tl.dot(q, c_t, input_precision=DOT_PRECISION)
+            qk = tl.dot(qr, kr_t, qk, input_precision=DOT_PRECISION)
         qk = tl.where(tmask[None, :], qk * qk_scale, float("-inf"))
         # Every block starts at a valid token (n0 < end), so m_new is finite and no exponent is inf - inf.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
         alpha = tl.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
-        p = tl.exp2(qk - m_new[:, None]).to(kv_dtype)  # masked tokens: exp2(-inf) = 0
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)  # the sum of the rounded p that meets c below
-        if SPLIT_Q:
-            acc = tl.dot(p, c, acc * alpha[:, None])
-        else:
-            acc = tl.dot(p, c, acc * alpha[:, None], input_precision="ieee")
+        # p rounded to the pool dtype (masked tokens: exp2(-inf) = 0); the row sums add the same rounded values.
+        p = tl.exp2(qk - m_new[:, None]).to(kv_dtype).to(c.dtype)
+        l_i = l_i * alpha + tl.reduce(p.to(tl.float32), 1, _SUM)
+        acc = tl.dot(p, c, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+        n0 += BLOCK_N
 
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
@@ -189,39 +213,38 @@ def _mla_decode_combine_kernel(
         stride_lb, stride_ls, stride_lh,
         stride_ob, stride_oh, stride_or,
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One (request b, head h): o[b, h] = sum_s w_s part[b, s, h] with w = softmax_s(lse[b, :, h]) in base 2.
+    """One (request b, head h, column block): o[b, h] = sum_s w_s part[b, s, h] with w = softmax_s(lse[b, :, h])
+    in base 2, for BLOCK_R columns of R, all splits at once.
 
     Empty splits (lse = -inf) get weight 0; a request with no tokens at all (every lse -inf) gets o = 0.
     """
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + b * stride_lb + ss * stride_ls + h * stride_lh, mask=ss < num_splits,
-                  other=float("-inf"))
-    big = tl.max(lse, 0)
+    smask = ss < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + ss * stride_ls + h * stride_lh, mask=smask, other=float("-inf"))
+    big = tl.reduce(lse, 0, _MAX)
     big = tl.where(big == float("-inf"), 0.0, big)  # all splits empty: every weight below is 0
     w = tl.exp2(lse - big)
-    total = tl.sum(w, 0)
+    total = tl.reduce(w, 0, _SUM)
     w = w / tl.where(total > 0.0, total, 1.0)
-    rr = tl.arange(0, BLOCK_R)
+    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rr < R
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(0, num_splits):
-        w_s = tl.sum(tl.where(ss == s, w, 0.0), 0)
-        part = tl.load(part_ptr + b * stride_pb + s * stride_ps + h * stride_ph + rr * stride_pr, mask=rmask,
-                       other=0.0)
-        acc += w_s * part
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + rr * stride_or, acc, mask=rmask)
+    part = tl.load(part_ptr + b * stride_pb + ss[:, None] * stride_ps + h * stride_ph + rr[None, :] * stride_pr,
+                   mask=smask[:, None] & rmask[None, :], other=0.0)
+    o = tl.reduce(w[:, None] * part, 0, _SUM)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + rr * stride_or, o, mask=rmask)
 
 
 @functools.cache
 def _kernels(interpret: bool):
     """(split kernel, combine kernel), jitted. ``triton.jit`` picks compiled or interpreted when it wraps the
     function, so there is one pair per interpreter setting (``interpret`` is the cache key)."""
-    global tl
+    global tl, _MAX, _SUM
     import triton
     import triton.language as tl
 
+    _MAX, _SUM = tl.standard._elementwise_max, tl.standard._sum_combine
     return triton.jit(_mla_decode_split_kernel), triton.jit(_mla_decode_combine_kernel)
 
 
@@ -272,6 +295,8 @@ def _validate(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_table: Tensor, kv
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     if num_splits is not None:
         _check_int("num_splits", num_splits, 1)
+        if num_splits > _MAX_FIXED_SPLITS:
+            raise ValueError(f"num_splits must be at most {_MAX_FIXED_SPLITS}, got {num_splits}")
     for name, t in (("q_rope", q_rope), ("kv", kv), ("block_table", block_table), ("kv_len", kv_len)):
         if t.device != q_lat.device:
             raise ValueError(f"{name} must be on q_lat's device {q_lat.device}, got {t.device}")
@@ -279,6 +304,8 @@ def _validate(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_table: Tensor, kv
 
 def _check_lengths(kv_len: Tensor, capacity: int) -> int:
     """Check 0 <= kv_len <= capacity (a device read); returns max(kv_len)."""
+    if kv_len.numel() == 0:
+        return 0
     lo, hi = (int(v) for v in torch.aminmax(kv_len.long()))
     if lo < 0 or hi > capacity:
         raise ValueError(f"kv_len must be in [0, max_pages * page_tokens = {capacity}], got {kv_len.tolist()}")
@@ -324,14 +351,8 @@ def mla_decode_paged_reference(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_
 def _head_block(H: int) -> int:
     """Heads per program: a power of two in [16, 64] with the fewest padded heads, the largest on ties
     (H=8 -> 16, 64 -> 64, 96 -> 32)."""
-    best = None
-    for bh in (16, 32, 64):
-        if bh > _MAX_BLOCK_H:
-            break
-        key = (-(-H // bh) * bh, -bh)
-        if best is None or key < best[0]:
-            best = (key, bh)
-    return best[1]
+    sizes = [bh for bh in (16, 32, 64) if bh <= _MAX_BLOCK_H]
+    return min(sizes, key=lambda bh: (-(-H // bh) * bh, -bh))
 
 
 def default_num_splits(batch: int, num_heads: int, max_len: int, device: torch.device | str | None = None) -> int:
@@ -378,14 +399,13 @@ def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_tab
         block_n = 64 if block_r <= 256 else 32
     elif not isinstance(block_n, int) or isinstance(block_n, bool) or block_n < _MIN_DOT or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {_MIN_DOT}, got {block_n!r}")
+    out = torch.empty(B, H, R, device=kv.device, dtype=torch.float32)
+    if B == 0:
+        return out
     if num_splits is None:
         num_splits = default_num_splits(B, H, _check_lengths(kv_len, block_table.shape[1] * page_tokens), kv.device)
     block_h = _head_block(H)
     groups = -(-H // block_h)
-
-    out = torch.empty(B, H, R, device=kv.device, dtype=torch.float32)
-    if B == 0:
-        return out
     split_kernel, combine_kernel = _kernels(interpret)
     single = num_splits == 1
     if single:  # the split kernel writes the result: out viewed as [B, 1, H, R]
@@ -396,6 +416,10 @@ def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_tab
         lse = torch.empty(B, num_splits, H, device=kv.device, dtype=torch.float32)
         part_strides, lse_strides = part.stride(), lse.stride()
     big = block_h * block_r >= 64 * 256
+    split_q = kv.dtype != torch.float32
+    # fp32 products: exact ("ieee"); 16-bit products: tensor cores ("tf32" is the default and means nothing
+    # for 16-bit operands). The interpreter multiplies 16-bit values in fp32 (its dot cannot take bf16).
+    mma_f32 = not split_q or interpret
     with torch.cuda.device(kv.device.index if kv.is_cuda else -1):  # launch on the tensors' GPU; -1: no-op
         split_kernel[(B, num_splits, groups)](
             q_lat, q_rope, kv, block_table, kv_len, part, lse,
@@ -403,12 +427,14 @@ def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_tab
             *q_lat.stride(), *q_rope.stride(), *kv.stride(), *block_table.stride(), kv_len.stride(0),
             *part_strides, *lse_strides,
             PAGE_TOKENS=page_tokens, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_DR=block_dr,
-            SPLIT_Q=kv.dtype != torch.float32, WRITE_LSE=not single,
+            SPLIT_Q=split_q, MMA_F32=mma_f32, DOT_PRECISION="ieee" if mma_f32 else "tf32", WRITE_LSE=not single,
             num_warps=8 if big else 4, num_stages=2)
         if not single:
-            combine_kernel[(B, H)](
+            block_s = _pow2(num_splits)
+            block_rc = min(block_r, _pow2(_COMBINE_TILE // block_s))  # a [splits, columns] tile per program
+            combine_kernel[(B, H, -(-R // block_rc))](
                 part, lse, out, R, num_splits, *part.stride(), *lse.stride(), *out.stride(),
-                BLOCK_S=_pow2(num_splits, 2), BLOCK_R=block_r, num_warps=4 if block_r <= 512 else 8)
+                BLOCK_S=block_s, BLOCK_R=block_rc, num_warps=4)
     return out
 
 

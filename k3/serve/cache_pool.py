@@ -41,10 +41,14 @@ class CachePool:
         raw = self.pages.index_select(0, page_ids)[:, : self.mla_page_bytes].contiguous()
         return raw.view(self.dtype).view(len(page_ids), self.page_tokens, self.mla_width)
 
+    def mla_view(self) -> torch.Tensor:
+        """The whole pool as MLA pages [num_pages, page_tokens, width] (a view, no copy; the page stride is
+        page_bytes, which can exceed one MLA page)."""
+        return self.pages[:, : self.mla_page_bytes].view(self.dtype).view(self.num_pages, self.page_tokens, -1)
+
     def write_mla(self, page_ids: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
         """Write token rows `values` [n, width] at (page_ids[i], offsets[i])."""
-        view = self.pages[:, : self.mla_page_bytes].view(self.dtype).view(self.num_pages, self.page_tokens, -1)
-        view[page_ids, offsets] = values.to(self.dtype)
+        self.mla_view()[page_ids, offsets] = values.to(self.dtype)
 
     def read_kda(self, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (state [n, H, K, V] fp32, conv [n, 3, P, W-1] fp32), copies."""

@@ -55,6 +55,19 @@ class _MLAView:
             yield first, first + n, kv[..., :R], kv[..., R:], start
             first += n
 
+    def append_paged(self, c: torch.Tensor, k_rope: torch.Tensor):
+        """Batched single-token decode: write the new rows and return the pool's typed MLA view
+        [num_pages, page_tokens, R + Dr], the block tables [B, max_pages] and the lengths [B] including the new
+        token, for an attention kernel that reads the pages in place (k3.ops.mla_decode)."""
+        pool, pt = self.pool, self.pool.page_tokens
+        B = c.shape[0]
+        width = max(map(len, self.tables))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.device)
+        pos = torch.tensor(self.starts, device=self.device)
+        pool.write_mla(tables.gather(1, (pos // pt)[:, None])[:, 0], pos % pt,
+                       torch.cat([c, k_rope], -1).reshape(B, -1))
+        return pool.mla_view(), tables, pos + 1
+
     def append(self, c: torch.Tensor, k_rope: torch.Tensor):
         pool, pt = self.pool, self.pool.page_tokens
         B, T, R = c.shape
