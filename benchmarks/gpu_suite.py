@@ -26,7 +26,9 @@ GPU_TEST_FILES = [
     "tests/ops/test_mla_flex.py",
     "tests/ops/test_moe_grouped.py",
     "tests/ops/test_situ_triton.py",
+    "tests/ops/test_mla_decode.py",
     "tests/model/test_fast_backends_gpu.py",
+    "tests/serve/test_cuda_graphs.py",
 ]
 TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "32768", "--steps", "4",
          "--vocab-size", "32768", "--backend", "fast"]
@@ -36,7 +38,8 @@ STEPS = {
     "tests": ([[PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "-rs", f]
                for f in GPU_TEST_FILES], 300),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
-    "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"]], 180),
+    "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"],
+             [PY, "benchmarks/mla_decode_bench.py"]], 240),
     "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),
     "train32k": ([TRAIN + ["--seq-len", "32768", "--micro-batch-rows", "1", "--activation-checkpointing"]], 150),
     "long": ([[PY, "benchmarks/long_context.py", "--preset", "k3-mini", "--seq-len", "131072"]], 180),
