@@ -17,6 +17,14 @@ def _config_from_arg(spec: str):
     raise SystemExit(f"k3: '{spec}' is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
 
 
+def _cmd_serve(args) -> int:
+    from k3.serve.server import cmd_serve
+
+    if not args.cuda_graphs:  # the engine reads it when it decides how to run decode steps (k3.serve.cuda_graphs)
+        os.environ["K3_CUDA_GRAPHS"] = "off"
+    return cmd_serve(args)
+
+
 def cmd_info(args) -> int:
     from k3.info import format_info, model_info
 
@@ -211,11 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto")
     s.set_defaults(fn=cmd_eval)
 
-    from k3.serve.server import add_serve_arguments, cmd_serve
+    from k3.serve.server import add_serve_arguments
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (binds 127.0.0.1 by default)")
     add_serve_arguments(s)
-    s.set_defaults(fn=cmd_serve)
+    s.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly instead of as CUDA-graph replays (same as K3_CUDA_GRAPHS=off)")
+    s.set_defaults(fn=_cmd_serve)
 
     s = sub.add_parser("generate", help="continue a prompt")
     s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")

@@ -87,7 +87,9 @@ class GatedMLA(nn.Module):
 
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
             q_nope, q_rope = q[:, 0].split([dn, dr], dim=-1)
-            o = mla_decode_absorbed(q_nope, q_rope, *cache.append_paged(c, k_rope), w_kc, w_vc, self.scale)
+            # A fixed split count (a CUDA-graph step) keeps the kernel from reading the lengths back.
+            o = mla_decode_absorbed(q_nope, q_rope, *cache.append_paged(c, k_rope), w_kc, w_vc, self.scale,
+                                    num_splits=getattr(cache, "num_splits", None))
             o = o.reshape(B, T, H * dv)
             return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
         if cache is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.serve.cache_pool import CachePool
+from k3.serve.cuda_graphs import decode_graphs_mode
 from k3.serve.metrics import SampleWindow
 from k3.serve.prefix_cache import OutOfPages, PrefixCache
 from k3.serve.runner import ModelRunner, SeqSlots
@@ -31,6 +32,7 @@ class EngineConfig:
     hash_block_tokens: int = 512  # prefix-hash granularity; KDA checkpoints sit on these boundaries
     enable_prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    cuda_graphs: bool = True  # decode steps as CUDA-graph replays where possible (k3.serve.cuda_graphs)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -76,19 +78,24 @@ class LLMEngine:
         device = next(model.parameters()).device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         probe = CachePool(mcfg, 1, self.cfg.page_tokens, dtype=dtype, device="meta")
-        num_pages = int(self.cfg.cache_memory_mb * 2**20) // probe.page_bytes
+        graphs = decode_graphs_mode(model) if self.cfg.cuda_graphs else None
+        scratch = int(graphs is not None)  # the last page of the pool: padding rows of graph steps use it
+        num_pages = int(self.cfg.cache_memory_mb * 2**20) // probe.page_bytes - scratch
         n_kda = sum(1 for l in model.model.layers if l.is_kda)
         n_mla = len(model.model.layers) - n_kda
         if num_pages < n_kda + n_mla:
             raise ValueError(f"cache_memory_mb={self.cfg.cache_memory_mb} holds {num_pages} pages of "
                              f"{probe.page_bytes} bytes; one request needs at least {n_kda + n_mla}")
-        self.pool = CachePool(mcfg, num_pages, self.cfg.page_tokens, dtype=dtype, device=device)
+        self.pool = CachePool(mcfg, num_pages + scratch, self.cfg.page_tokens, dtype=dtype, device=device)
         self.prefix = PrefixCache(num_pages, n_mla, n_kda, page_tokens=self.cfg.page_tokens,
                                   hash_block_tokens=self.cfg.hash_block_tokens, enable=self.cfg.enable_prefix_cache)
         self.runner = ModelRunner(model, self.pool)
         self.scheduler = Scheduler(self.cfg.scheduler)
         self.scheduler.on_preempt = self._on_preempt
         self.max_model_len = self.cfg.max_model_len or mcfg.max_position_embeddings
+        if graphs is not None:
+            self.runner.use_decode_graphs(self.cfg.scheduler.max_num_seqs, self.max_model_len, scratch_page=num_pages,
+                                          capture=graphs == "capture")
         self.eos_id = mcfg.eos_token_id
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}
@@ -104,9 +111,9 @@ class LLMEngine:
                              f"context length {self.max_model_len}")
         n_tok = len(prompt_ids) + params.max_tokens
         need = self.prefix.num_mla_groups * (-(-n_tok // self.cfg.page_tokens) + 1) + self.prefix.num_kda_groups
-        if need > self.pool.num_pages:
+        if need > self.prefix.num_pages:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs up to {need} "
-                             f"cache pages but the pool has {self.pool.num_pages}; lower max_tokens or give the "
+                             f"cache pages but the pool has {self.prefix.num_pages}; lower max_tokens or give the "
                              f"server more cache memory")
         vocab = self.model.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:

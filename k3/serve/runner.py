@@ -2,7 +2,8 @@
 
 The model's layers take per-layer cache objects (k3/model/kda.py KDACache, k3/model/mla.py MLACache); the
 runner builds equivalents backed by pool pages for the requests in a batch, runs the model, and writes the
-new KDA states and latent KV back into the pages.
+new KDA states and latent KV back into the pages. Batches of single-token decode steps can instead run as one
+CUDA-graph replay over static buffers (k3.serve.cuda_graphs, `ModelRunner.graphs`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,21 @@ class _KDAView:
         self.conv = [conv[:, 0], conv[:, 1], conv[:, 2]]
 
 
+def _append_paged(pool: CachePool, tables: torch.Tensor, pos: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor):
+    """Write each request's new latent row (request b at position pos[b], its pages in tables[b]) and return
+    (the pool's MLA view, tables, lengths pos + 1). Device ops only: nothing is read back."""
+    pt = pool.page_tokens
+    pool.write_mla(tables.gather(1, (pos // pt)[:, None])[:, 0], pos % pt,
+                   torch.cat([c, k_rope], -1).reshape(c.shape[0], -1))
+    return pool.mla_view(), tables, pos + 1
+
+
 class _MLAView:
     """One MLA layer's paged cache for a batch. Batched mode: every request adds the same number of tokens
     (rows of a [B, T] batch). Packed mode (`lengths` given): the requests' tokens of different lengths sit
     one after another in a single row, and each request attends its own context."""
+
+    num_splits = None  # split count of the paged decode kernel: None = chosen per step from the lengths
 
     def __init__(self, pool: CachePool, tables: list[list[int]], starts: list[int], device,
                  lengths: list[int] | None = None):
@@ -59,14 +71,9 @@ class _MLAView:
         """Batched single-token decode: write the new rows and return the pool's typed MLA view
         [num_pages, page_tokens, R + Dr], the block tables [B, max_pages] and the lengths [B] including the new
         token, for an attention kernel that reads the pages in place (k3.ops.mla_decode)."""
-        pool, pt = self.pool, self.pool.page_tokens
-        B = c.shape[0]
         width = max(map(len, self.tables))
         tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.device)
-        pos = torch.tensor(self.starts, device=self.device)
-        pool.write_mla(tables.gather(1, (pos // pt)[:, None])[:, 0], pos % pt,
-                       torch.cat([c, k_rope], -1).reshape(B, -1))
-        return pool.mla_view(), tables, pos + 1
+        return _append_paged(self.pool, tables, torch.tensor(self.starts, device=self.device), c, k_rope)
 
     def append(self, c: torch.Tensor, k_rope: torch.Tensor):
         pool, pt = self.pool, self.pool.page_tokens
@@ -87,6 +94,24 @@ class _MLAView:
                 torch.tensor(ends, device=self.device))
 
 
+class StaticMLAView:
+    """One MLA layer's cache for a decode step over static buffers (a CUDA graph's inputs): block tables
+    [B, max_pages] and positions [B] are device tensors refilled before every replay, and the paged decode
+    kernel runs with a fixed split count, so the step reads nothing back from the device."""
+
+    packed = False
+
+    def __init__(self, pool: CachePool, tables: torch.Tensor, positions: torch.Tensor, num_splits: int):
+        self.pool, self.tables, self.positions, self.num_splits = pool, tables, positions, num_splits
+
+    def append_paged(self, c: torch.Tensor, k_rope: torch.Tensor):
+        return _append_paged(self.pool, self.tables, self.positions, c, k_rope)
+
+    def append(self, c: torch.Tensor, k_rope: torch.Tensor):
+        raise RuntimeError("a static-buffer decode step needs the paged MLA decode (the mla_decode backend "
+                           "'triton'; K3_MLA_DECODE_BACKEND)")
+
+
 class ModelRunner:
     def __init__(self, model, pool: CachePool):
         self.model, self.pool = model, pool
@@ -94,21 +119,49 @@ class ModelRunner:
         layers = model.model.layers
         self.kda_layers = [i for i, l in enumerate(layers) if l.is_kda]
         self.mla_layers = [i for i, l in enumerate(layers) if not l.is_kda]
+        self.graphs = None  # k3.serve.cuda_graphs.DecodeGraphs: batched single-token steps as graph replays
+
+    def use_decode_graphs(self, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True):
+        """Run batches of single-token steps (up to `max_batch` requests, contexts up to `max_model_len`) over
+        static buffers, as CUDA-graph replays (`capture`) or by calling the same code directly (no capture).
+        `scratch_page`: a pool page no request ever gets; padding rows read and write only it."""
+        from k3.serve.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, scratch_page, capture=capture)
+        return self.graphs
 
     @torch.no_grad()
     def forward(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots]) -> torch.Tensor:
         """Run len(tokens) requests, each adding its new tokens from its own position. Requests adding the
         same number of tokens run as the rows of one batch; otherwise their tokens are packed into one row
         (KDA runs them as separate sequences with their own states, MLA attends each request's own context).
-        Returns the logits of each request's last new token [B, V] (fp32)."""
+        Returns the logits of each request's last new token [B, V] (fp32). With `graphs` set, a batch of
+        single-token steps runs as one step over its static buffers (a graph replay) when they can hold it."""
         B = len(tokens)
         if not B or any(not t for t in tokens):
             raise ValueError("every request of a forward must add at least one token")
         lengths = [len(t) for t in tokens]
         packed = any(n != lengths[0] for n in lengths)
+        if self.graphs is not None and lengths[0] == 1 and not packed:
+            logits = self.graphs.run(tokens, starts, slots)
+            if logits is not None:
+                return logits
         dev = self.device
         kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
                                  device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
+        mla_views = [_MLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev, lengths if packed else None)
+                     for g in range(len(self.mla_layers))]
+        if packed:
+            ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
+            return self.run_cached(ids, kda_pages, mla_views, lengths=lengths)
+        return self.run_cached(torch.tensor(tokens, device=dev), kda_pages, mla_views)
+
+    def run_cached(self, ids: torch.Tensor, kda_pages: torch.Tensor, mla_views: list,
+                   lengths: list[int] | None = None) -> torch.Tensor:
+        """The model over the pool: read each KDA layer's states from pages kda_pages[g] ([n_kda, B] device
+        tensor), run `ids` with per-layer caches (those KDA states, `mla_views`), write the new states back.
+        ids [B, T] -> the logits of each row's last token [B, V] fp32; packed (`lengths` given: ids [1, total]
+        holds the requests' tokens one after another) -> the logits of each request's last token."""
         per_layer: list = [None] * len(self.model.model.layers)
         kda_views = []
         for g, li in enumerate(self.kda_layers):
@@ -117,19 +170,18 @@ class ModelRunner:
             kda_views.append(view)
             per_layer[li] = view
         for g, li in enumerate(self.mla_layers):
-            per_layer[li] = _MLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev,
-                                     lengths if packed else None)
+            per_layer[li] = mla_views[g]
         cache = K3Cache(per_layer)
-        cache.packed = packed
-        if packed:
-            ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
-            seg = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lengths, device=dev))[None]
+        cache.packed = lengths is not None
+        if lengths is not None:
+            dev = ids.device
+            seg = torch.repeat_interleave(torch.arange(len(lengths), device=dev),
+                                          torch.tensor(lengths, device=dev))[None]
             hidden = self.model.model(ids, cache=cache, segment_ids=seg)
             last = torch.cumsum(torch.tensor(lengths, device=dev), 0) - 1
             m = self.model
             logits = m.lm_head(m.model.norm(hidden[0, last])).float()
         else:
-            ids = torch.tensor(tokens, device=dev)
             logits = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False).logits[:, -1].float()
         for g, view in enumerate(kda_views):
             self.pool.write_kda(kda_pages[g], view.state, torch.stack(view.conv, 1))

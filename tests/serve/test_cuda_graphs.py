@@ -1,0 +1,246 @@
+"""Decode steps over static buffers (k3.serve.cuda_graphs): the eager static-buffer mode on CPU (padding rows, the
+scratch page, the fixed split count) against the cache-free reference and the eager runner; when graphs are used;
+real capture on a GPU (marked `gpu`)."""
+
+import copy
+import functools
+import os
+
+import pytest
+import torch
+
+from helpers import randomize_, rel_err
+from k3.config import K3Config
+from k3.model.model import K3ForCausalLM
+from k3.ops import backend, mla_decode
+from k3.serve.cuda_graphs import DecodeGraphs, decode_buckets
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.generate import generate_tokens
+from k3.serve.runner import SeqSlots
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0)
+HB, PAGE = 16, 48
+
+
+@functools.lru_cache(maxsize=1)
+def _model():
+    # As in test_engine.py: the tiny model (3 KDA + 2 MLA layers, MoE), wide logit gaps for stable greedy choices.
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=512, eos_token_id=0)
+    m = randomize_(K3ForCausalLM(cfg), seed=3).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40)
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def reference(prompt: tuple) -> list[int]:
+    return list(generate_tokens(_model(), list(prompt), GREEDY, eos_id=None))
+
+
+def _engine(model=None, max_num_seqs=4, max_model_len=2048, mb=8.0, **kw):
+    eng = LLMEngine(model or _model(), None, EngineConfig(
+        cache_memory_mb=mb, page_tokens=PAGE, hash_block_tokens=HB, max_model_len=max_model_len,
+        scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=max_num_seqs,
+                                  long_prompt_tokens=120), **kw))
+    eng.eos_id = None
+    return eng
+
+
+def _prompts(lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture
+def static_mode(monkeypatch):
+    """The static-buffer decode step without capture, on the backends a graph needs."""
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "eager")
+    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")  # on CPU: the paged reference (or the interpreter)
+    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
+
+
+def test_buckets():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(4) == [1, 2, 4]
+    assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+@pytest.mark.parametrize("interpret", [False, True], ids=["reference", "triton-interpreter"])
+def test_static_decode_steps_with_padding_match_the_reference(static_mode, monkeypatch, interpret):
+    # Decode batches of 1, 3 (bucket 4: one padding row), 4, then 3 again (the padding row held a request the step
+    # before) and 1; positions cross page boundaries (48, 96) while decoding. With the Triton kernel in the
+    # interpreter the split count is fixed per bucket (from max_model_len), as in a captured step.
+    if interpret:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eng = _engine()
+    graphs = eng.runner.graphs
+    assert isinstance(graphs, DecodeGraphs) and not graphs.capture
+    scratch = graphs.scratch
+    # The scratch page is the pool's last page, outside the prefix cache's (the allocator's) pages.
+    assert scratch == eng.pool.num_pages - 1 == eng.prefix.num_pages
+    seen = []
+    orig = graphs.run
+
+    def spy(tokens, starts, slots):
+        for s in slots:
+            assert scratch not in s.kda_pages and all(scratch not in t for t in s.mla_tables)
+        seen.append((len(tokens), graphs.bucket_size(len(tokens))))
+        return orig(tokens, starts, slots)
+
+    graphs.run = spy
+    splits = []  # the paged decode's split count, as each MLA layer passes it on
+    orig_paged = mla_decode.mla_decode_paged
+    monkeypatch.setattr(mla_decode, "mla_decode_paged", lambda *a, **k: splits.append(a[7]) or orig_paged(*a, **k))
+    prompts = _prompts((44, 46, 10, 94))
+    seqs = [eng.add_request(p, GREEDY) for p in prompts]
+    while eng.has_work():
+        eng.step()
+        eng.prefix.check_invariants()
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == reference(tuple(p))
+    assert seen == [(1, 1), (3, 4), (3, 4), (4, 4), (3, 4), (1, 1), (1, 1)], seen
+    assert graphs.steps == len(seen) and graphs.padded_rows == 3 and graphs.replays == 0
+    assert sorted(graphs._static) == [1, 4]
+    assert len(splits) == 2 * len(seen) and set(splits) == {b.num_splits for b in graphs._static.values()} == {8}
+
+
+def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode, monkeypatch):
+    # At the runner: three requests (prefilled eagerly) take one decode step on the static buffers (bucket 4) and
+    # on the eager runner. Same logits; the static step changed the requests' own pages and the scratch page only.
+    prompts = _prompts((30, 47, 95), seed=7)
+    runs = []
+    for static in (True, False):
+        if not static:
+            monkeypatch.setenv("K3_CUDA_GRAPHS", "off")
+        eng = _engine()
+        assert (eng.runner.graphs is not None) == static
+        seqs = [eng.add_request(p, GREEDY) for p in prompts]
+        for s in seqs:
+            assert eng._admit(s) and eng._grow(s, len(s.prompt_ids) + 1)
+        slots = [eng._slots(s) for s in seqs]
+        for p, sl in zip(prompts, slots):
+            eng.runner.forward([p[:-1]], [0], [sl])  # prefill (always eager)
+        before = eng.pool.pages.clone()
+        out = eng.runner.forward([p[-1:] for p in prompts], [len(p) - 1 for p in prompts], slots)
+        changed = set(torch.nonzero((eng.pool.pages != before).any(1)).flatten().tolist())
+        mine = {pg for sl in slots for pg in sl.kda_pages} | {pg for sl in slots for t in sl.mla_tables for pg in t}
+        runs.append((out, changed, mine, eng))
+    (out_s, changed_s, mine_s, eng_s), (out_e, changed_e, mine_e, _) = runs
+    assert eng_s.runner.graphs.steps == 1 and eng_s.runner.graphs.padded_rows == 1
+    assert rel_err(out_s, out_e) < 1e-5
+    scratch = eng_s.runner.graphs.scratch
+    assert scratch in changed_s and changed_s - {scratch} <= mine_s
+    assert changed_e <= mine_e
+
+
+def test_batches_beyond_the_largest_bucket_or_table_run_eagerly(static_mode):
+    eng = _engine(max_num_seqs=2, max_model_len=96)  # buckets 1, 2; block tables of at most 2 pages
+    graphs = eng.runner.graphs
+    assert graphs.buckets == [1, 2] and graphs.max_pages == 2
+    assert graphs.run([[1]] * 3, [0, 0, 0], [None] * 3) is None
+    assert graphs.run([[1]], [0], [SeqSlots([[0, 1, 2]] * 2, [3, 4, 5])]) is None  # a table of 3 pages
+    assert graphs.steps == 0
+    prompts = _prompts((40, 44))
+    seqs = [eng.add_request(p, GREEDY) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == reference(tuple(p))
+    assert graphs.steps > 0
+
+
+def _notice_after(monkeypatch, capsys, **kw):
+    monkeypatch.setattr(backend, "_notices", set())
+    capsys.readouterr()
+    eng = _engine(**kw)
+    return eng, capsys.readouterr().err
+
+
+def test_graphs_are_not_used_off_cuda_or_on_uncapturable_backends(monkeypatch, capsys):
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")
+    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
+    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
+    eng, err = _notice_after(monkeypatch, capsys)
+    assert eng.runner.graphs is None and "without CUDA graphs" in err and "not a CUDA device" in err
+    assert eng.pool.num_pages == eng.prefix.num_pages  # no scratch page
+
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "eager")  # past the device check: the backends decide
+    monkeypatch.setenv("K3_MOE_BACKEND", "torch")
+    eng, err = _notice_after(monkeypatch, capsys)
+    assert eng.runner.graphs is None and "MoE" in err and "K3_MOE_BACKEND=grouped" in err
+
+    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
+    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "torch")
+    eng, err = _notice_after(monkeypatch, capsys)
+    assert eng.runner.graphs is None and "MLA decode" in err and "K3_MLA_DECODE_BACKEND=triton" in err
+
+    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
+    eng, err = _notice_after(monkeypatch, capsys, cuda_graphs=False)  # off by configuration: nothing to explain
+    assert eng.runner.graphs is None and err == ""
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "off")
+    assert _engine().runner.graphs is None
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="K3_CUDA_GRAPHS"):
+        _engine()
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs(eng.runner, 4, 512, scratch_page=0, capture=True)
+
+
+def test_serve_flag_turns_graphs_off(monkeypatch):
+    from k3 import cli
+    from k3.serve import server
+
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")  # restored after the test
+    args = cli.build_parser().parse_args(["serve", "--ckpt", "x"])
+    assert args.cuda_graphs is True
+    args = cli.build_parser().parse_args(["serve", "--ckpt", "x", "--no-cuda-graphs"])
+    seen = []
+    monkeypatch.setattr(server, "cmd_serve", lambda a: seen.append(os.environ["K3_CUDA_GRAPHS"]) or 0)
+    assert args.fn(args) == 0 and seen == ["off"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_decode_equals_the_eager_engine(monkeypatch):
+    # The same requests on a bf16 model on the GPU through captured graphs and through the eager runner: the same
+    # greedy outputs; the graphs were captured (buckets 1 and 4) and replayed. Then at the runner, one replay equals
+    # the same static-buffer step called without capture.
+    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
+    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")
+    model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16)
+    prompts = _prompts((44, 46, 10, 94))
+    outputs = []
+    for graphs_on in (True, False):
+        eng = _engine(model, cuda_graphs=graphs_on)
+        assert (eng.runner.graphs is not None) == graphs_on
+        seqs = [eng.add_request(p, GREEDY) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        outputs.append([s.output_ids for s in seqs])
+        if graphs_on:
+            graphs = eng.runner.graphs
+            assert graphs.disabled is None, graphs.disabled
+            assert graphs.replays == graphs.steps > 0 and sorted(graphs._static) == [1, 4]
+            assert all(b.graph is not None for b in graphs._static.values())
+    assert outputs[0] == outputs[1]
+
+    # Replay vs the uncaptured step on identical inputs (three requests in bucket 4).
+    results = []
+    for capture in (True, False):
+        eng = _engine(model)
+        if not capture:
+            eng.runner.use_decode_graphs(4, eng.max_model_len, eng.runner.graphs.scratch, capture=False)
+        seqs = [eng.add_request(p, GREEDY) for p in prompts[:3]]
+        for s in seqs:
+            assert eng._admit(s) and eng._grow(s, len(s.prompt_ids) + 1)
+        slots = [eng._slots(s) for s in seqs]
+        for p, sl in zip(prompts, slots):
+            eng.runner.forward([p[:-1]], [0], [sl])
+        out = eng.runner.forward([p[-1:] for p in prompts[:3]], [len(p) - 1 for p in prompts[:3]], slots)
+        assert eng.runner.graphs.replays == int(capture)
+        results.append(out)
+    assert rel_err(results[0], results[1]) < 1e-3
