@@ -16,7 +16,7 @@ from k3.config import K3Config
 from k3.model.common import RMSNorm, SituMLP
 from k3.ops.backend import resolve
 from k3.ops.moe import Routing, grouped_available, moe_experts, moe_experts_grouped, route
-from k3.ops.situ import situ_glu, situ_glu_h13
+from k3.ops.situ import situ_glu, situ_glu_any
 
 
 class MoEGate(nn.Module):
@@ -46,14 +46,14 @@ class GroupedExperts(nn.Module):
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return situ_glu(gate, up, self.beta1, self.beta2)
 
-    def act13(self, h13: torch.Tensor) -> torch.Tensor:
-        """SiTU-GLU of the [gate | up] halves of one grouped GEMM's output (fused Triton kernel on GPU)."""
-        return situ_glu_h13(h13, self.beta1, self.beta2)
+    def act_fused(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SiTU-GLU on the backend k3.ops.backend picks (the fused Triton kernel on GPU)."""
+        return situ_glu_any(gate, up, self.beta1, self.beta2)
 
     def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         backend = resolve("moe", z.device, lambda: grouped_available(z.device, z.dtype))
         if backend == "grouped":
-            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act13)
+            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act_fused)
         return moe_experts(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act)
 
 

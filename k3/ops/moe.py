@@ -187,18 +187,18 @@ def moe_experts_grouped(
     w1: Tensor,
     w3: Tensor,
     w2: Tensor,
-    act13: Callable[[Tensor], Tensor],
+    act: Callable[[Tensor, Tensor], Tensor],
 ) -> Tensor:
-    """``moe_experts`` with grouped GEMMs: the same result, two GEMM launches for all experts.
+    """``moe_experts`` with grouped GEMMs: the same result, three GEMM launches for all experts.
 
     The N*k (token, expert) pairs are sorted by expert (stable, so each expert sees its tokens in order);
-    one ``torch._grouped_mm`` computes every expert's gate and up projections together against
-    ``[w1; w3]`` ([E, 2F, L], read transposed), ``act13`` maps the [M, 2F] result to [M, F] (SiTU-GLU of
-    the two halves, fused on GPU), and a second grouped GEMM applies ``w2``. The outputs are put back in
-    (token, slot) order and combined with the routing weights in fp32. Every gather is a permutation, so
-    the backward is free of atomic accumulation. Experts that got no tokens cost nothing.
+    ``torch._grouped_mm`` computes every expert's gate and up projections against ``w1`` and ``w3`` (read
+    transposed in place: no copy of the expert weights beyond a dtype cast), ``act(gate, up)`` (SiTU-GLU, fused
+    on GPU) gives the hidden, and a third grouped GEMM applies ``w2``. The outputs are put back in (token, slot)
+    order and combined with the routing weights in fp32. Every gather is a permutation, so the backward is free
+    of atomic accumulation. Experts that got no tokens cost nothing.
 
-    Args: as ``moe_experts``, plus ``act13(h13 [M, 2F]) -> [M, F]``.
+    Args: as ``moe_experts``.
     Returns: u [N, L] in ``z.dtype``.
     """
     _check_expert_inputs(z, weights, indices, w1, w3, w2)
@@ -218,9 +218,9 @@ def moe_experts_grouped(
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     x = z[:, None, :].expand(N, k, L).reshape(N * k, L)[order]  # [M, L] grouped by expert
 
-    w13 = torch.cat([w1, w3], dim=1).to(dt)  # [E, 2F, L]
-    h13 = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)  # [M, 2F]
-    hidden = act13(h13).to(dt)  # [M, F]
+    gate = torch._grouped_mm(x, w1.to(dt).transpose(1, 2), offs=offs)  # [M, F]
+    up = torch._grouped_mm(x, w3.to(dt).transpose(1, 2), offs=offs)
+    hidden = act(gate, up).to(dt)  # [M, F]
     y = torch._grouped_mm(hidden, w2.to(dt).transpose(1, 2), offs=offs)  # [M, L]
 
     inverse = torch.empty_like(order)

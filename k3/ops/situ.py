@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["situ_glu", "situ_glu_any", "situ_glu_h13"]
+__all__ = ["situ_glu", "situ_glu_any"]
 
 
 def situ_glu(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
@@ -70,17 +70,4 @@ def situ_glu_any(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25
         from k3.ops.situ_triton import situ_glu_split
 
         return situ_glu_split(gate, up, beta1, beta2)
-    return situ_glu(gate, up, beta1, beta2)
-
-
-def situ_glu_h13(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
-    """SiTU-GLU of ``h13 = [gate | up]`` ([..., 2F] -> [..., F]), the output of one GEMM against the
-    concatenated gate and up weights; fused in one Triton kernel on GPU."""
-    from k3.ops.backend import resolve
-
-    if resolve("situ", h13.device, lambda: _triton_available(h13)) == "triton":
-        from k3.ops.situ_triton import situ_glu_fused
-
-        return situ_glu_fused(h13, beta1, beta2)
-    gate, up = h13.chunk(2, dim=-1)
     return situ_glu(gate, up, beta1, beta2)

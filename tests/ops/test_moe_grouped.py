@@ -29,11 +29,6 @@ def _act(gate, up):
     return situ_glu(gate, up)
 
 
-def _act13(h13):
-    gate, up = h13.chunk(2, dim=-1)
-    return situ_glu(gate, up)
-
-
 def _run(fn, leaves, weights, indices, act, seed=1):
     z, w1, w3, w2 = leaves
     u = fn(z, weights, indices, w1, w3, w2, act)
@@ -47,7 +42,7 @@ def test_grouped_matches_the_loop_forward_and_backward(N, E, k, skew):
     # fp32 on CPU: same products summed in another order, tolerance 1e-5 relative.
     leaves, weights, idx = _problem(N, E, k, L=24, F=40, skew=skew)
     u_ref, g_ref = _run(moe_experts, leaves, weights, idx, _act)
-    u, g = _run(moe_experts_grouped, leaves, weights, idx, _act13)
+    u, g = _run(moe_experts_grouped, leaves, weights, idx, _act)
     assert rel_err(u, u_ref) < 1e-5
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 1e-5
@@ -57,7 +52,7 @@ def test_experts_without_tokens_get_zero_gradient():
     leaves, weights, idx = _problem(64, 16, 2, L=16, F=32, skew=50.0)
     used = set(idx.reshape(-1).tolist())
     assert len(used) < 16
-    _, g = _run(moe_experts_grouped, leaves, weights, idx, _act13)
+    _, g = _run(moe_experts_grouped, leaves, weights, idx, _act)
     for e in set(range(16)) - used:
         assert g[1][e].abs().max() == 0 and g[3][e].abs().max() == 0
 
@@ -65,7 +60,7 @@ def test_experts_without_tokens_get_zero_gradient():
 def test_grouped_rejects_bad_indices_by_name():
     leaves, weights, idx = _problem(8, 4, 2, L=8, F=8)
     with pytest.raises(ValueError, match="indices must lie in"):
-        moe_experts_grouped(leaves[0], weights, idx + 4, *leaves[1:], _act13)
+        moe_experts_grouped(leaves[0], weights, idx + 4, *leaves[1:], _act)
 
 
 def test_layer_backend_switch_gives_the_same_layer_output(tiny_cfg, monkeypatch):
@@ -99,7 +94,7 @@ def test_grouped_bf16_on_gpu_matches_the_fp32_loop():
     u_ref, g_ref = _run(moe_experts, leaves, weights, idx, _act)
     bf = [t.detach().to(torch.bfloat16).requires_grad_() for t in leaves]
     wb = weights.detach().clone().requires_grad_()
-    u, g = _run(moe_experts_grouped, bf, wb, idx, experts.act13)
+    u, g = _run(moe_experts_grouped, bf, wb, idx, experts.act_fused)
     assert rel_err(u.float(), u_ref) < 2e-2
     for a, b in zip(g, g_ref):
         assert rel_err(a.float(), b) < 3e-2
