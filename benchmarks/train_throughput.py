@@ -79,7 +79,8 @@ def main() -> None:
     attn = 12 * n_mla * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * args.seq_len / 2
     flops_tok = 6 * info.active + attn
     out = {
-        "preset": args.preset, "backend": args.backend, "ckpt": args.activation_checkpointing, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "preset": args.preset, "backend": args.backend, "ckpt": args.activation_checkpointing,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "seq_len": args.seq_len, "batch_tokens": args.batch_tokens, "step_s_median": round(dt, 4),
         "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * flops_tok / PEAK_BF16, 4) if dev.type == "cuda" else None,
         "model_tflops_per_s": round(tok_s * flops_tok / 1e12, 2), "loss": round(m.loss, 4),

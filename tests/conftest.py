@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from k3.config import K3Config
 

@@ -198,7 +198,8 @@ class K3ForCausalLM(nn.Module):
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-            if check_ids and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            if check_ids and input_ids.numel() and (int(input_ids.min()) < 0
+                                                    or int(input_ids.max()) >= self.config.vocab_size):
                 raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
                                  f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         if pixel_values is not None:

@@ -15,7 +15,8 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
 The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
-K3_MLA_BACKEND, K3_MOE_BACKEND, K3_SITU_BACKEND and K3_MLA_DECODE_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
+K3_MLA_BACKEND, K3_MOE_BACKEND, K3_SITU_BACKEND and K3_MLA_DECODE_BACKEND (values: auto, torch, or the fast
+backend's name) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
 """
@@ -71,7 +72,8 @@ def resolve(op: str, device: torch.device, available: Callable[[], tuple[bool, s
         return "torch"
     ok, why = available()
     if ok and req == "auto" and not VALIDATED[op]:
-        ok, why = False, f"the {fast} backend is not yet validated against the reference on GPU ({var}={fast} forces it)"
+        ok, why = False, (f"the {fast} backend is not yet validated against the reference on GPU "
+                          f"({var}={fast} forces it)")
     if not ok:
         if req == fast:
             raise ValueError(f"{var}={fast}: {why}")

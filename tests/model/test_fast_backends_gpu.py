@@ -35,10 +35,10 @@ def mini():
 def test_k3_mini_loss_and_gradients_match_on_fast_backends(mini, monkeypatch, fast_ops):
     # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents;
     # each fast backend alone, then all together, against every op on the reference.
-    # Tolerances: loss 1e-2 relative; all gradients together 3e-2 relative (L2); every gradient tensor points the
-    # same way (cosine > 0.99 for tensors of >= 64 entries). Per-element bounds do not fit here: a 13-layer bf16 stack summed in another order
-    # moves small entries by more than 10% (on CPU the grouped MoE alone, against the loop, gives 1% globally and
-    # cosines > 0.9998 per tensor).
+    # Tolerances: loss 1e-2 relative; all gradients together 3e-2 relative (L2); every gradient tensor of >= 64
+    # entries points the same way (cosine > 0.99). Per-element bounds do not fit here: a 13-layer bf16 stack
+    # summed in another order moves small entries by more than 10% (on CPU the grouped MoE alone, against the
+    # loop, gives 1% globally and cosines > 0.9998 per tensor).
     model, ids, seg = mini
     for op in FAST:
         monkeypatch.setenv(env_var(op), "torch")

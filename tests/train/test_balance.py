@@ -3,7 +3,6 @@
 import io
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest

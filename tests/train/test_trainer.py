@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import randomize_
 from k3.checkpoint import CheckpointError
 from k3.config import K3Config
 from k3.data.packing import PackedLoader
