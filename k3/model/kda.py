@@ -7,8 +7,8 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import RMSNorm
-from k3.ops import kda as kda_ops
 from k3.ops.kda_backend import kda as kda_mix
+from k3.ops.kda_backend import short_conv
 
 
 class KDACache:
@@ -47,9 +47,9 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         conv_in = cache.conv if cache is not None else [None, None, None]
-        q, cq = kda_ops.short_conv(self.q_proj(x), self.q_conv1d.weight, conv_in[0], cu_seqlens=cu_seqlens)
-        k, ck = kda_ops.short_conv(self.k_proj(x), self.k_conv1d.weight, conv_in[1], cu_seqlens=cu_seqlens)
-        v, cv = kda_ops.short_conv(self.v_proj(x), self.v_conv1d.weight, conv_in[2], cu_seqlens=cu_seqlens)
+        q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, conv_in[0], cu_seqlens=cu_seqlens)
+        k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, conv_in[1], cu_seqlens=cu_seqlens)
+        v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, conv_in[2], cu_seqlens=cu_seqlens)
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         state = cache.state if cache is not None else None
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).

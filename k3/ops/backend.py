@@ -4,6 +4,7 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
 
     op         fast backend   what it is
     kda        fla            fla-core's chunk_kda / fused_recurrent_kda (gate, L2 norm, beta fused)
+    short_conv fla            fla-core's causal_conv1d (KDA's q/k/v depthwise conv + SiLU, varlen, states)
     attn_res   fla            fla-core's fused_attnres (one pass over all sources, forward and backward)
     mla        flex           torch's flex_attention, compiled, with a block mask for causal + document masking
                               (no T x T matrix; the per-head max logit for QK-Clip comes out of the kernel)
@@ -15,7 +16,7 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
 The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
-K3_MLA_BACKEND, K3_MOE_BACKEND, K3_SITU_BACKEND and K3_MLA_DECODE_BACKEND (values: auto, torch, or the fast
+K3_MLA_BACKEND, K3_MOE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND and K3_SHORT_CONV_BACKEND (values: auto, torch, or the fast
 backend's name) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
@@ -29,11 +30,13 @@ from typing import Callable
 
 import torch
 
-FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton"}
+FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
+        "short_conv": "fla"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
-# H200 with this code (2026-11-29: attn_res, mla, moe, situ). The fla KDA tests and the paged-decode kernel's
-# tests have not run on a GPU yet, so `auto` keeps those on the reference until they do.
-VALIDATED = {"kda": False, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": False}
+# H200 with this code (2026-11-29: attn_res, mla, moe, situ). The fla KDA and short-conv tests and the
+# paged-decode kernel's tests have not run on a GPU yet, so `auto` keeps those on the reference until they do.
+VALIDATED = {"kda": False, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": False,
+             "short_conv": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode runs its Triton kernel in Triton's interpreter
 # (TRITON_INTERPRET=1) or its gather-based reference.

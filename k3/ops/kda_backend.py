@@ -48,3 +48,28 @@ def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_sta
     beta = torch.sigmoid(beta_logits.float())
     fn = ref.kda_recurrent if T == 1 else ref.kda_chunk
     return fn(qn, kn, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+def short_conv(x, weight, conv_state=None, cu_seqlens=None, backend: str | None = None):
+    """``k3.ops.kda.short_conv`` (depthwise causal conv + SiLU; state = the last W-1 inputs [N, C, W-1],
+    oldest first) on the backend k3.ops.backend picks (K3_SHORT_CONV_BACKEND=auto|torch|fla): fla-core's
+    Triton ``causal_conv1d`` on GPU. fla keeps W columns of state with the oldest slot unused, so ours is
+    padded in front on the way in and its last W-1 columns are taken on the way out. Returns (y in x.dtype,
+    new state fp32)."""
+    if _resolve("short_conv", x.device, _fla_conv_available, backend) == "fla":
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        w = weight[:, 0] if weight.dim() == 3 else weight
+        init = None if conv_state is None else torch.nn.functional.pad(conv_state.to(x.dtype), (1, 0))
+        y, final = causal_conv1d(x, w, initial_state=init, output_final_state=True, activation="silu",
+                                 cu_seqlens=cu_seqlens)
+        return y, final[..., 1:].float()
+    return ref.short_conv(x, weight, conv_state, cu_seqlens=cu_seqlens)
+
+
+def _fla_conv_available() -> tuple[bool, str]:
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
+    except Exception as e:
+        return False, f"fla-core is not importable ({type(e).__name__}: {e}); install it with `pip install k3[gpu]`"
+    return True, ""
