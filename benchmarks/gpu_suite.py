@@ -1,21 +1,27 @@
 """Run the GPU tests and the GPU benchmarks in one go, each step with its own time limit and log.
 
-    python benchmarks/gpu_suite.py --out gpu-results [--steps tests ops train ...] [--budget-s 560]
+    python benchmarks/gpu_suite.py --out gpu-results [--steps tests ops train ...] [--budget-s 560] \
+        [--load-cache kernels.tar.gz] [--save-cache kernels.tar.gz --split-mb 15]
 
 Steps run in the order given (default: all, most important first). Each step is a separate process whose
 output is streamed to the terminal and to OUT/<step>.log, so a step that hangs or runs out of time loses only
 itself. Compiled Triton kernels, their autotuning results and torch.compile's kernels are cached under
 OUT/cache (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR): a second run on the same machine, or with that folder
 copied to another machine of the same kind, skips most of the first-call compilation (several minutes for
-fla's KDA kernels on a fresh machine). A summary line per step (exit status, seconds) ends the output.
+fla's KDA kernels on a fresh machine). `--save-cache` packs that folder into a .tar.gz (in numbered parts of
+at most `--split-mb` MB when asked) and `--load-cache` unpacks such an archive (or its parts) before the steps.
+A summary line per step (exit status, seconds) ends the output.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import io
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 
@@ -75,13 +81,47 @@ def run_step(name: str, cmds: list, limit: float, out: str, env: dict) -> tuple[
     return rc, time.monotonic() - t0
 
 
+def save_cache(cache: str, path: str, split_mb: float | None) -> list[str]:
+    """Pack `cache` into `path` (.tar.gz); with `split_mb`, into path.part00, path.part01, ... instead."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(cache, arcname="cache")
+    data = buf.getvalue()
+    if not split_mb:
+        parts = [(path, data)]
+    else:
+        size = int(split_mb * 2**20)
+        parts = [(f"{path}.part{i:02d}", data[o:o + size]) for i, o in enumerate(range(0, len(data), size))]
+    for name, chunk in parts:
+        tmp = name + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(chunk)
+        os.replace(tmp, name)
+    return [name for name, _ in parts]
+
+
+def load_cache(path: str, out: str) -> None:
+    """Unpack an archive written by `save_cache` (whole, or its .partNN files) into `out`."""
+    names = [path] if os.path.exists(path) else sorted(glob.glob(glob.escape(path) + ".part*"))
+    if not names:
+        raise SystemExit(f"--load-cache {path}: no such archive (nor {path}.partNN files)")
+    data = b"".join(open(n, "rb").read() for n in names)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        tar.extractall(out, filter="data")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for the logs and the kernel cache")
     ap.add_argument("--steps", nargs="*", default=list(STEPS), choices=list(STEPS))
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps after this many seconds")
+    ap.add_argument("--load-cache", help="unpack a kernel-cache archive from --save-cache before the steps")
+    ap.add_argument("--save-cache", help="pack OUT/cache into this .tar.gz after the steps")
+    ap.add_argument("--split-mb", type=float, default=None, help="with --save-cache: parts of at most this size")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.load_cache:
+        load_cache(args.load_cache, args.out)
     cache = os.path.abspath(os.path.join(args.out, "cache"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
@@ -100,6 +140,9 @@ def main() -> None:
         summary.append((name, f"exit {rc}", dt))
     for name, status, dt in summary:
         print(f"SUMMARY {name}: {status} in {dt:.0f} s", flush=True)
+    if args.save_cache and os.path.isdir(cache):
+        for name in save_cache(cache, args.save_cache, args.split_mb):
+            print(f"kernel cache: {name} ({os.path.getsize(name) / 2**20:.1f} MB)", flush=True)
 
 
 if __name__ == "__main__":
