@@ -49,7 +49,8 @@ STEPS = {
     "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),
     "train32k": ([TRAIN + ["--seq-len", "32768", "--micro-batch-rows", "1", "--activation-checkpointing"]], 150),
     "long": ([[PY, "benchmarks/long_context.py", "--preset", "k3-mini", "--seq-len", "131072"]], 180),
-    "serve": ([[PY, "benchmarks/serve_bench.py"]], 240),
+    "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
+                "1", "16", "64", "--backend", "fast"]], 300),
 }
 
 

@@ -1,7 +1,7 @@
 """Serving measurements of the engine: time to first token with and without a prefix-cache hit, and decode
 speed at several batch sizes against the memory-bandwidth floor.
 
-    python benchmarks/serve_bench.py --preset k3-mini --ttft 8192 32768 --decode-batch 1 16 64
+    python benchmarks/serve_bench.py --preset k3-mini --ttft 8192 32768 --decode-batch 1 16 64 [--backend fast]
 
 TTFT: a first request primes the cache with the first N-512 tokens of a prompt; a second request sends the
 full N-token prompt, so all but its last 512 tokens are cached. "cold" is the same prompt on an engine
@@ -12,6 +12,7 @@ batch can touch, KDA state read + write, MLA latent cache read) over 4.0 TB/s.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import time
 
@@ -95,7 +96,15 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--cache-mb", type=float, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto",
+                    help="fast: every op on its GPU fast path (incl. the paged decode kernel, which enables decode "
+                         "CUDA graphs); torch: the reference ops; auto: k3.ops.backend decides")
     args = ap.parse_args()
+    if args.backend != "auto":
+        from k3.ops.backend import FAST, env_var
+
+        for op, fast in FAST.items():
+            os.environ[env_var(op)] = fast if args.backend == "fast" else "torch"
     dev = torch.device(args.device)
     cfg = K3Config.from_preset(args.preset).replace(num_nextn_predict_layers=0)
     torch.manual_seed(0)
