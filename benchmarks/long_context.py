@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from k3.config import K3Config
 from k3.info import model_info
 from k3.model.model import K3ForCausalLM
-from k3.ops.backend import FAST, env_var
+from k3.ops.backend import force_all
 
 PEAK_BF16 = 803e12
 
@@ -35,8 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("long_context.py needs a CUDA device")
-    for op, fast in FAST.items():
-        os.environ.setdefault(env_var(op), fast)
+    force_all("fast", overwrite=False)
     cfg = K3Config.from_preset(args.preset).replace(vocab_size=args.vocab_size)
     model = K3ForCausalLM(cfg).init_weights(seed=0).cuda().train()
     model.set_activation_checkpointing(not args.no_checkpointing)

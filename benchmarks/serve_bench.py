@@ -12,7 +12,6 @@ batch can touch, KDA state read + write, MLA latent cache read) over 4.0 TB/s.
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import time
 
@@ -101,10 +100,9 @@ def main() -> None:
                          "CUDA graphs); torch: the reference ops; auto: k3.ops.backend decides")
     args = ap.parse_args()
     if args.backend != "auto":
-        from k3.ops.backend import FAST, env_var
+        from k3.ops.backend import force_all
 
-        for op, fast in FAST.items():
-            os.environ[env_var(op)] = fast if args.backend == "fast" else "torch"
+        force_all(args.backend)
     dev = torch.device(args.device)
     cfg = K3Config.from_preset(args.preset).replace(num_nextn_predict_layers=0)
     torch.manual_seed(0)

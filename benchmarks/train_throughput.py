@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ from k3.config import K3Config
 from k3.data.packing import PackedLoader
 from k3.info import model_info
 from k3.model.model import K3ForCausalLM
-from k3.ops.backend import FAST, env_var
+from k3.ops.backend import force_all
 from k3.train.trainer import Trainer, TrainConfig
 
 PEAK_BF16 = 803e12
@@ -45,8 +44,7 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", action="store_true")
     args = ap.parse_args()
     if args.backend != "auto":
-        for op, fast in FAST.items():
-            os.environ[env_var(op)] = fast if args.backend == "fast" else "torch"
+        force_all(args.backend)
     cfg = K3Config.from_preset(args.preset)
     if args.vocab_size:
         cfg = cfg.replace(vocab_size=args.vocab_size)

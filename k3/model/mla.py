@@ -78,8 +78,7 @@ class GatedMLA(nn.Module):
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             o = torch.cat([mla_absorbed(q_nope[:, a:b], q_rope[:, a:b], c_i, kr_i, w_kc, w_vc, self.scale,
                                         q_start=p_i) for a, b, c_i, kr_i, p_i in cache.append_packed(c, k_rope)], dim=1)
-            o = o.reshape(B, T, H * dv)
-            return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
+            return self._gated_out(x, o)
         if cache is not None and T == 1 and hasattr(cache, "append_paged") \
                 and resolve("mla_decode", x.device, lambda: paged_decode_available(x.device)) == "triton":
             # Serving decode: attend straight from the page pool (no gathered copy of the cache).
@@ -90,8 +89,7 @@ class GatedMLA(nn.Module):
             # A fixed split count (a CUDA-graph step) keeps the kernel from reading the lengths back.
             o = mla_decode_absorbed(q_nope, q_rope, *cache.append_paged(c, k_rope), w_kc, w_vc, self.scale,
                                     num_splits=getattr(cache, "num_splits", None))
-            o = o.reshape(B, T, H * dv)
-            return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
+            return self._gated_out(x, o)
         if cache is not None:
             c_all, kr_all, past, kv_len = cache.append(c, k_rope)
         if isinstance(past, int) and past == 0 and kv_len is None:
@@ -112,5 +110,10 @@ class GatedMLA(nn.Module):
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past, kv_len=kv_len)
-        o = o.reshape(B, T, H * dv)
+        return self._gated_out(x, o)
+
+    def _gated_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Output gate and projection: o_proj(sigmoid(g_proj x) * o), o of any shape [B, T, ...]."""
+        B, T, _ = x.shape
+        o = o.reshape(B, T, -1)
         return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))

@@ -104,11 +104,9 @@ def attn_res(sources: Tensor | Sequence[Tensor], w: Tensor, eps: float = 1e-5) -
 
 
 def fla_available() -> tuple[bool, str]:
-    try:
-        from fla.ops.attnres import fused_attnres  # noqa: F401
-    except Exception as e:  # ImportError, or a Triton/driver problem at import
-        return False, f"fla-core is not importable ({type(e).__name__}: {e}); install it with `pip install k3[gpu]`"
-    return True, ""
+    from k3.ops.backend import importable
+
+    return importable("fla.ops.attnres")
 
 
 def attn_res_fla(sources: Sequence[Tensor], w: Tensor, eps: float = 1e-5) -> Tensor:

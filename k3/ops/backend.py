@@ -45,6 +45,26 @@ CPU_OK = {"moe", "mla_decode"}
 _notices: set[str] = set()
 
 
+def importable(module: str) -> tuple[bool, str]:
+    """(True, "") when `module` imports, else (False, why) — the availability check of a kernel library."""
+    try:
+        __import__(module)
+    except Exception as e:  # ImportError, or a Triton/driver problem at import
+        hint = "; install it with `pip install k3[gpu]`" if module.startswith("fla") else ""
+        return False, f"{module} is not importable ({type(e).__name__}: {e}){hint}"
+    return True, ""
+
+
+def force_all(mode: str, overwrite: bool = True) -> None:
+    """Set every op's environment variable: mode 'fast' (each op's fast backend) or 'torch' (the reference);
+    with overwrite=False, variables already set are kept."""
+    if mode not in ("fast", "torch"):
+        raise ValueError(f"mode must be 'fast' or 'torch', got {mode!r}")
+    for op, fast in FAST.items():
+        if overwrite or env_var(op) not in os.environ:
+            os.environ[env_var(op)] = fast if mode == "fast" else "torch"
+
+
 def env_var(op: str) -> str:
     return f"K3_{op.upper()}_BACKEND"
 

@@ -9,20 +9,13 @@ from __future__ import annotations
 import torch
 
 from k3.ops import kda as ref
+from k3.ops.backend import importable
 from k3.ops.backend import resolve as _resolve
-
-
-def _fla_available() -> tuple[bool, str]:
-    try:
-        import fla.ops.kda  # noqa: F401
-    except Exception as e:  # ImportError, or a Triton/driver problem at import
-        return False, f"fla-core is not importable ({type(e).__name__}: {e}); install it with `pip install k3[gpu]`"
-    return True, ""
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     """'torch' or 'fla' (see k3.ops.backend; environment variable K3_KDA_BACKEND)."""
-    return _resolve("kda", device, _fla_available, requested)
+    return _resolve("kda", device, lambda: importable("fla.ops.kda"), requested)
 
 
 def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_state=None, cu_seqlens=None,
@@ -56,7 +49,7 @@ def short_conv(x, weight, conv_state=None, cu_seqlens=None, backend: str | None 
     Triton ``causal_conv1d`` on GPU. fla keeps W columns of state with the oldest slot unused, so ours is
     padded in front on the way in and its last W-1 columns are taken on the way out. Returns (y in x.dtype,
     new state fp32)."""
-    if _resolve("short_conv", x.device, _fla_conv_available, backend) == "fla":
+    if _resolve("short_conv", x.device, lambda: importable("fla.modules.causal_conv1d"), backend) == "fla":
         from fla.modules.causal_conv1d import causal_conv1d
 
         w = weight[:, 0] if weight.dim() == 3 else weight
@@ -66,10 +59,3 @@ def short_conv(x, weight, conv_state=None, cu_seqlens=None, backend: str | None 
         return y, final[..., 1:].float()
     return ref.short_conv(x, weight, conv_state, cu_seqlens=cu_seqlens)
 
-
-def _fla_conv_available() -> tuple[bool, str]:
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
-    except Exception as e:
-        return False, f"fla-core is not importable ({type(e).__name__}: {e}); install it with `pip install k3[gpu]`"
-    return True, ""

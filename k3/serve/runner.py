@@ -71,16 +71,19 @@ class _MLAView:
         """Batched single-token decode: write the new rows and return the pool's typed MLA view
         [num_pages, page_tokens, R + Dr], the block tables [B, max_pages] and the lengths [B] including the new
         token, for an attention kernel that reads the pages in place (k3.ops.mla_decode)."""
+        return _append_paged(self.pool, self._table_tensor(), torch.tensor(self.starts, device=self.device), c,
+                             k_rope)
+
+    def _table_tensor(self) -> torch.Tensor:
+        """The block tables as one [B, max pages] tensor (short tables padded with page 0, never read)."""
         width = max(map(len, self.tables))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.device)
-        return _append_paged(self.pool, tables, torch.tensor(self.starts, device=self.device), c, k_rope)
+        return torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.device)
 
     def append(self, c: torch.Tensor, k_rope: torch.Tensor):
         pool, pt = self.pool, self.pool.page_tokens
         B, T, R = c.shape
         pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(T, device=self.device)[None]
-        tables = torch.tensor([t + [0] * (max(map(len, self.tables)) - len(t)) for t in self.tables],
-                              device=self.device)
+        tables = self._table_tensor()
         page = tables.gather(1, pos // pt)
         pool.write_mla(page.reshape(-1), (pos % pt).reshape(-1), torch.cat([c, k_rope], -1).reshape(B * T, -1))
         ends = [s + T for s in self.starts]

@@ -14,8 +14,9 @@ NO = lambda: (False, "the kernel library is missing")  # noqa: E731
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for op in FAST:
-        monkeypatch.delenv(env_var(op), raising=False)
+    for op in FAST:  # setenv first so that teardown restores the original state even after force_all
+        monkeypatch.setenv(env_var(op), "auto")
+        monkeypatch.delenv(env_var(op))
     monkeypatch.setattr(backend, "_notices", set())
 
 
@@ -52,3 +53,18 @@ def test_explicit_choices_are_obeyed_or_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="K3_ATTN_RES_BACKEND='turbo' is invalid: use auto, torch or fla"):
         resolve("attn_res", CUDA, YES)
     assert resolve("attn_res", CUDA, YES, requested="torch") == "torch"  # an explicit argument wins
+
+
+def test_importable_names_the_missing_module_and_force_all_sets_every_op(monkeypatch):
+    assert backend.importable("json") == (True, "")
+    ok, why = backend.importable("fla_missing_module_xyz")
+    assert not ok and "fla_missing_module_xyz is not importable" in why and "pip install k3[gpu]" in why
+    backend.force_all("fast")
+    assert all(resolve(op, CUDA, YES) == fast for op, fast in FAST.items())
+    monkeypatch.setenv("K3_MOE_BACKEND", "torch")
+    backend.force_all("fast", overwrite=False)  # keeps what is already set
+    assert resolve("moe", CUDA, YES) == "torch"
+    backend.force_all("torch")
+    assert all(resolve(op, CUDA, YES) == "torch" for op in FAST)
+    with pytest.raises(ValueError, match="mode must be 'fast' or 'torch'"):
+        backend.force_all("auto")
