@@ -26,24 +26,26 @@ import threading
 import time
 
 PY = sys.executable
-GPU_TEST_FILES = [
-    "tests/ops/test_kda_backend.py",
+GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_attn_res.py",
-    "tests/ops/test_mla_flex.py",
-    "tests/ops/test_moe_grouped.py",
     "tests/ops/test_situ_triton.py",
+    "tests/ops/test_moe_grouped.py",
     "tests/ops/test_mla_decode.py",
-    "tests/model/test_fast_backends_gpu.py",
     "tests/serve/test_cuda_graphs.py",
+    "tests/ops/test_mla_flex.py",
 ]
+# fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
+KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/model/test_fast_backends_gpu.py"]
+PYTEST = [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "-rs"]
 TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "32768", "--steps", "4",
          "--vocab-size", "32768", "--backend", "fast"]
 
 # name -> (commands, time limit in seconds for the whole step)
 STEPS = {
-    "tests": ([[PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "-rs", f]
-               for f in GPU_TEST_FILES], 300),
+    "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 240),
+    "tests_kda": ([PYTEST + [f] for f in KDA_TEST_FILES], 480),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
+    "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"],
              [PY, "benchmarks/mla_decode_bench.py"]], 240),
     "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),

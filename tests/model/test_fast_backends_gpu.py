@@ -43,5 +43,8 @@ def test_k3_mini_loss_and_gradients_match_on_fast_backends(mini, monkeypatch, fa
     loss, g = bf16_loss_and_grads(model, ids, seg)
     assert rel_err(loss, loss_ref) < 1e-2, (float(loss), float(loss_ref))
     global_err, cos = grad_disagreement(g, g_ref)
-    assert global_err < 3e-2
-    assert cos[0][0] > 0.99, cos[:5]
+    # On failure, name the tensors that disagree most (relative L2 error of each) to locate the op.
+    worst = sorted(((float((g[n] - g_ref[n]).norm() / g_ref[n].norm().clamp_min(1e-30)), n) for n in g_ref),
+                   reverse=True)[:6]
+    assert global_err < 3e-2, (global_err, worst)
+    assert cos[0][0] > 0.99, (cos[:5], worst)

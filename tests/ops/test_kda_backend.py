@@ -44,30 +44,56 @@ def _fla_usable() -> bool:
         return False
 
 
+DEV = "cuda"  # the device of the fla comparisons
 needs_fla = pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-core")
+
+
+def _fla_vs_reference(B, T, H, cu, dtype, seed=0):
+    """fla (inputs in `dtype`) and the fp32 reference on the same random inputs and output gradient:
+    {name: (fla value, reference value)} for o, the final state and the gradients of all seven inputs
+    (A_log and dt_bias included) and of the initial state."""
+    K = 128
+    cu_t = torch.tensor(cu, device=DEV) if cu else None
+    N = len(cu) - 1 if cu else B
+    base = _inputs(B, T, H, K, DEV, torch.float32, seed=seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    s0 = (torch.randn(N, H, K, K, generator=g) * 0.1).to(DEV)
+    do = torch.randn(B, T, H, K, generator=g).to(DEV)
+    res = {}
+    for be in ("fla", "torch"):
+        ins = [t.to(dtype if i < 5 else torch.float32).detach().requires_grad_() for i, t in enumerate(base)]
+        h0 = s0.clone().requires_grad_()
+        o, s = kda(*ins, -5.0, initial_state=h0, cu_seqlens=cu_t, backend=be)
+        (o.float() * do).sum().backward()
+        res[be] = [o.float(), s] + [t.grad.float() for t in ins] + [h0.grad]
+    names = ["o", "state", "dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias", "dh0"]
+    return {n: (a, b) for n, a, b in zip(names, res["fla"], res["torch"])}
+
+
+def _assert_close(pairs: dict, tol: float):
+    errs = {n: rel_err(a, b) for n, (a, b) in pairs.items()}
+    bad = {n: round(e, 4) for n, e in errs.items() if not e < tol}
+    assert not bad, f"relative error above {tol}: {bad} (all: { {n: round(e, 5) for n, e in errs.items()} })"
 
 
 @pytest.mark.gpu
 @needs_fla
-@pytest.mark.parametrize("T,cu", [(256, None), (1000, [0, 300, 301, 1000])])
-def test_fla_chunk_matches_reference_forward_and_backward(T, cu):
-    # bf16 inputs, fp32 state; tolerance 2e-2 relative (bf16 rounding of q/k/v/o inside the kernel).
-    H, K = 4, 128
-    B = 1 if cu else 2
-    cu_t = torch.tensor(cu, device="cuda") if cu else None
-    N = len(cu) - 1 if cu else B
-    ins = [t.requires_grad_() for t in _inputs(B, T, H, K, "cuda", torch.bfloat16)[:5]]
-    rest = _inputs(B, T, H, K, "cuda", torch.bfloat16)[5:]
-    s0 = torch.randn(N, H, K, K, device="cuda") * 0.1
-    o, s = kda(*ins, *rest, -5.0, initial_state=s0, cu_seqlens=cu_t, backend="fla")
-    ins_r = [t.detach().float().requires_grad_() for t in ins]
-    o_r, s_r = kda(*ins_r, *rest, -5.0, initial_state=s0, cu_seqlens=cu_t, backend="torch")
-    assert rel_err(o.float(), o_r) < 2e-2 and rel_err(s, s_r) < 2e-2
-    do = torch.randn_like(o_r)
-    (o.float() * do).sum().backward()
-    (o_r * do).sum().backward()
-    for a, b in zip(ins, ins_r):
-        assert rel_err(a.grad.float(), b.grad) < 5e-2
+@pytest.mark.parametrize("B,T,H,cu", [(2, 256, 4, None), (1, 1000, 4, [0, 300, 301, 1000]),
+                                      (1, 2048, 8, [0, 300, 1024, 1724, 2048])],
+                         ids=["batch", "varlen-with-1-token-doc", "k3-mini-packed"])
+def test_fla_chunk_matches_reference_forward_and_backward(B, T, H, cu):
+    # bf16 q/k/v/z/beta against the fp32 reference (fp32 gate parameters and states on both sides); outputs,
+    # states and every gradient (A_log, dt_bias and the initial state included) within 5e-2 relative to the
+    # largest reference entry: bf16 rounding of q/k/v/o inside the kernel.
+    _assert_close(_fla_vs_reference(B, T, H, cu, torch.bfloat16), 5e-2)
+
+
+@pytest.mark.gpu
+@needs_fla
+def test_fla_chunk_in_fp32_matches_reference_closely():
+    # The same comparison with fp32 inputs separates the kernel's math from bf16 rounding: 5e-3 relative
+    # (the kernel's own dot products run in reduced precision).
+    _assert_close(_fla_vs_reference(1, 2048, 8, [0, 300, 1024, 1724, 2048], torch.float32), 5e-3)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.generate import generate_tokens
-from k3.serve.sampling import SamplingParams
+from k3.serve.sampling import SamplingParams, sample, sample_batch
 from k3.serve.scheduler import SchedulerConfig
 
 MAX_NEW = 5
@@ -161,6 +161,21 @@ def test_sampling_is_seeded_and_validated():
         eng.add_request([1] * 10, SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="empty"):
         eng.add_request([], GREEDY)
+
+
+def test_batched_sampling_equals_sampling_row_by_row():
+    # A step samples all its requests at once; each row must get exactly what sampling it alone gives, for a
+    # mix of greedy and seeded temperature / top-k / top-p rows (same generator draws per request).
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.2, top_k=5, seed=2),
+              SamplingParams(temperature=1.0, top_p=0.7, seed=3), SamplingParams(temperature=0)]
+    gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(6)]  # noqa: E731
+    g1, g2 = gens(), gens()
+    batched = [sample_batch(logits, params, g1) for _ in range(3)]
+    single = [[int(sample(logits[i:i + 1], p, g2[i])[0]) for i, p in enumerate(params)] for _ in range(3)]
+    assert batched == single
+    assert sample_batch(logits[[0, 2]], [params[0], params[2]], [None, None]) == [single[0][0], single[0][2]]
 
 
 def test_default_512_token_hash_blocks_hit_inside_a_2048_token_page():
