@@ -8,6 +8,8 @@ orthogonalized per expert; checkpoint I/O maps them to the official `experts.{e}
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,9 @@ class MoEGate(nn.Module):
         self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x.float(), self.weight.float())  # router in fp32 (report §2.3.3)
+        with torch.autocast(x.device.type, enabled=False) if torch.amp.is_autocast_available(x.device.type) \
+                else contextlib.nullcontext():
+            logits = F.linear(x.float(), self.weight.float())  # router in fp32 (report §2.3.3), autocast or not
         return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
 
 

@@ -11,14 +11,31 @@ beta_t in (0, 1) a per-head write strength, and q, k L2-normalized per head.
 Layout follows flash-linear-attention: q, k, g are [B, T, H, K], v is [B, T, H, V],
 beta is [B, T, H], states are [N, H, K, V]. With ``cu_seqlens`` (a LongTensor of N + 1 offsets,
 B must be 1) the single row packs N independent sequences, each with its own initial and final
-state. All math runs in fp32; outputs come back in the input dtype, states stay fp32.
+state. All math runs in fp32, also under autocast (which would otherwise run the matmuls in bf16:
+KDA's state is fp32 by the spec); outputs come back in the input dtype, states stay fp32.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+def fp32_math(fn):
+    """Run `fn` with autocast off on the device of its first tensor argument, so its matmuls stay fp32."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        dev = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+        if not torch.amp.is_autocast_available(dev) or not torch.is_autocast_enabled(dev):
+            return fn(*args, **kwargs)
+        with torch.autocast(dev, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +102,7 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+@fp32_math
 def short_conv(
     x: Tensor,
     weight: Tensor,
@@ -266,6 +284,7 @@ def _recurrent_core(q, k, v, g, beta, S):
     return o, S
 
 
+@fp32_math
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None):
     """Token-by-token KDA (the decode path and the reference for the chunked form).
 
@@ -471,6 +490,7 @@ def _kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, p
     return o.view(B, T, H, V).to(v.dtype), S
 
 
+@fp32_math
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, chunk_size=64):
     """Chunkwise-parallel KDA: recurrent across chunks, parallel (WY/UT transform) inside one.
 

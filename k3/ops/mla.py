@@ -42,6 +42,19 @@ def _as_positions(name: str, value, batch: int, device: torch.device) -> Tensor:
     raise ValueError(f"{name} must be an int or an integer tensor of shape [{batch}], got {type(value).__name__}")
 
 
+def _host_positions(name: str, value, batch: int) -> list[int] | None:
+    """An int or a list of B ints -> a list of B ints (checked on the host); None for a tensor."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int or an integer tensor of shape [{batch}], got a bool")
+    if isinstance(value, int):
+        return [value] * batch
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"{name} must hold {batch} ints (one per batch row), got {value!r}")
+        return list(value)
+    return None
+
+
 def mla_attention(
     q: Tensor,
     k: Tensor,
@@ -88,10 +101,17 @@ def mla_attention(
         )
         return o.transpose(1, 2)
 
-    start = _as_positions("q_start", q_start, B, q.device)
-    # Every query must see at least key 0, or its softmax row would be empty (NaN).
-    if bool((start < 0).any()):
-        raise ValueError(f"q_start must be >= 0, got {start.tolist()}")
+    # Every query must see at least key 0, or its softmax row would be empty (NaN). Host values are checked on
+    # the host (checking a device tensor reads it back).
+    host = _host_positions("q_start", q_start, B)
+    if host is not None:
+        if any(s < 0 for s in host):
+            raise ValueError(f"q_start must be >= 0, got {host}")
+        start = torch.tensor(host, dtype=torch.long, device=q.device)
+    else:
+        start = _as_positions("q_start", q_start, B, q.device)
+        if bool((start < 0).any()):
+            raise ValueError(f"q_start must be >= 0, got {start.tolist()}")
 
     q_pos = start[:, None] + torch.arange(Tq, device=q.device)  # [B, Tq] absolute positions
     k_pos = torch.arange(Tk, device=q.device)  # [Tk]
@@ -148,9 +168,9 @@ def mla_absorbed(
         w_kc: [H, Dn, R] latent -> per-head key (see ``split_kv_b``).
         w_vc: [H, Dv, R] latent -> per-head value.
         scale: softmax scale (K3: ``(Dn + Dr) ** -0.5``).
-        q_start: int or LongTensor [B]; query i sits at position ``q_start + i``.
+        q_start: int, list of B ints or LongTensor [B]; query i sits at position ``q_start + i``.
             Default ``kv_len - Tq``: the queries are the last Tq cached positions.
-        kv_len: int or LongTensor [B] in [1, L]: valid cache length per batch row;
+        kv_len: int, list of B ints or LongTensor [B] in [1, L]: valid cache length per batch row;
             positions >= kv_len are padding and ignored whatever they contain. Default L.
 
     Returns:
@@ -177,13 +197,26 @@ def mla_absorbed(
             raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
 
     device = q_nope.device
-    lengths = _as_positions("kv_len", L if kv_len is None else kv_len, B, device)
-    if bool(((lengths < 1) | (lengths > L)).any()):
-        raise ValueError(f"kv_len must be in [1, L={L}], got {lengths.tolist()}")
-    start = lengths - Tq if q_start is None else _as_positions("q_start", q_start, B, device)
-    # q_start >= 0 keeps key 0 visible to every query, so no softmax row is empty.
-    if bool((start < 0).any()):
-        raise ValueError(f"q_start must be >= 0 (default kv_len - Tq needs kv_len >= Tq={Tq}), got {start.tolist()}")
+    # Host values (ints, lists) are checked on the host: checking a device tensor reads it back (a sync).
+    host_len = _host_positions("kv_len", L if kv_len is None else kv_len, B)
+    host_start = _host_positions("q_start", q_start, B) if q_start is not None else None
+    if host_len is not None and (q_start is None or host_start is not None):
+        if any(n < 1 or n > L for n in host_len):
+            raise ValueError(f"kv_len must be in [1, L={L}], got {host_len}")
+        host_start = host_start if host_start is not None else [n - Tq for n in host_len]
+        # q_start >= 0 keeps key 0 visible to every query, so no softmax row is empty.
+        if any(s < 0 for s in host_start):
+            raise ValueError(f"q_start must be >= 0 (default kv_len - Tq needs kv_len >= Tq={Tq}), got {host_start}")
+        lengths = torch.tensor(host_len, dtype=torch.long, device=device)
+        start = torch.tensor(host_start, dtype=torch.long, device=device)
+    else:
+        lengths = _as_positions("kv_len", L if kv_len is None else kv_len, B, device)
+        if bool(((lengths < 1) | (lengths > L)).any()):
+            raise ValueError(f"kv_len must be in [1, L={L}], got {lengths.tolist()}")
+        start = lengths - Tq if q_start is None else _as_positions("q_start", q_start, B, device)
+        if bool((start < 0).any()):
+            raise ValueError(f"q_start must be >= 0 (default kv_len - Tq needs kv_len >= Tq={Tq}), "
+                             f"got {start.tolist()}")
 
     k_pos = torch.arange(L, device=device)
     in_cache = k_pos[None, :] < lengths[:, None]  # [B, L]

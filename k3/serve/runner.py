@@ -93,8 +93,7 @@ class _MLAView:
         c_all, kr_all = kv[..., :R], kv[..., R:]
         if B == 1:
             return c_all, kr_all, self.starts[0], None
-        return (c_all, kr_all, torch.tensor(self.starts, device=self.device),
-                torch.tensor(ends, device=self.device))
+        return c_all, kr_all, list(self.starts), ends  # host lists: checked without reading the device
 
 
 class StaticMLAView:

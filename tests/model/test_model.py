@@ -174,3 +174,16 @@ def test_loss_only_forward_skips_the_logits(tiny_cfg):
         assert rel_err(lean.mtp_loss, full.mtp_loss) < 1e-5
     with pytest.raises(ValueError, match="return_logits=False needs labels"):
         model(ids, return_logits=False)
+
+
+def test_router_logits_are_fp32_under_autocast(tiny_cfg):
+    # Report §2.3.3: the router runs in fp32; bf16 autocast must not turn its matmul into bf16.
+    from k3.model.latent_moe import MoEGate
+
+    gate = next(m for m in K3ForCausalLM(tiny_cfg).init_weights(seed=0).modules() if isinstance(m, MoEGate))
+    x = torch.randn(16, tiny_cfg.hidden_size).to(torch.bfloat16)
+    ref = gate(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gate(x)
+    assert got.scores.dtype == torch.float32
+    assert torch.equal(got.scores, ref.scores) and torch.equal(got.indices, ref.indices)

@@ -526,3 +526,37 @@ def test_cu_seqlens_short_conv_gradients(W):
     loss.backward()
     for a, t in zip(got, (x, w, st0)):
         torch.testing.assert_close(a, t.grad)
+
+
+@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
+def test_kda_math_stays_fp32_under_autocast(fn):
+    # Under bf16 autocast the reference's matmuls would silently drop to bf16 (the decay-parameter gradients then
+    # drift by tens of percent); KDA's state math is fp32 by the spec, so autocast must change nothing at all.
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, 130, 2, 32
+    q, k, v = (torch.randn(B, T, H, K, generator=g).to(torch.bfloat16) for _ in range(3))
+    gate = kda_gate(torch.randn(B, T, H, K, generator=g), 0.5 * torch.randn(H, generator=g),
+                    torch.randn(H * K, generator=g))
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g))
+    cu = torch.tensor([0, 50, T])
+    op = kda_chunk if fn == "chunk" else kda_recurrent
+    outs = []
+    for enabled in (False, True):
+        ins = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            o, s = op(l2norm(ins[0]), l2norm(ins[1]), ins[2], ins[3], ins[4], cu_seqlens=cu)
+        (o.float() * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
+        outs.append([o, s] + [t.grad for t in ins])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[0][1].dtype == torch.float32
+
+
+def test_short_conv_ignores_autocast():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 20, 8, generator=g).to(torch.bfloat16)
+    w = torch.randn(8, 4, generator=g)
+    ref = short_conv(x, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = short_conv(x, w)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -247,3 +247,23 @@ def test_mla_absorbed_validation():
         mla_absorbed(q_nope, q_rope, c, k_rope, w_kc[:, :, :-1], w_vc, SCALE)
     with pytest.raises(ValueError, match="k_rope must have shape"):
         mla_absorbed(q_nope, q_rope, c, k_rope[:, :-1], w_kc, w_vc, SCALE)
+
+
+def test_absorbed_takes_host_lists_like_tensors():
+    # The serving runner passes per-row positions as Python lists: checked on the host (no device read-back),
+    # same result as the tensor form; malformed lists and out-of-range values are named.
+    g = torch.Generator().manual_seed(11)
+    q_nope, q_rope, c, k_rope, w_kc, w_vc = make_latent_case(g, 2, 3, 10, 2)
+    args = (q_nope, q_rope, c, k_rope, w_kc, w_vc, SCALE)
+    o_t = mla_absorbed(*args, q_start=torch.tensor([2, 5]), kv_len=torch.tensor([5, 8]))
+    o_l = mla_absorbed(*args, q_start=[2, 5], kv_len=[5, 8])
+    assert torch.equal(o_t, o_l)
+    assert torch.equal(mla_absorbed(*args, kv_len=[5, 8]), mla_absorbed(*args, kv_len=torch.tensor([5, 8])))
+    with pytest.raises(ValueError, match="kv_len must hold 2 ints"):
+        mla_absorbed(*args, kv_len=[5])
+    with pytest.raises(ValueError, match="kv_len must be in"):
+        mla_absorbed(*args, kv_len=[5, 11])
+    with pytest.raises(ValueError, match="q_start must be >= 0"):
+        mla_absorbed(*args, q_start=[2, -1], kv_len=[5, 8])
+    with pytest.raises(ValueError, match="q_start must hold 2 ints"):
+        mla_absorbed(*args, q_start=[2, True], kv_len=[5, 8])
