@@ -45,6 +45,7 @@ STEPS = {
     "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 240),
     "tests_kda": ([PYTEST + [f] for f in KDA_TEST_FILES], 480),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
+    "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile"]], 200),
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"],
              [PY, "benchmarks/mla_decode_bench.py"]], 240),

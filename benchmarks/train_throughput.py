@@ -1,7 +1,7 @@
 """Training throughput of a preset: tokens/s, model FLOP utilization and peak memory.
 
     python benchmarks/train_throughput.py --preset k3-mini --seq-len 4096 --batch-tokens 32768 --steps 6 \
-        [--backend fast|torch] [--activation-checkpointing]
+        [--backend fast|torch] [--activation-checkpointing] [--profile]
 
 `--backend fast` runs every op on its GPU fast path (fla KDA and AttnRes, flex MLA, grouped-GEMM MoE with the
 fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) lets k3.ops.backend decide.
@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=None)
     ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto")
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, run one more under torch.profiler and print its top operators")
     args = ap.parse_args()
     if args.backend != "auto":
         force_all(args.backend)
@@ -70,6 +72,16 @@ def main() -> None:
         print(f"step {i}: {time.perf_counter() - t0:.3f} s, loss {m.loss:.4f}", flush=True)
         if i >= 2:
             times.append(time.perf_counter() - t0)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            tr.train_step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
     dt = float(np.median(times))
     tok_s = args.batch_tokens / dt
     info = model_info(cfg, context=args.seq_len)
