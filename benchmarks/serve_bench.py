@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import time
 
 import torch
@@ -31,19 +34,27 @@ PROFILE = False  # --profile: print where the time of each timed region goes
 
 @contextlib.contextmanager
 def _maybe_profile(label: str, dev):
-    """With --profile, run the block under torch.profiler and print its top operators (self time on the device,
-    or on the host for CPU runs) and the host time spent outside them."""
+    """With --profile, run the block under torch.profiler and cProfile and print its top operators by device time
+    (CUDA) and by host time, and the Python functions by cumulative host time."""
     if not PROFILE:
         yield
         return
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    py = cProfile.Profile()
     with profile(activities=acts) as prof:
+        py.enable()
         yield
-    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        py.disable()
     print(f"--- profile: {label} ---")
-    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+    if dev.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    print(f"--- Python functions (cumulative host time): {label} ---")
+    out = io.StringIO()
+    pstats.Stats(py, stream=out).sort_stats("cumulative").print_stats(25)
+    print(out.getvalue())
 
 
 def _engine(model, enable, mb, chunk):
