@@ -79,17 +79,18 @@ class GatedMLA(nn.Module):
             o = torch.cat([mla_absorbed(q_nope[:, a:b], q_rope[:, a:b], c_i, kr_i, w_kc, w_vc, self.scale,
                                         q_start=p_i) for a, b, c_i, kr_i, p_i in cache.append_packed(c, k_rope)], dim=1)
             return self._gated_out(x, o)
-        if cache is not None and T == 1 and hasattr(cache, "append_paged") \
+        if cache is not None and hasattr(cache, "append_paged") and (T == 1 or getattr(cache, "paged_prefill", False)) \
                 and resolve("mla_decode", x.device, lambda: paged_decode_available(x.device)) == "triton":
-            # Serving decode: attend straight from the page pool (no gathered copy of the cache).
+            # Serving: attend straight from the page pool (no gathered copy of the cache). Several new tokens per
+            # request (a static-buffer prefill step) run as one kernel row per query, each up to its position.
             from k3.ops.mla_decode import mla_decode_absorbed
 
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
-            q_nope, q_rope = q[:, 0].split([dn, dr], dim=-1)
+            q_nope, q_rope = q.reshape(B * T, H, dn + dr).split([dn, dr], dim=-1)
             # A fixed split count (a CUDA-graph step) keeps the kernel from reading the lengths back.
             o = mla_decode_absorbed(q_nope, q_rope, *cache.append_paged(c, k_rope), w_kc, w_vc, self.scale,
                                     num_splits=getattr(cache, "num_splits", None))
-            return self._gated_out(x, o)
+            return self._gated_out(x, o.view(B, T, H, dv))
         if cache is not None:
             c_all, kr_all, past, kv_len = cache.append(c, k_rope)
         if isinstance(past, int) and past == 0 and kv_len is None:

@@ -32,6 +32,12 @@ on the grouped backend (the reference expert loop reads the expert counts back).
 eager and a notice says why. Prefill and packed forwards, batches larger than max_batch and block tables
 longer than max_pages always run eagerly.
 
+Prefill chunks of exactly one hash block (`prefill_lengths`; the uncached tail of a prompt whose prefix was a
+hit) run the same way in buckets of their own: ids [Bb, T], every new row written to the pages first, then each
+query as its own row of the paged decode kernel with length position + 1 (causal). That makes a cached prompt's
+time to first token one graph replay instead of an eager forward. With capture this needs KDA on fla (the
+reference chunked KDA reads values back); a capture that fails turns off prefill graphs only.
+
 K3_CUDA_GRAPHS: auto (default: capture when the conditions hold), off, or eager (the static-buffer step called
 directly, without capture, on any device: the same buffers, padding and scratch page; for tests and debugging).
 """
@@ -100,12 +106,29 @@ def decode_graphs_mode(model) -> str | None:
     return "capture" if mode == "auto" else "eager"
 
 
-class _Bucket:
-    """The static buffers (and, once captured, the graph and its output) of one batch size."""
+def prefill_graph_lengths(model, mode: str, hash_block_tokens: int) -> tuple[int, ...]:
+    """Prefill chunk lengths that run on static buffers besides decode steps: the hash block (the uncached tail
+    of a prompt whose prefix was a hit is one hash block or less, so its last chunk often is exactly one). With
+    capture this needs KDA's chunk on fla: the reference chunk reads values back from the device."""
+    if mode == "eager":
+        return (hash_block_tokens,)
+    from k3.ops.kda_backend import resolve_backend
 
-    def __init__(self, size: int, n_kda: int, n_mla: int, max_pages: int, scratch: int, num_splits: int, device):
-        self.size, self.num_splits = size, num_splits
-        self.ids = torch.zeros(size, 1, dtype=torch.long, device=device)
+    device = next(model.parameters()).device
+    if any(l.is_kda for l in model.model.layers) and resolve_backend(device) != "fla":
+        notice("prefill chunks run without CUDA graphs: KDA runs on the PyTorch reference, whose chunked form reads "
+               "values back from the device (K3_KDA_BACKEND=fla)")
+        return ()
+    return (hash_block_tokens,)
+
+
+class _Bucket:
+    """The static buffers (and, once captured, the graph and its output) of one batch size and step length."""
+
+    def __init__(self, size: int, tokens: int, n_kda: int, n_mla: int, max_pages: int, scratch: int,
+                 num_splits: int, device):
+        self.size, self.tokens, self.num_splits = size, tokens, num_splits
+        self.ids = torch.zeros(size, tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
         self.kda_pages = torch.full((size, n_kda), scratch, dtype=torch.long, device=device)
         self.tables = torch.full((size, n_mla, max_pages), scratch, dtype=torch.long, device=device)
@@ -121,7 +144,8 @@ class DecodeGraphs:
     max_batch: the most requests of one step (the engine's max_num_seqs); max_model_len: the longest context
     (sets max_pages and the kernel's split count); scratch_page: a pool page no request ever gets."""
 
-    def __init__(self, runner, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True):
+    def __init__(self, runner, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True,
+                 prefill_lengths: tuple[int, ...] = ()):
         pool = runner.pool
         if not 0 <= scratch_page < pool.pages.shape[0]:
             raise ValueError(f"scratch_page={scratch_page} is not a page of the pool ({pool.pages.shape[0]} pages)")
@@ -134,7 +158,10 @@ class DecodeGraphs:
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = decode_buckets(max_batch)
         self.num_heads = runner.model.config.num_attention_heads
-        self._static: dict[int, _Bucket] = {}
+        # Steps of this many new tokens per request (besides 1) also run on static buffers: the prefix cache's
+        # hash-block-sized prefill chunks, e.g. the uncached tail of a prompt whose prefix was a hit.
+        self.prefill_lengths = tuple(sorted(set(int(t) for t in prefill_lengths if int(t) > 1)))
+        self._static: dict[tuple[int, int], _Bucket] = {}
         self._mempool = None
         self.disabled: str | None = None  # why graphs stopped (a capture failed); steps then run eagerly
         self.steps = 0  # steps run on the static buffers
@@ -145,24 +172,26 @@ class DecodeGraphs:
         """The smallest bucket holding `batch` requests (None: larger than every bucket)."""
         return next((s for s in self.buckets if s >= batch), None)
 
-    def num_splits(self, size: int) -> int:
-        """The paged decode kernel's split count for a bucket: the default for its size at max_model_len."""
-        return default_num_splits(size, self.num_heads, self.max_model_len, self.runner.device)
+    def num_splits(self, size: int, tokens: int = 1) -> int:
+        """The paged decode kernel's split count for a bucket (size x tokens query rows) at max_model_len."""
+        return default_num_splits(size * tokens, self.num_heads, self.max_model_len, self.runner.device)
 
     @torch.no_grad()
     def run(self, tokens: list[list[int]], starts: list[int], slots) -> torch.Tensor | None:
-        """One decode step (every request adds one token) -> logits [B, V] fp32, or None when it cannot run
-        here (too many requests, a block table longer than max_pages, graphs disabled): run it eagerly."""
+        """One step in which every request adds the same number of tokens T (1, or one of prefill_lengths) ->
+        the logits of each request's last token [B, V] fp32, or None when it cannot run here (another T, too many
+        requests, a block table longer than max_pages, graphs disabled): run it eagerly."""
         if self.disabled is not None:
             return None
         B = len(tokens)
+        T = len(tokens[0]) if tokens else 0
         size = self.bucket_size(B)
-        if size is None or any(len(t) != 1 for t in tokens):
+        if size is None or (T != 1 and T not in self.prefill_lengths) or any(len(t) != T for t in tokens):
             return None
         width = max((len(t) for s in slots for t in s.mla_tables), default=1)
         if width > self.max_pages:
             return None
-        bucket = self._bucket(size)
+        bucket = self._bucket(size, T)
         if bucket is None:
             return None
         self._load(bucket, tokens, starts, slots, width)
@@ -190,7 +219,7 @@ class DecodeGraphs:
         """Copy a step's inputs into b's buffers; rows past the batch become padding on the scratch page."""
         pad, scr = b.size - len(tokens), self.scratch
         n_kda, n_mla = b.kda_pages.shape[1], b.tables.shape[1]
-        b.ids.copy_(torch.tensor([t[0] for t in tokens] + [0] * pad, dtype=torch.long).view(b.size, 1))
+        b.ids.copy_(torch.tensor([list(t) for t in tokens] + [[0] * b.tokens] * pad, dtype=torch.long))
         b.positions.copy_(torch.tensor(list(starts) + [0] * pad, dtype=torch.long))
         if n_kda:
             b.kda_pages.copy_(torch.tensor([list(s.kda_pages) for s in slots] + [[scr] * n_kda] * pad,
@@ -200,23 +229,29 @@ class DecodeGraphs:
             rows += [[[scr] * width] * n_mla] * pad
             b.tables[:, :, :width].copy_(torch.tensor(rows, dtype=torch.long))
 
-    def _bucket(self, size: int) -> _Bucket | None:
-        b = self._static.get(size)
+    def _bucket(self, size: int, tokens: int = 1) -> _Bucket | None:
+        b = self._static.get((size, tokens))
         if b is not None:
             return b
-        b = _Bucket(size, len(self.runner.kda_layers), len(self.runner.mla_layers), self.max_pages, self.scratch,
-                    self.num_splits(size), self.runner.device)
+        b = _Bucket(size, tokens, len(self.runner.kda_layers), len(self.runner.mla_layers), self.max_pages,
+                    self.scratch, self.num_splits(size, tokens), self.runner.device)
+        what = "decode" if tokens == 1 else f"{tokens}-token prefill"
         if self.capture:
             t0 = time.perf_counter()
             try:
                 self._capture(b)
             except Exception as e:  # keep serving, eagerly
-                self.disabled = f"capturing the step of {size} requests failed ({type(e).__name__}: {e})"
-                notice(f"decode steps run without CUDA graphs from now on: {self.disabled}")
+                why = f"capturing the {what} step of {size} requests failed ({type(e).__name__}: {e})"
+                if tokens == 1:
+                    self.disabled = why
+                    notice(f"decode steps run without CUDA graphs from now on: {why}")
+                else:  # decode graphs stay; prefill chunks run eagerly
+                    self.prefill_lengths = tuple(t for t in self.prefill_lengths if t != tokens)
+                    notice(f"{tokens}-token prefill chunks run without CUDA graphs from now on: {why}")
                 return None
-            notice(f"captured the decode CUDA graph for batches of up to {size} requests "
+            notice(f"captured the {what} CUDA graph for batches of up to {size} requests "
                    f"(num_splits {b.num_splits}, {time.perf_counter() - t0:.1f} s)")
-        self._static[size] = b
+        self._static[(size, tokens)] = b
         return b
 
     def _capture(self, b: _Bucket) -> None:

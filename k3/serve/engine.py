@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.serve.cache_pool import CachePool
-from k3.serve.cuda_graphs import decode_graphs_mode
+from k3.serve.cuda_graphs import decode_graphs_mode, prefill_graph_lengths
 from k3.serve.metrics import SampleWindow
 from k3.serve.prefix_cache import OutOfPages, PrefixCache
 from k3.serve.runner import ModelRunner, SeqSlots
@@ -95,7 +95,9 @@ class LLMEngine:
         self.max_model_len = self.cfg.max_model_len or mcfg.max_position_embeddings
         if graphs is not None:
             self.runner.use_decode_graphs(self.cfg.scheduler.max_num_seqs, self.max_model_len, scratch_page=num_pages,
-                                          capture=graphs == "capture")
+                                          capture=graphs == "capture",
+                                          prefill_lengths=prefill_graph_lengths(model, graphs,
+                                                                                self.cfg.hash_block_tokens))
         self.eos_id = mcfg.eos_token_id
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}

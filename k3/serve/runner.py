@@ -30,12 +30,18 @@ class _KDAView:
 
 
 def _append_paged(pool: CachePool, tables: torch.Tensor, pos: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor):
-    """Write each request's new latent row (request b at position pos[b], its pages in tables[b]) and return
-    (the pool's MLA view, tables, lengths pos + 1). Device ops only: nothing is read back."""
+    """Write each request's T new latent rows (c [B, T, R], k_rope [B, T, Dr]; request b's first at position
+    pos[b], its pages in tables[b]) and return, per query row (B * T of them, request-major), what the paged
+    attention kernel reads: (the pool's MLA view, block tables [B * T, W], lengths [B * T]). Query t of request b
+    sees the cache up to its own position, pos[b] + t: causal. Device ops only: nothing is read back."""
     pt = pool.page_tokens
-    pool.write_mla(tables.gather(1, (pos // pt)[:, None])[:, 0], pos % pt,
-                   torch.cat([c, k_rope], -1).reshape(c.shape[0], -1))
-    return pool.mla_view(), tables, pos + 1
+    B, T = c.shape[0], c.shape[1]
+    p = pos[:, None] + torch.arange(T, device=pos.device)  # [B, T] positions of the new rows
+    pool.write_mla(tables.gather(1, p // pt).reshape(-1), (p % pt).reshape(-1),
+                   torch.cat([c, k_rope], -1).reshape(B * T, -1))
+    if T == 1:
+        return pool.mla_view(), tables, pos + 1
+    return pool.mla_view(), tables.repeat_interleave(T, dim=0), (p + 1).reshape(-1)
 
 
 class _MLAView:
@@ -97,11 +103,13 @@ class _MLAView:
 
 
 class StaticMLAView:
-    """One MLA layer's cache for a decode step over static buffers (a CUDA graph's inputs): block tables
+    """One MLA layer's cache for a step over static buffers (a CUDA graph's inputs): block tables
     [B, max_pages] and positions [B] are device tensors refilled before every replay, and the paged decode
-    kernel runs with a fixed split count, so the step reads nothing back from the device."""
+    kernel runs with a fixed split count, so the step reads nothing back from the device. Steps of T > 1 new
+    tokens per request (`paged_prefill`) run every query as its own row of the paged kernel."""
 
     packed = False
+    paged_prefill = True
 
     def __init__(self, pool: CachePool, tables: torch.Tensor, positions: torch.Tensor, num_splits: int):
         self.pool, self.tables, self.positions, self.num_splits = pool, tables, positions, num_splits
@@ -123,13 +131,16 @@ class ModelRunner:
         self.mla_layers = [i for i, l in enumerate(layers) if not l.is_kda]
         self.graphs = None  # k3.serve.cuda_graphs.DecodeGraphs: batched single-token steps as graph replays
 
-    def use_decode_graphs(self, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True):
-        """Run batches of single-token steps (up to `max_batch` requests, contexts up to `max_model_len`) over
-        static buffers, as CUDA-graph replays (`capture`) or by calling the same code directly (no capture).
-        `scratch_page`: a pool page no request ever gets; padding rows read and write only it."""
+    def use_decode_graphs(self, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True,
+                          prefill_lengths: tuple[int, ...] = ()):
+        """Run batches of single-token steps (up to `max_batch` requests, contexts up to `max_model_len`), and of
+        `prefill_lengths`-token chunks, over static buffers, as CUDA-graph replays (`capture`) or by calling the
+        same code directly (no capture). `scratch_page`: a pool page no request ever gets; padding rows read and
+        write only it."""
         from k3.serve.cuda_graphs import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self, max_batch, max_model_len, scratch_page, capture=capture)
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, scratch_page, capture=capture,
+                                   prefill_lengths=prefill_lengths)
         return self.graphs
 
     @torch.no_grad()
@@ -144,7 +155,7 @@ class ModelRunner:
             raise ValueError("every request of a forward must add at least one token")
         lengths = [len(t) for t in tokens]
         packed = any(n != lengths[0] for n in lengths)
-        if self.graphs is not None and lengths[0] == 1 and not packed:
+        if self.graphs is not None and not packed:
             logits = self.graphs.run(tokens, starts, slots)
             if logits is not None:
                 return logits

@@ -84,11 +84,17 @@ def test_static_decode_steps_with_padding_match_the_reference(static_mode, monke
     seen = []
     orig = graphs.run
 
+    prefill_rows = []  # (requests, tokens each) of the hash-block-sized prefill chunks run on the static buffers
+
     def spy(tokens, starts, slots):
         for s in slots:
             assert scratch not in s.kda_pages and all(scratch not in t for t in s.mla_tables)
-        seen.append((len(tokens), graphs.bucket_size(len(tokens))))
-        return orig(tokens, starts, slots)
+        out = orig(tokens, starts, slots)
+        if len(tokens[0]) == 1:
+            seen.append((len(tokens), graphs.bucket_size(len(tokens))))
+        elif out is not None:
+            prefill_rows.append((len(tokens), len(tokens[0])))
+        return out
 
     graphs.run = spy
     splits = []  # the paged decode's split count, as each MLA layer passes it on
@@ -102,14 +108,43 @@ def test_static_decode_steps_with_padding_match_the_reference(static_mode, monke
     for s, p in zip(seqs, prompts):
         assert s.output_ids == reference(tuple(p))
     assert seen == [(1, 1), (3, 4), (3, 4), (4, 4), (3, 4), (1, 1), (1, 1)], seen
+    assert not prefill_rows  # no prefill chunk here is exactly one hash block (see the test below)
     assert graphs.steps == len(seen) and graphs.padded_rows == 3 and graphs.replays == 0
-    assert sorted(graphs._static) == [1, 4]
+    assert sorted(graphs._static) == [(1, 1), (4, 1)]
     assert len(splits) == 2 * len(seen) and set(splits) == {b.num_splits for b in graphs._static.values()} == {8}
 
 
-def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode, monkeypatch):
-    # At the runner: three requests (prefilled eagerly) take one decode step on the static buffers (bucket 4) and
-    # on the eager runner. Same logits; the static step changed the requests' own pages and the scratch page only.
+@pytest.mark.parametrize("interpret", [False, True], ids=["reference", "triton-interpreter"])
+def test_hash_block_prefill_chunks_run_on_the_static_buffers(static_mode, monkeypatch, interpret):
+    # A prompt whose prefix is cached up to a hash boundary leaves a tail of exactly one hash block: that chunk
+    # runs on the static buffers (every query its own row of the paged decode kernel, causal by its position),
+    # and the outputs stay those of the cache-free reference.
+    if interpret:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eng = _engine()
+    graphs = eng.runner.graphs
+    assert graphs.prefill_lengths == (HB,)
+    calls = []
+    orig = graphs.run
+    graphs.run = lambda tokens, starts, slots: calls.append((len(tokens), len(tokens[0]))) or orig(tokens, starts,
+                                                                                               slots)
+    base = _prompts((5 * HB,), seed=11)[0]
+    eng.generate([base[: 4 * HB] + [7]], GREEDY)  # caches the first four hash blocks
+    seqs = [eng.add_request(base, GREEDY)]
+    while eng.has_work():
+        eng.step()
+        eng.prefix.check_invariants()
+    assert seqs[0].cached_tokens == 4 * HB
+    assert seqs[0].output_ids == reference(tuple(base))
+    assert (1, HB) in calls and (1, HB) in graphs._static
+
+
+@pytest.mark.parametrize("T", [1, HB], ids=["decode", "hash-block-prefill"])
+def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode, monkeypatch, T):
+    # At the runner: three requests (prefilled eagerly) take one step of T new tokens each (a decode step, or a
+    # hash-block prefill chunk) on the static buffers (bucket 4) and on the eager runner. Same logits; the static
+    # step changed the requests' own pages and the scratch page only.
     prompts = _prompts((30, 47, 95), seed=7)
     runs = []
     for static in (True, False):
@@ -122,9 +157,9 @@ def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode
             assert eng._admit(s) and eng._grow(s, len(s.prompt_ids) + 1)
         slots = [eng._slots(s) for s in seqs]
         for p, sl in zip(prompts, slots):
-            eng.runner.forward([p[:-1]], [0], [sl])  # prefill (always eager)
+            eng.runner.forward([p[:-T]], [0], [sl])  # prefill of the rest (never HB tokens: eager)
         before = eng.pool.pages.clone()
-        out = eng.runner.forward([p[-1:] for p in prompts], [len(p) - 1 for p in prompts], slots)
+        out = eng.runner.forward([p[-T:] for p in prompts], [len(p) - T for p in prompts], slots)
         changed = set(torch.nonzero((eng.pool.pages != before).any(1)).flatten().tolist())
         mine = {pg for sl in slots for pg in sl.kda_pages} | {pg for sl in slots for t in sl.mla_tables for pg in t}
         runs.append((out, changed, mine, eng))
@@ -224,7 +259,7 @@ def test_gpu_captured_decode_equals_the_eager_engine(monkeypatch):
         if graphs_on:
             graphs = eng.runner.graphs
             assert graphs.disabled is None, graphs.disabled
-            assert graphs.replays == graphs.steps > 0 and sorted(graphs._static) == [1, 4]
+            assert graphs.replays == graphs.steps > 0 and sorted(graphs._static) == [(1, 1), (4, 1)]
             assert all(b.graph is not None for b in graphs._static.values())
     assert outputs[0] == outputs[1]
 
@@ -244,3 +279,29 @@ def test_gpu_captured_decode_equals_the_eager_engine(monkeypatch):
         assert eng.runner.graphs.replays == int(capture)
         results.append(out)
     assert rel_err(results[0], results[1]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_hash_block_prefill_equals_the_eager_engine(monkeypatch):
+    # With KDA on fla, hash-block prefill chunks are captured too: a prompt with a cached prefix and a one-hash-
+    # block tail gives the same greedy output through the captured prefill graph as through the eager engine.
+    if not backend.importable("fla.ops.kda")[0]:
+        pytest.skip("needs fla-core")
+    monkeypatch.setenv("K3_KDA_BACKEND", "fla")
+    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
+    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")
+    model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16)
+    base = _prompts((5 * HB,), seed=11)[0]
+    outputs = []
+    for graphs_on in (True, False):
+        eng = _engine(model, cuda_graphs=graphs_on)
+        eng.generate([base[: 4 * HB] + [7]], GREEDY)
+        seq = eng.generate([base], GREEDY)[0]
+        assert seq.cached_tokens == 4 * HB
+        outputs.append(seq.output_ids)
+        if graphs_on:
+            graphs = eng.runner.graphs
+            assert graphs.prefill_lengths == (HB,) and graphs._static[(1, HB)].graph is not None
+    assert outputs[0] == outputs[1]
