@@ -51,15 +51,20 @@ class CachePool:
         self.mla_view()[page_ids, offsets] = values.to(self.dtype)
 
     def read_kda(self, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (state [n, H, K, V] fp32, conv [n, 3, P, W-1] fp32), copies."""
-        raw = self.pages.index_select(0, page_ids)[:, : self.kda_page_bytes].contiguous().view(torch.float32)
+        """-> (state [n, H, K, V] fp32, conv [n, 3, P, W-1] fp32), copies. One gather of the KDA bytes only (a
+        page can be larger than one KDA state: pages fit the larger of the two page kinds)."""
+        raw = self.pages[:, : self.kda_page_bytes].index_select(0, page_ids).view(torch.float32)
         n, s = len(page_ids), self.kda_state_shape[0] * self.kda_state_shape[1] * self.kda_state_shape[2]
         return raw[:, :s].reshape(n, *self.kda_state_shape), raw[:, s:].reshape(n, *self.kda_conv_shape)
 
     def write_kda(self, page_ids: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
+        """Write states and conv tails into pages `page_ids`, each straight from its tensor (no staging copy)."""
         n = len(page_ids)
-        flat = torch.cat([state.float().reshape(n, -1), conv.float().reshape(n, -1)], dim=1)
-        self.pages[page_ids, : self.kda_page_bytes] = flat.contiguous().view(torch.uint8).view(n, -1)
+        if n == 0:
+            return
+        sb = state[0].numel() * 4
+        self.pages[page_ids, :sb] = state.float().contiguous().view(torch.uint8).view(n, -1)
+        self.pages[page_ids, sb: self.kda_page_bytes] = conv.float().contiguous().view(torch.uint8).view(n, -1)
 
     def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
         """Copy a whole page, or only the first `tokens` token rows of an MLA page (copy-on-write)."""
