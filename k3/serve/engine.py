@@ -201,7 +201,7 @@ class LLMEngine:
             due = []
             for w in work:
                 self.metrics.prompt_tokens_computed += max(0, min(w.end, len(w.seq.prompt_ids)) - w.start)
-                if w.end == len(w.seq.tokens):
+                if w.end == w.seq.num_tokens:
                     due.append(w.seq)
             outputs = []
             if due:  # every request's next token in one batched sampling call: one read-back per step
@@ -232,7 +232,7 @@ class LLMEngine:
                     a, b = segs[id(w)][r]
                     groups.setdefault(b - a == 1, []).append((w, a, b))
             for group in groups.values():
-                out = self.runner.forward([w.seq.tokens[a:b] for w, a, b in group], [a for _, a, _ in group],
+                out = self.runner.forward([w.seq.token_range(a, b) for w, a, b in group], [a for _, a, _ in group],
                                           [self._slots(w.seq) for w, _, _ in group])
                 for i, (w, a, b) in enumerate(group):
                     self._after_forward(w.seq, b)

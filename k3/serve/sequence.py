@@ -44,6 +44,19 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole list (a decode step needs only the last token)."""
+        P = len(self.prompt_ids)
+        if end <= P:
+            return self.prompt_ids[start:end]
+        if start >= P:
+            return self.output_ids[start - P:end - P]
+        return self.prompt_ids[start:] + self.output_ids[:end - P]
+
+    @property
     def pending(self) -> int:
         """Tokens to feed before the next token can be sampled: the prompt (in chunks) at first, then the last
         sampled token (one decode step). After a preemption, the prompt and earlier outputs again."""

@@ -288,3 +288,13 @@ def test_decode_through_the_paged_kernel_matches_the_reference(monkeypatch, inte
     assert calls
     for s, p in zip(seqs, prompts):
         assert s.output_ids == reference(tuple(p))
+
+
+def test_sequence_token_range_equals_slicing_the_tokens():
+    from k3.serve.sequence import Sequence
+
+    seq = Sequence([1, 2, 3, 4], SamplingParams(), output_ids=[5, 6, 7])
+    assert seq.num_tokens == len(seq.tokens) == 7
+    for a in range(8):
+        for b in range(a, 8):
+            assert seq.token_range(a, b) == seq.tokens[a:b]
