@@ -42,6 +42,9 @@ def _as_positions(name: str, value, batch: int, device: torch.device) -> Tensor:
     raise ValueError(f"{name} must be an int or an integer tensor of shape [{batch}], got {type(value).__name__}")
 
 
+ABSORBED_SCORE_BYTES = 2**29  # mla_absorbed: the most fp32 attention scores held at once (512 MB)
+
+
 def _host_positions(name: str, value, batch: int) -> list[int] | None:
     """An int or a list of B ints -> a list of B ints (checked on the host); None for a tensor."""
     if isinstance(value, bool):
@@ -221,7 +224,6 @@ def mla_absorbed(
     k_pos = torch.arange(L, device=device)
     in_cache = k_pos[None, :] < lengths[:, None]  # [B, L]
     q_pos = start[:, None] + torch.arange(Tq, device=device)  # [B, Tq]
-    visible = in_cache[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, Tq, L]
 
     # Padding slots may hold anything (stale or uninitialized memory, even inf/NaN);
     # zero them so 0-probability * garbage cannot poison the sums.
@@ -230,13 +232,21 @@ def mla_absorbed(
 
     # Absorb w_kc into the query: (q_nope_h @ w_kc[h]) . c_j == q_nope_h . (c_j @ w_kc[h].T).
     q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), w_kc.float())  # [B, Tq, H, R]
-    scores = torch.einsum("bthr,blr->bhtl", q_lat, c32)
-    scores = scores + torch.einsum("bthd,bld->bhtl", q_rope.float(), k_rope32)  # shared key dims
-    scores = (scale * scores).masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [B, H, Tq, L]
-
-    # Attend in latent space, then absorb w_vc on the way out: probs @ (c @ w_vc[h].T).
-    o_lat = torch.einsum("bhtl,blr->bthr", probs, c32)  # [B, Tq, H, R]
+    q_rope32 = q_rope.float()
+    # Queries in blocks whose fp32 scores [B, H, tq, L] stay within ABSORBED_SCORE_BYTES (a 4K-token prefill chunk
+    # against a 128K context would otherwise hold 17 GB of scores per layer); each softmax row is independent.
+    tq = max(1, ABSORBED_SCORE_BYTES // max(1, B * H * L * 4))
+    o_lat = []
+    for a in range(0, Tq, tq):
+        b = min(Tq, a + tq)
+        visible = in_cache[:, None, :] & (k_pos[None, None, :] <= q_pos[:, a:b, None])  # [B, tq, L]
+        scores = torch.einsum("bthr,blr->bhtl", q_lat[:, a:b], c32)
+        scores = scores + torch.einsum("bthd,bld->bhtl", q_rope32[:, a:b], k_rope32)  # shared key dims
+        scores = (scale * scores).masked_fill(~visible[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [B, H, tq, L]
+        # Attend in latent space, then absorb w_vc on the way out: probs @ (c @ w_vc[h].T).
+        o_lat.append(torch.einsum("bhtl,blr->bthr", probs, c32))  # [B, tq, H, R]
+    o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat, dim=1)
     o = torch.einsum("bthr,hvr->bthv", o_lat, w_vc.float())
     return o.to(q_nope.dtype)
 

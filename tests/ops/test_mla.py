@@ -267,3 +267,18 @@ def test_absorbed_takes_host_lists_like_tensors():
         mla_absorbed(*args, q_start=[2, -1], kv_len=[5, 8])
     with pytest.raises(ValueError, match="q_start must hold 2 ints"):
         mla_absorbed(*args, q_start=[2, True], kv_len=[5, 8])
+
+
+def test_absorbed_query_blocks_give_the_same_result(monkeypatch):
+    # Long contexts are attended in query blocks that bound the score memory: any block size gives the same
+    # output (each softmax row is independent), with per-row lengths and starts too.
+    import k3.ops.mla as mla_mod
+
+    g = torch.Generator().manual_seed(12)
+    q_nope, q_rope, c, k_rope, w_kc, w_vc = make_latent_case(g, 2, 9, 20, 2)
+    kw = dict(q_start=[3, 11], kv_len=[12, 20])
+    whole = mla_absorbed(q_nope, q_rope, c, k_rope, w_kc, w_vc, SCALE, **kw)
+    for rows in (1, 4):  # a budget of `rows` query rows of scores
+        monkeypatch.setattr(mla_mod, "ABSORBED_SCORE_BYTES", rows * 2 * 2 * 20 * 4)
+        blocked = mla_absorbed(q_nope, q_rope, c, k_rope, w_kc, w_vc, SCALE, **kw)
+        torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)
