@@ -243,7 +243,7 @@ class LLMEngine:
         seq.num_computed = end
         if not self.cfg.enable_prefix_cache:
             return
-        self.prefix.register_tokens(seq.request_id, seq.tokens[:end])
+        self.prefix.register_tokens(seq.request_id, seq.token_view(end))
         if end % self.cfg.hash_block_tokens == 0:
             pages = self.prefix.checkpoint_slots(seq.request_id, end)
             if pages:

@@ -56,6 +56,10 @@ class Sequence:
             return self.output_ids[start - P:end - P]
         return self.prompt_ids[start:] + self.output_ids[:end - P]
 
+    def token_view(self, end: int) -> "TokenView":
+        """tokens[:end] without a copy (its length and slices), for readers that look at a few new blocks."""
+        return TokenView(self, end)
+
     @property
     def pending(self) -> int:
         """Tokens to feed before the next token can be sampled: the prompt (in chunks) at first, then the last
@@ -64,3 +68,30 @@ class Sequence:
 
     def __hash__(self) -> int:
         return hash(self.request_id)
+
+
+class TokenView:
+    """The first `end` tokens of a Sequence, read in place: len() and indexing/slicing, no list built."""
+
+    __slots__ = ("seq", "end")
+
+    def __init__(self, seq: Sequence, end: int):
+        if not 0 <= end <= seq.num_tokens:
+            raise ValueError(f"end={end} is outside [0, {seq.num_tokens}]")
+        self.seq, self.end = seq, end
+
+    def __len__(self) -> int:
+        return self.end
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            a, b, step = i.indices(self.end)
+            if step != 1:
+                return self.seq.token_range(0, self.end)[i]
+            return self.seq.token_range(a, max(a, b))
+        if i < 0:
+            i += self.end
+        if not 0 <= i < self.end:
+            raise IndexError(f"token index {i} out of range for {self.end} tokens")
+        P = len(self.seq.prompt_ids)
+        return self.seq.prompt_ids[i] if i < P else self.seq.output_ids[i - P]

@@ -298,3 +298,21 @@ def test_sequence_token_range_equals_slicing_the_tokens():
     for a in range(8):
         for b in range(a, 8):
             assert seq.token_range(a, b) == seq.tokens[a:b]
+
+
+def test_token_view_reads_like_the_token_list():
+    from k3.serve.sequence import Sequence
+
+    seq = Sequence([1, 2, 3, 4], SamplingParams(), output_ids=[5, 6, 7])
+    for end in range(8):
+        view, ref = seq.token_view(end), seq.tokens[:end]
+        assert len(view) == len(ref)
+        assert [view[i] for i in range(-end, end)] == [ref[i] for i in range(-end, end)]
+        for a in range(-9, 10):
+            for b in range(-9, 10):
+                assert view[a:b] == ref[a:b]
+        assert view[::2] == ref[::2]
+        with pytest.raises(IndexError):
+            view[end]
+    with pytest.raises(ValueError, match="outside"):
+        seq.token_view(8)
