@@ -209,6 +209,18 @@ class DecodeGraphs:
         self.padded_rows += size - B
         return logits[:B].clone()
 
+    def warm_up(self) -> int:
+        """Set up (capture) every bucket now instead of on first use, so no request waits for a capture; returns
+        the number of buckets ready. A server calls this once at startup."""
+        for size in self.buckets:
+            if self.disabled is None:
+                self._bucket(size, 1)
+        for T in self.prefill_lengths:
+            for size in self.buckets:
+                if self.disabled is None and T in self.prefill_lengths and size * T <= MAX_PREFILL_GRAPH_TOKENS:
+                    self._bucket(size, T)
+        return len(self._static)
+
     # --- internals -----------------------------------------------------------------------------------------------
     def _step(self, b: _Bucket) -> torch.Tensor:
         """The step that is captured: device work only, every input from b's buffers."""

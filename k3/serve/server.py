@@ -502,6 +502,10 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
 
     engine, tokenizer, template = build_engine(ckpt_dir, cache_memory_mb, page_tokens, hash_block_tokens,
                                                max_num_seqs, max_step_tokens, prefill_chunk, device)
+    if engine.runner.graphs is not None and engine.runner.graphs.capture:
+        t0 = time.perf_counter()
+        n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
+        print(f"k3 serve: {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
     name = model_name or os.path.basename(os.path.normpath(ckpt_dir)) or "k3"
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)

@@ -308,3 +308,18 @@ def test_gpu_captured_hash_block_prefill_equals_the_eager_engine(monkeypatch):
             graphs = eng.runner.graphs
             assert graphs.prefill_lengths == (HB,) and graphs._static[(1, HB)].graph is not None
     assert outputs[0] == outputs[1]
+
+
+def test_warm_up_sets_up_every_bucket_at_once(static_mode):
+    eng = _engine(max_num_seqs=4)
+    graphs = eng.runner.graphs
+    assert graphs._static == {}
+    n = graphs.warm_up()
+    want = {(s, 1) for s in graphs.buckets} | {(s, HB) for s in graphs.buckets}
+    assert set(graphs._static) == want and n == len(want)
+    prompts = _prompts((44, 10))
+    seqs = [eng.add_request(p, GREEDY) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    assert [s.output_ids for s in seqs] == [reference(tuple(p)) for p in prompts]
+    assert set(graphs._static) == want  # nothing new was set up while serving
