@@ -33,11 +33,11 @@ eager and a notice says why. Prefill and packed forwards, batches larger than ma
 longer than max_pages always run eagerly.
 
 Prefill chunks of exactly one hash block (`prefill_lengths`; the uncached tail of a prompt whose prefix was a
-hit) run the same way in buckets of their own, of at most MAX_PREFILL_GRAPH_TOKENS tokens a step: ids [Bb, T],
-every new row written to the pages first, then each query as its own row of the paged decode kernel with length
-position + 1 (causal). That makes a cached prompt's time to first token one graph replay instead of an eager
-forward. With capture this needs KDA on fla (the reference chunked KDA reads values back); a capture that fails
-turns off prefill graphs only.
+hit) run the same way in buckets of their own, of at most MAX_PREFILL_GRAPH_TOKENS tokens a step and contexts of
+at most MAX_PREFILL_GRAPH_CONTEXT tokens: ids [Bb, T], every new row written to the pages first, then each query
+as its own row of the paged decode kernel with length position + 1 (causal). That makes a cached prompt's time to
+first token one graph replay instead of an eager forward. With capture this needs KDA on fla (the reference
+chunked KDA reads values back); a capture that fails turns off prefill graphs only.
 
 K3_CUDA_GRAPHS: auto (default: capture when the conditions hold), off, or eager (the static-buffer step called
 directly, without capture, on any device: the same buffers, padding and scratch page; for tests and debugging).
@@ -55,6 +55,9 @@ from k3.ops.mla_decode import default_num_splits
 
 ENV = "K3_CUDA_GRAPHS"
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
+# ... and contexts up to this long: every query row of such a step reads its request's whole latent cache, which
+# stays cheap while one layer's cache fits in the GPU's L2 (32K tokens of k3-mini: 21 MB); longer runs eagerly.
+MAX_PREFILL_GRAPH_CONTEXT = 32768
 _MODES = {"auto": "auto", "on": "auto", "1": "auto", "off": "off", "0": "off", "eager": "eager"}
 
 
@@ -190,7 +193,8 @@ class DecodeGraphs:
         size = self.bucket_size(B)
         if size is None or (T != 1 and T not in self.prefill_lengths) or any(len(t) != T for t in tokens):
             return None
-        if T > 1 and size * T > MAX_PREFILL_GRAPH_TOKENS:  # each such bucket would hold a large graph's memory
+        if T > 1 and (size * T > MAX_PREFILL_GRAPH_TOKENS  # each such bucket would hold a large graph's memory
+                      or max(starts) + T > MAX_PREFILL_GRAPH_CONTEXT):  # each query row reads its whole context
             return None
         width = max((len(t) for s in slots for t in s.mla_tables), default=1)
         if width > self.max_pages:

@@ -180,6 +180,9 @@ def test_batches_beyond_the_largest_bucket_or_table_run_eagerly(static_mode):
     assert graphs.run([[1] * 5], [0], [None]) is None  # a 5-token chunk: not a hash block
     big = DecodeGraphs(eng.runner, 2, 96, graphs.scratch, capture=False, prefill_lengths=(4096,))
     assert big.run([[1] * 4096] * 2, [0, 0], [None] * 2) is None  # 2 x 4096 tokens: too large for a graph
+    from k3.serve import cuda_graphs
+
+    assert big.run([[1] * 4096], [cuda_graphs.MAX_PREFILL_GRAPH_CONTEXT], [None]) is None  # too long a context
     assert graphs.steps == 0
     prompts = _prompts((40, 44))
     seqs = [eng.add_request(p, GREEDY) for p in prompts]
