@@ -8,8 +8,6 @@ orthogonalized per expert; checkpoint I/O maps them to the official `experts.{e}
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,7 +15,14 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.common import RMSNorm, SituMLP
 from k3.ops.backend import resolve
-from k3.ops.moe import Routing, grouped_available, moe_experts, moe_experts_grouped, route
+from k3.ops.moe import (
+    Routing,
+    grouped_available,
+    moe_experts,
+    moe_experts_grouped,
+    route,
+)
+from k3.ops.precision import autocast_off
 from k3.ops.situ import situ_glu, situ_glu_any
 
 
@@ -31,8 +36,7 @@ class MoEGate(nn.Module):
         self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
 
     def forward(self, x: torch.Tensor) -> Routing:
-        with torch.autocast(x.device.type, enabled=False) if torch.amp.is_autocast_available(x.device.type) \
-                else contextlib.nullcontext():
+        with autocast_off(x.device.type):
             logits = F.linear(x.float(), self.weight.float())  # router in fp32 (report §2.3.3), autocast or not
         return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
 

@@ -17,26 +17,11 @@ KDA's state is fp32 by the spec); outputs come back in the input dtype, states s
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-def fp32_math(fn):
-    """Run `fn` with autocast off on the device of its first tensor argument, so its matmuls stay fp32."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        dev = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
-        if not torch.amp.is_autocast_available(dev) or not torch.is_autocast_enabled(dev):
-            return fn(*args, **kwargs)
-        with torch.autocast(dev, enabled=False):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
+from k3.ops.precision import fp32_math
 
 # --------------------------------------------------------------------------------------------
 # Input checks

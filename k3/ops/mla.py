@@ -58,6 +58,22 @@ def _host_positions(name: str, value, batch: int) -> list[int] | None:
     return None
 
 
+def _checked_positions(name: str, value, batch: int, device, lo: int, hi: int | None, rule: str) -> Tensor:
+    """An int, list of B ints or LongTensor [B] -> LongTensor [B] on `device`, every entry in [lo, hi] (hi None:
+    unbounded), else a ValueError "<name> must be <rule>". Host values are checked on the host: checking a device
+    tensor reads it back (a sync)."""
+    host = _host_positions(name, value, batch)
+    if host is not None:
+        if any(v < lo or (hi is not None and v > hi) for v in host):
+            raise ValueError(f"{name} must be {rule}, got {host}")
+        return torch.tensor(host, dtype=torch.long, device=device)
+    t = _as_positions(name, value, batch, device)
+    bad = t < lo if hi is None else (t < lo) | (t > hi)
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be {rule}, got {t.tolist()}")
+    return t
+
+
 def mla_attention(
     q: Tensor,
     k: Tensor,
@@ -104,17 +120,8 @@ def mla_attention(
         )
         return o.transpose(1, 2)
 
-    # Every query must see at least key 0, or its softmax row would be empty (NaN). Host values are checked on
-    # the host (checking a device tensor reads it back).
-    host = _host_positions("q_start", q_start, B)
-    if host is not None:
-        if any(s < 0 for s in host):
-            raise ValueError(f"q_start must be >= 0, got {host}")
-        start = torch.tensor(host, dtype=torch.long, device=q.device)
-    else:
-        start = _as_positions("q_start", q_start, B, q.device)
-        if bool((start < 0).any()):
-            raise ValueError(f"q_start must be >= 0, got {start.tolist()}")
+    # Every query must see at least key 0, or its softmax row would be empty (NaN).
+    start = _checked_positions("q_start", q_start, B, q.device, 0, None, ">= 0")
 
     q_pos = start[:, None] + torch.arange(Tq, device=q.device)  # [B, Tq] absolute positions
     k_pos = torch.arange(Tk, device=q.device)  # [Tk]
@@ -200,26 +207,13 @@ def mla_absorbed(
             raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
 
     device = q_nope.device
-    # Host values (ints, lists) are checked on the host: checking a device tensor reads it back (a sync).
-    host_len = _host_positions("kv_len", L if kv_len is None else kv_len, B)
-    host_start = _host_positions("q_start", q_start, B) if q_start is not None else None
-    if host_len is not None and (q_start is None or host_start is not None):
-        if any(n < 1 or n > L for n in host_len):
-            raise ValueError(f"kv_len must be in [1, L={L}], got {host_len}")
-        host_start = host_start if host_start is not None else [n - Tq for n in host_len]
-        # q_start >= 0 keeps key 0 visible to every query, so no softmax row is empty.
-        if any(s < 0 for s in host_start):
-            raise ValueError(f"q_start must be >= 0 (default kv_len - Tq needs kv_len >= Tq={Tq}), got {host_start}")
-        lengths = torch.tensor(host_len, dtype=torch.long, device=device)
-        start = torch.tensor(host_start, dtype=torch.long, device=device)
-    else:
-        lengths = _as_positions("kv_len", L if kv_len is None else kv_len, B, device)
-        if bool(((lengths < 1) | (lengths > L)).any()):
-            raise ValueError(f"kv_len must be in [1, L={L}], got {lengths.tolist()}")
-        start = lengths - Tq if q_start is None else _as_positions("q_start", q_start, B, device)
-        if bool((start < 0).any()):
-            raise ValueError(f"q_start must be >= 0 (default kv_len - Tq needs kv_len >= Tq={Tq}), "
-                             f"got {start.tolist()}")
+    lengths = _checked_positions("kv_len", L if kv_len is None else kv_len, B, device, 1, L, f"in [1, L={L}]")
+    if q_start is None:  # the queries are the last Tq cached positions
+        host_len = _host_positions("kv_len", L if kv_len is None else kv_len, B)
+        q_start = [n - Tq for n in host_len] if host_len is not None else lengths - Tq
+    # q_start >= 0 keeps key 0 visible to every query, so no softmax row is empty.
+    start = _checked_positions("q_start", q_start, B, device, 0, None,
+                               f">= 0 (default kv_len - Tq needs kv_len >= Tq={Tq})")
 
     k_pos = torch.arange(L, device=device)
     in_cache = k_pos[None, :] < lengths[:, None]  # [B, L]

@@ -29,8 +29,8 @@ whatever an earlier step left there: the kernel reads only entries below the req
 When: the model is on a CUDA device, the MLA decode runs on the paged kernel (the `mla_decode` backend resolves
 to triton: the reference gathers each request's pages to its length, read back from the device) and the MoE
 on the grouped backend (the reference expert loop reads the expert counts back). Otherwise the runner stays
-eager and a notice says why. Prefill and packed forwards, batches larger than max_batch and block tables
-longer than max_pages always run eagerly.
+eager and a notice says why. Prefill chunks other than those below, packed forwards, batches larger than
+max_batch and block tables longer than max_pages always run eagerly.
 
 Prefill chunks of exactly one hash block (`prefill_lengths`; the uncached tail of a prompt whose prefix was a
 hit) run the same way in buckets of their own, of at most MAX_PREFILL_GRAPH_TOKENS tokens a step and contexts of

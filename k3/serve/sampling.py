@@ -52,19 +52,9 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [N, V], row i with params[i] and generators[i], read back to the host once.
-    Greedy rows share one argmax; each sampled row draws from its own generator, so a request's tokens do not
-    depend on which other requests share its step. Equal to calling `sample` row by row."""
-    n = logits.shape[0]
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device) if len(greedy) < n else None
-        rows = logits if idx is None else logits.index_select(0, idx)
-        toks = rows.float().argmax(-1)
-        if idx is None:
-            out = toks
-        else:
-            out[idx] = toks
+    Greedy rows share one argmax (taken over all rows); each sampled row draws from its own generator, so a
+    request's tokens do not depend on which other requests share its step. Equal to calling `sample` row by row."""
+    out = logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)
     for i, p in enumerate(params):
         if p.temperature != 0:
             out[i] = sample(logits[i:i + 1], p, generators[i])[0]

@@ -61,20 +61,25 @@ def static_mode(monkeypatch):
     monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
 
 
+@pytest.fixture(params=["reference", "triton-interpreter"])
+def decode_kernel(request, monkeypatch):
+    """The paged decode on CPU: its gather-based reference, or the Triton kernel in Triton's interpreter."""
+    if request.param == "triton-interpreter":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param
+
+
 def test_buckets():
     assert decode_buckets(1) == [1]
     assert decode_buckets(4) == [1, 2, 4]
     assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-@pytest.mark.parametrize("interpret", [False, True], ids=["reference", "triton-interpreter"])
-def test_static_decode_steps_with_padding_match_the_reference(static_mode, monkeypatch, interpret):
+def test_static_decode_steps_with_padding_match_the_reference(static_mode, monkeypatch, decode_kernel):
     # Decode batches of 1, 3 (bucket 4: one padding row), 4, then 3 again (the padding row held a request the step
     # before) and 1; positions cross page boundaries (48, 96) while decoding. With the Triton kernel in the
     # interpreter the split count is fixed per bucket (from max_model_len), as in a captured step.
-    if interpret:
-        pytest.importorskip("triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
     eng = _engine()
     graphs = eng.runner.graphs
     assert isinstance(graphs, DecodeGraphs) and not graphs.capture
@@ -114,14 +119,10 @@ def test_static_decode_steps_with_padding_match_the_reference(static_mode, monke
     assert len(splits) == 2 * len(seen) and set(splits) == {b.num_splits for b in graphs._static.values()} == {8}
 
 
-@pytest.mark.parametrize("interpret", [False, True], ids=["reference", "triton-interpreter"])
-def test_hash_block_prefill_chunks_run_on_the_static_buffers(static_mode, monkeypatch, interpret):
+def test_hash_block_prefill_chunks_run_on_the_static_buffers(static_mode, decode_kernel):
     # A prompt whose prefix is cached up to a hash boundary leaves a tail of exactly one hash block: that chunk
     # runs on the static buffers (every query its own row of the paged decode kernel, causal by its position),
     # and the outputs stay those of the cache-free reference.
-    if interpret:
-        pytest.importorskip("triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
     eng = _engine()
     graphs = eng.runner.graphs
     assert graphs.prefill_lengths == (HB,)
