@@ -6,9 +6,10 @@
 Steps run in the order given (default: all, most important first). Each step is a separate process whose
 output is streamed to the terminal and to OUT/<step>.log, so a step that hangs or runs out of time loses only
 itself. Compiled Triton kernels, their autotuning results and torch.compile's kernels are cached under
-OUT/cache (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR): a second run on the same machine, or with that folder
+OUT/cache (TRITON_CACHE_DIR with TRITON_CACHE_AUTOTUNING=1, TORCHINDUCTOR_CACHE_DIR): a second run on the same machine, or with that folder
 copied to another machine of the same kind, skips most of the first-call compilation (several minutes for
-fla's KDA kernels on a fresh machine). `--save-cache` packs that folder into a .tar.gz (in numbered parts of
+fla's KDA kernels on a fresh machine, almost all of it autotuning). `--save-cache` packs that folder's
+autotuning results (or, with `--cache-content all`, every compiled kernel) into a .tar.gz (in numbered parts of
 at most `--split-mb` MB when asked) and `--load-cache` unpacks such an archive (or its parts) before the steps.
 A summary line per step (exit status, seconds) ends the output.
 """
@@ -43,10 +44,13 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
 # name -> (commands, time limit in seconds for the whole step)
 STEPS = {
     "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 240),
-    "tests_kda": ([PYTEST + [f] for f in KDA_TEST_FILES], 480),
+    # -v names each test as it starts (a step stopped by its time limit shows where); -s lets autotuning print its time
+    "tests_kda": ([["env", "TRITON_PRINT_AUTOTUNING=1"] + [a for a in PYTEST if a != "-q"] + ["-v", "-s", f]
+                   for f in KDA_TEST_FILES], 480),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile"]], 200),
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
+    "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini"]], 120),
     "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"],
              [PY, "benchmarks/mla_decode_bench.py"]], 240),
     "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),
@@ -85,11 +89,22 @@ def run_step(name: str, cmds: list, limit: float, out: str, env: dict) -> tuple[
     return rc, time.monotonic() - t0
 
 
-def save_cache(cache: str, path: str, split_mb: float | None) -> list[str]:
-    """Pack `cache` into `path` (.tar.gz); with `split_mb`, into path.part00, path.part01, ... instead."""
+def save_cache(cache: str, path: str, split_mb: float | None, content: str = "autotune") -> list[str]:
+    """Pack `cache` into `path` (.tar.gz); with `split_mb`, into path.part00, path.part01, ... instead.
+
+    content "autotune" packs only Triton's autotuning results (*.autotune.json, a few hundred kB): with them
+    a new machine compiles just the chosen configuration of each kernel instead of benchmarking all of them.
+    "all" packs the compiled kernels too (hundreds of MB)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        tar.add(cache, arcname="cache")
+        if content == "all":
+            tar.add(cache, arcname="cache")
+        else:
+            for root, _, files in os.walk(cache):
+                for f in sorted(files):
+                    if f.endswith(".autotune.json"):
+                        full = os.path.join(root, f)
+                        tar.add(full, arcname=os.path.join("cache", os.path.relpath(full, cache)))
     data = buf.getvalue()
     if not split_mb:
         parts = [(path, data)]
@@ -122,13 +137,16 @@ def main() -> None:
     ap.add_argument("--load-cache", help="unpack a kernel-cache archive from --save-cache before the steps")
     ap.add_argument("--save-cache", help="pack OUT/cache into this .tar.gz after the steps")
     ap.add_argument("--split-mb", type=float, default=None, help="with --save-cache: parts of at most this size")
+    ap.add_argument("--cache-content", choices=["autotune", "all"], default="autotune",
+                    help="with --save-cache: only Triton's autotuning results (default, small) or every compiled kernel")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.load_cache:
         load_cache(args.load_cache, args.out)
     cache = os.path.abspath(os.path.join(args.out, "cache"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
-           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+           "TRITON_CACHE_AUTOTUNING": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
     t_start = time.monotonic()
     summary = []
@@ -145,7 +163,7 @@ def main() -> None:
     for name, status, dt in summary:
         print(f"SUMMARY {name}: {status} in {dt:.0f} s", flush=True)
     if args.save_cache and os.path.isdir(cache):
-        for name in save_cache(cache, args.save_cache, args.split_mb):
+        for name in save_cache(cache, args.save_cache, args.split_mb, args.cache_content):
             print(f"kernel cache: {name} ({os.path.getsize(name) / 2**20:.1f} MB)", flush=True)
 
 

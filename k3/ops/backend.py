@@ -46,7 +46,13 @@ _notices: set[str] = set()
 
 
 def importable(module: str) -> tuple[bool, str]:
-    """(True, "") when `module` imports, else (False, why) — the availability check of a kernel library."""
+    """(True, "") when `module` imports, else (False, why) — the availability check of a kernel library.
+
+    Before fla is first imported, Triton is asked to keep autotuning results on disk (TRITON_CACHE_AUTOTUNING=1,
+    unless the variable is already set): fla's KDA kernels otherwise re-autotune in every new process, minutes
+    per shape. The setting is read when fla's kernels are defined, so it has to precede the import."""
+    if module.startswith("fla") and "fla" not in sys.modules:
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     try:
         __import__(module)
     except Exception as e:  # ImportError, or a Triton/driver problem at import

@@ -301,3 +301,59 @@ def test_weight_decay_with_zero_grad():
         assert torch.equal(p.detach(), expect), n
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(model.get_parameter(q).detach(), before[q])
+
+
+# --- (g) the batched step equals the per-parameter definition --------------------------------------------
+def _per_parameter_step(model, grads, bufs, lr, wd, mu=0.95):
+    """The Muon update written one parameter at a time (the docstring's definition), for comparison."""
+    from k3.train.muon import _blocks
+
+    with torch.no_grad():
+        for g in muon_param_groups(model, weight_decay=wd):
+            if not g["use_muon"]:
+                continue
+            for p in g["params"]:
+                name = next(n for n, q in model.named_parameters() if q is p)
+                bufs[name] = mu * bufs.get(name, torch.zeros_like(p)) + grads[name]
+                u = _blocks(grads[name] + mu * bufs[name], g["split"], g["num_blocks"])
+                o = newton_schulz(u) * MUON_RMS_SCALE * math.sqrt(max(u.shape[-2:]))
+                p.mul_(1 - lr * g["weight_decay"]).sub_(lr * o.reshape(p.shape))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 1], ids=["one-batch-per-shape", "one-parameter-per-batch"])
+def test_batched_muon_step_matches_the_per_parameter_definition(tiny_cfg, monkeypatch, chunk_bytes):
+    # All blocks of one shape, across parameters, run as one Newton-Schulz batch (or chunks of it): three steps
+    # on random gradients land every Muon parameter where the one-at-a-time definition puts it (1e-5 relative).
+    import k3.train.muon as muon
+
+    monkeypatch.setattr(muon, "NS_CHUNK_BYTES", chunk_bytes)
+    model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
+    ref = copy.deepcopy(model)
+    opt = PerHeadMuon(muon_param_groups(model), lr=0.01)
+    gen = torch.Generator().manual_seed(7)
+    bufs: dict = {}
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+        _per_parameter_step(ref, grads, bufs, lr=0.01, wd=0.1)
+    desc = describe_param_groups(model)
+    muon_names = [n for n in desc if desc[n].startswith("muon")]
+    assert len(muon_names) > 10
+    for n in muon_names:
+        assert rel_err(model.get_parameter(n), ref.get_parameter(n)) < 1e-5, n
+
+
+def test_bf16_newton_schulz_batch_is_close_to_fp32():
+    # The GPU default (bf16 Newton-Schulz, fp32 accumulation in the GEMMs) against fp32, through the optimizer.
+    lin = torch.nn.Linear(96, 64, bias=False)
+    upd = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        mod = copy.deepcopy(lin)
+        with torch.no_grad():
+            mod.weight.zero_()
+        mod.weight.grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+        PerHeadMuon(muon_param_groups(mod), lr=1.0, weight_decay=0.0, ns_dtype=dtype).step()
+        upd[dtype] = mod.weight.detach().clone()
+    assert rel_err(upd[torch.bfloat16], upd[torch.float32]) < 3e-2
