@@ -38,15 +38,17 @@ GPU_TEST_FILES = [  # quick kernels
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/model/test_fast_backends_gpu.py"]
 PYTEST = [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "-rs"]
+# -v names each test as it starts (a step stopped by its time limit shows where); -s lets autotuning print its time
+KDA_PYTEST = ["env", "TRITON_PRINT_AUTOTUNING=1"] + [a for a in PYTEST if a != "-q"] + ["-v", "-s"]
 TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "32768", "--steps", "4",
          "--vocab-size", "32768", "--backend", "fast"]
 
 # name -> (commands, time limit in seconds for the whole step)
 STEPS = {
     "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 240),
-    # -v names each test as it starts (a step stopped by its time limit shows where); -s lets autotuning print its time
-    "tests_kda": ([["env", "TRITON_PRINT_AUTOTUNING=1"] + [a for a in PYTEST if a != "-q"] + ["-v", "-s", f]
-                   for f in KDA_TEST_FILES], 480),
+    "tests_kda": ([KDA_PYTEST + ["-k", "not fp32", f] for f in KDA_TEST_FILES], 480),
+    # fp32 inputs are a new autotuning set for every fla kernel (about 7 minutes on a fresh machine)
+    "tests_kda_fp32": ([KDA_PYTEST + ["-k", "fp32", KDA_TEST_FILES[0]]], 540),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile"]], 200),
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
@@ -160,6 +162,8 @@ def main() -> None:
             limit = min(limit, left)
         rc, dt = run_step(name, cmds, limit, args.out, env)
         summary.append((name, f"exit {rc}", dt))
+        if args.save_cache and args.cache_content == "autotune" and os.path.isdir(cache):
+            save_cache(cache, args.save_cache, args.split_mb, "autotune")  # small: kept current after every step
     for name, status, dt in summary:
         print(f"SUMMARY {name}: {status} in {dt:.0f} s", flush=True)
     if args.save_cache and os.path.isdir(cache):

@@ -1,0 +1,59 @@
+"""benchmarks/gpu_suite.py's kernel-cache archive: what it packs and that it unpacks to the same files."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fake_cache(root: Path) -> Path:
+    cache = root / "cache"
+    (cache / "triton" / "ABC").mkdir(parents=True)
+    (cache / "triton" / "ABC" / "kernel.cubin").write_bytes(os.urandom(4096))
+    (cache / "triton" / "ABC" / "chunk_kda_fwd.autotune.json").write_text('{"key": [8], "configs_timings": []}')
+    (cache / "inductor").mkdir()
+    (cache / "inductor" / "graph.py").write_text("# compiled")
+    return cache
+
+
+@pytest.mark.parametrize("split_mb", [None, 0.0001])
+def test_autotune_archive_holds_only_the_tuning_results_and_round_trips(suite, tmp_path, split_mb):
+    cache = _fake_cache(tmp_path / "a")
+    parts = suite.save_cache(str(cache), str(tmp_path / "k.tar.gz"), split_mb, "autotune")
+    assert all(Path(p).exists() for p in parts) and (len(parts) > 1) == bool(split_mb)
+    out = tmp_path / "b"
+    suite.load_cache(str(tmp_path / "k.tar.gz"), str(out))
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["cache/triton/ABC/chunk_kda_fwd.autotune.json"]
+    assert (out / files[0]).read_text() == '{"key": [8], "configs_timings": []}'
+
+
+def test_full_archive_holds_every_file(suite, tmp_path):
+    cache = _fake_cache(tmp_path / "a")
+    suite.save_cache(str(cache), str(tmp_path / "k.tar.gz"), None, "all")
+    suite.load_cache(str(tmp_path / "k.tar.gz"), str(tmp_path / "b"))
+    assert (tmp_path / "b/cache/triton/ABC/kernel.cubin").read_bytes() == (cache / "triton/ABC/kernel.cubin").read_bytes()
+    assert (tmp_path / "b/cache/inductor/graph.py").exists()
+
+
+def test_missing_archive_is_named(suite, tmp_path):
+    with pytest.raises(SystemExit, match="no such archive"):
+        suite.load_cache(str(tmp_path / "nope.tar.gz"), str(tmp_path))
+
+
+def test_shipped_h200_autotune_archive_unpacks_to_tuning_results(suite, tmp_path):
+    archive = ROOT / "benchmarks" / "autotune" / "h200-fla0.6.0-triton3.6.tar.gz"
+    suite.load_cache(str(archive), str(tmp_path))
+    found = list(tmp_path.rglob("*.autotune.json"))
+    assert len(found) > 20 and all(p.name.endswith(".autotune.json") for p in tmp_path.rglob("*") if p.is_file())
