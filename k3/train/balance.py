@@ -360,12 +360,7 @@ class ExpertBalancer:
 
         NaN for both if nothing was observed. (Reads two scalars from the device.)
         """
-        if self._acc is None or self._num_tokens == 0:
-            return {"max_over_mean": float("nan"), "min_over_mean": float("nan")}
-        load = self._acc[:, -1].double()
-        mean = load.mean()
-        out = torch.stack([load.max() / mean, load.min() / mean]).tolist()
-        return {"max_over_mean": out[0], "min_over_mean": out[1]}
+        return load_stats_of([self])[0]
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Tensor | int | float | str]:
@@ -425,3 +420,20 @@ class ExpertBalancer:
         self._acc = counts.clone()
         self._range = rng.float().clone() if rng.numel() == 2 else None
         self._margins = [margins.float().clone()] if margins.shape[0] > 0 else []
+
+
+def load_stats_of(balancers) -> list[dict[str, float]]:
+    """``load_stats()`` of several balancers (one per MoE layer) with one read from each device, not one each."""
+    nan = float("nan")
+    out = [{"max_over_mean": nan, "min_over_mean": nan} for _ in balancers]
+    by_device: dict[torch.device, list] = {}
+    for i, bal in enumerate(balancers):
+        if bal._acc is None or bal._num_tokens == 0:
+            continue
+        load = bal._acc[:, -1].double()
+        mean = load.mean()
+        by_device.setdefault(load.device, []).append((i, torch.stack([load.max() / mean, load.min() / mean])))
+    for items in by_device.values():
+        for (i, _), (mx, mn) in zip(items, torch.stack([r for _, r in items]).tolist()):
+            out[i] = {"max_over_mean": mx, "min_over_mean": mn}
+    return out

@@ -20,7 +20,7 @@ import torch
 
 from k3.model.latent_moe import LatentMoE
 from k3.model.model import K3ForCausalLM
-from k3.train.balance import ExpertBalancer
+from k3.train.balance import ExpertBalancer, load_stats_of
 from k3.train.muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import enable_max_logit_recording, qk_clip_
 from k3.train.schedule import lr_multiplier
@@ -187,7 +187,7 @@ class Trainer:
         metrics = StepMetrics(step=self.step + 1, loss=loss_sum, lr=self.optimizer.param_groups[0]["lr"],
                               grad_norm=grad_norm, tokens_per_s=0.0, elapsed_s=0.0,
                               mtp_loss=mtp_sum if len(model.mtp) else None)
-        loads = [bal.load_stats()["max_over_mean"] for bal in self.balancers]
+        loads = [st["max_over_mean"] for st in load_stats_of(self.balancers)]  # one device read for all layers
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             # Skip: no parameter, bias or optimizer state changes; the data position moves on.
             self.optimizer.zero_grad(set_to_none=True)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k3.ops.moe import Routing, expert_load, route
-from k3.train.balance import ExpertBalancer, histogram_quantile, quantile_bias_exact
+from k3.train.balance import ExpertBalancer, histogram_quantile, load_stats_of, quantile_bias_exact
 
 QB_METHODS = ("histogram", "exact")
 ALL_METHODS = ("histogram", "exact", "sign")
@@ -435,3 +435,17 @@ def test_bad_arguments_raise_value_error_naming_them():
         histogram_quantile(counts, 0.0, 1.0, -1.0)
     with pytest.raises(ValueError, match="lo"):
         histogram_quantile(counts, float("nan"), 1.0, 1.0)
+
+
+def test_load_stats_of_many_balancers_equals_each_ones_own():
+    # The trainer reads every MoE layer's load statistics at once (one device read); empty windows give NaN.
+    E, k = 12, 2
+    bals = [ExpertBalancer(E, k, QB_METHODS[0]) for _ in range(3)]
+    for seed, bal in ((1, bals[0]), (2, bals[2])):
+        R, _, _ = _random_routing(300, E, k, seed=seed)
+        bal.observe(R, torch.zeros(E))
+    many = load_stats_of(bals)
+    assert many[0] == bals[0].load_stats() and many[2] == bals[2].load_stats()
+    assert many[0] != many[2] and many[0]["max_over_mean"] > 1.0
+    assert all(math.isnan(v) for v in many[1].values())
+    assert load_stats_of([]) == []
