@@ -31,6 +31,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_attn_res.py",
     "tests/ops/test_situ_triton.py",
     "tests/ops/test_moe_grouped.py",
+    "tests/ops/test_moe_combine.py",
     "tests/ops/test_mla_decode.py",
     "tests/serve/test_cuda_graphs.py",
     "tests/ops/test_mla_flex.py",

@@ -1,6 +1,6 @@
 """Per-op GPU timings of the fast backends against their reference and their roofline (k3-mini shapes).
 
-    python benchmarks/ops_bench.py [--ops kda attn_res mla moe] [--tokens 65536]
+    python benchmarks/ops_bench.py [--ops kda attn_res mla moe moe_combine] [--tokens 65536]
 
 Each line is one JSON record: the op, the backend, the median time of forward and forward+backward
 (triton.testing.do_bench), and the roofline of that op: FLOPs over the measured bf16 matrix peak
@@ -132,9 +132,27 @@ def bench_moe(tokens: int, E: int = 128, k: int = 8, L: int = 512, F: int = 768)
               fwd_tflops=flops / tf / 1e9, fwd_bwd_tflops=3 * flops / tfb / 1e9)
 
 
+def bench_moe_combine(tokens: int, k: int = 8, L: int = 512) -> None:
+    """The MoE combine (u[n] = sum_j w[n, j] y[pos[n, j]]): Triton kernel vs the PyTorch form, against the bytes
+    the kernel must move (read y in bf16 and the weights, write u in bf16; backward: read y and du, write dy)."""
+    from k3.ops.moe_combine import moe_combine_torch, moe_combine_triton
+
+    y = torch.randn(tokens * k, L, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.randperm(tokens * k, device="cuda")
+    w = torch.rand(tokens, k, device="cuda", requires_grad=True)
+    fwd_bytes = (tokens * k * L + tokens * L) * 2 + tokens * k * 12
+    bwd_bytes = (2 * tokens * k * L + tokens * L) * 2 + tokens * k * 16
+    for name, fn in (("triton kernel", moe_combine_triton), ("torch (gather, fp32 multiply, sum)", moe_combine_torch)):
+        f = lambda fn=fn: fn(y, pos, w, torch.bfloat16)  # noqa: E731
+        tf = _t(f, False)
+        tfb = _t(lambda f=f: f().float().sum().backward(), True)
+        _emit(op="moe_combine", shape=f"{tokens} tok x top-{k}, L={L}", impl=name, fwd_ms=tf, fwd_bwd_ms=tfb,
+              fwd_floor_ms=fwd_bytes / COPY_BW * 1e3, fwd_bwd_floor_ms=(fwd_bytes + bwd_bytes) / COPY_BW * 1e3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ops = ["kda", "attn_res", "mla", "moe"]
+    ops = ["kda", "attn_res", "mla", "moe", "moe_combine"]
     ap.add_argument("--ops", nargs="*", default=ops, choices=ops)
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per call (B x T)")
     args = ap.parse_args()

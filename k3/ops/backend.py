@@ -9,6 +9,8 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
     mla        flex           torch's flex_attention, compiled, with a block mask for causal + document masking
                               (no T x T matrix; the per-head max logit for QK-Clip comes out of the kernel)
     moe        grouped        tokens sorted by expert, torch._grouped_mm for the expert GEMMs
+    moe_combine triton        the weighted sum of each token's k expert outputs as one Triton kernel per pass
+                              (k3.ops.moe_combine): no token-order copy, no fp32 [N, k, L] intermediates
     situ       triton         SiTU-GLU forward and backward as one Triton kernel each (k3.ops.situ_triton)
     mla_decode triton         single-token MLA decode straight from the serving page pool, split-K
                               (k3.ops.mla_decode); no gathered or fp32 copy of the cache
@@ -16,8 +18,8 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
 The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
-K3_MLA_BACKEND, K3_MOE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND and K3_SHORT_CONV_BACKEND (values: auto, torch, or the fast
-backend's name) override it per op.
+K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND and
+K3_SHORT_CONV_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
 """
@@ -31,12 +33,12 @@ from typing import Callable
 import torch
 
 FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
-        "short_conv": "fla"}
+        "short_conv": "fla", "moe_combine": "triton"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code (2026-11-29: attn_res, mla, moe, situ). The fla KDA and short-conv tests and the
 # paged-decode kernel's tests have not run on a GPU yet, so `auto` keeps those on the reference until they do.
 VALIDATED = {"kda": False, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
-             "short_conv": False}
+             "short_conv": False, "moe_combine": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode runs its Triton kernel in Triton's interpreter
 # (TRITON_INTERPRET=1) or its gather-based reference.

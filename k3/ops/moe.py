@@ -19,6 +19,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from k3.ops.moe_combine import moe_combine
+
 __all__ = ["Routing", "route", "expert_load", "moe_experts", "moe_experts_grouped", "grouped_available"]
 
 
@@ -194,9 +196,9 @@ def moe_experts_grouped(
     The N*k (token, expert) pairs are sorted by expert (stable, so each expert sees its tokens in order);
     ``torch._grouped_mm`` computes every expert's gate and up projections against ``w1`` and ``w3`` (read
     transposed in place: no copy of the expert weights beyond a dtype cast), ``act(gate, up)`` (SiTU-GLU, fused
-    on GPU) gives the hidden, and a third grouped GEMM applies ``w2``. The outputs are put back in (token, slot)
-    order and combined with the routing weights in fp32. Every gather is a permutation, so the backward is free
-    of atomic accumulation. Experts that got no tokens cost nothing.
+    on GPU) gives the hidden, and a third grouped GEMM applies ``w2``. The outputs are combined with the routing
+    weights in fp32 by k3.ops.moe_combine (one Triton kernel on GPU, reading them in expert order). Every gather
+    is a permutation, so the backward is free of atomic accumulation. Experts that got no tokens cost nothing.
 
     Args: as ``moe_experts``.
     Returns: u [N, L] in ``z.dtype``.
@@ -223,8 +225,6 @@ def moe_experts_grouped(
     hidden = act(gate, up).to(dt)  # [M, F]
     y = torch._grouped_mm(hidden, w2.to(dt).transpose(1, 2), offs=offs)  # [M, L]
 
-    inverse = torch.empty_like(order)
+    inverse = torch.empty_like(order)  # row of y holding each (token, slot)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    y = y[inverse].view(N, k, L).float()  # back to (token, slot) order
-    u = (y * weights.float()[:, :, None]).sum(dim=1)
-    return u.to(dt)
+    return moe_combine(y, inverse, weights, dt)  # sum_j weights[n, j] * y[inverse[n*k + j]] in fp32

@@ -333,7 +333,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         for (device, rows, cols, steps), items in buckets.items():
             dtype = self._ns_dtype(device)
             block_bytes = rows * cols * torch.empty((), dtype=dtype).element_size()
-            for chunk in _chunks(items, lambda item: item[2].shape[0] * block_bytes, NS_CHUNK_BYTES):
+            for chunk in _chunks(items, lambda item, bb=block_bytes: item[2].shape[0] * bb, NS_CHUNK_BYTES):
                 x = torch.empty(sum(item[2].shape[0] for item in chunk), rows, cols, device=device, dtype=dtype)
                 off = 0
                 for p, group, gb, bb in chunk:  # u = g + mu * buf (Nesterov) or buf, rounded once into x
