@@ -17,9 +17,27 @@ def _config_from_arg(spec: str):
     raise SystemExit(f"k3: '{spec}' is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
 
 
+BACKEND_HELP = ("which implementation runs the ops that have a GPU fast path: auto (each op's fast backend on CUDA "
+                "once validated, else the PyTorch reference; the K3_<OP>_BACKEND variables still apply), fast (every "
+                "fast backend, validated or not; needs CUDA) or torch (the reference everywhere)")
+
+
+def _apply_backend(choice: str, device) -> None:
+    """--backend: 'fast' or 'torch' set every op's K3_<OP>_BACKEND variable (k3.ops.backend); 'auto' leaves them."""
+    from k3.ops.backend import force_all
+
+    if choice == "auto":
+        return
+    if choice == "fast" and device.type != "cuda":
+        raise SystemExit(f"k3: --backend fast needs a CUDA device (this run is on {device.type}); use auto or torch")
+    force_all(choice)
+
+
 def _cmd_serve(args) -> int:
     from k3.serve.server import cmd_serve
+    from k3.train.run import pick_device
 
+    _apply_backend(args.backend, pick_device(args.device))
     if not args.cuda_graphs:  # the engine reads it when it decides how to run decode steps (k3.serve.cuda_graphs)
         os.environ["K3_CUDA_GRAPHS"] = "off"
     return cmd_serve(args)
@@ -70,6 +88,7 @@ def cmd_train(args) -> int:
     from k3.train.trainer import TrainConfig, TrainingError
 
     device = pick_device(args.device)
+    _apply_backend(args.backend, device)
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     fields = {"out": args.out}
     if args.resume:
@@ -207,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default off; --resume keeps the run's setting)")
     s.add_argument("--max-corpus-mb", type=_positive_float, help="cap the default corpus's training text")
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_train)
 
@@ -223,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (binds 127.0.0.1 by default)")
     add_serve_arguments(s)
+    s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
     s.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly instead of as CUDA-graph replays (same as K3_CUDA_GRAPHS=off)")
     s.set_defaults(fn=_cmd_serve)
