@@ -224,7 +224,9 @@ class Trainer:
         micro-batch weighted by its share of rows. Returns (loss, MTP loss) of the batch."""
         c, model = self.cfg, self.model
         rows = batch["input_ids"].shape[0]
-        loss_sum, mtp_sum = 0.0, 0.0
+        # Losses stay on the device until every micro-batch is launched: reading one back after each backward
+        # would stall the host until the GPU drained, so the next micro-batch could not be queued behind it.
+        losses, mtps = [], []
         for s in range(0, rows, mb):
             part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
             w = part["input_ids"].shape[0] / rows
@@ -233,11 +235,14 @@ class Trainer:
                             return_logits=False)
                 loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
             (loss * w).backward()
-            loss_sum += float(out.loss.detach()) * w
-            mtp_sum += float(out.mtp_loss.detach()) * w if out.mtp_loss is not None else 0.0
+            losses.append(out.loss.detach().double() * w)
+            if out.mtp_loss is not None:
+                mtps.append(out.mtp_loss.detach().double() * w)
             for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
                 bal.observe(m.last_routing, b)
-        return loss_sum, mtp_sum
+        zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
+        sums = torch.stack([torch.stack(losses).sum(), torch.stack(mtps).sum() if mtps else zero]).tolist()
+        return sums[0], sums[1]
 
     def _all_reduce_grads(self) -> None:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""
