@@ -35,6 +35,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_mla_decode.py",
     "tests/serve/test_cuda_graphs.py",
     "tests/ops/test_mla_flex.py",
+    "tests/train/test_muon.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/model/test_fast_backends_gpu.py"]
