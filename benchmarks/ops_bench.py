@@ -88,6 +88,8 @@ def bench_mla(tokens: int, H: int = 8, T: int = 8192) -> None:
     fns = {
         "flex (compiled, document mask)": lambda: mla_attention_flex(q, k, v, scale, seg, block_mask=bm),
         "flex + max logit": lambda: mla_attention_flex(q, k, v, scale, seg, block_mask=bm, return_max_logit=True)[0],
+        "flex + max logit, max-autotune (K3_FLEX_AUTOTUNE=1)": lambda: mla_attention_flex(
+            q, k, v, scale, seg, block_mask=bm, return_max_logit=True, autotune=True)[0],
         "reference (SDPA, dense mask)": lambda: mla_attention(q, k, v, scale, segment_ids=seg),
     }
     for name, f in fns.items():

@@ -18,6 +18,8 @@ Two equivalent forms:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -297,7 +299,32 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch
 # --- flex_attention backend ----------------------------------------------------------------------------------
 
 _FLEX_BLOCK = 128
-_compiled_flex = None
+_compiled_flex: dict[bool, object] = {}  # autotune? -> torch.compile'd flex_attention
+
+
+def flex_autotune() -> bool:
+    """K3_FLEX_AUTOTUNE=1: compile flex_attention with inductor's max-autotune, which benchmarks the forward and
+    backward kernels' block sizes and stages for each shape (minutes more compilation on first use) instead of
+    taking its defaults."""
+    value = os.environ.get("K3_FLEX_AUTOTUNE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"K3_FLEX_AUTOTUNE={value!r} is invalid: use 0 or 1")
+    return value == "1"
+
+
+def compiled_flex(autotune: bool | None = None):
+    """flex_attention under torch.compile (static shapes), one compiled function per autotune setting."""
+    from torch.nn.attention import flex_attention as fa
+
+    autotune = flex_autotune() if autotune is None else autotune
+    if autotune not in _compiled_flex:
+        from k3.ops.backend import notice
+
+        notice("compiling the flex_attention MLA kernels (once per shape; the first call takes a while"
+               + (", longer with K3_FLEX_AUTOTUNE=1)" if autotune else ")"))
+        mode = "max-autotune-no-cudagraphs" if autotune else None
+        _compiled_flex[autotune] = torch.compile(fa.flex_attention, dynamic=False, mode=mode)
+    return _compiled_flex[autotune]
 
 
 def flex_available() -> tuple[bool, str]:
@@ -360,27 +387,21 @@ def causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None =
 
 
 def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
-                       block_mask=None, return_max_logit: bool = False, compiled: bool = True):
+                       block_mask=None, return_max_logit: bool = False, compiled: bool = True,
+                       autotune: bool | None = None):
     """``mla_attention`` (q_start = 0, Tq = Tk) on flex_attention: fused causal/document-masked attention with
     the 192/128 head dims, no T x T matrix in memory, fully masked tiles skipped.
 
     Returns o [B, T, H, Dv], or (o, max_logit [H] fp32) with ``return_max_logit``: the largest scaled
     pre-softmax logit of each head over the visible pairs (QK-Clip's signal), taken from the kernel's
-    running maxima when this torch provides them, else computed blockwise."""
+    running maxima when this torch provides them, else computed blockwise. ``autotune`` (default: K3_FLEX_AUTOTUNE)
+    compiles with inductor's max-autotune (see :func:`flex_autotune`)."""
     from torch.nn.attention import flex_attention as fa
 
-    global _compiled_flex
     B, T, H, _ = q.shape
     if block_mask is None:
         block_mask = causal_block_mask(T, q.device, segment_ids)
-    fn = fa.flex_attention
-    if compiled:
-        if _compiled_flex is None:
-            from k3.ops.backend import notice
-
-            notice("compiling the flex_attention MLA kernels (once per shape; the first call takes a while)")
-            _compiled_flex = torch.compile(fa.flex_attention, dynamic=False)
-        fn = _compiled_flex
+    fn = compiled_flex(autotune) if compiled else fa.flex_attention
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if return_max_logit and _flex_max_scores_supported() and q.is_cuda:
         o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, return_aux=fa.AuxRequest(max_scores=True))

@@ -53,15 +53,16 @@ def test_block_mask_skips_tiles_across_documents():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("packed", [False, True])
-def test_compiled_flex_matches_reference_forward_backward_and_max_logit(packed):
+@pytest.mark.parametrize("packed,autotune", [(False, False), (True, False), (True, True)],
+                         ids=["causal", "packed", "packed-max-autotune"])
+def test_compiled_flex_matches_reference_forward_backward_and_max_logit(packed, autotune):
     # bf16 on GPU against the fp32 reference: 2e-2 relative for outputs and gradients; the max logit
-    # within bf16 rounding of q.k (1e-2 relative).
+    # within bf16 rounding of q.k (1e-2 relative). max-autotune (K3_FLEX_AUTOTUNE=1) picks other block sizes.
     B, T, H = 2, 1024, 4
     q, k, v = (t.requires_grad_() for t in _qkv(B, T, H, "cuda", torch.bfloat16))
     seg = _segments(B, T, seed=1).cuda() if packed else None
     dy = torch.randn(B, T, H, 128, device="cuda")
-    o, m = mla_attention_flex(q, k, v, 192 ** -0.5, seg, return_max_logit=True)
+    o, m = mla_attention_flex(q, k, v, 192 ** -0.5, seg, return_max_logit=True, autotune=autotune)
     grads = torch.autograd.grad((o.float() * dy).sum(), [q, k, v])
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     o_ref = mla_attention(q32, k32, v32, 192 ** -0.5, segment_ids=seg)
@@ -70,3 +71,15 @@ def test_compiled_flex_matches_reference_forward_backward_and_max_logit(packed):
     for a, b in zip(grads, g_ref):
         assert rel_err(a.float(), b) < 2e-2
     assert rel_err(m, max_logit(q32, k32, 192 ** -0.5, seg)) < 1e-2
+
+
+def test_flex_autotune_setting_is_checked(monkeypatch):
+    from k3.ops.mla import flex_autotune
+
+    monkeypatch.delenv("K3_FLEX_AUTOTUNE", raising=False)
+    assert flex_autotune() is False
+    monkeypatch.setenv("K3_FLEX_AUTOTUNE", "1")
+    assert flex_autotune() is True
+    monkeypatch.setenv("K3_FLEX_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="K3_FLEX_AUTOTUNE='yes' is invalid"):
+        flex_autotune()
