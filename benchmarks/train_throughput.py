@@ -9,7 +9,9 @@ fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) le
 Runs the real training step (forward + backward incl. MTP, Per-Head Muon, QK-Clip, Quantile Balancing) on
 random tokens. MFU counts 6 x active parameters per token plus causal MLA attention (12 x layers x heads x
 (qk + v dims) x context / 2 per token for forward + backward), over the measured bf16 peak (803 TFLOP/s on
-an H200). The first two steps are warm-up and not timed.
+an H200). The step trains the MTP layer too (one more MLA + MoE block, and the shared output head applied once
+more): `mfu` counts those FLOPs as well (k3.info's `mtp_active`, 54.9M per token for k3-mini, plus its
+attention), `mfu_backbone_only` leaves them out. The first two steps are warm-up and not timed.
 """
 
 from __future__ import annotations
@@ -85,14 +87,18 @@ def main() -> None:
     dt = float(np.median(times))
     tok_s = args.batch_tokens / dt
     info = model_info(cfg, context=args.seq_len)
+    per_mla = 12 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * args.seq_len / 2
     n_mla = len(cfg.full_attn_layers)
-    attn = 12 * n_mla * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * args.seq_len / 2
-    flops_tok = 6 * info.active + attn
+    n_mtp = cfg.num_nextn_predict_layers
+    backbone_tok = 6 * info.active + n_mla * per_mla
+    flops_tok = backbone_tok + 6 * info.mtp_active + n_mtp * per_mla  # the step also trains the MTP layer(s)
+    gpu = dev.type == "cuda"
     out = {
         "preset": args.preset, "backend": args.backend, "ckpt": args.activation_checkpointing,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "seq_len": args.seq_len, "batch_tokens": args.batch_tokens, "step_s_median": round(dt, 4),
-        "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * flops_tok / PEAK_BF16, 4) if dev.type == "cuda" else None,
+        "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * flops_tok / PEAK_BF16, 4) if gpu else None,
+        "mfu_backbone_only": round(tok_s * backbone_tok / PEAK_BF16, 4) if gpu else None,
         "model_tflops_per_s": round(tok_s * flops_tok / 1e12, 2), "loss": round(m.loss, 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
     }

@@ -53,6 +53,9 @@ class ModelInfo:
     mla_cache_bytes_per_token: int  # bf16 latent + extra key dims
     flops_per_token: float  # forward, at `context` tokens
     vision_params: int = 0  # MoonViT-V2 + projector, not in `total`
+    # Training only: per-token active parameters of the MTP layer(s) (their block with the routed fraction of its
+    # experts, vectors excluded) plus the shared output head, which each MTP depth applies once more.
+    mtp_active: int = 0
 
 
 def build_meta_model(cfg: K3Config):
@@ -96,7 +99,13 @@ def model_info(cfg: K3Config, context: int = 4096, cache_dtype_bytes: int = 2) -
     mla = n_mla * 2 * Hm * (context / 2) * (cfg.qk_head_dim + cfg.v_head_dim)
     # KDA per token (recurrent view): decay+rank-1 update and readout, ~ 4 flops per state element + 2 for o.
     kda = n_kda * H * K * K * 6
-    return ModelInfo(total, active, breakdown, kda_state, kda_conv, mla_tok, float(matmul + mla + kda), vision)
+    mtp_active = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") and p.dim() > 1:
+            mtp_active += p.numel() * (frac if ".block_sparse_moe.experts." in name else 1)
+    mtp_active = int(round(mtp_active)) + len(model.mtp) * model.lm_head.weight.numel()
+    return ModelInfo(total, active, breakdown, kda_state, kda_conv, mla_tok, float(matmul + mla + kda), vision,
+                     mtp_active)
 
 
 def _vector_params(model) -> int:

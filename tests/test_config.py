@@ -112,3 +112,20 @@ def test_unreadable_config_file(tmp_path):
         K3Config.load(tmp_path / "missing")
     with pytest.raises(ConfigError, match="unknown preset"):
         K3Config.from_preset("k4")
+
+
+def test_mtp_active_parameters_for_training_flops():
+    # The MTP layer's per-token parameters in training: its block's matrices with the routed experts at k/E,
+    # plus one more pass through the shared output head; none without MTP.
+    cfg = K3Config.from_preset("k3-mini")
+    info = model_info(cfg)
+    from k3.info import build_meta_model
+
+    model = build_meta_model(cfg)
+    mtp = model.mtp[0]
+    experts = sum(p.numel() for n, p in mtp.named_parameters() if ".experts." in n)
+    matrices = sum(p.numel() for n, p in mtp.named_parameters() if p.dim() > 1 and ".experts." not in n)
+    k_over_e = cfg.num_experts_per_token / cfg.num_experts
+    assert info.mtp_active == round(matrices + experts * k_over_e) + cfg.hidden_size * cfg.vocab_size
+    assert 0.1 * info.active < info.mtp_active < 0.3 * info.active
+    assert model_info(cfg.replace(num_nextn_predict_layers=0)).mtp_active == 0
