@@ -10,7 +10,8 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
                               (no T x T matrix; the per-head max logit for QK-Clip comes out of the kernel)
     moe        grouped        tokens sorted by expert, torch._grouped_mm for the expert GEMMs
     moe_combine triton        the weighted sum of each token's k expert outputs as one Triton kernel per pass
-                              (k3.ops.moe_combine): no token-order copy, no fp32 [N, k, L] intermediates
+                              (k3.ops.moe_combine): no token-order copy, no fp32 [N, k, L] intermediates; the
+                              same kernel is the backward of the dispatch gather (no scatter into zeros)
     situ       triton         SiTU-GLU forward and backward as one Triton kernel each (k3.ops.situ_triton)
     mla_decode triton         single-token MLA decode straight from the serving page pool, split-K
                               (k3.ops.mla_decode); no gathered or fp32 copy of the cache

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from k3.ops.moe_combine import moe_combine
+from k3.ops.moe_combine import moe_combine, moe_dispatch
 
 __all__ = ["Routing", "route", "expert_load", "moe_experts", "moe_experts_grouped", "grouped_available"]
 
@@ -218,13 +218,13 @@ def moe_experts_grouped(
     counts = torch.zeros(E, dtype=torch.int32, device=z.device)
     counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))  # no host sync
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    x = z[:, None, :].expand(N, k, L).reshape(N * k, L)[order]  # [M, L] grouped by expert
+    inverse = torch.empty_like(order)  # row of the sorted pairs holding each (token, slot)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    x = moe_dispatch(z, order, inverse, k)  # [M, L] grouped by expert
 
     gate = torch._grouped_mm(x, w1.to(dt).transpose(1, 2), offs=offs)  # [M, F]
     up = torch._grouped_mm(x, w3.to(dt).transpose(1, 2), offs=offs)
     hidden = act(gate, up).to(dt)  # [M, F]
     y = torch._grouped_mm(hidden, w2.to(dt).transpose(1, 2), offs=offs)  # [M, L]
 
-    inverse = torch.empty_like(order)  # row of y holding each (token, slot)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
     return moe_combine(y, inverse, weights, dt)  # sum_j weights[n, j] * y[inverse[n*k + j]] in fp32

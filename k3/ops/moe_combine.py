@@ -143,6 +143,40 @@ def moe_combine_triton(y: Tensor, pos: Tensor, weights: Tensor, out_dtype: torch
     return _Combine.apply(y, pos.contiguous(), weights.contiguous(), out_dtype)
 
 
+class _Dispatch(torch.autograd.Function):
+    """x = z[order // k] (each token's row once per slot, in expert order); the backward is the combine with unit
+    weights, dz[n] = sum_j dx[pos[n*k + j]], in fp32 in one pass instead of a scatter into zeros and a sum."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, order: Tensor, pos: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(pos)
+        ctx.k, ctx.z_dtype = k, z.dtype
+        return z.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, dx: Tensor):
+        (pos,) = ctx.saved_tensors
+        N = pos.numel() // ctx.k
+        ones = torch.ones(N, ctx.k, device=dx.device, dtype=torch.float32)
+        dz = torch.empty(N, dx.shape[1], device=dx.device, dtype=ctx.z_dtype)
+        _launch(dx.contiguous(), pos, ones, u=dz)
+        return dz, None, None, None
+
+
+def moe_dispatch(z: Tensor, order: Tensor, pos: Tensor, k: int) -> Tensor:
+    """The experts' input rows: x[i] = z[order[i] // k] for the N*k (token, slot) pairs sorted by expert
+    (`order`; `pos` is its inverse). On the backend that runs the combine kernel its backward is that kernel with
+    unit weights (deterministic, fp32 sums); otherwise the same gather in PyTorch."""
+    from k3.ops.backend import resolve
+
+    N, L = z.shape
+    if order.shape != (N * k,) or pos.shape != (N * k,):
+        raise ValueError(f"order and pos must have shape [N*k={N * k}], got {tuple(order.shape)}, {tuple(pos.shape)}")
+    if resolve("moe_combine", z.device, available) == "triton":
+        return _Dispatch.apply(z if z.stride(1) == 1 else z.contiguous(), order, pos.contiguous(), k)
+    return z[:, None, :].expand(N, k, L).reshape(N * k, L)[order]
+
+
 def moe_combine(y: Tensor, pos: Tensor, weights: Tensor, out_dtype: torch.dtype) -> Tensor:
     """The combine on the backend k3.ops.backend picks for `y`'s device (the Triton kernel on CUDA)."""
     from k3.ops.backend import resolve

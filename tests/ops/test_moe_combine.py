@@ -66,6 +66,29 @@ def test_interpreted_kernel_zero_tokens_and_strided_gradient(interpret):
     _assert_matches(_both(y, pos, w, du_t, torch.float32), 1e-5, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_dispatch_backward_is_the_unit_weight_combine(interpret, dtype):
+    # x = z[order // k]: the same rows as the PyTorch gather; dz sums each token's k slot gradients in fp32
+    # (fp32: 1e-6; bf16: one ulp of the stored result, the interpreter truncating).
+    from k3.ops.moe_combine import _Dispatch
+
+    N, k, L = 23, 4, 96
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(N, L, generator=g).to(dtype)
+    order = torch.randperm(N * k, generator=g)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(N * k)
+    dx = torch.randn(N * k, L, generator=g).to(dtype)
+    z1, z2 = z.clone().requires_grad_(), z.clone().requires_grad_()
+    x1 = _Dispatch.apply(z1, order, pos, k)
+    x2 = z2[:, None, :].expand(N, k, L).reshape(N * k, L)[order]
+    assert torch.equal(x1, x2)
+    x1.backward(dx)
+    x2.backward(dx)
+    assert z1.grad.dtype == dtype
+    assert rel_err(z1.grad.float(), z2.grad.float()) < (1e-6 if dtype == torch.float32 else 2**-7)
+
+
 def test_shapes_are_checked():
     y, pos, w, _ = _case(4, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="y must have shape"):
@@ -74,6 +97,10 @@ def test_shapes_are_checked():
         moe_combine_torch(y, pos.float(), w, torch.float32)
     with pytest.raises(ValueError, match="weights must be"):
         moe_combine_torch(y, pos, w[0], torch.float32)
+    from k3.ops.moe_combine import moe_dispatch
+
+    with pytest.raises(ValueError, match="order and pos must have shape"):
+        moe_dispatch(torch.zeros(4, 8), pos, pos, 3)
 
 
 def test_cpu_uses_the_reference_and_forcing_the_kernel_on_cpu_is_an_error(monkeypatch):
@@ -91,3 +118,30 @@ def test_gpu_kernel_matches_reference(dtype):
     # k3-mini's shape at 8K tokens: 8 of 128 experts, latent 512. bf16: one rounding of u and dy (2^-8).
     tol = 1e-5 if dtype == torch.float32 else 2**-8
     _assert_matches(_both(*_case(8192, 8, 512, dtype, device="cuda"), dtype), tol, max(tol, 1e-6))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_grouped_moe_layer_with_the_kernels_matches_the_pytorch_permutations(monkeypatch):
+    # The whole grouped MoE (k3-mini's experts, 4K tokens, bf16) with dispatch backward and combine on the kernel
+    # against the same layer with PyTorch's gather/scatter: output and every gradient within 1e-2 relative.
+    from k3.model.latent_moe import GroupedExperts
+    from k3.ops.moe import moe_experts_grouped, route
+
+    torch.manual_seed(0)
+    ex = GroupedExperts(128, 512, 768, 4.0, 25.0).cuda()
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    logits = torch.randn(4096, 128, device="cuda")
+    z0 = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    du = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for be in ("triton", "torch"):
+        monkeypatch.setenv("K3_MOE_COMBINE_BACKEND", be)
+        z, lg = z0.clone().requires_grad_(), logits.clone().requires_grad_()
+        r = route(lg, None, 8)
+        u = moe_experts_grouped(z, r.weights, r.indices, ex.w1, ex.w3, ex.w2, ex.act_fused)
+        grads = torch.autograd.grad((u.float() * du.float()).sum(), [z, lg, ex.w1, ex.w3, ex.w2])
+        res[be] = (u, *grads)
+    for a, b in zip(res["triton"], res["torch"]):
+        assert rel_err(a.float(), b.float()) < 1e-2
