@@ -332,7 +332,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                 buckets.setdefault(key, []).append((p, group, gb, _blocks(buf, group["split"], group["num_blocks"])))
         for (device, rows, cols, steps), items in buckets.items():
             dtype = self._ns_dtype(device)
-            block_bytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+            block_bytes = rows * cols * dtype.itemsize
             for chunk in _chunks(items, lambda item, bb=block_bytes: item[2].shape[0] * bb, NS_CHUNK_BYTES):
                 x = torch.empty(sum(item[2].shape[0] for item in chunk), rows, cols, device=device, dtype=dtype)
                 off = 0
