@@ -17,6 +17,8 @@ KDA's state is fp32 by the spec); outputs come back in the input dtype, states s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -197,26 +199,65 @@ def _chunk_index(starts, lengths, total: int, C: int, device):
     Returns (gather [M * C]: the token feeding each chunk slot, ``total`` = the zero padding
     row; scatter [total]: the chunk slot of each token; counts: list of n_max ints;
     perm [N]: sequence at each rank; rank [N]: rank of each sequence).
+
+    The sizes are worked out on the host from the (host) starts and lengths, so nothing is read back
+    from the device. Rows of one length (no cu_seqlens) get maps computed on the device from their sizes alone:
+    no host-to-device copy either, so such a call can run under CUDA-graph capture (the maps then belong to the
+    graph). Packed layouts keep the maps of the last few layouts (the KDA layers of one forward share one).
     """
     N = len(lengths)
+    if N and all(ln == lengths[0] for ln in lengths) and list(starts) == [i * lengths[0] for i in range(N)]:
+        return _uniform_chunk_index(N, lengths[0], C, torch.device(device))
+    return _chunk_index_cached(tuple(starts), tuple(lengths), total, C, torch.device(device))
+
+
+def _uniform_chunk_index(B: int, T: int, C: int, device: torch.device):
+    """_chunk_index for B rows of T tokens each (row b = tokens b*T ...): every row has the same chunk count, so
+    ranks are rows and step j's chunks are j*B ... j*B + B - 1. Device arithmetic only."""
+    nc = -(-T // C)
+    m = torch.arange(B * nc, device=device)
+    j, row = m // B, m % B
+    p = j[:, None] * C + torch.arange(C, device=device)
+    gather = torch.where(p < T, row[:, None] * T + p, B * T).flatten()
+    t = torch.arange(B * T, device=device)
+    b, p = t // T, t % T
+    scatter = ((p // C) * B + b) * C + p % C
+    ident = torch.arange(B, device=device)
+    return gather, scatter, [B] * nc, ident, ident
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_index_cached(starts: tuple, lengths: tuple, total: int, C: int, device: torch.device):
+    N = len(lengths)
+    n = [-(-ln // C) for ln in lengths]  # chunks per sequence
+    perm_l = sorted(range(N), key=lambda i: -n[i])  # stable: ties keep sequence order
+    rank_l = [0] * N
+    for r, i in enumerate(perm_l):
+        rank_l[i] = r
+    n_max = max(n, default=0)
+    at_least = [0] * (n_max + 1)  # at_least[j]: sequences with exactly j chunks, then suffix-summed
+    for c in n:
+        at_least[c] += 1
+    counts = []  # counts[j]: sequences with more than j chunks
+    running = N - at_least[0]
+    for j in range(n_max):
+        counts.append(running)
+        running -= at_least[j + 1]
+    M = sum(counts)
     st = torch.tensor(starts, dtype=torch.long, device=device)
     ln = torch.tensor(lengths, dtype=torch.long, device=device)
-    n = (ln + C - 1) // C  # chunks per sequence
-    perm = torch.sort(n, descending=True, stable=True).indices
-    rank = torch.empty_like(perm)
-    rank[perm] = torch.arange(N, device=device)
-    n_max = int(n.max()) if N else 0
-    cnt = (n[None, :] > torch.arange(n_max, device=device)[:, None]).sum(1)  # [n_max]
+    perm = torch.tensor(perm_l, dtype=torch.long, device=device)
+    rank = torch.tensor(rank_l, dtype=torch.long, device=device)
+    cnt = torch.tensor(counts, dtype=torch.long, device=device)
     off = cnt.cumsum(0) - cnt  # first chunk of each step
-    M = int(cnt.sum())
-    j = torch.repeat_interleave(torch.arange(n_max, device=device), cnt)  # step of each chunk
+    j = torch.repeat_interleave(torch.arange(n_max, device=device), cnt, output_size=M)  # step of each chunk
     seq = perm[torch.arange(M, device=device) - off[j]]  # its sequence
     p = j[:, None] * C + torch.arange(C, device=device)  # offset of each slot in the sequence
     gather = torch.where(p < ln[seq, None], st[seq, None] + p, total).flatten()
-    tok_seq = torch.repeat_interleave(torch.arange(N, device=device), ln)
+    tok_seq = torch.repeat_interleave(torch.arange(N, device=device), ln, output_size=total)
     p = torch.arange(total, device=device) - st[tok_seq]  # offset of each token in its sequence
     scatter = (off[p // C] + rank[tok_seq]) * C + p % C
-    return gather, scatter, cnt.tolist(), perm, rank
+    return gather, scatter, counts, perm, rank
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,8 +363,11 @@ _TILED_G_MIN = -5.0
 _DIRECT_MAX_ELEMS = 1 << 24  # size of the [.., C, C, K] decay tensor built at once
 
 
-def _tiles_are_exact(g: Tensor) -> bool:
-    """Whether the tiled pair scores may be used for this g (see the note above)."""
+def _tiles_are_exact(g: Tensor, g_min: float | None = None) -> bool:
+    """Whether the tiled pair scores may be used for this g (see the note above). `g_min`, a lower bound on g that
+    the caller guarantees (kda_gate's lower_bound), decides without reading g's minimum back from the device."""
+    if g_min is not None and g_min >= _TILED_G_MIN * (1 + 1e-6):
+        return True
     return g.numel() == 0 or float(g.detach().amin()) >= _TILED_G_MIN * (1 + 1e-6)
 
 
@@ -416,7 +460,7 @@ def _unit_lower_inverse(A: Tensor) -> Tensor:
     return T[..., 0, :C, :C]
 
 
-def _kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, pairs="auto"):
+def _kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, pairs="auto", g_min=None):
     """kda_chunk; ``pairs`` picks the intra-chunk pair scores: "auto" (tiled when g allows it),
     "tiled" or "direct" (the last two exist for tests)."""
     if chunk_size < 1:
@@ -428,7 +472,7 @@ def _kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, p
     if B * T == 0:
         return v.new_zeros(v.shape), S
     C = chunk_size
-    tiled = pairs == "tiled" or (pairs == "auto" and _tiles_are_exact(g))
+    tiled = pairs == "tiled" or (pairs == "auto" and _tiles_are_exact(g, g_min))
     gather, scatter, counts, perm, rank = _chunk_index(starts, lengths, B * T, C, q.device)
     M = sum(counts)
 
@@ -476,12 +520,15 @@ def _kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, p
 
 
 @fp32_math
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, chunk_size=64):
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, chunk_size=64, g_min=None):
     """Chunkwise-parallel KDA: recurrent across chunks, parallel (WY/UT transform) inside one.
 
     Same contract and results as ``kda_recurrent``; T need not be a multiple of chunk_size.
     Everything inside the chunks is computed for all chunks (of all packed sequences) at once;
     only the state recurrence loops, once per chunk index. The intra-chunk decay uses 16-token
     tiles when every g >= -5 (kda_gate's default bound), and an exact but slower form otherwise.
+    ``g_min``: a lower bound on g the caller guarantees (kda_gate's lower_bound); when it allows the tiles, g's
+    minimum is not read back from the device. With it, and without cu_seqlens, the call reads nothing back, so a
+    step of fixed shape can be captured in a CUDA graph.
     """
-    return _kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    return _kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, g_min=g_min)

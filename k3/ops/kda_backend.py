@@ -39,8 +39,10 @@ def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_sta
     g = ref.kda_gate(z, A_log, dt_bias, lower_bound)
     qn, kn = ref.l2norm(q), ref.l2norm(k)
     beta = torch.sigmoid(beta_logits.float())
-    fn = ref.kda_recurrent if T == 1 else ref.kda_chunk
-    return fn(qn, kn, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if T == 1:
+        return ref.kda_recurrent(qn, kn, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    # g >= lower_bound by construction (kda_gate), so the chunk need not read g's minimum back from the device
+    return ref.kda_chunk(qn, kn, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, g_min=lower_bound)
 
 
 def short_conv(x, weight, conv_state=None, cu_seqlens=None, backend: str | None = None):

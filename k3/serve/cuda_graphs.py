@@ -36,8 +36,8 @@ Prefill chunks of exactly one hash block (`prefill_lengths`; the uncached tail o
 hit) run the same way in buckets of their own, of at most MAX_PREFILL_GRAPH_TOKENS tokens a step and contexts of
 at most MAX_PREFILL_GRAPH_CONTEXT tokens: ids [Bb, T], every new row written to the pages first, then each query
 as its own row of the paged decode kernel with length position + 1 (causal). That makes a cached prompt's time to
-first token one graph replay instead of an eager forward. With capture this needs KDA on fla (the reference
-chunked KDA reads values back); a capture that fails turns off prefill graphs only.
+first token one graph replay instead of an eager forward. KDA runs there on fla or on the reference, whose chunked
+form reads nothing back for rows of one length; a capture that fails turns off prefill graphs only.
 
 K3_CUDA_GRAPHS: auto (default: capture when the conditions hold), off, or eager (the static-buffer step called
 directly, without capture, on any device: the same buffers, padding and scratch page; for tests and debugging).
@@ -113,17 +113,9 @@ def decode_graphs_mode(model) -> str | None:
 
 def prefill_graph_lengths(model, mode: str, hash_block_tokens: int) -> tuple[int, ...]:
     """Prefill chunk lengths that run on static buffers besides decode steps: the hash block (the uncached tail
-    of a prompt whose prefix was a hit is one hash block or less, so its last chunk often is exactly one). With
-    capture this needs KDA's chunk on fla: the reference chunk reads values back from the device."""
-    if mode == "eager":
-        return (hash_block_tokens,)
-    from k3.ops.kda_backend import resolve_backend
-
-    device = next(model.parameters()).device
-    if any(l.is_kda for l in model.model.layers) and resolve_backend(device) != "fla":
-        notice("prefill chunks run without CUDA graphs: KDA runs on the PyTorch reference, whose chunked form reads "
-               "values back from the device (K3_KDA_BACKEND=fla)")
-        return ()
+    of a prompt whose prefix was a hit is one hash block or less, so its last chunk often is exactly one). Both
+    KDA backends can be captured there: fla's chunk, and the reference chunk, which reads nothing back from the
+    device for rows of one length (its chunk layout comes from host sizes, its tile choice from the gate's bound)."""
     return (hash_block_tokens,)
 
 

@@ -44,6 +44,40 @@ def _fla_usable() -> bool:
         return False
 
 
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Make every read of a tensor's values into Python (a device sync on a GPU) raise, while the fixture is on."""
+    def refuse(self, *a, **k):
+        raise AssertionError("a tensor value was read back to the host")
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def test_reference_chunk_and_short_conv_read_nothing_back_for_unpacked_rows(no_host_reads):
+    # A serving step of fixed shape (rows of equal length, no cu_seqlens) can then be captured in a CUDA graph:
+    # the chunk layout is worked out on the host and the gate's bound (g >= lower_bound) stands in for reading
+    # g's minimum. Twice: building the chunk maps and reusing them.
+    q, k, v, z, beta, A_log, dt_bias = _inputs(2, 200, 2, 16, "cpu", torch.float32)
+    x = torch.randn(2, 200, 8)
+    w = torch.randn(8, 1, 4)
+    for _ in range(2):
+        o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backend="torch")
+        ref.short_conv(x, w, torch.zeros(2, 8, 3))
+    assert o.shape == (2, 200, 2, 16) and s.shape == (2, 2, 16, 16)
+
+
+def test_chunk_maps_from_host_sizes_match_the_recurrence_for_packed_documents():
+    # The host-side chunk layout (sorted by chunk count, longest first; empty and 1-token documents included)
+    # against the token recurrence.
+    q, k, v, z, beta, A_log, dt_bias = _inputs(1, 300, 2, 16, "cpu", torch.float32, seed=3)
+    cu = torch.tensor([0, 0, 1, 130, 131, 300])
+    o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, cu_seqlens=cu, backend="torch")
+    g = ref.kda_gate(z, A_log, dt_bias, -5.0)
+    o2, s2 = ref.kda_recurrent(ref.l2norm(q), ref.l2norm(k), v, g, torch.sigmoid(beta), cu_seqlens=cu)
+    assert rel_err(o, o2) < 1e-5 and rel_err(s, s2) < 1e-5
+
+
 DEV = "cuda"  # the device of the fla comparisons
 needs_fla = pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-core")
 
@@ -135,3 +169,13 @@ def test_fla_chunk_in_fp32_matches_reference_closely():
     # The same comparison with fp32 inputs separates the kernel's math from bf16 rounding: 5e-3 relative
     # (the kernel's own dot products run in reduced precision).
     _assert_close(_fla_vs_reference(1, 2048, 8, [0, 300, 1024, 1724, 2048], torch.float32), 5e-3)
+
+
+@pytest.mark.parametrize("B,T,C", [(1, 1, 64), (3, 200, 64), (2, 64, 64), (4, 130, 16)])
+def test_uniform_rows_chunk_maps_equal_the_general_ones(B, T, C):
+    # Rows of one length take maps computed on the device alone (capturable); they are the general maps.
+    u = ref._uniform_chunk_index(B, T, C, torch.device("cpu"))
+    g = ref._chunk_index_cached(tuple(i * T for i in range(B)), (T,) * B, B * T, C, torch.device("cpu"))
+    assert u[2] == g[2]
+    for a, b in zip(u[:2] + u[3:], g[:2] + g[3:]):
+        assert torch.equal(a, b)

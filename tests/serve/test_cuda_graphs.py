@@ -290,12 +290,14 @@ def test_gpu_captured_decode_equals_the_eager_engine(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_captured_hash_block_prefill_equals_the_eager_engine(monkeypatch):
-    # With KDA on fla, hash-block prefill chunks are captured too: a prompt with a cached prefix and a one-hash-
-    # block tail gives the same greedy output through the captured prefill graph as through the eager engine.
-    if not backend.importable("fla.ops.kda")[0]:
+@pytest.mark.parametrize("kda_backend", ["torch", "fla"])
+def test_gpu_captured_hash_block_prefill_equals_the_eager_engine(monkeypatch, kda_backend):
+    # Hash-block prefill chunks are captured too (KDA on fla, or on the reference, whose chunk reads nothing back
+    # for rows of one length): a prompt with a cached prefix and a one-hash-block tail gives the same greedy
+    # output through the captured prefill graph as through the eager engine.
+    if kda_backend == "fla" and not backend.importable("fla.ops.kda")[0]:
         pytest.skip("needs fla-core")
-    monkeypatch.setenv("K3_KDA_BACKEND", "fla")
+    monkeypatch.setenv("K3_KDA_BACKEND", kda_backend)
     monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
     monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
     monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")
