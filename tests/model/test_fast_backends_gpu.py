@@ -24,9 +24,11 @@ def mini():
 
 
 TRAINING_OPS = [op for op in FAST if op != "mla_decode"]  # the paged decode only runs in the serving engine
+NEEDS = {"moe_combine": ["moe"]}  # the combine kernel runs inside the grouped MoE only
 
 
-@pytest.mark.parametrize("fast_ops", [[op] for op in TRAINING_OPS] + [TRAINING_OPS], ids=[*TRAINING_OPS, "all"])
+@pytest.mark.parametrize("fast_ops", [NEEDS.get(op, []) + [op] for op in TRAINING_OPS] + [TRAINING_OPS],
+                         ids=[*TRAINING_OPS, "all"])
 def test_k3_mini_loss_and_gradients_match_on_fast_backends(mini, monkeypatch, fast_ops):
     # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents;
     # each fast backend alone, then all together, against every op on the reference.
