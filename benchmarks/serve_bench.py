@@ -159,7 +159,7 @@ def main() -> None:
     if args.backend != "auto":
         from k3.ops.backend import force_all
 
-        force_all(args.backend)
+        force_all(args.backend, overwrite=False)
     dev = torch.device(args.device)
     cfg = K3Config.from_preset(args.preset).replace(num_nextn_predict_layers=0)
     torch.manual_seed(0)

@@ -4,7 +4,8 @@
         [--backend fast|torch] [--activation-checkpointing] [--profile]
 
 `--backend fast` runs every op on its GPU fast path (fla KDA and AttnRes, flex MLA, grouped-GEMM MoE with the
-fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) lets k3.ops.backend decide.
+fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) lets k3.ops.backend decide. An op
+pinned by its K3_<OP>_BACKEND variable keeps that backend.
 
 Runs the real training step (forward + backward incl. MTP, Per-Head Muon, QK-Clip, Quantile Balancing) on
 random tokens. MFU counts 6 x active parameters per token plus causal MLA attention (12 x layers x heads x
@@ -48,7 +49,7 @@ def main() -> None:
                     help="after the timed steps, run one more under torch.profiler and print its top operators")
     args = ap.parse_args()
     if args.backend != "auto":
-        force_all(args.backend)
+        force_all(args.backend, overwrite=False)
     cfg = K3Config.from_preset(args.preset)
     if args.vocab_size:
         cfg = cfg.replace(vocab_size=args.vocab_size)

@@ -18,19 +18,20 @@ def _config_from_arg(spec: str):
 
 
 BACKEND_HELP = ("which implementation runs the ops that have a GPU fast path: auto (each op's fast backend on CUDA "
-                "once validated, else the PyTorch reference; the K3_<OP>_BACKEND variables still apply), fast (every "
-                "fast backend, validated or not; needs CUDA) or torch (the reference everywhere)")
+                "once validated, else the PyTorch reference), fast (every fast backend, validated or not; needs "
+                "CUDA) or torch (the reference everywhere). An op pinned by its K3_<OP>_BACKEND variable keeps it")
 
 
 def _apply_backend(choice: str, device) -> None:
-    """--backend: 'fast' or 'torch' set every op's K3_<OP>_BACKEND variable (k3.ops.backend); 'auto' leaves them."""
+    """--backend: 'fast' or 'torch' set every op's K3_<OP>_BACKEND variable (k3.ops.backend) that is unset or 'auto';
+    'auto' leaves them all."""
     from k3.ops.backend import force_all
 
     if choice == "auto":
         return
     if choice == "fast" and device.type != "cuda":
         raise SystemExit(f"k3: --backend fast needs a CUDA device (this run is on {device.type}); use auto or torch")
-    force_all(choice)
+    force_all(choice, overwrite=False)
 
 
 def _cmd_serve(args) -> int:

@@ -27,6 +27,17 @@ def test_train_backend_torch_sets_every_op_and_auto_leaves_them(clean_env, tmp_p
     assert all(os.environ[env_var(op)] == "torch" for op in FAST) and len(seen) == 2
 
 
+def test_backend_flag_keeps_an_op_pinned_by_its_variable(clean_env, tmp_path):
+    from k3.train import run
+
+    clean_env.setattr(run, "run_training", lambda opts, tcfg, **kw: {"step": 0})
+    clean_env.setenv("K3_MOE_COMBINE_BACKEND", "triton")
+    assert cli.main(["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--max-steps", "1",
+                     "--backend", "torch"]) == 0
+    assert os.environ["K3_MOE_COMBINE_BACKEND"] == "triton"
+    assert all(os.environ[env_var(op)] == "torch" for op in FAST if op != "moe_combine")
+
+
 def test_backend_fast_without_cuda_is_a_clear_error(clean_env, tmp_path):
     with pytest.raises(SystemExit, match="--backend fast needs a CUDA device"):
         cli.main(["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--max-steps", "1", "--backend", "fast"])

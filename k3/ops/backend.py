@@ -66,11 +66,12 @@ def importable(module: str) -> tuple[bool, str]:
 
 def force_all(mode: str, overwrite: bool = True) -> None:
     """Set every op's environment variable: mode 'fast' (each op's fast backend) or 'torch' (the reference);
-    with overwrite=False, variables already set are kept."""
+    with overwrite=False, variables already set to a backend (anything but unset or 'auto') are kept, so one op
+    can be pinned while a blanket choice sets the rest."""
     if mode not in ("fast", "torch"):
         raise ValueError(f"mode must be 'fast' or 'torch', got {mode!r}")
     for op, fast in FAST.items():
-        if overwrite or env_var(op) not in os.environ:
+        if overwrite or os.environ.get(env_var(op), "auto").strip().lower() == "auto":
             os.environ[env_var(op)] = fast if mode == "fast" else "torch"
 
 
