@@ -79,12 +79,16 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        hooks = _range_hooks(model)
         with profile(activities=acts) as prof:
             tr.train_step()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
+        for h in hooks:
+            h.remove()
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
+        _print_ranges(prof)
     dt = float(np.median(times))
     tok_s = args.batch_tokens / dt
     info = model_info(cfg, context=args.seq_len)
@@ -104,6 +108,47 @@ def main() -> None:
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
     }
     print(json.dumps(out))
+
+
+def _range_hooks(model) -> list:
+    """Forward hooks that open a profiler range per mixer / FFN / MTP module ("k3.fwd.<kind>"), so the profile
+    splits the forward by component (the trainer itself marks forward, backward, optimizer, QK-Clip, balancing)."""
+    from torch.profiler import record_function
+
+    from k3.model.kda import KimiDeltaAttention
+    from k3.model.latent_moe import LatentMoE
+    from k3.model.mla import GatedMLA
+    from k3.model.mtp import MTPLayer
+
+    kinds = {KimiDeltaAttention: "kda", GatedMLA: "mla", LatentMoE: "moe", MTPLayer: "mtp"}
+    hooks, open_ranges = [], {}
+    for m in model.modules():
+        kind = kinds.get(type(m))
+        if kind is None:
+            continue
+
+        def pre(mod, args, kind=kind):
+            rf = record_function(f"k3.fwd.{kind}")
+            rf.__enter__()
+            open_ranges.setdefault(id(mod), []).append(rf)
+
+        def post(mod, args, out):
+            open_ranges[id(mod)].pop().__exit__(None, None, None)
+
+        hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    return hooks
+
+
+def _print_ranges(prof) -> None:
+    """Time inside each k3.* range of the profiled step: host time and the device time of the kernels it
+    launched (nested ranges are included in their parents)."""
+    rows = [e for e in prof.key_averages() if e.key.startswith("k3.")]
+    print(f"{'range':<24}{'calls':>7}{'host ms':>12}{'device ms':>12}")
+    for e in sorted(rows, key=lambda e: e.key):
+        dev_us = getattr(e, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "cuda_time_total", 0.0)
+        print(f"{e.key:<24}{e.count:>7}{e.cpu_time_total / 1e3:>12.1f}{dev_us / 1e3:>12.1f}", flush=True)
 
 
 if __name__ == "__main__":

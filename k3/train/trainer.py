@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from k3.model.latent_moe import LatentMoE
 from k3.model.model import K3ForCausalLM
@@ -183,7 +184,8 @@ class Trainer:
             self.log(f"step {self.step + 1}: out of memory with {mb}-row micro-batches; "
                      f"retrying with {c.micro_batch_rows} rows (kept for the rest of the run)")
         self._all_reduce_grads()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
+        with record_function("k3.train.grad_clip"):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
         metrics = StepMetrics(step=self.step + 1, loss=loss_sum, lr=self.optimizer.param_groups[0]["lr"],
                               grad_norm=grad_norm, tokens_per_s=0.0, elapsed_s=0.0,
                               mtp_loss=mtp_sum if len(model.mtp) else None)
@@ -202,13 +204,15 @@ class Trainer:
                                     "The last good checkpoint is intact; try a lower --lr.")
         else:
             self.bad_steps = 0
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            with record_function("k3.train.optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
             if c.qk_clip_tau and c.qk_clip_tau > 0:
-                clip = qk_clip_(model, c.qk_clip_tau)
+                with record_function("k3.train.qk_clip"):
+                    clip = qk_clip_(model, c.qk_clip_tau)
                 metrics.max_logit, metrics.clipped_heads = clip["max_logit"], clip["clipped_heads"]
             # Quantile Balancing: the bias computed from this step's routing applies from the next step on.
-            with torch.no_grad():
+            with torch.no_grad(), record_function("k3.train.balance"):
                 for bal, m in zip(self.balancers, self.moe_layers):
                     m.gate.e_score_correction_bias.copy_(bal.update(m.gate.e_score_correction_bias))
         metrics.expert_load_max_over_mean = loads
@@ -230,11 +234,13 @@ class Trainer:
         for s in range(0, rows, mb):
             part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
             w = part["input_ids"].shape[0] / rows
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
+                    record_function("k3.train.forward"):
                 out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
                             return_logits=False)
                 loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
-            (loss * w).backward()
+            with record_function("k3.train.backward"):
+                (loss * w).backward()
             losses.append(out.loss.detach().double() * w)
             if out.mtp_loss is not None:
                 mtps.append(out.mtp_loss.detach().double() * w)
