@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
@@ -16,6 +15,7 @@ from k3.model.block import DecoderLayer
 from k3.model.cache import K3Cache
 from k3.model.common import RMSNorm
 from k3.model.mtp import MTPLayer
+from k3.ops.linear_ce import linear_cross_entropy
 
 # Parameters kept in fp32 whatever the model dtype (they are fp32 in the release, checkpoint-layout §2.9).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
@@ -241,23 +241,14 @@ class K3ForCausalLM(nn.Module):
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 8192) -> torch.Tensor:
         """Mean next-token cross-entropy of `lm_head(norm(hidden))` against `labels` shifted by one (-100 ignored),
-        without the full [B, T, V] logits: rows are taken `chunk_tokens` at a time, and when there is more than
-        one chunk each chunk's logits are recomputed in backward instead of kept, so the head costs
-        O(chunk_tokens x V) memory at any context length. Equals `_shifted_ce(lm_head(norm(hidden)), labels, 1)`."""
+        without the full [B, T, V] logits: k3.ops.linear_ce takes the head `chunk_tokens` rows at a time and, when
+        gradients are on, finishes each chunk's gradient while its logits are at hand, so the head costs
+        O(chunk_tokens x V) memory at any context length and no recomputation. Equals
+        `_shifted_ce(lm_head(norm(hidden)), labels, 1)`."""
         D = hidden.shape[-1]
-        h = hidden[:, :-1].reshape(-1, D)
+        h = self.model.norm(hidden[:, :-1].reshape(-1, D))
         target = labels[:, 1:].reshape(-1)
-
-        def chunk_ce(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            logits = self.lm_head(self.model.norm(x)).float()
-            return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
-
-        n = h.shape[0]
-        if n <= chunk_tokens:
-            total = chunk_ce(h, target)
-        else:
-            total = sum(checkpoint(chunk_ce, h[i:i + chunk_tokens], target[i:i + chunk_tokens], use_reentrant=False)
-                        for i in range(0, n, chunk_tokens))
+        total = linear_cross_entropy(h, self.lm_head.weight, target, chunk_tokens=chunk_tokens)
         return total / (target != -100).sum()
 
     # --- checkpoints -----------------------------------------------------------------------------
