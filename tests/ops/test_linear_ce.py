@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import rel_err
+
 from k3.ops.linear_ce import linear_cross_entropy
 
 
