@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
@@ -248,7 +249,8 @@ class K3ForCausalLM(nn.Module):
         D = hidden.shape[-1]
         h = self.model.norm(hidden[:, :-1].reshape(-1, D))
         target = labels[:, 1:].reshape(-1)
-        total = linear_cross_entropy(h, self.lm_head.weight, target, chunk_tokens=chunk_tokens)
+        with record_function("k3.head_loss"):  # includes the head's gradient when one is needed
+            total = linear_cross_entropy(h, self.lm_head.weight, target, chunk_tokens=chunk_tokens)
         return total / (target != -100).sum()
 
     # --- checkpoints -----------------------------------------------------------------------------
