@@ -196,7 +196,6 @@ class LLMEngine:
                 if self.scheduler.running or self.scheduler.num_waiting:
                     return self._fail_unschedulable()
                 return []
-            logits: dict[str, torch.Tensor] = {}
             logits = self._run_batched(work)
             due = []
             for w in work:
@@ -205,7 +204,7 @@ class LLMEngine:
                     due.append(w.seq)
             outputs = []
             if due:  # every request's next token in one batched sampling call: one read-back per step
-                rows = torch.stack([logits[s.request_id] for s in due])
+                rows = _rows_of(logits, due)
                 toks = sample_batch(rows, [s.params for s in due], [s.generator for s in due])
                 outputs = [self._sample(s, t, rows[i]) for i, (s, t) in enumerate(zip(due, toks))]
             self.prefix.mark_landed()
@@ -219,12 +218,13 @@ class LLMEngine:
         bounds = [w.start, aligned, w.end] if w.start < aligned < w.end else [w.start, w.end]
         return list(zip(bounds, bounds[1:]))
 
-    def _run_batched(self, work: list[Work]) -> dict[str, torch.Tensor]:
+    def _run_batched(self, work: list[Work]) -> dict[str, tuple[torch.Tensor, int]]:
         """Run every request's segments in rounds (a request's second segment runs only after its first). In a
         round, the single-token decode steps run as one batched forward and all prefill segments as another:
-        of one length they are the rows of a batch, of different lengths they are packed into one row."""
+        of one length they are the rows of a batch, of different lengths they are packed into one row.
+        Returns {request id: (the forward's logits [B, V], the request's row)}."""
         segs = {id(w): self._segments(w) for w in work}
-        logits: dict[str, torch.Tensor] = {}
+        logits: dict[str, tuple[torch.Tensor, int]] = {}
         for r in range(max(len(v) for v in segs.values())):
             groups: dict[bool, list[tuple[Work, int, int]]] = {}
             for w in work:
@@ -236,7 +236,7 @@ class LLMEngine:
                                           [self._slots(w.seq) for w, _, _ in group])
                 for i, (w, a, b) in enumerate(group):
                     self._after_forward(w.seq, b)
-                    logits[w.seq.request_id] = out[i]
+                    logits[w.seq.request_id] = (out, i)
         return logits
 
     def _after_forward(self, seq: Sequence, end: int) -> None:
@@ -338,3 +338,13 @@ def _held_back(text: str, stops: list[str]) -> int:
                 n = max(n, k)
                 break
     return n
+
+
+def _rows_of(logits: dict[str, tuple[torch.Tensor, int]], due: list) -> torch.Tensor:
+    """The due requests' logits as one [N, V] tensor: a view of the forward's output when they are its rows
+    in order (a batch of decode steps), else the rows stacked."""
+    picked = [logits[s.request_id] for s in due]
+    out, first = picked[0]
+    if all(t is out and i == first + k for k, (t, i) in enumerate(picked)):
+        return out[first:first + len(picked)]
+    return torch.stack([t[i] for t, i in picked])

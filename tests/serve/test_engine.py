@@ -316,3 +316,22 @@ def test_token_view_reads_like_the_token_list():
             view[end]
     with pytest.raises(ValueError, match="outside"):
         seq.token_view(8)
+
+
+def test_due_rows_are_a_view_of_the_batch_when_in_order_else_stacked():
+    # A decode batch's logits are sampled straight from the forward's output (no per-row copy); rows from two
+    # forwards, or out of order, are stacked.
+    from types import SimpleNamespace
+
+    from k3.serve.engine import _rows_of
+
+    out, other = torch.randn(4, 10), torch.randn(2, 10)
+    seqs = [SimpleNamespace(request_id=f"r{i}") for i in range(4)]
+    logits = {f"r{i}": (out, i) for i in range(4)}
+    rows = _rows_of(logits, seqs[1:3])
+    assert rows.data_ptr() == out[1].data_ptr() and torch.equal(rows, out[1:3])
+    shuffled = _rows_of(logits, [seqs[2], seqs[0]])
+    assert torch.equal(shuffled, out[[2, 0]])
+    logits["r3"] = (other, 0)
+    mixed = _rows_of(logits, seqs[2:4])
+    assert torch.equal(mixed, torch.stack([out[2], other[0]]))
