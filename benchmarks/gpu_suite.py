@@ -153,7 +153,7 @@ def main() -> None:
            "TRITON_CACHE_AUTOTUNING": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
     t_start = time.monotonic()
-    summary = []
+    summary, saved = [], []
     for name in args.steps:
         cmds, limit = STEPS[name]
         if args.budget_s is not None:
@@ -165,12 +165,13 @@ def main() -> None:
         rc, dt = run_step(name, cmds, limit, args.out, env)
         summary.append((name, f"exit {rc}", dt))
         if args.save_cache and args.cache_content == "autotune" and os.path.isdir(cache):
-            save_cache(cache, args.save_cache, args.split_mb, "autotune")  # small: kept current after every step
+            saved = save_cache(cache, args.save_cache, args.split_mb, "autotune")  # small: kept current every step
     for name, status, dt in summary:
         print(f"SUMMARY {name}: {status} in {dt:.0f} s", flush=True)
-    if args.save_cache and os.path.isdir(cache):
-        for name in save_cache(cache, args.save_cache, args.split_mb, args.cache_content):
-            print(f"kernel cache: {name} ({os.path.getsize(name) / 2**20:.1f} MB)", flush=True)
+    if args.save_cache and os.path.isdir(cache) and (args.cache_content == "all" or not saved):
+        saved = save_cache(cache, args.save_cache, args.split_mb, args.cache_content)
+    for name in saved:
+        print(f"kernel cache: {name} ({os.path.getsize(name) / 2**20:.1f} MB)", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,11 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["available", "moe_combine", "moe_combine_torch", "moe_combine_triton"]
+# The same requirements as the SiTU kernels (Triton and CUDA, or TRITON_INTERPRET=1), checked the same way, as
+# k3.ops.mla_decode does.
+from k3.ops.situ_triton import _interpret, available
+
+__all__ = ["available", "moe_combine", "moe_combine_torch", "moe_combine_triton", "moe_dispatch"]
 
 _MAX_BLOCK_L = 512
 # triton.language and the sum combine function, bound on first use. As in k3.ops.mla_decode, the kernel calls only
@@ -49,15 +53,6 @@ def moe_combine_torch(y: Tensor, pos: Tensor, weights: Tensor, out_dtype: torch.
     N, k = weights.shape
     u = (y[pos].view(N, k, y.shape[1]).float() * weights.float()[:, :, None]).sum(dim=1)
     return u.to(out_dtype)
-
-
-def available() -> tuple[bool, str]:
-    """(True, "") when the Triton kernel can run here (Triton and CUDA, or TRITON_INTERPRET=1), else why not."""
-    from k3.ops.situ_triton import (
-        available as situ_available,  # same requirements, one check
-    )
-
-    return situ_available()
 
 
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, u_ptr, du_ptr, dy_ptr, dw_ptr, stride_y, stride_u, L: tl.constexpr,
@@ -99,8 +94,6 @@ def _kernel(interpret: bool):
 
 def _launch(y, pos, w, *, u=None, du=None, dy=None, dw=None) -> None:
     """Forward (u given) or backward (du, dy, dw given); y, u, du row-major with unit column stride."""
-    from k3.ops.situ_triton import _interpret
-
     N, k = w.shape
     L = y.shape[1]
     if N == 0 or L == 0:

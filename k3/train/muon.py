@@ -55,6 +55,7 @@ MUON_RMS_SCALE = 0.2
 # Newton-Schulz runs on at most this many bytes of blocks per batched call (its Gram matrices and the next
 # iterate add about 3x that while it runs).
 NS_CHUNK_BYTES = 1 << 30
+NS_EPS = 1e-7  # added to each block's Frobenius norm before dividing by it
 
 DEFAULT_LR = 2e-3
 DEFAULT_WEIGHT_DECAY = 0.1
@@ -64,7 +65,7 @@ DEFAULT_WEIGHT_DECAY = 0.1
 # Newton-Schulz
 # --------------------------------------------------------------------------------------------------
 def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32,
-                  eps: float = 1e-7) -> torch.Tensor:
+                  eps: float = NS_EPS) -> torch.Tensor:
     """Approximate orthogonalization U V^T of G = U S V^T by the quintic Newton-Schulz iteration.
 
     g: [..., rows, cols] (leading dims are a batch of independent matrices). Each matrix is first divided
@@ -332,8 +333,8 @@ class PerHeadMuon(torch.optim.Optimizer):
                 buckets.setdefault(key, []).append((p, group, gb, _blocks(buf, group["split"], group["num_blocks"])))
         for (device, rows, cols, steps), items in buckets.items():
             dtype = self._ns_dtype(device)
-            block_bytes = rows * cols * dtype.itemsize
-            for chunk in _chunks(items, lambda item, bb=block_bytes: item[2].shape[0] * bb, NS_CHUNK_BYTES):
+            max_blocks = max(1, NS_CHUNK_BYTES // (rows * cols * dtype.itemsize))
+            for chunk in _chunks(items, lambda item: item[2].shape[0], max_blocks):
                 x = torch.empty(sum(item[2].shape[0] for item in chunk), rows, cols, device=device, dtype=dtype)
                 off = 0
                 for p, group, gb, bb in chunk:  # u = g + mu * buf (Nesterov) or buf, rounded once into x
@@ -343,7 +344,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                     else:
                         dst.copy_(bb)
                     off += gb.shape[0]
-                o = _orthogonalize_(x, steps, eps=1e-7)
+                o = _orthogonalize_(x, steps, NS_EPS)
                 off = 0
                 for p, group, gb, _ in chunk:
                     n = gb.shape[0]
