@@ -38,7 +38,9 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/train/test_muon.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
-KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/model/test_fast_backends_gpu.py"]
+KDA_TEST_FILES = ["tests/ops/test_kda_backend.py"]
+# every fast backend inside k3-mini against the reference, site by site (one case per backend, then all at once)
+MODEL_TEST_FILE = "tests/model/test_fast_backends_gpu.py"
 PYTEST = [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "-rs"]
 # -v names each test as it starts (a step stopped by its time limit shows where); -s lets autotuning print its time
 KDA_PYTEST = ["env", "TRITON_PRINT_AUTOTUNING=1"] + [a for a in PYTEST if a != "-q"] + ["-v", "-s"]
@@ -49,6 +51,7 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
 STEPS = {
     "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 360),  # flex max-autotune compiles for a minute or two
     "tests_kda": ([KDA_PYTEST + ["-k", "not fp32", f] for f in KDA_TEST_FILES], 480),
+    "tests_model": ([[a for a in PYTEST if a != "-q"] + ["-v", MODEL_TEST_FILE]], 480),
     # fp32 inputs are a new autotuning set for every fla kernel (about 7 minutes on a fresh machine)
     "tests_kda_fp32": ([KDA_PYTEST + ["-k", "fp32", KDA_TEST_FILES[0]]], 540),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),

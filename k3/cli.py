@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto")
     s.set_defaults(fn=cmd_eval)
 
-    from k3.serve.server import add_serve_arguments
+    from k3.serve.options import add_serve_arguments
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (binds 127.0.0.1 by default)")
     add_serve_arguments(s)

@@ -51,3 +51,16 @@ def test_serve_parses_backend_and_rejects_unknown_values(capsys):
     with pytest.raises(SystemExit):
         parse(["train", "--backend", "turbo"])
     assert "invalid choice: 'turbo'" in capsys.readouterr().err
+
+
+def test_cli_builds_without_the_http_stack_and_runs_as_a_module():
+    # `k3 train` on a machine without FastAPI installed must still start: the serve flags live apart from the server
+    import subprocess
+    import sys
+
+    code = "import sys; from k3.cli import build_parser; build_parser(); print('fastapi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    help_text = subprocess.run([sys.executable, "-m", "k3", "train", "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    assert "--max-minutes" in help_text

@@ -36,10 +36,11 @@ import torch
 FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
         "short_conv": "fla", "moe_combine": "triton"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
-# H200 with this code (2026-11-29: attn_res, mla, moe, situ). The fla KDA and short-conv tests and the
-# paged-decode kernel's tests have not run on a GPU yet, so `auto` keeps those on the reference until they do.
-VALIDATED = {"kda": False, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
-             "short_conv": False, "moe_combine": False}
+# H200 with this code: attn_res, mla, moe, situ (2026-11-29), mla_decode (2026-11-29), kda and short_conv
+# (2026-11-30: fla's chunk and decode KDA at k3-mini's shapes, packed and not, and the causal conv, packed and not).
+# The MoE combine kernel's GPU tests have not run yet, so `auto` keeps it on the reference until they do.
+VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
+             "short_conv": True, "moe_combine": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode runs its Triton kernel in Triton's interpreter
 # (TRITON_INTERPRET=1) or its gather-based reference.

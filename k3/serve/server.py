@@ -32,6 +32,7 @@ from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, render_chat
 from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
 from k3.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from k3.serve.metrics import MetricsExporter
+from k3.serve.options import add_serve_arguments  # noqa: F401  (re-exported: the flags of `k3 serve`)
 from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields,
                                _validation_message, error_body, error_response)
 from k3.serve.sampling import SamplingParams
@@ -514,28 +515,6 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
     print(f"k3 serve: model '{name}' from {ckpt_dir}; context {engine.max_model_len} tokens; cache "
           f"{stats['num_pages']} pages x {stats['page_bytes']} bytes; http://{host}:{port}/v1", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
-
-
-def add_serve_arguments(parser) -> None:
-    """The flags of `k3 serve`."""
-    parser.add_argument("--ckpt", required=True, help="checkpoint directory (or a training run directory: its latest "
-                                                      "checkpoint)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("K3_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)")
-    parser.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
-                                                          "directory's name)")
-    parser.add_argument("--cache-memory-mb", type=float, default=None, help="KV/state page pool size (default 512)")
-    parser.add_argument("--page-tokens", type=int, default=None, help="tokens per cache page (default 2048)")
-    parser.add_argument("--hash-block-tokens", type=int, default=None,
-                        help="prefix-cache block size; divides --page-tokens (default 512)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default 64)")
-    parser.add_argument("--max-step-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
-    parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="largest prefill chunk of one request per step (default 512)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def cmd_serve(args) -> int:

@@ -1,10 +1,15 @@
-"""The whole model on the GPU fast backends against the same model on the reference ops (marked `gpu`)."""
+"""Every fast backend inside k3-mini against the reference ops at the same sites (marked `gpu`)."""
 
 import pytest
 import torch
 
-from helpers import bf16_loss_and_grads, grad_disagreement, randomize_, rel_err
+from helpers import InSituComparison, bf16_loss_and_grads, randomize_, rel_err
 from k3.config import K3Config
+from k3.model.attn_res import AttnResStream
+from k3.model.common import SituMLP
+from k3.model.kda import KimiDeltaAttention
+from k3.model.latent_moe import GroupedExperts
+from k3.model.mla import GatedMLA
 from k3.model.model import K3ForCausalLM
 from k3.ops.backend import FAST, env_var
 
@@ -25,28 +30,39 @@ def mini():
 
 TRAINING_OPS = [op for op in FAST if op != "mla_decode"]  # the paged decode only runs in the serving engine
 NEEDS = {"moe_combine": ["moe"]}  # the combine kernel runs inside the grouped MoE only
+# The methods whose calls contain each op's backend choice.
+SITES = {"kda": [(KimiDeltaAttention, "forward")], "short_conv": [(KimiDeltaAttention, "forward")],
+         "mla": [(GatedMLA, "forward")], "moe": [(GroupedExperts, "forward")],
+         "moe_combine": [(GroupedExperts, "forward")], "situ": [(GroupedExperts, "forward"), (SituMLP, "forward")],
+         "attn_res": [(AttnResStream, "_mix")]}
 
 
 @pytest.mark.parametrize("fast_ops", [NEEDS.get(op, []) + [op] for op in TRAINING_OPS] + [TRAINING_OPS],
                          ids=[*TRAINING_OPS, "all"])
-def test_k3_mini_loss_and_gradients_match_on_fast_backends(mini, monkeypatch, fast_ops):
-    # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents;
-    # each fast backend alone, then all together, against every op on the reference.
-    # Tolerances: loss 1e-2 relative; all gradients together 3e-2 relative (L2); every gradient tensor of >= 64
-    # entries points the same way (cosine > 0.99). Per-element bounds do not fit here: a 13-layer bf16 stack
-    # summed in another order moves small entries by more than 10% (on CPU the grouped MoE alone, against the
-    # loop, gives 1% globally and cosines > 0.9998 per tensor).
+def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypatch, fast_ops):
+    # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents.
+    # At every call of a site that holds one of `fast_ops` (a KDA layer, an MLA layer, the routed experts, a
+    # SiTU-GLU FFN, an AttnRes mix), the call is repeated on copies of its real inputs with the reference ops and
+    # with the fast ones (helpers.InSituComparison): outputs and the gradients of all inputs and parameters within
+    # 5e-2 of the reference's largest entry, as in the op tests (bf16 on both sides here). The model itself runs on
+    # the reference, so every site sees the reference model's inputs. A whole-model gradient comparison does not
+    # work: this randomized k3-mini amplifies a 0.4% perturbation of one layer's output to ~80% eight layers on.
+    # End to end, the loss with the fast ops must agree to 1e-2 relative.
     model, ids, seg = mini
+    fast = {op: FAST[op] for op in fast_ops}  # forced, whether validated or not
     for op in FAST:
         monkeypatch.setenv(env_var(op), "torch")
-    loss_ref, g_ref = bf16_loss_and_grads(model, ids, seg)
-    for op in fast_ops:
-        monkeypatch.setenv(env_var(op), FAST[op])  # forced, whether validated or not
-    loss, g = bf16_loss_and_grads(model, ids, seg)
+    loss_ref, _ = bf16_loss_and_grads(model, ids, seg)
+    with monkeypatch.context() as m:
+        for op, be in fast.items():
+            m.setenv(env_var(op), be)
+        loss, _ = bf16_loss_and_grads(model, ids, seg)
     assert rel_err(loss, loss_ref) < 1e-2, (float(loss), float(loss_ref))
-    global_err, cos = grad_disagreement(g, g_ref)
-    # On failure, name the tensors that disagree most (relative L2 error of each) to locate the op.
-    worst = sorted(((float((g[n] - g_ref[n]).norm() / g_ref[n].norm().clamp_min(1e-30)), n) for n in g_ref),
-                   reverse=True)[:6]
-    assert global_err < 3e-2, (global_err, worst)
-    assert cos[0][0] > 0.99, (cos[:5], worst)
+
+    sites = sorted({s for op in fast_ops for s in SITES[op]}, key=lambda s: (s[0].__name__, s[1]))
+    cmp = InSituComparison(fast, list(FAST)).patch(monkeypatch, sites)
+    bf16_loss_and_grads(model, ids, seg)
+    called = {site for site, _ in cmp.records}
+    assert called == {f"{c.__name__}.{n}" for c, n in sites}, called
+    worst = cmp.worst()
+    assert worst[0][0] < 5e-2, worst

@@ -261,7 +261,7 @@ def test_engine_loop_survives_a_failing_step():
 
 
 def test_serve_arguments():
-    from k3.serve.server import add_serve_arguments
+    from k3.serve.options import add_serve_arguments
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)

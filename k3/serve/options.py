@@ -1,0 +1,28 @@
+"""The flags of `k3 serve`, apart from the server so that building the CLI needs no HTTP stack (FastAPI is only
+imported when a server starts)."""
+
+from __future__ import annotations
+
+import os
+
+
+def add_serve_arguments(parser) -> None:
+    """The flags of `k3 serve`."""
+    parser.add_argument("--ckpt", required=True, help="checkpoint directory (or a training run directory: its latest "
+                                                      "checkpoint)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("K3_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)")
+    parser.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
+                                                          "directory's name)")
+    parser.add_argument("--cache-memory-mb", type=float, default=None, help="KV/state page pool size (default 512)")
+    parser.add_argument("--page-tokens", type=int, default=None, help="tokens per cache page (default 2048)")
+    parser.add_argument("--hash-block-tokens", type=int, default=None,
+                        help="prefix-cache block size; divides --page-tokens (default 512)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default 64)")
+    parser.add_argument("--max-step-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="largest prefill chunk of one request per step (default 512)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
