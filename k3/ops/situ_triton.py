@@ -35,7 +35,8 @@ reference, the gradient does not lose accuracy to 1 - t^2 and 1 - s cancelling a
 
 Speed. Written naively (a division per tanh and per sigmoid), the kernel is limited by arithmetic, not
 memory, on an H200; it therefore does one division per element, by (1 + e1)(1 + e2)(1 + en), every factor
-in [1, 2]. ``benchmarks/situ_bench.py`` measures it against the copy bandwidth.
+in [1, 2]. On a GPU the tile (2K-8K elements) and warp count are autotuned per shape class (K3_SITU_AUTOTUNE=0:
+a fixed 4K-element tile, 8 warps). ``benchmarks/situ_bench.py`` measures it against the copy bandwidth.
 
 Triton is imported lazily: this module imports on a CPU-only machine without Triton, and :func:`available`
 says whether the kernels can run. ``TRITON_INTERPRET=1`` runs them on CPU tensors in Triton's interpreter
@@ -55,8 +56,12 @@ __all__ = ["available", "situ_glu_fused", "situ_glu_split"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_BLOCK_F = 1024  # columns per program
-_TILE = 4096  # elements per program (BLOCK_N * BLOCK_F when the rows allow it)
+_TILE = 4096  # elements per program (BLOCK_N * BLOCK_F when the rows allow it) without autotuning
 _NUM_WARPS = 8
+# On GPU the tile and warp count are autotuned per (columns, rows bucket, pass, dtypes) among these (Triton keeps
+# the results on disk with TRITON_CACHE_AUTOTUNING=1, which k3 sets); K3_SITU_AUTOTUNE=0 keeps the fixed choice.
+_TUNE_TILES = (2048, 4096, 8192)
+_TUNE_WARPS = (4, 8, 16)
 
 # triton.language, bound by _kernel() on first use. The kernel is a module-level function reading `tl` as a
 # global because Triton's interpreter resolves names only in the kernel's module globals (no closures).
@@ -91,10 +96,11 @@ def available() -> tuple[bool, str]:
 
 def _situ_glu_kernel(g_ptr, u_ptr, y_ptr, dy_ptr, dg_ptr, du_ptr, n_rows, n_cols,
                      stride_g, stride_u, stride_y, stride_dy, stride_dg, stride_du,
-                     beta1, beta2, inv_beta1, inv_beta2,
-                     BACKWARD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+                     beta1, beta2, inv_beta1, inv_beta2, rows_log2,
+                     BACKWARD: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
     """One [BLOCK_N, BLOCK_F] tile of y = situ_glu(g, u) (forward: y_ptr set, the d*_ptr None) or of
-    (dg, du) from dy (BACKWARD: y_ptr None). Row offsets are int64; columns are unit-stride."""
+    (dg, du) from dy (BACKWARD: y_ptr None). Row offsets are int64; columns are unit-stride. `rows_log2` and TILE
+    (= BLOCK_N * BLOCK_F, the autotuned size) only key the autotuning."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -143,30 +149,57 @@ def _situ_glu_kernel(g_ptr, u_ptr, y_ptr, dy_ptr, dg_ptr, du_ptr, n_rows, n_cols
 
 
 @functools.cache
-def _kernel(interpret: bool):
+def _kernel(interpret: bool, tune: bool):
     """The jitted kernel. ``triton.jit`` picks compiled or interpreted when it wraps the function, so there is
-    one per interpreter setting (``interpret`` is the cache key)."""
+    one per interpreter setting (``interpret`` is part of the cache key). With `tune`, wrapped in
+    ``triton.autotune`` over the tile sizes and warp counts of _TUNE_TILES x _TUNE_WARPS; every config writes the
+    same outputs from the same inputs, so the timing runs leave nothing behind."""
     global tl
     import triton
     import triton.language as tl
 
-    return triton.jit(_situ_glu_kernel)
+    kernel = triton.jit(_situ_glu_kernel)
+    if not tune:
+        return kernel
+    configs = [triton.Config({"TILE": t}, num_warps=w) for t in _TUNE_TILES for w in _TUNE_WARPS]
+    rows_per_tile = triton.heuristics({"BLOCK_N": lambda a: a["TILE"] // a["BLOCK_F"]})
+    return triton.autotune(configs, key=["n_cols", "rows_log2", "BACKWARD"])(rows_per_tile(kernel))
+
+
+def _autotune() -> bool:
+    """Whether the compiled kernel picks its tile and warps by measurement (K3_SITU_AUTOTUNE, default on)."""
+    v = os.environ.get("K3_SITU_AUTOTUNE", "1").strip().lower()
+    if v not in ("0", "1", "off", "on", "false", "true"):
+        raise ValueError(f"K3_SITU_AUTOTUNE must be 0/1 (or off/on), got {v!r}")
+    return v in ("1", "on", "true")
 
 
 def _launch(g: Tensor, u: Tensor, beta1: float, beta2: float, *, y: Tensor | None = None,
-            dy: Tensor | None = None, dg: Tensor | None = None, du: Tensor | None = None) -> None:
-    """Forward (y given) or backward (dy, dg, du given) over [rows, cols] tensors with unit column stride."""
+            dy: Tensor | None = None, dg: Tensor | None = None, du: Tensor | None = None,
+            tune: bool | None = None) -> None:
+    """Forward (y given) or backward (dy, dg, du given) over [rows, cols] tensors with unit column stride.
+    `tune`: through the autotuner (default: on a GPU unless K3_SITU_AUTOTUNE=0)."""
     n_rows, n_cols = g.shape
     if n_rows == 0 or n_cols == 0:
         return
     block_f = min(1 << (n_cols - 1).bit_length(), _MAX_BLOCK_F)
-    block_n = max(1, min(1 << (n_rows - 1).bit_length(), _TILE // block_f))
-    grid = (-(-n_rows // block_n), -(-n_cols // block_f))
+    rows_log2 = (n_rows - 1).bit_length()  # n_rows <= 2^rows_log2
     tensors = (g, u, y, dy, dg, du)
     strides = (0 if t is None else t.stride(0) for t in tensors)
+    args = (*tensors, n_rows, n_cols, *strides, beta1, beta2, 1.0 / beta1, 1.0 / beta2, rows_log2)
+    interpret = _interpret()
+    if tune is None:
+        tune = not interpret and _autotune()
     with torch.cuda.device(g.device.index if g.is_cuda else -1):  # launch on the tensors' GPU; -1: no-op
-        _kernel(_interpret())[grid](*tensors, n_rows, n_cols, *strides, beta1, beta2, 1.0 / beta1, 1.0 / beta2,
-                                    BACKWARD=y is None, BLOCK_N=block_n, BLOCK_F=block_f, num_warps=_NUM_WARPS)
+        if tune:
+            grid = lambda meta: (-(-n_rows // (meta["TILE"] // block_f)), -(-n_cols // block_f))  # noqa: E731
+            _kernel(interpret, True)[grid](*args, BACKWARD=y is None, BLOCK_F=block_f)
+        else:
+            # a tile of at most _TILE elements, no taller than the rows
+            tile = block_f * max(1, min(1 << rows_log2, _TILE // block_f))
+            grid = (-(-n_rows // (tile // block_f)), -(-n_cols // block_f))
+            _kernel(interpret, False)[grid](*args, BACKWARD=y is None, TILE=tile, BLOCK_N=tile // block_f,
+                                            BLOCK_F=block_f, num_warps=_NUM_WARPS)
 
 
 def _rows(x: Tensor, n_cols: int) -> Tensor:

@@ -166,6 +166,47 @@ def test_validation(interpret):
         situ_glu_split(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))
 
 
+def _launch_both(tune, shape=(300, 12), seed=0, device="cpu"):
+    """Forward and backward through situ_triton._launch with or without the autotuner: (y, dg, du)."""
+    from k3.ops import situ_triton
+
+    h = make_h13(shape, torch.float32, device, seed)
+    F = shape[-1] // 2
+    g, u = h[:, :F], h[:, F:]
+    y = torch.empty(shape[0], F, device=device)
+    situ_triton._launch(g, u, 4.0, 25.0, y=y, tune=tune)
+    dy = torch.randn(shape[0], F, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    dg, du = torch.empty_like(y), torch.empty_like(y)
+    situ_triton._launch(g, u, 4.0, 25.0, dy=dy, dg=dg, du=du, tune=tune)
+    return y, dg, du
+
+
+def test_autotuned_launch_path_equals_the_fixed_one(interpret, monkeypatch):
+    # The GPU launch path (triton.autotune over tile sizes, BLOCK_N derived by a heuristic) with one config, so
+    # the interpreter can run it without timing anything; elementwise math: the same values whatever the tile.
+    from k3.ops import situ_triton
+
+    monkeypatch.setattr(situ_triton, "_TUNE_TILES", (2048,))
+    monkeypatch.setattr(situ_triton, "_TUNE_WARPS", (4,))
+    situ_triton._kernel.cache_clear()
+    try:
+        tuned = _launch_both(True)
+    finally:
+        situ_triton._kernel.cache_clear()
+    for a, b in zip(tuned, _launch_both(False)):
+        assert torch.equal(a, b)
+
+
+def test_autotune_switch_is_validated(monkeypatch):
+    from k3.ops import situ_triton
+
+    monkeypatch.setenv("K3_SITU_AUTOTUNE", "0")
+    assert situ_triton._autotune() is False
+    monkeypatch.setenv("K3_SITU_AUTOTUNE", "maybe")
+    with pytest.raises(ValueError, match="K3_SITU_AUTOTUNE"):
+        situ_triton._autotune()
+
+
 def test_available_without_triton_or_device(monkeypatch):
     # The module imports and reports (does not raise) without triton.
     monkeypatch.setitem(sys.modules, "triton", None)
@@ -215,6 +256,15 @@ def test_gpu_fused_and_split(dtype, shape):
     y_ref, dg_ref, du_ref = reference(gate, up, dy)
     for actual, expected in ((y, y_ref), (gate.grad, dg_ref), (up.grad, du_ref)):
         assert_matches(actual, expected, interpreted=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_autotuned_equals_fixed_config():
+    # every tile size and warp count computes each element by the same instructions (1e-6 relative allowed)
+    tuned, fixed = (_launch_both(t, (70000, 1536), device="cuda") for t in (True, False))
+    for a, b in zip(tuned, fixed):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
 @pytest.mark.gpu
