@@ -125,7 +125,8 @@ class InSituComparison:
 
         leaves: list = []
         if isinstance(obj, torch.nn.Module):
-            this, params = obj, [p for p in obj.parameters() if p.requires_grad]
+            named = [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
+            this, params = obj, [p for _, p in named]
         else:  # a plain object whose tensor attributes are inputs (e.g. the AttnRes stream's blocks)
             this, params = copy.copy(obj), []
             for k, v in vars(obj).items():
@@ -138,7 +139,9 @@ class InSituComparison:
         targets = leaves + params
         grads = torch.autograd.grad(out, targets, cot, allow_unused=True)
         grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(targets, grads)]
-        return [o.detach() for o in out], [gr.detach() for gr in grads]
+        names = [f"d_input{i}" for i in range(len(leaves))]
+        names += [f"d_{n}" for n, _ in named] if isinstance(obj, torch.nn.Module) else []
+        return [o.detach() for o in out], dict(zip(names, (gr.detach() for gr in grads)))
 
     def _wrap(self, cls, name: str):
         fn = getattr(cls, name)
@@ -148,8 +151,8 @@ class InSituComparison:
             if torch.is_grad_enabled():
                 out_r, g_r = self._run(fn, obj, args, kwargs, self.ref_env)
                 out_f, g_f = self._run(fn, obj, args, kwargs, self.fast_env)
-                errs = {f"out{i}": rel_err(f, r) for i, (f, r) in enumerate(zip(out_f, out_r))}
-                errs.update({f"grad{i}": rel_err(f, r) for i, (f, r) in enumerate(zip(g_f, g_r))})
+                errs = {f"output{i}": rel_err(f, r) for i, (f, r) in enumerate(zip(out_f, out_r))}
+                errs.update({n: rel_err(g_f[n], g_r[n]) for n in g_r})
                 self.records.append((site, errs))
             with self._env(self.ref_env):
                 return fn(obj, *args, **kwargs)
