@@ -91,7 +91,7 @@ def _ttft_once(model, n, dev, mb, chunk, seed, profile=False) -> dict:
         eng = _engine(model, enable, mb, chunk)
         if enable:
             # An untimed cached request on another prompt first: it captures the engine's hash-block prefill graph
-            # (when KDA runs on fla), which would otherwise be captured inside the timed request.
+            # (on CUDA), which would otherwise be captured inside the timed request.
             other = torch.randint(1, V, (n,), generator=g).tolist()
             eng.generate([other[: n - 512] + [1]], one)
             eng.generate([other], one)
@@ -102,8 +102,12 @@ def _ttft_once(model, n, dev, mb, chunk, seed, profile=False) -> dict:
                 contextlib.nullcontext():
             s = eng.generate([prompt], one)[0]
             _sync(dev)
-        res["cached" if enable else "cold"] = {"ttft_s": round(time.perf_counter() - t0, 4), "cached_tokens": s.cached_tokens}
+        res["cached" if enable else "cold"] = {"ttft_s": round(time.perf_counter() - t0, 4), "cached_tokens": s.cached_tokens,
+                                               "first_token": s.output_ids[0]}
     res["speedup"] = round(res["cold"]["ttft_s"] / res["cached"]["ttft_s"], 2)
+    # greedy: the cached path (restored state, captured graphs) should pick the cold run's token; in bf16 a near-tie
+    # of the top two logits may still differ, so this is reported, not asserted (the exactness tests assert it)
+    res["same_first_token"] = res["cold"]["first_token"] == res["cached"]["first_token"]
     return res
 
 
