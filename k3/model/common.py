@@ -9,6 +9,25 @@ from torch import nn
 from k3.ops.situ import situ_glu_any
 
 
+def stacked_linear(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """(layer(x) for layer in layers) as one GEMM against the layers' weights stacked (bias-free layers).
+
+    Several projections of one input cost one read (and, under autocast, one cast) of x and one GEMM instead of
+    one each; in backward, d(x) comes from one GEMM (accumulated inside it) instead of a sum of per-layer
+    gradients, and the weight gradients from one GEMM. The parameters stay separate (checkpoint names, Muon's
+    per-matrix treatment); the stacked copy is made per call (small next to the activations). Returns views of
+    the stacked output (strided along the last dimension). The stack is padded with zero rows to a multiple of
+    16 outputs, so that the views' row stride stays 16-element aligned (kernels that take strided inputs, like
+    fla's convolution, specialize on that alignment)."""
+    ws = [layer.weight for layer in layers]
+    sizes = [w.shape[0] for w in ws]
+    pad = -sum(sizes) % 16
+    if pad:
+        ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
+    y = F.linear(x, torch.cat(ws))
+    return y.split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; the normalized value is cast back before the weight, as the release does."""
 
@@ -38,4 +57,5 @@ class SituMLP(nn.Module):
         self.beta1, self.beta2 = beta1, beta2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ_glu_any(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))
+        gate, up = stacked_linear(x, self.gate_proj, self.up_proj)
+        return self.down_proj(situ_glu_any(gate, up, self.beta1, self.beta2))

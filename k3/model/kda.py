@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import RMSNorm
+from k3.model.common import RMSNorm, stacked_linear
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
 
@@ -47,15 +47,19 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         conv_in = cache.conv if cache is not None else [None, None, None]
-        q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, conv_in[0], cu_seqlens=cu_seqlens)
-        k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, conv_in[1], cu_seqlens=cu_seqlens)
-        v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, conv_in[2], cu_seqlens=cu_seqlens)
-        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        # every projection of x as one GEMM: q, k, v, the decay's low-rank down projection, beta logits, output gate
+        q, k, v, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
+                                                         self.b_proj, self.g_proj)
+        q, cq = short_conv(q, self.q_conv1d.weight, conv_in[0], cu_seqlens=cu_seqlens)
+        k, ck = short_conv(k, self.k_conv1d.weight, conv_in[1], cu_seqlens=cu_seqlens)
+        v, cv = short_conv(v, self.v_conv1d.weight, conv_in[2], cu_seqlens=cu_seqlens)
+        z = self.f_b_proj(f_a).view(B, T, H, K)
         state = cache.state if cache is not None else None
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
-        o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z, self.b_proj(x),
-                               self.A_log, self.dt_bias, self.lower_bound, initial_state=state, cu_seqlens=cu_seqlens)
+        o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z,
+                               beta_logits.contiguous(), self.A_log, self.dt_bias, self.lower_bound,
+                               initial_state=state, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache.state, cache.conv = new_state, [cq, ck, cv]
-        o = self.o_norm(o.float()) * torch.sigmoid(self.g_proj(x).float().view(B, T, H, K))
+        o = self.o_norm(o.float()) * torch.sigmoid(gate.float().view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import RMSNorm
+from k3.model.common import RMSNorm, stacked_linear
 from k3.ops.backend import resolve
 from k3.ops.mla import flex_available, max_logit, mla_absorbed, mla_attention, mla_attention_flex, split_kv_b
 
@@ -68,8 +68,9 @@ class GatedMLA(nn.Module):
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, segment_ids: torch.Tensor | None = None):
         B, T, _ = x.shape
         H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, dn + dr)
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, dr], dim=-1)
+        q_a, kv_a, gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)  # one GEMM
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, dn + dr)
+        c, k_rope = kv_a.split([self.kv_rank, dr], dim=-1)
         c = self.kv_a_layernorm(c)
         past, kv_len = 0, None
         if cache is not None and getattr(cache, "packed", False):
@@ -78,7 +79,7 @@ class GatedMLA(nn.Module):
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             o = torch.cat([mla_absorbed(q_nope[:, a:b], q_rope[:, a:b], c_i, kr_i, w_kc, w_vc, self.scale,
                                         q_start=p_i) for a, b, c_i, kr_i, p_i in cache.append_packed(c, k_rope)], dim=1)
-            return self._gated_out(x, o)
+            return self._gated_out(x, gate, o)
         if cache is not None and hasattr(cache, "append_paged") and (T == 1 or getattr(cache, "paged_prefill", False)) \
                 and resolve("mla_decode", x.device, lambda: paged_decode_available(x.device)) == "triton":
             # Serving: attend straight from the page pool (no gathered copy of the cache). Several new tokens per
@@ -90,7 +91,7 @@ class GatedMLA(nn.Module):
             # A fixed split count (a CUDA-graph step) keeps the kernel from reading the lengths back.
             o = mla_decode_absorbed(q_nope, q_rope, *cache.append_paged(c, k_rope), w_kc, w_vc, self.scale,
                                     num_splits=getattr(cache, "num_splits", None))
-            return self._gated_out(x, o.view(B, T, H, dv))
+            return self._gated_out(x, gate, o.view(B, T, H, dv))
         if cache is not None:
             c_all, kr_all, past, kv_len = cache.append(c, k_rope)
         if isinstance(past, int) and past == 0 and kv_len is None:
@@ -111,10 +112,10 @@ class GatedMLA(nn.Module):
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past, kv_len=kv_len)
-        return self._gated_out(x, o)
+        return self._gated_out(x, gate, o)
 
-    def _gated_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Output gate and projection: o_proj(sigmoid(g_proj x) * o), o of any shape [B, T, ...]."""
+    def _gated_out(self, x: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Output gate and projection: o_proj(sigmoid(gate) * o), gate = g_proj x, o of any shape [B, T, ...]."""
         B, T, _ = x.shape
         o = o.reshape(B, T, -1)
-        return self.o_proj((torch.sigmoid(self.g_proj(x).float()) * o.float()).to(x.dtype))
+        return self.o_proj((torch.sigmoid(gate.float()) * o.float()).to(x.dtype))

@@ -1,0 +1,36 @@
+"""k3.model.common.stacked_linear: several projections of one input as one GEMM."""
+
+import torch
+from torch import nn
+
+from k3.model.common import stacked_linear
+
+
+def test_equals_the_separate_projections_with_their_gradients():
+    # fp32 on CPU: the same dot products, so 1e-6 relative; the stack of 3 + 5 + 7 = 15 rows is padded to 16,
+    # and the views' row stride is that aligned width
+    torch.manual_seed(0)
+    layers = [nn.Linear(12, n, bias=False) for n in (3, 5, 7)]
+    x = torch.randn(2, 9, 12, requires_grad=True)
+    outs = stacked_linear(x, *layers)
+    assert [o.shape[-1] for o in outs] == [3, 5, 7] and outs[0].stride(-2) == 16
+    dys = [torch.randn_like(o) for o in outs]
+    sum((o * d).sum() for o, d in zip(outs, dys)).backward()
+    got = [x.grad.clone()] + [layer.weight.grad.clone() for layer in layers]
+    x.grad = None
+    for layer in layers:
+        layer.weight.grad = None
+    refs = [layer(x) for layer in layers]
+    sum((r * d).sum() for r, d in zip(refs, dys)).backward()
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6)
+    for g, r in zip(got, [x.grad] + [layer.weight.grad for layer in layers]):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_no_padding_when_aligned_and_autocast_gives_bf16_views():
+    layers = [nn.Linear(8, 16, bias=False), nn.Linear(8, 32, bias=False)]
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = stacked_linear(x, *layers)
+    assert a.dtype == b.dtype == torch.bfloat16 and a.stride(0) == 48
