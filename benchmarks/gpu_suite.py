@@ -36,6 +36,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/serve/test_cuda_graphs.py",
     "tests/ops/test_mla_flex.py",
     "tests/train/test_muon.py",
+    "tests/ops/test_muon_update.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py"]
@@ -57,7 +58,8 @@ STEPS = {
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile"]], 200),
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
-    "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini"]], 120),
+    "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini", "--backend", b] for b in ("torch", "fast")],
+              150),
     "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"],
              [PY, "benchmarks/mla_decode_bench.py"]], 240),
     "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),

@@ -1,12 +1,14 @@
 """Time one optimizer step (Per-Head Muon + AdamW) on a preset's parameters, against its compute floor.
 
-    python benchmarks/optimizer_bench.py [--preset k3-mini] [--steps 5]
+    python benchmarks/optimizer_bench.py [--preset k3-mini] [--steps 5] [--backend auto|fast|torch]
 
 The model is built with random gradients on every parameter (no forward pass), then `--steps` optimizer
 steps are timed after one warm-up step (CUDA events on a GPU, wall clock on CPU). The record gives the
 median step time, the Newton-Schulz FLOPs of one step (5 quintic iterations per block: X X^T, its square and
 the product with X), the rate that makes, and the floor at the measured bf16 matrix peak (803 TFLOP/s),
-plus how many blocks of each shape Muon orthogonalizes. One JSON line.
+plus how many blocks of each shape Muon orthogonalizes. One JSON line. `--backend` picks the momentum and update
+passes around Newton-Schulz: PyTorch ops (torch), the fused Triton kernels of k3.ops.muon_update (fast; on CPU
+only with TRITON_INTERPRET=1), or what k3.ops.backend decides (auto).
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ def main() -> None:
     ap.add_argument("--preset", default="k3-mini", choices=["k3-mini", "tiny"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto",
+                    help="the Muon update passes: fused Triton kernels (fast), PyTorch ops (torch), or auto")
     args = ap.parse_args()
+    if args.backend != "auto":
+        import os
+
+        os.environ["K3_MUON_BACKEND"] = "triton" if args.backend == "fast" else "torch"
 
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
@@ -71,7 +79,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     flops, shapes = ns_flops(model)
     step_s = statistics.median(times)
-    rec = {"preset": args.preset, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+    rec = {"preset": args.preset, "backend": args.backend, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "params": sum(p.numel() for p in model.parameters()), "step_ms": round(step_s * 1e3, 2),
            "ns_tflop": round(flops / 1e12, 3), "ns_tflops_per_s": round(flops / step_s / 1e12, 1),
            "floor_ms_at_peak": round(flops / PEAK_BF16 * 1e3, 2), "blocks": shapes}

@@ -15,12 +15,14 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
     situ       triton         SiTU-GLU forward and backward as one Triton kernel each (k3.ops.situ_triton)
     mla_decode triton         single-token MLA decode straight from the serving page pool, split-K
                               (k3.ops.mla_decode); no gathered or fp32 copy of the cache
+    muon       triton         Per-Head Muon's momentum and update passes as one Triton kernel each
+                              (k3.ops.muon_update), around the batched Newton-Schulz GEMMs
 
 The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
-K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND and
-K3_SHORT_CONV_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
+K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND,
+K3_SHORT_CONV_BACKEND and K3_MUON_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
 """
@@ -34,17 +36,18 @@ from typing import Callable
 import torch
 
 FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
-        "short_conv": "fla", "moe_combine": "triton"}
+        "short_conv": "fla", "moe_combine": "triton", "muon": "triton"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code: attn_res, mla, moe, situ (2026-11-29), mla_decode (2026-11-29), kda and short_conv
 # (2026-11-30: fla's chunk and decode KDA at k3-mini's shapes, packed and not, and the causal conv, packed and not).
-# The MoE combine kernel's GPU tests have not run yet, so `auto` keeps it on the reference until they do.
+# The MoE combine kernel's and the Muon update kernels' GPU tests have not run yet, so `auto` keeps them on the
+# reference until they do.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
-             "short_conv": True, "moe_combine": False}
+             "short_conv": True, "moe_combine": False, "muon": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
-# grouped GEMM has a CPU implementation; the paged decode runs its Triton kernel in Triton's interpreter
-# (TRITON_INTERPRET=1) or its gather-based reference.
-CPU_OK = {"moe", "mla_decode"}
+# grouped GEMM has a CPU implementation; the paged decode and the Muon update kernels run in Triton's interpreter
+# (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).
+CPU_OK = {"moe", "mla_decode", "muon"}
 
 _notices: set[str] = set()
 

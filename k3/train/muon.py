@@ -41,6 +41,8 @@ from torch import nn
 from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts, MoEGate
 from k3.model.mla import GatedMLA
+from k3.ops import muon_update
+from k3.ops.backend import resolve
 
 __all__ = ["newton_schulz", "muon_param_groups", "describe_param_groups", "PerHeadMuon",
            "NS_COEFFS", "MUON_RMS_SCALE"]
@@ -312,8 +314,11 @@ class PerHeadMuon(torch.optim.Optimizer):
         """Momentum per group (multi-tensor), then Newton-Schulz on every block of one shape at once: all the
         blocks of all Muon parameters that share (rows, cols, ns_steps) are copied into one batch (chunks of at most
         NS_CHUNK_BYTES), orthogonalized with three batched GEMMs per step, and added back into their
-        parameters. A k3-mini step has ~220 Muon matrices but 12 block shapes (4,992 blocks of 512 x 768)."""
+        parameters. A k3-mini step has ~220 Muon matrices but 12 block shapes (4,992 blocks of 512 x 768).
+        With the ``muon`` fast backend (k3.ops.muon_update) the momentum, the Newton-Schulz input and the
+        decayed update are one pass each per parameter instead of PyTorch's separate passes."""
         buckets: dict[tuple, list] = {}
+        fused_on: dict[torch.device, bool] = {}
         for group in groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -325,34 +330,45 @@ class PerHeadMuon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             grads = [p.grad for p in params]
             bufs = [self.state[p]["momentum_buffer"] for p in params]
-            torch._foreach_mul_(bufs, group["momentum"])
-            torch._foreach_add_(bufs, grads)
+            fused = []
             for p, g, buf in zip(params, grads, bufs):
+                if p.device not in fused_on:
+                    fused_on[p.device] = resolve("muon", p.device,
+                                                 lambda d=p.device: muon_update.available_on(d)) == "triton"
+                fused.append(fused_on[p.device] and p.is_contiguous() and g.is_contiguous() and buf.is_contiguous())
+            rest = [i for i, f in enumerate(fused) if not f]  # momentum of these now; the fused ones later
+            if rest:
+                torch._foreach_mul_([bufs[i] for i in rest], group["momentum"])
+                torch._foreach_add_([bufs[i] for i in rest], [grads[i] for i in rest])
+            for p, g, buf, f in zip(params, grads, bufs, fused):
                 gb = _blocks(g, group["split"], group["num_blocks"])
                 key = (p.device, *gb.shape[-2:], group["ns_steps"])
-                buckets.setdefault(key, []).append((p, group, gb, _blocks(buf, group["split"], group["num_blocks"])))
+                buckets.setdefault(key, []).append((p, group, gb, _blocks(buf, group["split"], group["num_blocks"]), f))
         for (device, rows, cols, steps), items in buckets.items():
             dtype = self._ns_dtype(device)
             max_blocks = max(1, NS_CHUNK_BYTES // (rows * cols * dtype.itemsize))
             for chunk in _chunks(items, lambda item: item[2].shape[0], max_blocks):
                 x = torch.empty(sum(item[2].shape[0] for item in chunk), rows, cols, device=device, dtype=dtype)
                 off = 0
-                for p, group, gb, bb in chunk:  # u = g + mu * buf (Nesterov) or buf, rounded once into x
+                for p, group, gb, bb, f in chunk:  # u = g + mu * buf (Nesterov) or buf, rounded once into x
                     dst = x[off:off + gb.shape[0]]
-                    if group["nesterov"]:
+                    if f:  # momentum and u in one pass
+                        muon_update.momentum_(gb, bb, dst, group["momentum"], group["nesterov"])
+                    elif group["nesterov"]:
                         torch.add(gb, bb, alpha=group["momentum"], out=dst)
                     else:
                         dst.copy_(bb)
                     off += gb.shape[0]
                 o = _orthogonalize_(x, steps, NS_EPS)
                 off = 0
-                for p, group, gb, _ in chunk:
+                for p, group, gb, _, f in chunk:
                     n = gb.shape[0]
                     lr, wd = group["lr"], group["weight_decay"]
-                    if wd != 0:
-                        p.mul_(1 - lr * wd)
                     scale = group["rms_scale"] * math.sqrt(max(rows, cols))
-                    p.add_(o[off:off + n].reshape(p.shape), alpha=-lr * scale)
+                    if f:  # on the parameter's blocks [n, rows, cols] (p is contiguous when f)
+                        muon_update.decay_add_(p.view(gb.shape), o[off:off + n], 1 - lr * wd, -lr * scale)
+                    else:
+                        muon_update.decay_add_torch(p, o[off:off + n], 1 - lr * wd, -lr * scale)
                     off += n
 
     def _adamw_step(self, group: dict) -> None:

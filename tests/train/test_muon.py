@@ -320,12 +320,18 @@ def _per_parameter_step(model, grads, bufs, lr, wd, mu=0.95):
                 p.mul_(1 - lr * g["weight_decay"]).sub_(lr * o.reshape(p.shape))
 
 
-@pytest.mark.parametrize("chunk_bytes", [1 << 30, 1], ids=["one-batch-per-shape", "one-parameter-per-batch"])
-def test_batched_muon_step_matches_the_per_parameter_definition(tiny_cfg, monkeypatch, chunk_bytes):
+@pytest.mark.parametrize("chunk_bytes,backend", [(1 << 30, "torch"), (1, "torch"), (1 << 30, "triton")],
+                         ids=["one-batch-per-shape", "one-parameter-per-batch", "fused-update-kernels"])
+def test_batched_muon_step_matches_the_per_parameter_definition(tiny_cfg, monkeypatch, chunk_bytes, backend):
     # All blocks of one shape, across parameters, run as one Newton-Schulz batch (or chunks of it): three steps
     # on random gradients land every Muon parameter where the one-at-a-time definition puts it (1e-5 relative).
+    # Also with the momentum and update passes as Triton kernels (k3.ops.muon_update, in the interpreter here).
     import k3.train.muon as muon
 
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("K3_MUON_BACKEND", backend)
     monkeypatch.setattr(muon, "NS_CHUNK_BYTES", chunk_bytes)
     model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
     ref = copy.deepcopy(model)
@@ -361,9 +367,12 @@ def test_bf16_newton_schulz_batch_is_close_to_fp32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, monkeypatch, backend):
     # On CUDA, Newton-Schulz runs in bf16 (fp32 accumulation): two steps of the whole tiny model land every Muon
     # parameter's update within 3e-2 (relative L2) of the fp32 one-at-a-time definition on CPU; AdamW's to 1e-5.
+    # With the PyTorch passes around Newton-Schulz and with the fused Triton kernels.
+    monkeypatch.setenv("K3_MUON_BACKEND", backend)
     model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
     ref = copy.deepcopy(model)
     gpu = copy.deepcopy(model).cuda()
@@ -377,7 +386,9 @@ def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg):
         for n, p in ref.named_parameters():
             p.grad = grads[n].clone()
         opt.step()
-        ref_opt.step()
+        with monkeypatch.context() as m:
+            m.setenv("K3_MUON_BACKEND", "torch")  # the CPU definition (the kernels run on CUDA only here)
+            ref_opt.step()
     desc = describe_param_groups(model)
     for n, p0 in model.named_parameters():
         upd, upd_ref = gpu.get_parameter(n).detach().cpu() - p0.detach(), ref.get_parameter(n).detach() - p0.detach()
