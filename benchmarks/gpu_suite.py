@@ -56,7 +56,8 @@ STEPS = {
     # fp32 inputs are a new autotuning set for every fla kernel (about 7 minutes on a fresh machine)
     "tests_kda_fp32": ([KDA_PYTEST + ["-k", "fp32", KDA_TEST_FILES[0]]], 540),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
-    "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile"]], 200),
+    "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile",
+                                  "--trace", "{out}/trace8k.json.gz"]], 200),
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini", "--backend", b] for b in ("torch", "fast")],
               150),
@@ -71,10 +72,13 @@ STEPS = {
 
 
 def run_step(name: str, cmds: list, limit: float, out: str, env: dict) -> tuple[int, float]:
+    """Run a step's commands one after another ("{out}" in an argument becomes the --out folder), each line also
+    written to OUT/<name>.log, within `limit` seconds for the whole step."""
     t0 = time.monotonic()
     rc = 0
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         for cmd in cmds:
+            cmd = [a.replace("{out}", out) for a in cmd]
             left = limit - (time.monotonic() - t0)
             if left <= 5:
                 print(f"[{name}] out of time before: {' '.join(cmd)}", flush=True)

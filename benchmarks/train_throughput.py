@@ -1,7 +1,7 @@
 """Training throughput of a preset: tokens/s, model FLOP utilization and peak memory.
 
     python benchmarks/train_throughput.py --preset k3-mini --seq-len 4096 --batch-tokens 32768 --steps 6 \
-        [--backend fast|torch] [--activation-checkpointing] [--profile]
+        [--backend fast|torch] [--activation-checkpointing] [--profile [--trace FILE.json.gz]]
 
 `--backend fast` runs every op on its GPU fast path (fla KDA and AttnRes, flex MLA, grouped-GEMM MoE with the
 fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) lets k3.ops.backend decide. An op
@@ -13,12 +13,21 @@ random tokens. MFU counts 6 x active parameters per token plus causal MLA attent
 an H200). The step trains the MTP layer too (one more MLA + MoE block, and the shared output head applied once
 more): `mfu` counts those FLOPs as well (k3.info's `mtp_active`, 54.9M per token for k3-mini, plus its
 attention), `mfu_backbone_only` leaves them out. The first two steps are warm-up and not timed.
+
+`--profile` runs one more step under torch.profiler and prints: the top operators; host and device time inside
+each k3.* profiler range (k3.train.forward / backward / optimizer, k3.fwd.kda / mla / moe / mtp, ...); the GPU
+timeline (how much of the step's span no kernel ran, and kernel time by kind: GEMM, attention, fla, our Triton
+kernels, elementwise, reductions, copies). `--trace FILE.json.gz` also writes the step's Chrome trace, gzipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -47,7 +56,10 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed steps, run one more under torch.profiler and print its top operators")
+    ap.add_argument("--trace", default=None, help="with --profile: write the step's Chrome trace here (gzipped)")
     args = ap.parse_args()
+    if args.trace and not args.profile:
+        ap.error("--trace needs --profile")
     if args.backend != "auto":
         force_all(args.backend, overwrite=False)
     cfg = K3Config.from_preset(args.preset)
@@ -89,6 +101,9 @@ def main() -> None:
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
         _print_ranges(prof)
+        _print_gpu_timeline(prof)
+        if args.trace:
+            _write_trace(prof, args.trace)
     dt = float(np.median(times))
     tok_s = args.batch_tokens / dt
     info = model_info(cfg, context=args.seq_len)
@@ -149,6 +164,85 @@ def _print_ranges(prof) -> None:
         if dev_us is None:
             dev_us = getattr(e, "cuda_time_total", 0.0)
         print(f"{e.key:<24}{e.count:>7}{e.cpu_time_total / 1e3:>12.1f}{dev_us / 1e3:>12.1f}", flush=True)
+
+
+# Kernel kinds by name (first match wins), for the timeline summary.
+KERNEL_KINDS = [
+    ("attention (flex / flash)", ("flex_attention", "flash", "fmha", "attention")),
+    ("fla (KDA, conv, AttnRes)", ("chunk_", "kda", "causal_conv1d", "attnres", "recurrent", "l2norm", "gla_",
+                                  "wy_", "solve_tril", "merge_")),
+    ("k3 Triton (SiTU, combine, Muon)", ("_situ", "_combine_kernel", "_momentum_kernel", "_decay_add_kernel",
+                                         "_mla_decode")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "grouped_mm", "bmm", "matmul")),
+    ("other Triton / inductor", ("triton_",)),
+    ("reduction", ("reduce", "norm", "softmax", "sum", "cumsum", "scan", "sort", "topk")),
+    ("copy / cast / index", ("copy", "cat", "index", "gather", "scatter", "fill", "memset", "memcpy")),
+    ("elementwise", ("elementwise", "vectorized", "foreach")),
+]
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def _gpu_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every GPU kernel in the profile ([] without a GPU or the Kineto results)."""
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:
+        return []
+    out = []
+    for e in events:
+        if "cuda" not in str(e.device_type()).lower() or "memcpy" in e.name().lower() and e.duration_ns() == 0:
+            continue
+        start = e.start_ns() / 1e3
+        out.append((e.name(), start, start + e.duration_ns() / 1e3))
+    return out
+
+
+def _print_gpu_timeline(prof) -> None:
+    kernels = _gpu_kernels(prof)
+    if not kernels:
+        return
+    span = max(k[2] for k in kernels) - min(k[1] for k in kernels)
+    busy = busy_time([(a, b) for _, a, b in kernels])
+    print(f"GPU timeline: {span / 1e3:.1f} ms from first to last kernel, kernels running {busy / 1e3:.1f} ms, "
+          f"idle {100 * (1 - busy / span):.1f}%; {len(kernels)} kernels", flush=True)
+    kinds: dict[str, list] = {}
+    for name, a, b in kernels:
+        kinds.setdefault(kernel_kind(name), []).append(b - a)
+    print(f"{'kernel kind':<34}{'kernels':>9}{'ms':>10}{'mean us':>10}")
+    for kind, ds in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{kind:<34}{len(ds):>9}{sum(ds) / 1e3:>10.1f}{sum(ds) / len(ds):>10.1f}", flush=True)
+
+
+def _write_trace(prof, path: str) -> None:
+    """The profiled step's Chrome trace, gzipped, written atomically."""
+    with tempfile.TemporaryDirectory() as d:
+        raw = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(raw)
+        tmp = path + ".tmp"
+        with open(raw, "rb") as src, gzip.open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, path)
+    print(f"trace: {path} ({os.path.getsize(path) / 2**20:.1f} MB)", flush=True)
 
 
 if __name__ == "__main__":

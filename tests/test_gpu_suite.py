@@ -57,3 +57,12 @@ def test_shipped_h200_autotune_archive_unpacks_to_tuning_results(suite, tmp_path
     suite.load_cache(str(archive), str(tmp_path))
     found = list(tmp_path.rglob("*.autotune.json"))
     assert len(found) > 20 and all(p.name.endswith(".autotune.json") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_run_step_substitutes_the_out_folder_and_logs(suite, tmp_path):
+    import sys
+
+    cmd = [sys.executable, "-c", "import sys; print('arg=' + sys.argv[1])", "{out}/trace.json.gz"]
+    rc, _ = suite.run_step("probe", [cmd], 60, str(tmp_path), dict(os.environ))
+    assert rc == 0
+    assert f"arg={tmp_path}/trace.json.gz" in (tmp_path / "probe.log").read_text()
