@@ -58,6 +58,10 @@ STEPS = {
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile",
                                   "--trace", "{out}/trace8k.json.gz"]], 200),
+    # the same micro-batches, 8 of them per optimizer step (262,144 tokens): the optimizer's cost spread over more tokens
+    "train8k_256k": ([[PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "262144",
+                       "--steps", "3", "--vocab-size", "32768", "--backend", "fast", "--seq-len", "8192",
+                       "--micro-batch-rows", "4"]], 240),
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini", "--backend", b] for b in ("torch", "fast")],
               150),
