@@ -8,6 +8,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.common import RMSNorm, stacked_linear
 from k3.ops.kda_backend import kda as kda_mix
+from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import short_conv
 
 
@@ -61,5 +62,6 @@ class KimiDeltaAttention(nn.Module):
                                initial_state=state, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache.state, cache.conv = new_state, [cq, ck, cv]
-        o = self.o_norm(o.float()) * torch.sigmoid(gate.float().view(B, T, H, K))
+        # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)
+        o = gate_norm(o, gate.view(B, T, H, K), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))

@@ -17,12 +17,14 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
                               (k3.ops.mla_decode); no gathered or fp32 copy of the cache
     muon       triton         Per-Head Muon's momentum and update passes as one Triton kernel each
                               (k3.ops.muon_update), around the batched Newton-Schulz GEMMs
+    gate_norm  fla            fla-core's rms_norm_gated: KDA's per-head output RMSNorm times sigmoid(gate)
+                              as one kernel each way (k3.ops.gate_norm)
 
 The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
 K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND,
-K3_SHORT_CONV_BACKEND and K3_MUON_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
+K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND and K3_GATE_NORM_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
 """
@@ -36,14 +38,14 @@ from typing import Callable
 import torch
 
 FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
-        "short_conv": "fla", "moe_combine": "triton", "muon": "triton"}
+        "short_conv": "fla", "moe_combine": "triton", "muon": "triton", "gate_norm": "fla"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code: attn_res, mla, moe, situ (2026-11-29), mla_decode (2026-11-29), kda and short_conv
 # (2026-11-30: fla's chunk and decode KDA at k3-mini's shapes, packed and not, and the causal conv, packed and not).
-# The MoE combine kernel's and the Muon update kernels' GPU tests have not run yet, so `auto` keeps them on the
-# reference until they do.
+# The GPU tests of the MoE combine kernel, the Muon update kernels and fla's gated norm have not run yet, so `auto`
+# keeps them on the reference until they do.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
-             "short_conv": True, "moe_combine": False, "muon": False}
+             "short_conv": True, "moe_combine": False, "muon": False, "gate_norm": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode and the Muon update kernels run in Triton's interpreter
 # (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).

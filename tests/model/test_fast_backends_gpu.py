@@ -32,6 +32,7 @@ NEEDS = {"moe_combine": ["moe"]}  # the combine kernel runs inside the grouped M
 # The methods whose calls contain each op's backend choice (the model's ops: not the serving engine's paged decode
 # nor the optimizer's update kernels, which have their own tests).
 SITES = {"kda": [(KimiDeltaAttention, "forward")], "short_conv": [(KimiDeltaAttention, "forward")],
+         "gate_norm": [(KimiDeltaAttention, "forward")],
          "mla": [(GatedMLA, "forward")], "moe": [(GroupedExperts, "forward")],
          "moe_combine": [(GroupedExperts, "forward")], "situ": [(GroupedExperts, "forward"), (SituMLP, "forward")],
          "attn_res": [(AttnResStream, "_mix")]}
