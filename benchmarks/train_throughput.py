@@ -17,7 +17,8 @@ attention), `mfu_backbone_only` leaves them out. The first two steps are warm-up
 `--profile` runs one more step under torch.profiler and prints: the top operators; host and device time inside
 each k3.* profiler range (k3.train.forward / backward / optimizer, k3.fwd.kda / mla / moe / mtp, ...); the GPU
 timeline (how much of the step's span no kernel ran, and kernel time by kind: GEMM, attention, fla, our Triton
-kernels, elementwise, reductions, copies). `--trace FILE.json.gz` also writes the step's Chrome trace, gzipped.
+kernels, elementwise, reductions, copies). `--trace FILE.json.gz` also writes the step's Chrome trace, gzipped;
+`benchmarks/trace_report.py FILE.json.gz` breaks it down further (GPU time per range, idle gaps and their causes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import gzip
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -39,6 +41,9 @@ from k3.info import model_info
 from k3.model.model import K3ForCausalLM
 from k3.ops.backend import force_all
 from k3.train.trainer import Trainer, TrainConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling trace_report.py
+from trace_report import busy_time, kernel_kind  # noqa: E402
 
 PEAK_BF16 = 803e12
 
@@ -164,42 +169,6 @@ def _print_ranges(prof) -> None:
         if dev_us is None:
             dev_us = getattr(e, "cuda_time_total", 0.0)
         print(f"{e.key:<24}{e.count:>7}{e.cpu_time_total / 1e3:>12.1f}{dev_us / 1e3:>12.1f}", flush=True)
-
-
-# Kernel kinds by name (first match wins), for the timeline summary.
-KERNEL_KINDS = [
-    ("attention (flex / flash)", ("flex_attention", "flash", "fmha", "attention")),
-    ("fla (KDA, conv, AttnRes)", ("chunk_", "kda", "causal_conv1d", "attnres", "recurrent", "l2norm", "gla_",
-                                  "wy_", "solve_tril", "merge_")),
-    ("k3 Triton (SiTU, combine, Muon)", ("_situ", "_combine_kernel", "_momentum_kernel", "_decay_add_kernel",
-                                         "_mla_decode")),
-    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "grouped_mm", "bmm", "matmul")),
-    ("other Triton / inductor", ("triton_",)),
-    ("reduction", ("reduce", "norm", "softmax", "sum", "cumsum", "scan", "sort", "topk")),
-    ("copy / cast / index", ("copy", "cat", "index", "gather", "scatter", "fill", "memset", "memcpy")),
-    ("elementwise", ("elementwise", "vectorized", "foreach")),
-]
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KERNEL_KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "other"
-
-
-def busy_time(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
 
 
 def _gpu_kernels(prof) -> list[tuple[str, float, float]]:
