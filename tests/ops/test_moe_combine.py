@@ -115,8 +115,9 @@ def test_cpu_uses_the_reference_and_forcing_the_kernel_on_cpu_is_an_error(monkey
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_kernel_matches_reference(dtype):
-    # k3-mini's shape at 8K tokens: 8 of 128 experts, latent 512. bf16: one rounding of u and dy (2^-8).
-    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    # k3-mini's shape at 8K tokens: 8 of 128 experts, latent 512. bf16: u and dy are each rounded once from fp32
+    # sums taken in another order, so an entry may land one bf16 step away: up to 2^-7 of the largest entry.
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
     _assert_matches(_both(*_case(8192, 8, 512, dtype, device="cuda"), dtype), tol, max(tol, 1e-6))
 
 
