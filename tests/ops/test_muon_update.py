@@ -79,7 +79,7 @@ def test_gpu_kernels_match_the_torch_passes():
     for nesterov in (True, False):
         out = _momentum_case("cuda", torch.bfloat16, nesterov, n=3_000_001)
         _close(out["kernel"][0], out["torch"][0], 1e-6)
-        _close(out["kernel"][1], out["torch"][1], 2 ** -8)
+        _close(out["kernel"][1], out["torch"][1], 2 ** -7)  # one bf16 step at the largest entry
     g = torch.Generator().manual_seed(2)
     for o in (torch.randn(64, 512, 768, generator=g), torch.randn(64, 768, 512, generator=g).mT):
         p = torch.randn(64, 512, 768, generator=g).cuda()
