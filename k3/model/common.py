@@ -10,15 +10,19 @@ from k3.ops.situ import situ_glu_any
 
 
 def stacked_linear(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """(layer(x) for layer in layers) as one GEMM against the layers' weights stacked (bias-free layers).
+    """(layer(x) for layer in layers) for bias-free layers; with autograd recording, as one GEMM against the
+    layers' weights stacked.
 
-    Several projections of one input cost one read (and, under autocast, one cast) of x and one GEMM instead of
-    one each; in backward, d(x) comes from one GEMM (accumulated inside it) instead of a sum of per-layer
-    gradients, and the weight gradients from one GEMM. The parameters stay separate (checkpoint names, Muon's
-    per-matrix treatment); the stacked copy is made per call (small next to the activations). Returns views of
-    the stacked output (strided along the last dimension). The stack is padded with zero rows to a multiple of
-    16 outputs, so that the views' row stride stays 16-element aligned (kernels that take strided inputs, like
-    fla's convolution, specialize on that alignment)."""
+    In training, several projections of one input then cost one read (and, under autocast, one cast) of x and one
+    GEMM instead of one each; in backward, d(x) comes from one GEMM (accumulated inside it) instead of a sum of
+    per-layer gradients, and the weight gradients from one GEMM. The parameters stay separate (checkpoint names,
+    Muon's per-matrix treatment); the stacked copy is made per call (small next to a training batch's
+    activations). It is padded with zero rows to a multiple of 16 outputs, so that the returned views' row stride
+    stays 16-element aligned (kernels that take strided inputs, like fla's convolution, specialize on that).
+    Without gradients (serving, evaluation) the layers run one by one: a per-call copy of the weights would be
+    most of a decode step's traffic and would sit in every captured CUDA graph's memory."""
+    if not torch.is_grad_enabled():
+        return tuple(layer(x) for layer in layers)
     ws = [layer.weight for layer in layers]
     sizes = [w.shape[0] for w in ws]
     pad = -sum(sizes) % 16

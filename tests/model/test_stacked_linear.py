@@ -34,3 +34,13 @@ def test_no_padding_when_aligned_and_autocast_gives_bf16_views():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = stacked_linear(x, *layers)
     assert a.dtype == b.dtype == torch.bfloat16 and a.stride(0) == 48
+
+
+def test_without_gradients_the_layers_run_one_by_one():
+    # inference: no stacked copy of the weights, the plain per-layer results (contiguous)
+    layers = [nn.Linear(8, 5, bias=False), nn.Linear(8, 7, bias=False)]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        outs = stacked_linear(x, *layers)
+        assert all(torch.equal(o, layer(x)) for o, layer in zip(outs, layers))
+    assert all(o.is_contiguous() for o in outs)
