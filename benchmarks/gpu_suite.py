@@ -57,8 +57,10 @@ STEPS = {
     # fp32 inputs are a new autotuning set for every fla kernel (about 7 minutes on a fresh machine)
     "tests_kda_fp32": ([KDA_PYTEST + ["-k", "fp32", KDA_TEST_FILES[0]]], 540),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
+    # the trace is also broken down right there (returned files are size-limited; the report is text in the log)
     "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile",
-                                  "--trace", "{out}/trace8k.json.gz"]], 200),
+                                  "--trace", "{out}/trace8k.json.gz"],
+                         [PY, "benchmarks/trace_report.py", "{out}/trace8k.json.gz", "--top", "6"]], 240),
     # the same micro-batches, 8 of them per optimizer step (262,144 tokens): the optimizer's cost spread over more tokens
     "train8k_256k": ([[PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "262144",
                        "--steps", "3", "--vocab-size", "32768", "--backend", "fast", "--seq-len", "8192",
