@@ -61,7 +61,7 @@ STEPS = {
     "train8k_profile": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4", "--profile",
                                   "--trace", "{out}/trace8k.json.gz"],
                          [PY, "benchmarks/trace_report.py", "{out}/trace8k.json.gz", "--top", "6"]], 240),
-    # the same micro-batches, 8 of them per optimizer step (262,144 tokens): the optimizer's cost spread over more tokens
+    # the same micro-batches, 8 per optimizer step (262,144 tokens): the optimizer's cost spread over more tokens
     "train8k_256k": ([[PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "262144",
                        "--steps", "3", "--vocab-size", "32768", "--backend", "fast", "--seq-len", "8192",
                        "--micro-batch-rows", "4"]], 240),

@@ -79,7 +79,8 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     flops, shapes = ns_flops(model)
     step_s = statistics.median(times)
-    rec = {"preset": args.preset, "backend": args.backend, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+    rec = {"preset": args.preset, "backend": args.backend,
+           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "params": sum(p.numel() for p in model.parameters()), "step_ms": round(step_s * 1e3, 2),
            "ns_tflop": round(flops / 1e12, 3), "ns_tflops_per_s": round(flops / step_s / 1e12, 1),
            "floor_ms_at_peak": round(flops / PEAK_BF16 * 1e3, 2), "blocks": shapes}

@@ -179,7 +179,7 @@ def _gpu_kernels(prof) -> list[tuple[str, float, float]]:
         return []
     out = []
     for e in events:
-        if "cuda" not in str(e.device_type()).lower() or "memcpy" in e.name().lower() and e.duration_ns() == 0:
+        if "cuda" not in str(e.device_type()).lower():
             continue
         start = e.start_ns() / 1e3
         out.append((e.name(), start, start + e.duration_ns() / 1e3))

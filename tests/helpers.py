@@ -73,25 +73,18 @@ class InSituComparison:
 
         self.ref_env = {env_var(op): "torch" for op in ops}
         self.fast_env = {**self.ref_env, **{env_var(op): be for op, be in fast.items()}}
-        self.seed, self.records = seed, []
+        self.seed, self.records, self._monkeypatch = seed, [], None
 
-    @staticmethod
-    def _env(values: dict):
+    def _env(self, values: dict):
+        """A context in which the K3_<OP>_BACKEND variables hold `values` (restored after)."""
         import contextlib
-        import os
 
         @contextlib.contextmanager
         def cm():
-            old = {k: os.environ.get(k) for k in values}
-            os.environ.update(values)
-            try:
+            with self._monkeypatch.context() as m:
+                for k, v in values.items():
+                    m.setenv(k, v)
                 yield
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
 
         return cm()
 
@@ -161,6 +154,7 @@ class InSituComparison:
 
     def patch(self, monkeypatch, sites) -> "InSituComparison":
         """Wrap each (class, method name) of `sites`."""
+        self._monkeypatch = monkeypatch
         for cls, name in sites:
             monkeypatch.setattr(cls, name, self._wrap(cls, name))
         return self

@@ -7,8 +7,8 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import RMSNorm, stacked_linear
-from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.gate_norm import gate_norm
+from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
 
 

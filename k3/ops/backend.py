@@ -24,7 +24,8 @@ The choice never changes the math, only where it runs. `auto` (the default) pick
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
 K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND,
-K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND and K3_GATE_NORM_BACKEND (values: auto, torch, or the fast backend's name) override it per op.
+K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND and K3_GATE_NORM_BACKEND (values: auto, torch, or the fast backend's
+name) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
 """

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from k3.ops.situ_triton import _interpret, available
 
-__all__ = ["available", "available_on", "decay_add_", "decay_add_torch", "momentum_", "momentum_torch"]
+__all__ = ["available", "available_on", "decay_add_", "decay_add_torch", "momentum_", "momentum_torch",
+           "newton_schulz_input_torch"]
 
 _BLOCK = 2048  # elements per program of the momentum kernel
 _BLOCK_R, _BLOCK_C = 32, 64  # tile of the update kernel
@@ -34,6 +35,11 @@ tl = None  # triton.language, bound on first use (module-level kernels read it a
 def momentum_torch(g: Tensor, buf: Tensor, u: Tensor, mu: float, nesterov: bool) -> None:
     """Reference: buf <- mu * buf + g; u <- g + mu * buf (Nesterov) or buf, in u's dtype."""
     buf.mul_(mu).add_(g)
+    newton_schulz_input_torch(g, buf, u, mu, nesterov)
+
+
+def newton_schulz_input_torch(g: Tensor, buf: Tensor, u: Tensor, mu: float, nesterov: bool) -> None:
+    """u <- g + mu * buf (Nesterov) or buf, rounded once into u's dtype (buf already updated)."""
     if nesterov:
         torch.add(g, buf, alpha=mu, out=u)
     else:
@@ -96,11 +102,9 @@ def available_on(device: torch.device) -> tuple[bool, str]:
 
 
 def _check_runnable(t: Tensor) -> None:
-    ok, why = available()
+    ok, why = available_on(t.device)
     if not ok:
         raise RuntimeError(f"the Muon update kernels cannot run: {why}")
-    if t.device.type != "cuda" and not _interpret():
-        raise ValueError(f"the Muon update kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {t.device}")
 
 
 def momentum_(g: Tensor, buf: Tensor, u: Tensor, mu: float, nesterov: bool) -> None:

@@ -32,7 +32,6 @@ from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, render_chat
 from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
 from k3.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from k3.serve.metrics import MetricsExporter
-from k3.serve.options import add_serve_arguments  # noqa: F401  (re-exported: the flags of `k3 serve`)
 from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields,
                                _validation_message, error_body, error_response)
 from k3.serve.sampling import SamplingParams

@@ -332,9 +332,9 @@ class PerHeadMuon(torch.optim.Optimizer):
             bufs = [self.state[p]["momentum_buffer"] for p in params]
             fused = []
             for p, g, buf in zip(params, grads, bufs):
-                if p.device not in fused_on:
-                    fused_on[p.device] = resolve("muon", p.device,
-                                                 lambda d=p.device: muon_update.available_on(d)) == "triton"
+                dev = p.device
+                if dev not in fused_on:
+                    fused_on[dev] = resolve("muon", dev, lambda d=dev: muon_update.available_on(d)) == "triton"
                 fused.append(fused_on[p.device] and p.is_contiguous() and g.is_contiguous() and buf.is_contiguous())
             rest = [i for i, f in enumerate(fused) if not f]  # momentum of these now; the fused ones later
             if rest:
@@ -354,10 +354,8 @@ class PerHeadMuon(torch.optim.Optimizer):
                     dst = x[off:off + gb.shape[0]]
                     if f:  # momentum and u in one pass
                         muon_update.momentum_(gb, bb, dst, group["momentum"], group["nesterov"])
-                    elif group["nesterov"]:
-                        torch.add(gb, bb, alpha=group["momentum"], out=dst)
-                    else:
-                        dst.copy_(bb)
+                    else:  # momentum done above (multi-tensor)
+                        muon_update.newton_schulz_input_torch(gb, bb, dst, group["momentum"], group["nesterov"])
                     off += gb.shape[0]
                 o = _orthogonalize_(x, steps, NS_EPS)
                 off = 0
