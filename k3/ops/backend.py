@@ -46,7 +46,7 @@ FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ"
 # The GPU tests of the MoE combine kernel, the Muon update kernels and fla's gated norm have not run yet, so `auto`
 # keeps them on the reference until they do.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
-             "short_conv": True, "moe_combine": False, "muon": False, "gate_norm": False}
+             "short_conv": True, "moe_combine": True, "muon": False, "gate_norm": True}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode and the Muon update kernels run in Triton's interpreter
 # (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).
