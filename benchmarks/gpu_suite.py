@@ -38,6 +38,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/train/test_muon.py",
     "tests/ops/test_muon_update.py",
     "tests/ops/test_gate_norm.py",
+    "tests/ops/test_linear_ce.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py"]

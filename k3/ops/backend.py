@@ -19,13 +19,15 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
                               (k3.ops.muon_update), around the batched Newton-Schulz GEMMs
     gate_norm  fla            fla-core's rms_norm_gated: KDA's per-head output RMSNorm times sigmoid(gate)
                               as one kernel each way (k3.ops.gate_norm)
+    linear_ce  triton         the output head's cross-entropy gradient (log-sum-exp, softmax - onehot) in one
+                              kernel, in place on the chunk's logits (k3.ops.linear_ce)
 
 The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
 K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND,
-K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND and K3_GATE_NORM_BACKEND (values: auto, torch, or the fast backend's
-name) override it per op.
+K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND, K3_GATE_NORM_BACKEND and K3_LINEAR_CE_BACKEND (values: auto, torch, or
+the fast backend's name) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
 """
@@ -39,18 +41,20 @@ from typing import Callable
 import torch
 
 FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
-        "short_conv": "fla", "moe_combine": "triton", "muon": "triton", "gate_norm": "fla"}
+        "short_conv": "fla", "moe_combine": "triton", "muon": "triton", "gate_norm": "fla",
+        "linear_ce": "triton"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code: attn_res, mla, moe, situ (2026-11-29), mla_decode (2026-11-29), kda and short_conv
 # (2026-11-30: fla's chunk and decode KDA at k3-mini's shapes, packed and not, and the causal conv, packed and not).
-# The GPU tests of the MoE combine kernel, the Muon update kernels and fla's gated norm have not run yet, so `auto`
-# keeps them on the reference until they do.
+# moe_combine (op tests) and gate_norm (the in-situ model test) 2026-11-30. The Muon update kernels measured no faster
+# than PyTorch's update and the cross-entropy kernel's GPU tests have not run yet: `auto` keeps them on the reference.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
-             "short_conv": True, "moe_combine": True, "muon": False, "gate_norm": True}
+             "short_conv": True, "moe_combine": True, "muon": False, "gate_norm": True,
+             "linear_ce": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
-# grouped GEMM has a CPU implementation; the paged decode and the Muon update kernels run in Triton's interpreter
-# (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).
-CPU_OK = {"moe", "mla_decode", "muon"}
+# grouped GEMM has a CPU implementation; the paged decode, the Muon update and the cross-entropy kernels run in
+# Triton's interpreter (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).
+CPU_OK = {"moe", "mla_decode", "muon", "linear_ce"}
 
 _notices: set[str] = set()
 

@@ -10,15 +10,30 @@ Against recomputing each chunk in the backward (activation checkpointing of the 
 chunk instead of four and reads the logits once instead of three times, with the same numbers: the logits are the
 GEMM's output in its dtype (bf16 under autocast) upcast to fp32, and d(W) sums the per-chunk products rounded to
 that dtype in fp32, as autograd does when it accumulates a bf16 weight gradient into an fp32 parameter.
+
+The step between the GEMMs (log-sum-exp, the picked logit, softmax - onehot) is a chain of PyTorch passes over an
+fp32 copy of the chunk's logits (about ten reads and writes of [chunk, V] in fp32). With the ``triton`` backend
+(op ``linear_ce``, K3_LINEAR_CE_BACKEND=auto|torch|triton) one kernel does it in place on the GEMM's output: each
+row is read twice (running max and sum of exponentials, then the gradient) and written once, in the GEMM dtype,
+with fp32 arithmetic as the reference. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors (tests).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["linear_cross_entropy", "ce_grad_", "ce_grad_torch_", "ce_grad_triton_"]
+
+_BLOCK_V = 4096
+# triton.language and the reduction combine functions, bound on first use; as in k3.ops.moe_combine the kernel
+# calls only Triton builtins (tl.reduce with these), which the interpreter runs whenever triton was imported.
+tl = None
+_SUM = None
+_MAX = None
 
 
 def _compute_dtype(h: Tensor, weight: Tensor) -> torch.dtype:
@@ -33,6 +48,93 @@ def _chunk_logits(hc: Tensor, wc: Tensor) -> Tensor:
     return (hc @ wc.t()).float()
 
 
+def ce_grad_torch_(logits: Tensor, target: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """Reference: (summed cross-entropy of the rows of `logits` [n, V] against `target` [n] as an fp32 scalar,
+    d(sum)/d(logits) = (softmax - onehot) * valid in logits' dtype). Computed in fp32, in place when `logits` is
+    fp32 already (it is overwritten then, as the kernel always overwrites it), else on an upcast copy."""
+    x = logits.float()
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, safe[:, None])[:, 0]
+    total = ((lse - picked) * valid).sum()
+    p = x.sub_(lse[:, None]).exp_()
+    p.scatter_add_(1, safe[:, None], -torch.ones_like(picked)[:, None])
+    return total, p.mul_(valid[:, None]).to(logits.dtype)
+
+
+def _ce_kernel(x_ptr, t_ptr, loss_ptr, stride_x, ignore_index, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Program r: row r of x [n, V]. loss[r] = (logsumexp(x_r) - x_r[t_r]) * valid_r, then x_r is overwritten
+    with (softmax(x_r) - onehot(t_r)) * valid_r, in x's dtype; fp32 arithmetic throughout."""
+    r = tl.program_id(0).to(tl.int64)
+    base = x_ptr + r * stride_x
+    t = tl.load(t_ptr + r).to(tl.int64)
+    valid = t != ignore_index
+    m = tl.full([BLOCK], -1e30, tl.float32)  # per-lane running max (finite: exp(m - m_new) never sees inf - inf)
+    s = tl.full([BLOCK], 0.0, tl.float32)  # per-lane sum of exp(x - m)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+    mx = tl.reduce(m, 0, _MAX)
+    lse = mx + tl.log(tl.reduce(s * tl.exp(m - mx), 0, _SUM))
+    safe = tl.where(valid, t, 0)
+    # (labels are range-checked with the input ids by the model; the mask only keeps a bad one inside the row)
+    picked = tl.load(base + safe, mask=(safe >= 0) & (safe < V), other=0.0).to(tl.float32)
+    tl.store(loss_ptr + r, tl.where(valid, lse - picked, 0.0))
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        cm = cols < V
+        x = tl.load(base + cols, mask=cm, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse) - tl.where(cols == safe, 1.0, 0.0)
+        p = tl.where(valid, p, 0.0)
+        tl.store(base + cols, p.to(x_ptr.dtype.element_ty), mask=cm)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    global tl, _SUM, _MAX
+    import triton
+    import triton.language as tl
+
+    _SUM, _MAX = tl.standard._sum_combine, tl.standard._elementwise_max
+    return triton.jit(_ce_kernel)
+
+
+def ce_grad_triton_(logits: Tensor, target: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """:func:`ce_grad_torch_` as one Triton kernel that overwrites `logits` (row-major, unit column stride) with
+    the gradient and returns (total, logits)."""
+    from k3.ops.situ_triton import _interpret, available
+
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"the cross-entropy kernel cannot run: {why}")
+    if logits.ndim != 2 or logits.stride(1) != 1 or target.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be a row-major [n, V] tensor and target [n], got {tuple(logits.shape)} "
+                         f"(strides {logits.stride()}) and {tuple(target.shape)}")
+    n, V = logits.shape
+    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
+    if n:
+        block = min(_BLOCK_V, 1 << max(V - 1, 1).bit_length())
+        with torch.cuda.device(logits.device.index if logits.is_cuda else -1):  # -1: no-op (CPU, interpreter)
+            _kernel(_interpret())[(n,)](logits, target.contiguous(), loss, logits.stride(0), ignore_index, V=V,
+                                        BLOCK=block, num_warps=8)
+    return loss.sum(), logits
+
+
+def ce_grad_(logits: Tensor, target: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """(summed cross-entropy, its gradient with respect to `logits`) by the backend k3.ops.backend picks (op
+    ``linear_ce``); the Triton kernel reuses `logits`' memory for the gradient, the reference does not."""
+    from k3.ops.backend import resolve
+    from k3.ops.situ_triton import available
+
+    if resolve("linear_ce", logits.device, available) == "triton":
+        return ce_grad_triton_(logits, target, ignore_index)
+    return ce_grad_torch_(logits, target, ignore_index)
+
+
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, target: Tensor, chunk: int, dtype: torch.dtype,
@@ -43,17 +145,10 @@ class _LinearCE(torch.autograd.Function):
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         for i in range(0, h.shape[0], chunk):
             x, t = hc[i:i + chunk], target[i:i + chunk]
-            logits = _chunk_logits(x, wc)
-            valid = t != ignore_index
-            safe = torch.where(valid, t, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[:, None])[:, 0]
-            total += ((lse - picked) * valid).sum()
-            # d(sum CE)/d(logits) = softmax - onehot on the valid rows, computed in place of the logits
-            p = logits.sub_(lse[:, None]).exp_()
-            p.scatter_add_(1, safe[:, None], -torch.ones_like(picked)[:, None])
-            g = p.mul_(valid[:, None]).to(dtype)
-            grad_h[i:i + chunk] = g @ wc
+            # d(sum CE)/d(logits) = softmax - onehot on the valid rows, from the logits in the GEMM's dtype
+            loss, g = ce_grad_(x @ wc.t(), t, ignore_index)
+            total += loss
+            torch.mm(g, wc, out=grad_h[i:i + chunk])
             grad_w += (g.t() @ x).float()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype

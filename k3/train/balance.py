@@ -422,17 +422,28 @@ class ExpertBalancer:
         self._margins = [margins.float().clone()] if margins.shape[0] > 0 else []
 
 
+def load_ratios(balancers) -> list[Tensor | None]:
+    """Per balancer, [max / mean, min / mean] of the expert loads observed since its last update as an fp64
+    tensor on its device (None when it has observed nothing); nothing is read back to the host."""
+    out: list[Tensor | None] = []
+    for bal in balancers:
+        if bal._acc is None or bal._num_tokens == 0:
+            out.append(None)
+            continue
+        load = bal._acc[:, -1].double()
+        mean = load.mean()
+        out.append(torch.stack([load.max() / mean, load.min() / mean]))
+    return out
+
+
 def load_stats_of(balancers) -> list[dict[str, float]]:
     """``load_stats()`` of several balancers (one per MoE layer) with one read from each device, not one each."""
     nan = float("nan")
     out = [{"max_over_mean": nan, "min_over_mean": nan} for _ in balancers]
     by_device: dict[torch.device, list] = {}
-    for i, bal in enumerate(balancers):
-        if bal._acc is None or bal._num_tokens == 0:
-            continue
-        load = bal._acc[:, -1].double()
-        mean = load.mean()
-        by_device.setdefault(load.device, []).append((i, torch.stack([load.max() / mean, load.min() / mean])))
+    for i, r in enumerate(load_ratios(balancers)):
+        if r is not None:
+            by_device.setdefault(r.device, []).append((i, r))
     for items in by_device.values():
         for (i, _), (mx, mn) in zip(items, torch.stack([r for _, r in items]).tolist()):
             out[i] = {"max_over_mean": mx, "min_over_mean": mn}

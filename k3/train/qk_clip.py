@@ -30,7 +30,7 @@ from torch import nn
 
 from k3.model.mla import GatedMLA
 
-__all__ = ["enable_max_logit_recording", "qk_clip_", "mla_layers"]
+__all__ = ["enable_max_logit_recording", "qk_clip_", "consume_max_logits", "apply_qk_clip_", "mla_layers"]
 
 _RUNNING = "_qk_clip_running_max"  # running max [H] since the last qk_clip_ (set by the forward hook)
 _SEEN = "_qk_clip_seen"  # the last `last_max_logit` tensor already folded in (records are consumed once)
@@ -95,9 +95,21 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, process_group=None) -> dict:
     When torch.distributed is initialized the maxima are all-reduced (MAX) over `process_group` (default:
     the world), so data-parallel replicas clip identically. Non-finite maxima are reported but not clipped
     (scaling by tau/inf would zero the head; a NaN/inf logit is the trainer's divergence check to handle).
+
+    The same as ``apply_qk_clip_(model, consume_max_logits(model, process_group), tau)``; a training loop that
+    reads other values back from the device anyway can consume the maxima before the optimizer step, read them
+    with those values, and apply the clip after the step without waiting for the device again.
     """
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau}")
+    return apply_qk_clip_(model, consume_max_logits(model, process_group), tau)
+
+
+@torch.no_grad()
+def consume_max_logits(model: nn.Module, process_group=None) -> list[torch.Tensor | None]:
+    """Each Gated MLA layer's per-head max logit [H] (fp32, on the device) over the forwards since the last
+    call, or None for a layer that recorded nothing; all-reduced (MAX) when torch.distributed is initialized.
+    Nothing is read back to the host."""
     layers = mla_layers(model)
     maxima = [_consume(m) for m in layers]
     if dist.is_available() and dist.is_initialized() and layers:
@@ -110,16 +122,32 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, process_group=None) -> dict:
         maxima = [None if torch.isneginf(p).all() else p for p in parts]
     if layers and all(t is None for t in maxima):
         warnings.warn("qk_clip_: no Gated MLA layer recorded a max logit since the last call; call "
-                      "enable_max_logit_recording(model) before the forward", stacklevel=2)
+                      "enable_max_logit_recording(model) before the forward", stacklevel=3)
+    return [None if t is None else t.float() for t in maxima]
 
+
+@torch.no_grad()
+def apply_qk_clip_(model: nn.Module, maxima: list[torch.Tensor | None], tau: float = 100.0) -> dict:
+    """Clip with the maxima of `consume_max_logits` (one per Gated MLA layer, on any device); returns what
+    `qk_clip_` returns. The maxima are read to the host in one transfer (none when they are there already);
+    the weights of the heads over `tau` are then scaled on their device without further reads."""
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    layers = mla_layers(model)
+    if len(maxima) != len(layers):
+        raise ValueError(f"maxima must hold one entry per Gated MLA layer ({len(layers)}), got {len(maxima)}")
+    present = [t.reshape(-1).float() for t in maxima if t is not None]
+    host = torch.cat([t.to(present[0].device) for t in present]).cpu() if present else torch.empty(0)
     per_layer: dict[int, torch.Tensor] = {}
-    overall, clipped = -math.inf, 0
+    overall, clipped, off = -math.inf, 0, 0
     for m, mx in zip(layers, maxima):
         if mx is None:
             continue
-        mx = mx.float()
-        per_layer[m.layer_idx] = mx.cpu()
-        overall = max(overall, float(mx.max()))
+        mx = host[off:off + mx.numel()]
+        off += mx.numel()
+        per_layer[m.layer_idx] = mx
+        if mx.numel():
+            overall = max(overall, float(mx.max()))
         over = torch.isfinite(mx) & (mx > tau)
         heads = torch.nonzero(over).flatten()
         if heads.numel() == 0:

@@ -21,9 +21,9 @@ from torch.profiler import record_function
 
 from k3.model.latent_moe import LatentMoE
 from k3.model.model import K3ForCausalLM
-from k3.train.balance import ExpertBalancer, load_stats_of
+from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
-from k3.train.qk_clip import enable_max_logit_recording, qk_clip_
+from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording
 from k3.train.schedule import lr_multiplier
 from k3.train import state as state_io
 from k3.utils import atomic_write_text
@@ -185,11 +185,16 @@ class Trainer:
                      f"retrying with {c.micro_batch_rows} rows (kept for the rest of the run)")
         self._all_reduce_grads()
         with record_function("k3.train.grad_clip"):
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+        clip_on = bool(c.qk_clip_tau and c.qk_clip_tau > 0)
+        maxima = consume_max_logits(model) if clip_on else []
+        # One read from the device per step: the losses, the gradient norm, the expert loads and the MLA maxima
+        # together, so the host waits for the device once (here, before the optimizer) instead of once for each.
+        loss_sum, mtp_sum, grad_norm, loads, maxima = self._read_back(loss_sum, mtp_sum, grad_norm,
+                                                                       load_ratios(self.balancers), maxima)
         metrics = StepMetrics(step=self.step + 1, loss=loss_sum, lr=self.optimizer.param_groups[0]["lr"],
                               grad_norm=grad_norm, tokens_per_s=0.0, elapsed_s=0.0,
                               mtp_loss=mtp_sum if len(model.mtp) else None)
-        loads = [st["max_over_mean"] for st in load_stats_of(self.balancers)]  # one device read for all layers
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             # Skip: no parameter, bias or optimizer state changes; the data position moves on.
             self.optimizer.zero_grad(set_to_none=True)
@@ -207,9 +212,9 @@ class Trainer:
             with record_function("k3.train.optimizer"):
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            if c.qk_clip_tau and c.qk_clip_tau > 0:
+            if clip_on:
                 with record_function("k3.train.qk_clip"):
-                    clip = qk_clip_(model, c.qk_clip_tau)
+                    clip = apply_qk_clip_(model, maxima, c.qk_clip_tau)
                 metrics.max_logit, metrics.clipped_heads = clip["max_logit"], clip["clipped_heads"]
             # Quantile Balancing: the bias computed from this step's routing applies from the next step on.
             with torch.no_grad(), record_function("k3.train.balance"):
@@ -223,21 +228,48 @@ class Trainer:
         metrics.elapsed_s = self.elapsed
         return metrics
 
-    def _accumulate(self, batch: dict, mb: int, bias_now: list) -> tuple[float, float]:
+    def _read_back(self, loss: torch.Tensor, mtp: torch.Tensor, grad_norm: torch.Tensor, loads: list,
+                   maxima: list) -> tuple:
+        """(loss, MTP loss, gradient norm) as floats, each MoE layer's max / mean expert load (NaN when it
+        observed nothing) and the MLA maxima on the host, from one device-to-host copy."""
+        dev = loss.device
+        parts = [loss.reshape(1), mtp.reshape(1), grad_norm.double().reshape(1).to(dev)]
+        parts += [r[:1].to(dev) for r in loads if r is not None]
+        parts += [t.double().reshape(-1).to(dev) for t in maxima if t is not None]
+        vals = torch.cat(parts).cpu()
+        out_loads, off = [], 3
+        for r in loads:
+            out_loads.append(float("nan") if r is None else float(vals[off]))
+            off += r is not None
+        host_maxima = []
+        for t in maxima:
+            if t is None:
+                host_maxima.append(None)
+                continue
+            host_maxima.append(vals[off:off + t.numel()].float())
+            off += t.numel()
+        return float(vals[0]), float(vals[1]), float(vals[2]), out_loads, host_maxima
+
+    def _accumulate(self, batch: dict, mb: int, bias_now: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + backward of the whole batch in micro-batches of `mb` rows, gradients summed with each
-        micro-batch weighted by its share of rows. Returns (loss, MTP loss) of the batch."""
+        micro-batch weighted by its share of rows. Returns (loss, MTP loss) of the batch as fp64 device scalars
+        (not read back: the step reads everything it needs at once)."""
         c, model = self.cfg, self.model
         rows = batch["input_ids"].shape[0]
         # Losses stay on the device until every micro-batch is launched: reading one back after each backward
         # would stall the host until the GPU drained, so the next micro-batch could not be queued behind it.
         losses, mtps = [], []
+        ids = batch["input_ids"]
+        vocab = model.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # checked here, before the device
+            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{int(ids.min())}, {int(ids.max())}]")
         for s in range(0, rows, mb):
             part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
             w = part["input_ids"].shape[0] / rows
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                     record_function("k3.train.forward"):
                 out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
-                            return_logits=False)
+                            return_logits=False, check_ids=False)
                 loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
             with record_function("k3.train.backward"):
                 (loss * w).backward()
@@ -247,8 +279,7 @@ class Trainer:
             for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
                 bal.observe(m.last_routing, b)
         zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
-        sums = torch.stack([torch.stack(losses).sum(), torch.stack(mtps).sum() if mtps else zero]).tolist()
-        return sums[0], sums[1]
+        return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else zero)
 
     def _all_reduce_grads(self) -> None:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""

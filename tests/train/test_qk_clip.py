@@ -7,7 +7,7 @@ import torch.distributed as dist
 from helpers import randomize_
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
-from k3.train.qk_clip import enable_max_logit_recording, mla_layers, qk_clip_
+from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording, mla_layers, qk_clip_
 
 TAU = 5.0
 
@@ -188,3 +188,25 @@ def test_single_process_group_all_reduce(tmp_path):
     assert info["clipped_heads"] == 3
     for i in before:
         assert torch.equal(info["per_layer"][i], before[i])
+
+
+def test_consume_then_apply_is_qk_clip_and_reads_maxima_given_on_the_host():
+    # The trainer consumes the maxima before the optimizer step, reads them back with the loss, and applies the
+    # clip after the step from host values: the same weights and report as qk_clip_ in one call.
+    x = _x(seed=3)
+    a, b = _model(), _model()
+    for m in (a, b):
+        enable_max_logit_recording(m)
+        _forward(m, x, grad=True)
+    info_a = qk_clip_(a, tau=TAU)
+    maxima = consume_max_logits(b)
+    assert [tuple(t.shape) for t in maxima] == [(m.num_heads,) for m in mla_layers(b)]
+    with pytest.warns(UserWarning, match="no Gated MLA layer recorded"):  # consumed: nothing left to read
+        assert consume_max_logits(b) == [None] * 3
+    info_b = apply_qk_clip_(b, [t.clone() for t in maxima], tau=TAU)
+    assert info_b["clipped_heads"] == info_a["clipped_heads"] == 3
+    assert info_b["max_logit"] == info_a["max_logit"]
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    with pytest.raises(ValueError, match="one entry per Gated MLA layer"):
+        apply_qk_clip_(b, maxima[:1], tau=TAU)
