@@ -46,11 +46,11 @@ FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ"
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code: attn_res, mla, moe, situ (2026-11-29), mla_decode (2026-11-29), kda and short_conv
 # (2026-11-30: fla's chunk and decode KDA at k3-mini's shapes, packed and not, and the causal conv, packed and not).
-# moe_combine (op tests) and gate_norm (the in-situ model test) 2026-11-30. The Muon update kernels measured no faster
-# than PyTorch's update and the cross-entropy kernel's GPU tests have not run yet: `auto` keeps them on the reference.
+# moe_combine (op tests), gate_norm (op tests and the in-situ model test) and linear_ce (op tests at k3-mini's head
+# shapes) 2026-11-30. The Muon update kernels measured no faster than PyTorch's update: `auto` keeps the reference.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
              "short_conv": True, "moe_combine": True, "muon": False, "gate_norm": True,
-             "linear_ce": False}
+             "linear_ce": True}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode, the Muon update and the cross-entropy kernels run in
 # Triton's interpreter (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).

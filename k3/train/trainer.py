@@ -228,6 +228,14 @@ class Trainer:
         metrics.elapsed_s = self.elapsed
         return metrics
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host batch tensor on the training device. To CUDA through pinned memory without waiting: a copy from
+        pageable memory synchronizes the host with the device, so the host could not queue the next forward
+        while the device still runs the previous step's optimizer."""
+        if self.device.type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def _read_back(self, loss: torch.Tensor, mtp: torch.Tensor, grad_norm: torch.Tensor, loads: list,
                    maxima: list) -> tuple:
         """(loss, MTP loss, gradient norm) as floats, each MoE layer's max / mean expert load (NaN when it
@@ -264,7 +272,7 @@ class Trainer:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # checked here, before the device
             raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{int(ids.min())}, {int(ids.max())}]")
         for s in range(0, rows, mb):
-            part = {k: v[s:s + mb].to(self.device) for k, v in batch.items()}
+            part = {k: self._to_device(v[s:s + mb]) for k, v in batch.items()}
             w = part["input_ids"].shape[0] / rows
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                     record_function("k3.train.forward"):

@@ -365,12 +365,42 @@ def test_bf16_newton_schulz_batch_is_close_to_fp32():
     assert rel_err(upd[torch.bfloat16], upd[torch.float32]) < 3e-2
 
 
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_bf16_newton_schulz_stays_within_the_gpu_tolerance_of_the_fp32_step(tiny_cfg):
+    # The bound the GPU test below uses, measured where it can be: two steps with bf16 Newton-Schulz (CPU) against
+    # fp32 put every Muon update within 2e-2 relative L2 (1.5e-2 measured), AdamW's unchanged (same code, fp32).
+    model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
+    a, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = PerHeadMuon(muon_param_groups(a), lr=0.01, ns_dtype=torch.bfloat16)
+    ref_opt = PerHeadMuon(muon_param_groups(ref), lr=0.01)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+        for m in (a, ref):
+            for n, p in m.named_parameters():
+                p.grad = grads[n].clone()
+        opt.step()
+        ref_opt.step()
+    desc = describe_param_groups(model)
+    for n, p0 in model.named_parameters():
+        upd, upd_ref = a.get_parameter(n).detach() - p0.detach(), ref.get_parameter(n).detach() - p0.detach()
+        if desc[n].startswith("muon"):
+            assert rel_l2(upd, upd_ref) < 2e-2, n
+        else:
+            assert torch.equal(upd, upd_ref), n
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, monkeypatch, backend):
     # On CUDA, Newton-Schulz runs in bf16 (fp32 accumulation): two steps of the whole tiny model land every Muon
-    # parameter's update within 3e-2 (relative L2) of the fp32 one-at-a-time definition on CPU; AdamW's to 1e-5.
+    # parameter's update within 3e-2 (relative L2) of the fp32 definition on CPU (bf16 Newton-Schulz on CPU is
+    # 1.5e-2 from it, test below; elementwise maxima differ by up to ~3e-2); AdamW's to 1e-5 (max relative).
     # With the PyTorch passes around Newton-Schulz and with the fused Triton kernels.
     monkeypatch.setenv("K3_MUON_BACKEND", backend)
     model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
@@ -392,4 +422,5 @@ def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, 
     desc = describe_param_groups(model)
     for n, p0 in model.named_parameters():
         upd, upd_ref = gpu.get_parameter(n).detach().cpu() - p0.detach(), ref.get_parameter(n).detach() - p0.detach()
-        assert rel_err(upd, upd_ref) < (3e-2 if desc[n].startswith("muon") else 1e-5), (n, desc[n])
+        err = rel_l2(upd, upd_ref) if desc[n].startswith("muon") else rel_err(upd, upd_ref)
+        assert err < (3e-2 if desc[n].startswith("muon") else 1e-5), (n, desc[n], err)
