@@ -9,9 +9,10 @@ from torch import nn
 from k3.ops.situ import situ_glu_any
 
 
-def stacked_linear(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
+def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
     """(layer(x) for layer in layers) for bias-free layers; with autograd recording, as one GEMM against the
-    layers' weights stacked.
+    layers' weights stacked. An entry that is a tuple of layers gives one output: their outputs side by side
+    (``torch.cat([l(x) for l in group], -1)``), a single view of the GEMM's output when stacked.
 
     In training, several projections of one input then cost one read (and, under autocast, one cast) of x and one
     GEMM instead of one each; in backward, d(x) comes from one GEMM (accumulated inside it) instead of a sum of
@@ -21,10 +22,12 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, .
     stays 16-element aligned (kernels that take strided inputs, like fla's convolution, specialize on that).
     Without gradients (serving, evaluation) the layers run one by one: a per-call copy of the weights would be
     most of a decode step's traffic and would sit in every captured CUDA graph's memory."""
+    groups = [entry if isinstance(entry, tuple) else (entry,) for entry in layers]
     if not torch.is_grad_enabled():
-        return tuple(layer(x) for layer in layers)
-    ws = [layer.weight for layer in layers]
-    sizes = [w.shape[0] for w in ws]
+        outs = [[layer(x) for layer in g] for g in groups]
+        return tuple(o[0] if len(o) == 1 else torch.cat(o, dim=-1) for o in outs)
+    ws = [layer.weight for g in groups for layer in g]
+    sizes = [sum(layer.weight.shape[0] for layer in g) for g in groups]
     pad = -sum(sizes) % 16
     if pad:
         ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))

@@ -341,11 +341,29 @@ def _flex_max_scores_supported() -> bool:
     return hasattr(fa, "AuxRequest") and "max_scores" in getattr(fa.AuxRequest, "_fields", ())
 
 
+# The last block mask built, with what it was built from: every Gated MLA layer of one forward (and the
+# recomputation of activation checkpointing) asks for the same mask, so it is built once per batch, not per layer.
+_last_mask: list = [None, None]  # [(T, device, segment_ids tensor, its version), BlockMask]
+
+
 def causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None = None):
     """flex_attention BlockMask for causal attention, restricted to each packed document when `segment_ids`
     [B, T] is given. Built from per-block document ranges in O((T/128)^2) memory per row, never O(T^2):
     a (query block, key block) tile is skipped when their documents cannot meet, taken whole when both
-    blocks lie in one document and the key block is strictly earlier, and masked per element otherwise."""
+    blocks lie in one document and the key block is strictly earlier, and masked per element otherwise.
+
+    The mask of the previous call is returned again when T, the device and `segment_ids` (the same tensor
+    object, not modified since) are the same."""
+    key = (T, torch.device(device), segment_ids, None if segment_ids is None else segment_ids._version)
+    prev = _last_mask[0]
+    if prev is not None and prev[:2] == key[:2] and prev[2] is key[2] and prev[3] == key[3]:
+        return _last_mask[1]
+    mask = _build_causal_block_mask(T, device, segment_ids)
+    _last_mask[:] = [key, mask]
+    return mask
+
+
+def _build_causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None = None):
     from torch.nn.attention.flex_attention import BlockMask
 
     n = -(-T // _FLEX_BLOCK)

@@ -44,3 +44,23 @@ def test_without_gradients_the_layers_run_one_by_one():
         outs = stacked_linear(x, *layers)
         assert all(torch.equal(o, layer(x)) for o, layer in zip(outs, layers))
     assert all(o.is_contiguous() for o in outs)
+
+
+def test_a_tuple_of_layers_gives_their_outputs_side_by_side():
+    # (a, b) as one entry: one output equal to cat([a(x), b(x)], -1), with gradients (fp32, 1e-6) and without
+    torch.manual_seed(1)
+    a, b, c = (nn.Linear(6, n, bias=False) for n in (4, 4, 3))
+    x = torch.randn(5, 6, requires_grad=True)
+    ab, cc = stacked_linear(x, (a, b), c)
+    assert ab.shape == (5, 8) and cc.shape == (5, 3)
+    torch.testing.assert_close(ab, torch.cat([a(x), b(x)], -1), rtol=1e-6, atol=1e-6)
+    dy = torch.randn_like(ab)
+    (ab * dy).sum().backward()
+    ga, gb = a.weight.grad.clone(), b.weight.grad.clone()
+    a.weight.grad = b.weight.grad = None
+    (torch.cat([a(x), b(x)], -1) * dy).sum().backward()
+    torch.testing.assert_close(ga, a.weight.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gb, b.weight.grad, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        ab2, cc2 = stacked_linear(x, (a, b), c)
+        assert torch.equal(ab2, torch.cat([a(x), b(x)], -1)) and torch.equal(cc2, c(x))

@@ -51,6 +51,24 @@ def test_block_mask_skips_tiles_across_documents():
     assert torch.equal(dense.cpu().int(), expected.int())
 
 
+def test_block_mask_is_built_once_per_batch():
+    # Every MLA layer of a forward asks for the same mask: the second call returns the first one's object; another
+    # tensor, the same tensor modified in place, or another length builds a new one.
+    seg = torch.tensor([[0] * 256 + [1] * 256])
+    cpu = torch.device("cpu")
+    first = causal_block_mask(512, cpu, seg)
+    assert causal_block_mask(512, cpu, seg) is first
+    assert causal_block_mask(512, cpu, seg.clone()) is not first
+    again = causal_block_mask(512, cpu, seg)
+    seg[0, 100:] = 1  # documents [0, 100) and [100, 512) now
+    changed = causal_block_mask(512, cpu, seg)
+    assert changed is not again
+    assert torch.equal(changed.to_dense()[0, 0].int(), torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0],
+                                                                     [1, 1, 1, 1]]).int())
+    assert causal_block_mask(384, cpu, seg[:, :384]) is not changed
+    assert causal_block_mask(512, cpu, None) is not causal_block_mask(256, cpu, None)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("packed,autotune", [(False, False), (True, False), (True, True)],
