@@ -12,7 +12,10 @@ random tokens. MFU counts 6 x active parameters per token plus causal MLA attent
 (qk + v dims) x context / 2 per token for forward + backward), over the measured bf16 peak (803 TFLOP/s on
 an H200). The step trains the MTP layer too (one more MLA + MoE block, and the shared output head applied once
 more): `mfu` counts those FLOPs as well (k3.info's `mtp_active`, 54.9M per token for k3-mini, plus its
-attention), `mfu_backbone_only` leaves them out. The first two steps are warm-up and not timed.
+attention), `mfu_backbone_only` leaves them out. The first two steps are warm-up and not timed; each timed step
+starts and ends with a device synchronization (`step_s_median`, `tokens_per_s`, `mfu`). Then
+`--continuous-steps` more run back to back as in a training loop, synchronized only before the first and after the
+last (`step_s_continuous`, `tokens_per_s_continuous`, `mfu_continuous`).
 
 `--profile` runs one more step under torch.profiler and prints: the top operators; host and device time inside
 each k3.* profiler range (k3.train.forward / backward / optimizer, k3.fwd.kda / mla / moe / mtp, ...); the GPU
@@ -55,6 +58,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--micro-batch-rows", type=int, default=None)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--continuous-steps", type=int, default=3,
+                    help="then time this many steps back to back, synchronizing only before and after (0: skip)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vocab-size", type=int, default=None)
     ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto")
@@ -92,6 +97,19 @@ def main() -> None:
         print(f"step {i}: {time.perf_counter() - t0:.3f} s, loss {m.loss:.4f}", flush=True)
         if i >= 2:
             times.append(time.perf_counter() - t0)
+    # The same steps back to back with no synchronization between them, as the training loop runs them: the host
+    # may then queue the next step while the device still works on the previous one.
+    cont_s = None
+    if args.continuous_steps:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.continuous_steps):
+            m = tr.train_step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        cont_s = (time.perf_counter() - t0) / args.continuous_steps
+        print(f"{args.continuous_steps} steps back to back: {cont_s:.3f} s per step", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -127,6 +145,10 @@ def main() -> None:
         "model_tflops_per_s": round(tok_s * flops_tok / 1e12, 2), "loss": round(m.loss, 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
     }
+    if cont_s is not None:
+        cont_tok_s = args.batch_tokens / cont_s
+        out.update(step_s_continuous=round(cont_s, 4), tokens_per_s_continuous=round(cont_tok_s, 1),
+                   mfu_continuous=round(cont_tok_s * flops_tok / PEAK_BF16, 4) if gpu else None)
     print(json.dumps(out))
 
 
