@@ -400,8 +400,11 @@ def test_bf16_newton_schulz_stays_within_the_gpu_tolerance_of_the_fp32_step(tiny
 def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, monkeypatch, backend):
     # On CUDA, Newton-Schulz runs in bf16 (fp32 accumulation): two steps of the whole tiny model land every Muon
     # parameter's update within 3e-2 (relative L2) of the fp32 definition on CPU (bf16 Newton-Schulz on CPU is
-    # 1.5e-2 from it, test below; elementwise maxima differ by up to ~3e-2); AdamW's to 1e-5 (max relative).
-    # With the PyTorch passes around Newton-Schulz and with the fused Triton kernels.
+    # 1.5e-2 from it, test below; elementwise maxima differ by up to ~3e-2); AdamW's to 1e-4 (max relative): the
+    # update is read as p_after - p_before, and one fp32 rounding step of a parameter (|p| up to ~7 here, updates up
+    # to 2e-2) is ~4e-5 of the update (an H200 differed from the CPU by 2.4e-5). Every parameter is checked before the
+    # test fails, and the failures are listed. With the PyTorch passes around Newton-Schulz and with the fused
+    # Triton kernels.
     monkeypatch.setenv("K3_MUON_BACKEND", backend)
     model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
     ref = copy.deepcopy(model)
@@ -420,7 +423,11 @@ def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, 
             m.setenv("K3_MUON_BACKEND", "torch")  # the CPU definition (the kernels run on CUDA only here)
             ref_opt.step()
     desc = describe_param_groups(model)
+    bad = []
     for n, p0 in model.named_parameters():
         upd, upd_ref = gpu.get_parameter(n).detach().cpu() - p0.detach(), ref.get_parameter(n).detach() - p0.detach()
-        err = rel_l2(upd, upd_ref) if desc[n].startswith("muon") else rel_err(upd, upd_ref)
-        assert err < (3e-2 if desc[n].startswith("muon") else 1e-5), (n, desc[n], err)
+        muon = desc[n].startswith("muon")
+        err = rel_l2(upd, upd_ref) if muon else rel_err(upd, upd_ref)
+        if not err < (3e-2 if muon else 1e-4):
+            bad.append((n, desc[n], err))
+    assert not bad, bad
