@@ -6,12 +6,18 @@
 the trace alone (no GPU needed):
 
 * the GPU timeline: span from the first to the last kernel, time with a kernel running, idle share;
-* kernel time by k3 profiler range (k3.train.*, k3.fwd.*, k3.head_loss, ...): each kernel is charged to the
-  innermost range that was open on the host thread when it was launched (its launch and the kernel share a
-  correlation id), with the range's top kernels;
+* kernel time by k3 profiler range (k3.train.*, k3.fwd.*, k3.head_loss, ...): each kernel (device memcpy and
+  memset included) is charged to the innermost range that was open on the host thread when it was launched (its
+  launch, a CUDA runtime or driver call, and the kernel share a correlation id), with the range's top kernels. The
+  backward runs on autograd's own thread, where no k3 range is open: its kernels show as "(outside ...)";
 * kernel time by kind (GEMM, attention, fla, k3's Triton kernels, elementwise, ...);
 * idle gaps of the GPU longer than --gap-us, charged to the range that launched the kernel after the gap (a
-  gap is host time the GPU waited through: a sync, or launches slower than the kernels), with the largest gaps.
+  gap is host time the GPU waited through: a sync, or launches slower than the kernels), with the largest gaps;
+* per training phase (the k3.train.* range a kernel's launch fell in): kernel time, GPU idle time before its
+  kernels, and the median time from a kernel's launch to its start: near zero means the device waited for the
+  host (host-bound), large means the host ran ahead;
+* the host's waits for the device (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize calls),
+  each with the host operators around it: a wait in the middle of a phase keeps the host from queueing ahead.
 """
 
 from __future__ import annotations
@@ -84,10 +90,12 @@ class _Ranges:
 
 def analyse(events: list[dict], top: int = 5, gap_us: float = 20.0) -> dict:
     """The report's numbers as a dict (see the module docstring)."""
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    # device memcpy / memset are GPU work too (e.g. baddbmm copying its input): without them they would look idle
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     launches = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        # runtime launches (cudaLaunchKernel, ...) and driver ones (cuLaunchKernelEx: Triton's kernels, cuBLAS's nvjet)
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = e
     spans = defaultdict(list)
     for e in events:
@@ -124,6 +132,7 @@ def analyse(events: list[dict], top: int = 5, gap_us: float = 20.0) -> dict:
     idle_by_range: dict[str, float] = defaultdict(float)
     for g, _, r, _ in gaps:
         idle_by_range[r] += g
+    phases = _phases(events, iv, launches, gap_us)
     return {
         "kernels": len(iv), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_frac": 1 - busy / span,
         "ranges": {name: {"kernels": r["kernels"], "ms": r["us"] / 1e3,
@@ -133,7 +142,62 @@ def analyse(events: list[dict], top: int = 5, gap_us: float = 20.0) -> dict:
         "gaps_ms_by_range": {r: us / 1e3 for r, us in idle_by_range.items()},
         "largest_gaps": [{"us": round(g, 1), "at_ms": round((t - iv[0][0]) / 1e3, 3), "range": r, "next_kernel": n}
                          for g, t, r, n in sorted(gaps, key=lambda x: -x[0])[:top * 2]],
+        "phases": phases,
+        "syncs": _syncs(events, iv[0][0]),
     }
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _phases(events: list[dict], iv: list, launches: dict, gap_us: float) -> dict:
+    """Kernel time, idle time before its kernels and median launch-to-start lag per k3.train.* phase."""
+    spans = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("k3.train."):
+            spans[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
+    ranges = {tid: _Ranges(sp) for tid, sp in spans.items()}
+    out: dict[str, dict] = defaultdict(lambda: {"kernels": 0, "us": 0.0, "idle_us": 0.0, "lags": []})
+    end = None
+    for a, b, k in iv:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        name = "(outside k3.train ranges)"
+        if launch is not None and launch.get("tid") in ranges:
+            name = ranges[launch["tid"]].at(float(launch["ts"]))
+        ph = out[name.replace("(outside k3 ranges)", "(outside k3.train ranges)")]
+        ph["kernels"] += 1
+        ph["us"] += b - a
+        if end is not None and a - end > gap_us:
+            ph["idle_us"] += a - end
+        if launch is not None:
+            ph["lags"].append(a - float(launch["ts"]))
+        end = b if end is None else max(end, b)
+    res = {}
+    for name, ph in out.items():
+        lags = sorted(ph["lags"])
+        res[name] = {"kernels": ph["kernels"], "ms": ph["us"] / 1e3, "idle_ms": ph["idle_us"] / 1e3,
+                     "median_lag_ms": lags[len(lags) // 2] / 1e3 if lags else None}
+    return res
+
+
+def _syncs(events: list[dict], t0: float) -> list[dict]:
+    """Every host wait for the device, with the names of the host operators enclosing it (outermost first)."""
+    ops = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            ops[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name"))))
+    for v in ops.values():
+        v.sort()
+    out = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS:
+            t = float(e["ts"])
+            thread = ops.get(e.get("tid"), [])
+            hi = bisect.bisect_right(thread, (t, float("inf"), ""))
+            stack = [n for s, f, n in thread[:hi] if s <= t <= f]
+            out.append({"at_ms": round((t - t0) / 1e3, 3), "wait_ms": round(float(e.get("dur", 0)) / 1e3, 3),
+                        "call": e["name"], "stack": stack})
+    return sorted(out, key=lambda x: x["at_ms"])
 
 
 def print_report(rep: dict) -> None:
@@ -155,6 +219,13 @@ def print_report(rep: dict) -> None:
     print("\nlargest gaps:")
     for g in rep["largest_gaps"]:
         print(f"  {g['us']:>9.1f} us at {g['at_ms']:>8.3f} ms before {g['next_kernel'][:60]} ({g['range']})")
+    print(f"\n{'training phase (range at launch)':<34}{'kernels':>9}{'GPU ms':>10}{'idle ms':>10}{'median lag ms':>15}")
+    for name, ph in sorted(rep["phases"].items(), key=lambda kv: -kv[1]["ms"]):
+        lag = "-" if ph["median_lag_ms"] is None else f"{ph['median_lag_ms']:.2f}"
+        print(f"{name:<34}{ph['kernels']:>9}{ph['ms']:>10.1f}{ph['idle_ms']:>10.1f}{lag:>15}")
+    print(f"\nhost waits for the device ({len(rep['syncs'])}):")
+    for w in rep["syncs"]:
+        print(f"  at {w['at_ms']:>8.3f} ms, {w['wait_ms']:>8.3f} ms {w['call']}: {' > '.join(n[:40] for n in w['stack'][-4:])}")
 
 
 def main() -> None:

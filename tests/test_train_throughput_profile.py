@@ -97,3 +97,32 @@ def test_command_line_reads_a_gzipped_trace_and_names_a_bad_file(tmp_path):
 def test_train_throughput_uses_the_shared_helpers(report):
     tt = _load("train_throughput")
     assert tt.kernel_kind("nvjet_x") == "GEMM" and tt.busy_time([(0, 2), (1, 3)]) == 3
+
+
+def test_driver_launches_memcpys_phases_and_host_waits(report):
+    # A Triton kernel launched through the driver (cuLaunchKernelEx) is charged to its range; a device memcpy is GPU
+    # work, not idle time; per k3.train.* phase: kernel time, idle before its kernels, launch-to-start lag; the host's
+    # cudaStreamSynchronize is listed with the operators around it.
+    trace = [
+        _x("user_annotation", "k3.train.forward", 0, 100),
+        _x("user_annotation", "k3.train.optimizer", 200, 100),
+        _x("cpu_op", "aten::item", 40, 20),
+        _x("cuda_driver", "cuLaunchKernelEx", 10, 2, corr=1),
+        _x("cuda_runtime", "cudaStreamSynchronize", 45, 10),
+        _x("cuda_runtime", "cudaMemcpyAsync", 210, 2, corr=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 220, 2, corr=3),
+        _x("kernel", "_situ_glu_kernel", 11, 30, tid=7, corr=1),       # lag 1 us after its launch
+        _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 212, 50, tid=7, corr=2),
+        _x("kernel", "nvjet_sm90_gemm", 262, 10, tid=7, corr=3),        # right after the memcpy: no gap
+    ]
+    rep = report.analyse(trace, top=5, gap_us=20)
+    assert rep["ranges"]["k3.train.forward"]["ms"] == pytest.approx(0.03)
+    assert rep["ranges"]["k3.train.optimizer"]["ms"] == pytest.approx(0.06)
+    assert rep["busy_ms"] == pytest.approx(0.09)
+    assert rep["kinds"]["copy / cast / index"]["kernels"] == 1
+    opt = rep["phases"]["k3.train.optimizer"]
+    assert opt["kernels"] == 2 and opt["idle_ms"] == pytest.approx(0.171) and opt["median_lag_ms"] == pytest.approx(0.042)
+    assert rep["phases"]["k3.train.forward"]["median_lag_ms"] == pytest.approx(0.001)
+    (wait,) = rep["syncs"]
+    assert wait["call"] == "cudaStreamSynchronize" and wait["wait_ms"] == pytest.approx(0.01)
+    assert wait["stack"] == ["k3.train.forward", "aten::item"]
