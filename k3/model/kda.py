@@ -44,7 +44,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(K, eps=cfg.rms_norm_eps)
         self.o_proj = nn.Linear(P, D, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None,
+                cu_seqlens_cpu: torch.Tensor | None = None):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         P = H * K
@@ -55,7 +56,8 @@ class KimiDeltaAttention(nn.Module):
             qkv, f_a, beta_logits, gate = stacked_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_a_proj,
                                                          self.b_proj, self.g_proj)
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
-            q, k, v = short_conv(qkv, w, None, cu_seqlens=cu_seqlens)[0].split(P, dim=-1)
+            q, k, v = short_conv(qkv, w, None, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                 output_state=False)[0].split(P, dim=-1)
         else:
             q, k, v, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj,
                                                              self.f_a_proj, self.b_proj, self.g_proj)
@@ -67,7 +69,7 @@ class KimiDeltaAttention(nn.Module):
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
         o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z,
                                beta_logits.contiguous(), self.A_log, self.dt_bias, self.lower_bound,
-                               initial_state=state, cu_seqlens=cu_seqlens)
+                               initial_state=state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         if cache is not None:
             cache.state, cache.conv = new_state, [cq, ck, cv]
         # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)

@@ -74,27 +74,45 @@ class K3Model(nn.Module):
         return sites
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: K3Cache | None = None,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the output-site hidden state [B, T, D] (before the final norm).
 
         With a cache, segment_ids [1, T] packs several requests' new tokens into one row (the cache must be
-        `packed`: per-request KDA states and one MLA view per layer that attends each request's own context)."""
+        `packed`: per-request KDA states and one MLA view per layer that attends each request's own context).
+        `cu_seqlens_cpu`: `packed_cu_seqlens(segment_ids)` already computed on the host (the trainer has the
+        batch there); the forward then reads nothing back from the device to find the documents."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cu_seqlens = None
         if segment_ids is not None:
             if cache is not None and (segment_ids.shape[0] != 1 or not getattr(cache, "packed", False)):
                 raise ValueError("segment_ids with a cache need a packed cache (one row of several requests' "
                                  "tokens, as the serving runner builds) and a batch of one row")
-            cu_seqlens = packed_cu_seqlens(segment_ids)
+            if cu_seqlens_cpu is None:
+                cu_seqlens = packed_cu_seqlens(segment_ids)
+            else:
+                if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.ndim != 1 or cu_seqlens_cpu.numel() < 2:
+                    raise ValueError("cu_seqlens_cpu must be a 1-D host tensor of document offsets [0, ..., B*T], "
+                                     f"got shape {tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
+                cu_seqlens = _to_device_async(cu_seqlens_cpu.to(torch.int64), segment_ids.device)
+        elif cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu needs the segment_ids it was computed from")
         S = self.config.attn_res_block_size
         stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res)
         for i, layer in enumerate(self.layers):
             upcoming = self._block_sites(i) if (self.two_phase_attn_res and i % S == 0) else None
             layer(stream, cache[i] if cache is not None else None, segment_ids=segment_ids,
-                  cu_seqlens=cu_seqlens, upcoming=upcoming)
+                  cu_seqlens=cu_seqlens, upcoming=upcoming,
+                  cu_seqlens_cpu=cu_seqlens_cpu if cu_seqlens is not None else None)
         if cache is not None:
             cache.seq_len += h.shape[1]
         return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory, so the host does not wait for the device."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def packed_cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -187,7 +205,7 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, pixel_values=None, return_logits: bool = True,
-                check_ids: bool = True) -> CausalLMOutput:
+                check_ids: bool = True, cu_seqlens_cpu: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
         segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
         MLA does not attend across documents. logits_to_keep > 0 computes logits for the last N positions only.
@@ -195,7 +213,10 @@ class K3ForCausalLM(nn.Module):
         embeddings at the `media_placeholder_token_id` positions of input_ids (report §2.4).
         return_logits=False (training, with labels) skips the [B, T, V] logits: the loss is computed by
         `head_loss` in chunks of rows, and `logits` is None. check_ids=False skips the token-id range check,
-        which reads the ids back from the device (the serving engine validates prompts when they arrive)."""
+        which reads the ids back from the device (the serving engine validates prompts when they arrive).
+        cu_seqlens_cpu: the documents' offsets `packed_cu_seqlens(segment_ids)`, computed on the host by a caller
+        that has the batch there (the trainer): with it and check_ids=False the forward never waits for the
+        device, so the host can queue it while the device still runs earlier work."""
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -213,7 +234,8 @@ class K3ForCausalLM(nn.Module):
                                                    self.config.media_placeholder_token_id)
         if not return_logits and labels is None:
             raise ValueError("return_logits=False needs labels (it computes only the loss)")
-        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, segment_ids=segment_ids)
+        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, segment_ids=segment_ids,
+                            cu_seqlens_cpu=cu_seqlens_cpu)
         logits = None
         if return_logits:
             h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden

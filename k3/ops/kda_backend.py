@@ -18,14 +18,45 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     return _resolve("kda", device, lambda: importable("fla.ops.kda"), requested)
 
 
+# fla's varlen kernels walk each document in chunks of this many tokens (chunk_kda's and causal_conv1d's default)
+FLA_CHUNK = 64
+_chunk_memo: list = [None, None]  # [(host offsets tensor, its version, device, dtype), chunk indices on the device]
+
+
+def host_chunk_indices(cu_seqlens_cpu: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                       chunk: int = FLA_CHUNK) -> torch.Tensor:
+    """fla's varlen chunk list, (document, chunk of `chunk` tokens) pairs [NT, 2], built on the host from the
+    document offsets `cu_seqlens_cpu` and copied to `device` (through pinned memory, without waiting for the
+    device). fla builds it on the device otherwise, reading its length back, which stalls the host until the
+    device has finished everything queued before. The result of the previous call is reused for the same offsets
+    tensor (every KDA layer of a forward asks for it)."""
+    key = (cu_seqlens_cpu, cu_seqlens_cpu._version, torch.device(device), dtype)
+    prev = _chunk_memo[0]
+    if prev is not None and prev[0] is key[0] and prev[1:] == key[1:]:
+        return _chunk_memo[1]
+    cu = cu_seqlens_cpu.to(torch.int64)
+    counts = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    intra = torch.arange(seq.numel()) - starts[seq]
+    idx = torch.stack([seq, intra], 1).to(dtype)
+    if torch.device(device).type == "cuda":
+        idx = idx.pin_memory().to(device, non_blocking=True)
+    else:
+        idx = idx.to(device)
+    _chunk_memo[:] = [key, idx]
+    return idx
+
+
 def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_state=None, cu_seqlens=None,
-        backend: str | None = None):
+        backend: str | None = None, cu_seqlens_cpu=None):
     """One KDA layer's sequence mixing from its raw inputs.
 
     q, k, v: [B, T, H, K] after the short conv and SiLU (q, k not yet L2-normalized); z: [B, T, H, K] decay
     logits before dt_bias; beta_logits: [B, T, H]; A_log: [H]; dt_bias: [H*K]. Returns (o [B, T, H, V],
     final state [N, H, K, V] fp32). The token recurrence is used for single-token steps, the chunkwise form
-    otherwise (both exact)."""
+    otherwise (both exact). `cu_seqlens_cpu`, the same offsets as `cu_seqlens` on the host, lets fla's chunk
+    kernels run without reading anything back from the device (their fixed-shape chunk list, `use_graph`)."""
     T = q.shape[1]
     if resolve_backend(q.device, backend) == "fla":
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -35,7 +66,10 @@ def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_sta
                       use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound, cu_seqlens=cu_seqlens)
         if T == 1 and not torch.is_grad_enabled():
             return fused_recurrent_kda(q, k, v, z, beta_logits, **common)
-        return chunk_kda(q, k, v, z, beta_logits, safe_gate=True, **common)
+        host = {}
+        if cu_seqlens is not None and cu_seqlens_cpu is not None:
+            host = dict(cu_seqlens_cpu=cu_seqlens_cpu, use_graph=True)
+        return chunk_kda(q, k, v, z, beta_logits, safe_gate=True, **common, **host)
     g = ref.kda_gate(z, A_log, dt_bias, lower_bound)
     qn, kn = ref.l2norm(q), ref.l2norm(k)
     beta = torch.sigmoid(beta_logits.float())
@@ -45,19 +79,25 @@ def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_sta
     return ref.kda_chunk(qn, kn, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, g_min=lower_bound)
 
 
-def short_conv(x, weight, conv_state=None, cu_seqlens=None, backend: str | None = None):
+def short_conv(x, weight, conv_state=None, cu_seqlens=None, backend: str | None = None, cu_seqlens_cpu=None,
+               output_state: bool = True):
     """``k3.ops.kda.short_conv`` (depthwise causal conv + SiLU; state = the last W-1 inputs [N, C, W-1],
     oldest first) on the backend k3.ops.backend picks (K3_SHORT_CONV_BACKEND=auto|torch|fla): fla-core's
     Triton ``causal_conv1d`` on GPU. fla keeps W columns of state with the oldest slot unused, so ours is
     padded in front on the way in and its last W-1 columns are taken on the way out. Returns (y in x.dtype,
-    new state fp32)."""
+    new state fp32, or None with output_state=False). `cu_seqlens_cpu` (the offsets on the host) spares fla
+    building its chunk list on the device (see `host_chunk_indices`)."""
     if _resolve("short_conv", x.device, lambda: importable("fla.modules.causal_conv1d"), backend) == "fla":
         from fla.modules.causal_conv1d import causal_conv1d
 
         w = weight[:, 0] if weight.dim() == 3 else weight
         init = None if conv_state is None else torch.nn.functional.pad(conv_state.to(x.dtype), (1, 0))
-        y, final = causal_conv1d(x, w, initial_state=init, output_final_state=True, activation="silu",
-                                 cu_seqlens=cu_seqlens)
-        return y, final[..., 1:].float()
-    return ref.short_conv(x, weight, conv_state, cu_seqlens=cu_seqlens)
+        chunks = None
+        if cu_seqlens is not None and cu_seqlens_cpu is not None:
+            chunks = host_chunk_indices(cu_seqlens_cpu, cu_seqlens.device, cu_seqlens.dtype)
+        y, final = causal_conv1d(x, w, initial_state=init, output_final_state=output_state, activation="silu",
+                                 cu_seqlens=cu_seqlens, chunk_indices=chunks)
+        return y, (final[..., 1:].float() if output_state else None)
+    y, state = ref.short_conv(x, weight, conv_state, cu_seqlens=cu_seqlens)
+    return y, (state if output_state else None)
 

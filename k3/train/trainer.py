@@ -20,7 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from k3.model.latent_moe import LatentMoE
-from k3.model.model import K3ForCausalLM
+from k3.model.model import K3ForCausalLM, packed_cu_seqlens
 from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording
@@ -272,12 +272,16 @@ class Trainer:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # checked here, before the device
             raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{int(ids.min())}, {int(ids.max())}]")
         for s in range(0, rows, mb):
-            part = {k: self._to_device(v[s:s + mb]) for k, v in batch.items()}
+            host = {k: v[s:s + mb] for k, v in batch.items()}
+            part = {k: self._to_device(v) for k, v in host.items()}
+            # the documents' offsets from the host copy: the forward then never waits for the device
+            seg = host.get("segment_ids")
+            cu_cpu = packed_cu_seqlens(seg) if seg is not None and seg.device.type == "cpu" else None
             w = part["input_ids"].shape[0] / rows
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                     record_function("k3.train.forward"):
                 out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
-                            return_logits=False, check_ids=False)
+                            return_logits=False, check_ids=False, cu_seqlens_cpu=cu_cpu)
                 loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
             with record_function("k3.train.backward"):
                 (loss * w).backward()

@@ -68,3 +68,32 @@ def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypat
     assert called == {f"{c.__name__}.{n}" for c, n in sites}, called
     worst = cmp.worst()
     assert worst[0][0] < 5e-2, worst
+
+
+def test_training_forward_and_backward_never_wait_for_the_device(mini, monkeypatch):
+    # With every fast backend and the documents' offsets given from the host (as the trainer gives them), a training
+    # forward + backward of k3-mini never synchronizes the host with the device, so the host can queue the next
+    # micro-batch while the device still runs the previous one. After one warm-up pass (compilation and
+    # autotuning), torch's sync debug mode turns any synchronizing call into an error.
+    from k3.model.model import packed_cu_seqlens
+
+    model, ids, seg = mini
+    for op in TRAINING_OPS:
+        monkeypatch.setenv(env_var(op), FAST[op])
+    cu = packed_cu_seqlens(seg.cpu())
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(ids, labels=ids, segment_ids=seg, return_logits=False, check_ids=False, cu_seqlens_cpu=cu)
+            loss = out.loss + 0.3 * out.mtp_loss
+        loss.backward()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    model.zero_grad(set_to_none=True)

@@ -74,6 +74,32 @@ def test_packed_documents_equal_separate_forwards(tiny_cfg):
     assert rel_err(out_rows, ref_rows) < 1e-4
 
 
+def test_host_document_offsets_give_the_same_forward_and_backward(tiny_cfg):
+    # The trainer passes packed_cu_seqlens of the host copy of segment_ids (cu_seqlens_cpu) so that the forward reads
+    # nothing back from the device; on CPU both ways run the same ops: loss and gradients exactly equal.
+    from k3.model.model import packed_cu_seqlens
+
+    model = make(tiny_cfg.replace(num_nextn_predict_layers=1), seed=5)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 48))
+    seg = torch.zeros_like(ids)
+    seg[0, 20:] = 1
+    seg[1, 5:] = 1
+    seg[1, 30:] = 2
+    res = []
+    for cu in (None, packed_cu_seqlens(seg)):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids, segment_ids=seg, return_logits=False, cu_seqlens_cpu=cu)
+        (out.loss + out.mtp_loss).backward()
+        res.append([out.loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(res[0]) == len(res[1]) > 10
+    assert all(torch.equal(a, b) for a, b in zip(*res))
+    assert torch.equal(packed_cu_seqlens(seg), torch.tensor([0, 20, 48, 53, 78, 96]))
+    with pytest.raises(ValueError, match="needs the segment_ids"):
+        model(ids, cu_seqlens_cpu=packed_cu_seqlens(seg))
+    with pytest.raises(ValueError, match="1-D host tensor"):
+        model(ids, segment_ids=seg, cu_seqlens_cpu=packed_cu_seqlens(seg)[None])
+
+
 def test_loss_and_mtp_loss_backpropagate(tiny_cfg):
     cfg = tiny_cfg.replace(num_nextn_predict_layers=1)
     model = make(cfg, seed=5).train()

@@ -82,12 +82,28 @@ DEV = "cuda"  # the device of the fla comparisons
 needs_fla = pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-core")
 
 
-def _fla_vs_reference(B, T, H, cu, dtype, seed=0):
+def test_host_chunk_indices_list_each_documents_chunks():
+    # fla's varlen chunk list from host offsets: (document, chunk) for every 64-token chunk of every document, built
+    # once per offsets tensor (the same object again returns the same list; the tensor changed in place does not).
+    from k3.ops.kda_backend import host_chunk_indices
+
+    cu = torch.tensor([0, 5, 69, 200, 201])
+    idx = host_chunk_indices(cu, torch.device("cpu"), torch.int32)
+    assert idx.dtype == torch.int32
+    assert idx.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2], [3, 0]]  # lengths 5, 64, 131, 1
+    assert host_chunk_indices(cu, torch.device("cpu"), torch.int32) is idx
+    cu[1] = 64
+    assert host_chunk_indices(cu, torch.device("cpu"), torch.int32).tolist()[:3] == [[0, 0], [1, 0], [2, 0]]
+
+
+def _fla_vs_reference(B, T, H, cu, dtype, seed=0, host=False):
     """fla (inputs in `dtype`) and the fp32 reference on the same random inputs and output gradient:
     {name: (fla value, reference value)} for o, the final state and the gradients of all seven inputs
-    (A_log and dt_bias included) and of the initial state."""
+    (A_log and dt_bias included) and of the initial state. `host`: fla also gets the offsets on the host
+    (cu_seqlens_cpu: its fixed-shape chunk list, nothing read back from the device)."""
     K = 128
     cu_t = torch.tensor(cu, device=DEV) if cu else None
+    cu_host = torch.tensor(cu) if (cu and host) else None
     N = len(cu) - 1 if cu else B
     base = _inputs(B, T, H, K, DEV, torch.float32, seed=seed)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
@@ -97,7 +113,8 @@ def _fla_vs_reference(B, T, H, cu, dtype, seed=0):
     for be in ("fla", "torch"):
         ins = [t.to(dtype if i < 5 else torch.float32).detach().requires_grad_() for i, t in enumerate(base)]
         h0 = s0.clone().requires_grad_()
-        o, s = kda(*ins, -5.0, initial_state=h0, cu_seqlens=cu_t, backend=be)
+        o, s = kda(*ins, -5.0, initial_state=h0, cu_seqlens=cu_t, backend=be,
+                   cu_seqlens_cpu=cu_host if be == "fla" else None)
         (o.float() * do).sum().backward()
         res[be] = [o.float(), s] + [t.grad.float() for t in ins] + [h0.grad]
     names = ["o", "state", "dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias", "dh0"]
@@ -122,6 +139,28 @@ def test_fla_chunk_matches_reference_forward_and_backward(B, T, H, cu):
     # states and every gradient (A_log, dt_bias and the initial state included) within 5e-2 relative to the
     # largest reference entry: bf16 rounding of q/k/v/o inside the kernel.
     _assert_close(_fla_vs_reference(B, T, H, cu, torch.bfloat16), 5e-2)
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("B,T,H,cu", [(1, 2048, 8, [0, 300, 1024, 1724, 2048]), (1, 1000, 8, [0, 300, 301, 1000])],
+                         ids=["k3-mini-packed", "varlen-with-1-token-doc"])
+def test_fla_chunk_with_host_offsets_matches_reference_forward_and_backward(B, T, H, cu):
+    # As above, with the offsets also on the host, as the trainer gives them: fla's fixed-shape chunk list
+    # (use_graph) instead of one built on the device; the same 5e-2.
+    _assert_close(_fla_vs_reference(B, T, H, cu, torch.bfloat16, host=True), 5e-2)
+
+
+@pytest.mark.gpu
+@needs_fla
+def test_host_chunk_indices_equal_flas_own():
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from k3.ops.kda_backend import host_chunk_indices
+
+    cu = [0, 300, 301, 1000, 1064, 1065, 2048]
+    dev = torch.tensor(cu, device="cuda")
+    assert torch.equal(host_chunk_indices(torch.tensor(cu), dev.device, dev.dtype), prepare_chunk_indices(dev, 64))
 
 
 @pytest.mark.gpu
@@ -158,6 +197,32 @@ def test_fla_short_conv_matches_reference_forward_backward_and_states(packed):
     for be in ("fla", "torch"):
         y, s = short_conv(x, w, state, cu_seqlens=cu, backend=be)
         res[be] = (y, s, *torch.autograd.grad((y.float() * dy).sum(), [x, w]))
+    for a, b in zip(res["fla"], res["torch"]):
+        assert rel_err(a.float(), b.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_fla
+def test_fla_short_conv_of_q_k_v_together_with_host_offsets_matches_reference():
+    # The training form: q, k and v side by side (3 x 1,024 channels, a strided view of a wider GEMM output), packed
+    # documents with their offsets also on the host (fla gets its chunk list from there), no state; 2e-2 relative.
+    from k3.ops.kda_backend import short_conv
+
+    g = torch.Generator().manual_seed(1)
+    C, W, T = 3 * 1024, 4, 1000
+    wide = torch.randn(1, T, C + 128, generator=g).cuda().to(torch.bfloat16)
+    x = wide[..., :C].requires_grad_(False)
+    w = (0.5 * torch.randn(C, 1, W, generator=g)).cuda().requires_grad_()
+    cu_host = torch.tensor([0, 300, 301, 1000])
+    cu = cu_host.cuda()
+    dy = torch.randn(1, T, C, generator=g).cuda()
+    res = {}
+    for be in ("fla", "torch"):
+        xx = x.detach().requires_grad_()
+        y, s = short_conv(xx, w, None, cu_seqlens=cu, backend=be, cu_seqlens_cpu=cu_host if be == "fla" else None,
+                          output_state=False)
+        assert s is None
+        res[be] = (y, *torch.autograd.grad((y.float() * dy).sum(), [xx, w]))
     for a, b in zip(res["fla"], res["torch"]):
         assert rel_err(a.float(), b.float()) < 2e-2
 
