@@ -29,11 +29,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def bf16_loss_and_grads(model, ids, segment_ids=None, mtp_weight: float = 0.3):
-    """One training forward + backward under bf16 autocast on the model's device: (loss, {name: fp64 flat grad})."""
+def bf16_loss_and_grads(model, ids, segment_ids=None, mtp_weight: float = 0.3, cu_seqlens_cpu=None):
+    """One training forward + backward under bf16 autocast on the model's device: (loss, {name: fp64 flat grad}).
+    `cu_seqlens_cpu`: the documents' offsets from the host, as the trainer passes them."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-        out = model(ids, labels=ids, segment_ids=segment_ids)
+        out = model(ids, labels=ids, segment_ids=segment_ids, cu_seqlens_cpu=cu_seqlens_cpu)
     (out.loss + (mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0)).backward()
     grads = {n: p.grad.detach().double().flatten() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.detach(), grads

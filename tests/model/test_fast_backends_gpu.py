@@ -39,8 +39,9 @@ SITES = {"kda": [(KimiDeltaAttention, "forward")], "short_conv": [(KimiDeltaAtte
 TRAINING_OPS = [op for op in FAST if op in SITES]
 
 
-@pytest.mark.parametrize("fast_ops", [NEEDS.get(op, []) + [op] for op in TRAINING_OPS] + [TRAINING_OPS],
-                         ids=[*TRAINING_OPS, "all"])
+@pytest.mark.parametrize("fast_ops", [NEEDS.get(op, []) + [op] for op in TRAINING_OPS] + [TRAINING_OPS]
+                         + [["kda", "short_conv", "host_offsets"]],
+                         ids=[*TRAINING_OPS, "all", "kda-conv-host-offsets"])
 def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypatch, fast_ops):
     # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents.
     # At every call of a site that holds one of `fast_ops` (a KDA layer, an MLA layer, the routed experts, a
@@ -49,21 +50,30 @@ def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypat
     # 5e-2 of the reference's largest entry, as in the op tests (bf16 on both sides here). The model itself runs on
     # the reference, so every site sees the reference model's inputs. A whole-model gradient comparison does not
     # work: this randomized k3-mini amplifies a 0.4% perturbation of one layer's output to ~80% eight layers on.
-    # End to end, the loss with the fast ops must agree to 1e-2 relative.
+    # End to end, the loss with the fast ops must agree to 1e-2 relative. "host_offsets": the model also gets the
+    # documents' offsets from the host, as the trainer gives them, with fla taking its chunk lists from there
+    # (K3_FLA_HOST_OFFSETS=on).
+    from k3.model.model import packed_cu_seqlens
+
     model, ids, seg = mini
+    cu = None
+    if "host_offsets" in fast_ops:
+        fast_ops = [op for op in fast_ops if op != "host_offsets"]
+        monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
+        cu = packed_cu_seqlens(seg.cpu())
     fast = {op: FAST[op] for op in fast_ops}  # forced, whether validated or not
     for op in FAST:
         monkeypatch.setenv(env_var(op), "torch")
-    loss_ref, _ = bf16_loss_and_grads(model, ids, seg)
+    loss_ref, _ = bf16_loss_and_grads(model, ids, seg, cu_seqlens_cpu=cu)
     with monkeypatch.context() as m:
         for op, be in fast.items():
             m.setenv(env_var(op), be)
-        loss, _ = bf16_loss_and_grads(model, ids, seg)
+        loss, _ = bf16_loss_and_grads(model, ids, seg, cu_seqlens_cpu=cu)
     assert rel_err(loss, loss_ref) < 1e-2, (float(loss), float(loss_ref))
 
     sites = sorted({s for op in fast_ops for s in SITES[op]}, key=lambda s: (s[0].__name__, s[1]))
     cmp = InSituComparison(fast, list(FAST)).patch(monkeypatch, sites)
-    bf16_loss_and_grads(model, ids, seg)
+    bf16_loss_and_grads(model, ids, seg, cu_seqlens_cpu=cu)
     called = {site for site, _ in cmp.records}
     assert called == {f"{c.__name__}.{n}" for c, n in sites}, called
     worst = cmp.worst()
@@ -80,6 +90,7 @@ def test_training_forward_and_backward_never_wait_for_the_device(mini, monkeypat
     model, ids, seg = mini
     for op in TRAINING_OPS:
         monkeypatch.setenv(env_var(op), FAST[op])
+    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
     cu = packed_cu_seqlens(seg.cpu())
 
     def step():

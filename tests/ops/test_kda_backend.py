@@ -82,6 +82,20 @@ DEV = "cuda"  # the device of the fla comparisons
 needs_fla = pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-core")
 
 
+def test_host_offsets_switch(monkeypatch):
+    from k3.ops import kda_backend
+
+    monkeypatch.delenv("K3_FLA_HOST_OFFSETS", raising=False)
+    assert kda_backend.host_offsets_enabled() == kda_backend.HOST_OFFSETS_VALIDATED
+    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
+    assert kda_backend.host_offsets_enabled()
+    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "off")
+    assert not kda_backend.host_offsets_enabled()
+    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "sometimes")
+    with pytest.raises(ValueError, match="K3_FLA_HOST_OFFSETS"):
+        kda_backend.host_offsets_enabled()
+
+
 def test_host_chunk_indices_list_each_documents_chunks():
     # fla's varlen chunk list from host offsets: (document, chunk) for every 64-token chunk of every document, built
     # once per offsets tensor (the same object again returns the same list; the tensor changed in place does not).
@@ -145,9 +159,10 @@ def test_fla_chunk_matches_reference_forward_and_backward(B, T, H, cu):
 @needs_fla
 @pytest.mark.parametrize("B,T,H,cu", [(1, 2048, 8, [0, 300, 1024, 1724, 2048]), (1, 1000, 8, [0, 300, 301, 1000])],
                          ids=["k3-mini-packed", "varlen-with-1-token-doc"])
-def test_fla_chunk_with_host_offsets_matches_reference_forward_and_backward(B, T, H, cu):
+def test_fla_chunk_with_host_offsets_matches_reference_forward_and_backward(B, T, H, cu, monkeypatch):
     # As above, with the offsets also on the host, as the trainer gives them: fla's fixed-shape chunk list
     # (use_graph) instead of one built on the device; the same 5e-2.
+    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
     _assert_close(_fla_vs_reference(B, T, H, cu, torch.bfloat16, host=True), 5e-2)
 
 
@@ -203,11 +218,12 @@ def test_fla_short_conv_matches_reference_forward_backward_and_states(packed):
 
 @pytest.mark.gpu
 @needs_fla
-def test_fla_short_conv_of_q_k_v_together_with_host_offsets_matches_reference():
+def test_fla_short_conv_of_q_k_v_together_with_host_offsets_matches_reference(monkeypatch):
     # The training form: q, k and v side by side (3 x 1,024 channels, a strided view of a wider GEMM output), packed
     # documents with their offsets also on the host (fla gets its chunk list from there), no state; 2e-2 relative.
     from k3.ops.kda_backend import short_conv
 
+    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
     g = torch.Generator().manual_seed(1)
     C, W, T = 3 * 1024, 4, 1000
     wide = torch.randn(1, T, C + 128, generator=g).cuda().to(torch.bfloat16)
