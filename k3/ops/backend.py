@@ -78,12 +78,15 @@ def importable(module: str) -> tuple[bool, str]:
 def force_all(mode: str, overwrite: bool = True) -> None:
     """Set every op's environment variable: mode 'fast' (each op's fast backend) or 'torch' (the reference);
     with overwrite=False, variables already set to a backend (anything but unset or 'auto') are kept, so one op
-    can be pinned while a blanket choice sets the rest."""
+    can be pinned while a blanket choice sets the rest. 'fast' also sets K3_FLA_HOST_OFFSETS=on (fla's chunk
+    lists from host offsets, k3.ops.kda_backend), 'torch' leaves it alone (fla does not run)."""
     if mode not in ("fast", "torch"):
         raise ValueError(f"mode must be 'fast' or 'torch', got {mode!r}")
     for op, fast in FAST.items():
         if overwrite or os.environ.get(env_var(op), "auto").strip().lower() == "auto":
             os.environ[env_var(op)] = fast if mode == "fast" else "torch"
+    if mode == "fast" and (overwrite or os.environ.get("K3_FLA_HOST_OFFSETS", "auto").strip().lower() == "auto"):
+        os.environ["K3_FLA_HOST_OFFSETS"] = "on"
 
 
 def env_var(op: str) -> str:
