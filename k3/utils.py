@@ -34,3 +34,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def to_device_async(t, device):
+    """A host tensor on `device`. To CUDA through pinned memory without waiting: a copy from pageable memory
+    synchronizes the host with the device, so the host could not queue work ahead of the device."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -17,6 +17,7 @@ from k3.model.cache import K3Cache
 from k3.model.common import RMSNorm
 from k3.model.mtp import MTPLayer
 from k3.ops.linear_ce import linear_cross_entropy
+from k3.utils import to_device_async
 
 # Parameters kept in fp32 whatever the model dtype (they are fp32 in the release, checkpoint-layout §2.9).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
@@ -93,7 +94,7 @@ class K3Model(nn.Module):
                 if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.ndim != 1 or cu_seqlens_cpu.numel() < 2:
                     raise ValueError("cu_seqlens_cpu must be a 1-D host tensor of document offsets [0, ..., B*T], "
                                      f"got shape {tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
-                cu_seqlens = _to_device_async(cu_seqlens_cpu.to(torch.int64), segment_ids.device)
+                cu_seqlens = to_device_async(cu_seqlens_cpu.to(torch.int64), segment_ids.device)
         elif cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu needs the segment_ids it was computed from")
         S = self.config.attn_res_block_size
@@ -106,13 +107,6 @@ class K3Model(nn.Module):
         if cache is not None:
             cache.seq_len += h.shape[1]
         return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
-
-
-def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to CUDA through pinned memory, so the host does not wait for the device."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def packed_cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:

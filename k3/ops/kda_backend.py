@@ -13,6 +13,7 @@ import torch
 from k3.ops import kda as ref
 from k3.ops.backend import importable
 from k3.ops.backend import resolve as _resolve
+from k3.utils import to_device_async
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -55,11 +56,7 @@ def host_chunk_indices(cu_seqlens_cpu: torch.Tensor, device: torch.device, dtype
     seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
     starts = torch.cumsum(counts, 0) - counts
     intra = torch.arange(seq.numel()) - starts[seq]
-    idx = torch.stack([seq, intra], 1).to(dtype)
-    if torch.device(device).type == "cuda":
-        idx = idx.pin_memory().to(device, non_blocking=True)
-    else:
-        idx = idx.to(device)
+    idx = to_device_async(torch.stack([seq, intra], 1).to(dtype), device)
     _chunk_memo[:] = [key, idx]
     return idx
 

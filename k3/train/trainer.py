@@ -26,7 +26,7 @@ from k3.train.muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording
 from k3.train.schedule import lr_multiplier
 from k3.train import state as state_io
-from k3.utils import atomic_write_text
+from k3.utils import atomic_write_text, to_device_async
 
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -228,14 +228,6 @@ class Trainer:
         metrics.elapsed_s = self.elapsed
         return metrics
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host batch tensor on the training device. To CUDA through pinned memory without waiting: a copy from
-        pageable memory synchronizes the host with the device, so the host could not queue the next forward
-        while the device still runs the previous step's optimizer."""
-        if self.device.type == "cuda" and t.device.type == "cpu":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
-
     def _read_back(self, loss: torch.Tensor, mtp: torch.Tensor, grad_norm: torch.Tensor, loads: list,
                    maxima: list) -> tuple:
         """(loss, MTP loss, gradient norm) as floats, each MoE layer's max / mean expert load (NaN when it
@@ -273,7 +265,7 @@ class Trainer:
             raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{int(ids.min())}, {int(ids.max())}]")
         for s in range(0, rows, mb):
             host = {k: v[s:s + mb] for k, v in batch.items()}
-            part = {k: self._to_device(v) for k, v in host.items()}
+            part = {k: to_device_async(v, self.device) for k, v in host.items()}  # no host wait
             # the documents' offsets from the host copy: the forward then never waits for the device
             seg = host.get("segment_ids")
             cu_cpu = packed_cu_seqlens(seg) if seg is not None and seg.device.type == "cpu" else None
