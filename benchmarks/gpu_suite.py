@@ -55,6 +55,11 @@ STEPS = {
     "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 520),  # flex max-autotune compiles for a minute or two
     "tests_kda": ([KDA_PYTEST + ["-k", "not fp32", f] for f in KDA_TEST_FILES], 480),
     "tests_model": ([[a for a in PYTEST if a != "-q"] + ["-v", MODEL_TEST_FILE]], 480),
+    # fla's chunk lists from host offsets (K3_FLA_HOST_OFFSETS): the KDA and conv op tests of that form, the in-situ
+    # model case and the check that a training forward + backward never waits for the device
+    "tests_host_offsets": ([KDA_PYTEST + ["-k", "host or together", KDA_TEST_FILES[0]],
+                            [a for a in PYTEST if a != "-q"] + ["-v", "-k", "host_offsets or never_wait",
+                                                                MODEL_TEST_FILE]], 480),
     # fp32 inputs are a new autotuning set for every fla kernel (about 7 minutes on a fresh machine)
     "tests_kda_fp32": ([KDA_PYTEST + ["-k", "fp32", KDA_TEST_FILES[0]]], 540),
     "train8k": ([TRAIN + ["--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
@@ -66,6 +71,10 @@ STEPS = {
     "train8k_256k": ([[PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "262144",
                        "--steps", "3", "--vocab-size", "32768", "--backend", "fast", "--seq-len", "8192",
                        "--micro-batch-rows", "4"]], 240),
+    # 1,048,576 tokens per optimizer step (32 micro-batches): the optimizer's share down to ~1%
+    "train8k_1m": ([[PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "1048576",
+                     "--steps", "1", "--continuous-steps", "1", "--vocab-size", "32768", "--backend", "fast",
+                     "--seq-len", "8192", "--micro-batch-rows", "4"]], 240),
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini", "--backend", b] for b in ("torch", "fast")],
               150),

@@ -41,7 +41,7 @@ TRAINING_OPS = [op for op in FAST if op in SITES]
 
 @pytest.mark.parametrize("fast_ops", [NEEDS.get(op, []) + [op] for op in TRAINING_OPS] + [TRAINING_OPS]
                          + [["kda", "short_conv", "host_offsets"]],
-                         ids=[*TRAINING_OPS, "all", "kda-conv-host-offsets"])
+                         ids=[*TRAINING_OPS, "all", "kda_conv_host_offsets"])
 def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypatch, fast_ops):
     # k3-mini shapes (KDA heads of 128, 192/128 MLA heads, 128 experts top-8), bf16 autocast, packed documents.
     # At every call of a site that holds one of `fast_ops` (a KDA layer, an MLA layer, the routed experts, a
