@@ -88,6 +88,15 @@ class _Ranges:
         return best[1] if best else "(outside k3 ranges)"
 
 
+def _ranges_of(events: list[dict], prefix: str) -> dict:
+    """Host thread id -> its profiler ranges whose names start with `prefix`."""
+    spans = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix):
+            spans[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
+    return {tid: _Ranges(s) for tid, s in spans.items()}
+
+
 def analyse(events: list[dict], top: int = 5, gap_us: float = 20.0) -> dict:
     """The report's numbers as a dict (see the module docstring)."""
     # device memcpy / memset are GPU work too (e.g. baddbmm copying its input): without them they would look idle
@@ -97,11 +106,7 @@ def analyse(events: list[dict], top: int = 5, gap_us: float = 20.0) -> dict:
         # runtime launches (cudaLaunchKernel, ...) and driver ones (cuLaunchKernelEx: Triton's kernels, cuBLAS's nvjet)
         if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = e
-    spans = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("k3."):
-            spans[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
-    ranges = {tid: _Ranges(s) for tid, s in spans.items()}
+    ranges = _ranges_of(events, "k3.")
 
     def range_of(kernel) -> str:
         launch = launches.get(kernel.get("args", {}).get("correlation"))
@@ -152,11 +157,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def _phases(events: list[dict], iv: list, launches: dict, gap_us: float) -> dict:
     """Kernel time, idle time before its kernels and median launch-to-start lag per k3.train.* phase."""
-    spans = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("k3.train."):
-            spans[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
-    ranges = {tid: _Ranges(sp) for tid, sp in spans.items()}
+    ranges = _ranges_of(events, "k3.train.")
     out: dict[str, dict] = defaultdict(lambda: {"kernels": 0, "us": 0.0, "idle_us": 0.0, "lags": []})
     end = None
     for a, b, k in iv:

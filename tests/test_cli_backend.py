@@ -12,7 +12,6 @@ from k3.ops.backend import FAST, env_var
 def clean_env(monkeypatch):
     for op in FAST:  # restored after the test whatever the command sets
         monkeypatch.setenv(env_var(op), "auto")
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "auto")
     return monkeypatch
 
 

@@ -109,6 +109,14 @@ class K3Model(nn.Module):
         return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
 
 
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise a ValueError naming the range when a token id lies outside [0, vocab_size) (reads the ids back from
+    their device)."""
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+
+
 def packed_cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
     """Offsets of the documents of a [B, T] batch flattened to one row: a document starts at every row
     start and wherever the segment id changes."""
@@ -214,10 +222,8 @@ class K3ForCausalLM(nn.Module):
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-            if check_ids and input_ids.numel() and (int(input_ids.min()) < 0
-                                                    or int(input_ids.max()) >= self.config.vocab_size):
-                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
-                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            if check_ids:
+                check_token_ids(input_ids, self.config.vocab_size)
         if pixel_values is not None:
             if self.vision is None:
                 raise ValueError("pixel_values given, but this model has no vision encoder (no vision_config)")

@@ -21,13 +21,16 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
                               as one kernel each way (k3.ops.gate_norm)
     linear_ce  triton         the output head's cross-entropy gradient (log-sum-exp, softmax - onehot) in one
                               kernel, in place on the chunk's logits (k3.ops.linear_ce)
+    kda_host_offsets fla      fla's KDA and conv take their packed-document chunk lists from offsets the trainer
+                              computed on the host, so a training forward never waits for the device
+                              (k3.ops.kda_backend); its reference is fla building those lists on the device
 
 The choice never changes the math, only where it runs. `auto` (the default) picks the fast backend on CUDA
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
 K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND,
-K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND, K3_GATE_NORM_BACKEND and K3_LINEAR_CE_BACKEND (values: auto, torch, or
-the fast backend's name) override it per op.
+K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND, K3_GATE_NORM_BACKEND, K3_LINEAR_CE_BACKEND and K3_KDA_HOST_OFFSETS_BACKEND
+(values: auto, torch, or the fast backend's name; `torch` is the reference) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
 """
@@ -42,15 +45,17 @@ import torch
 
 FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
         "short_conv": "fla", "moe_combine": "triton", "muon": "triton", "gate_norm": "fla",
-        "linear_ce": "triton"}
+        "linear_ce": "triton", "kda_host_offsets": "fla"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code: attn_res, mla, moe, situ (2026-11-29), mla_decode (2026-11-29), kda and short_conv
 # (2026-11-30: fla's chunk and decode KDA at k3-mini's shapes, packed and not, and the causal conv, packed and not).
 # moe_combine (op tests), gate_norm (op tests and the in-situ model test) and linear_ce (op tests at k3-mini's head
-# shapes) 2026-11-30. The Muon update kernels measured no faster than PyTorch's update: `auto` keeps the reference.
+# shapes) 2026-11-30. The Muon update kernels measured no faster than PyTorch's update, and the GPU tests of
+# kda_host_offsets (tests/ops/test_kda_backend.py, the in-situ case and the sync-free check in
+# tests/model/test_fast_backends_gpu.py) have not run yet: `auto` keeps the reference for both.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
              "short_conv": True, "moe_combine": True, "muon": False, "gate_norm": True,
-             "linear_ce": True}
+             "linear_ce": True, "kda_host_offsets": False}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode, the Muon update and the cross-entropy kernels run in
 # Triton's interpreter (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).
@@ -78,15 +83,12 @@ def importable(module: str) -> tuple[bool, str]:
 def force_all(mode: str, overwrite: bool = True) -> None:
     """Set every op's environment variable: mode 'fast' (each op's fast backend) or 'torch' (the reference);
     with overwrite=False, variables already set to a backend (anything but unset or 'auto') are kept, so one op
-    can be pinned while a blanket choice sets the rest. 'fast' also sets K3_FLA_HOST_OFFSETS=on (fla's chunk
-    lists from host offsets, k3.ops.kda_backend), 'torch' leaves it alone (fla does not run)."""
+    can be pinned while a blanket choice sets the rest."""
     if mode not in ("fast", "torch"):
         raise ValueError(f"mode must be 'fast' or 'torch', got {mode!r}")
     for op, fast in FAST.items():
         if overwrite or os.environ.get(env_var(op), "auto").strip().lower() == "auto":
             os.environ[env_var(op)] = fast if mode == "fast" else "torch"
-    if mode == "fast" and (overwrite or os.environ.get("K3_FLA_HOST_OFFSETS", "auto").strip().lower() == "auto"):
-        os.environ["K3_FLA_HOST_OFFSETS"] = "on"
 
 
 def env_var(op: str) -> str:
@@ -124,6 +126,6 @@ def resolve(op: str, device: torch.device, available: Callable[[], tuple[bool, s
     if not ok:
         if req == fast:
             raise ValueError(f"{var}={fast}: {why}")
-        notice(f"{op} runs on the PyTorch reference path: {why}")
+        notice(f"{op} runs on its reference path: {why}")
         return "torch"
     return fast

@@ -6,14 +6,13 @@ The choice never changes the math, only where it runs; k3.ops.backend decides (K
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from k3.ops import kda as ref
 from k3.ops.backend import importable
 from k3.ops.backend import resolve as _resolve
-from k3.utils import to_device_async
+from k3.utils import LastResult, to_device_async
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -23,21 +22,17 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
 
 # fla's varlen kernels walk each document in chunks of this many tokens (chunk_kda's and causal_conv1d's default)
 FLA_CHUNK = 64
-# Whether fla's KDA and conv take their varlen chunk lists from host offsets when a caller has them (the trainer):
-# chunk_kda's fixed-shape list (`use_graph`) and a list built on the host for the conv, so that a training forward
-# never waits for the device. K3_FLA_HOST_OFFSETS=on|off overrides; `auto` follows HOST_OFFSETS_VALIDATED, which
-# turns True once the GPU tests of this form (tests/ops/test_kda_backend.py, the sync-free model test in
-# tests/model/test_fast_backends_gpu.py) have passed on an H200. Until then the validated calls run unchanged.
-HOST_OFFSETS_VALIDATED = False
 
 
-def host_offsets_enabled() -> bool:
-    """K3_FLA_HOST_OFFSETS: on, off or auto (default: HOST_OFFSETS_VALIDATED)."""
-    v = os.environ.get("K3_FLA_HOST_OFFSETS", "auto").strip().lower()
-    if v not in ("auto", "on", "off"):
-        raise ValueError(f"K3_FLA_HOST_OFFSETS={v!r} is invalid: use auto, on or off")
-    return HOST_OFFSETS_VALIDATED if v == "auto" else v == "on"
-_chunk_memo: list = [None, None]  # [(host offsets tensor, its version, device, dtype), chunk indices on the device]
+def host_offsets_enabled(device: torch.device) -> bool:
+    """Whether fla's KDA and conv take their varlen chunk lists from host offsets when a caller has them (the
+    trainer): chunk_kda's fixed-shape list (`use_graph`) and a list built on the host for the conv, so that a
+    training forward never waits for the device. Backend op ``kda_host_offsets`` (K3_KDA_HOST_OFFSETS_BACKEND,
+    fla = on, torch = fla's own lists built on the device); `auto` takes it once its GPU tests have passed."""
+    return _resolve("kda_host_offsets", device, lambda: importable("fla.ops.kda")) == "fla"
+
+
+_chunk_lists = LastResult()  # every KDA layer of a forward asks for the same list
 
 
 def host_chunk_indices(cu_seqlens_cpu: torch.Tensor, device: torch.device, dtype: torch.dtype,
@@ -47,18 +42,15 @@ def host_chunk_indices(cu_seqlens_cpu: torch.Tensor, device: torch.device, dtype
     device). fla builds it on the device otherwise, reading its length back, which stalls the host until the
     device has finished everything queued before. The result of the previous call is reused for the same offsets
     tensor (every KDA layer of a forward asks for it)."""
-    key = (cu_seqlens_cpu, cu_seqlens_cpu._version, torch.device(device), dtype)
-    prev = _chunk_memo[0]
-    if prev is not None and prev[0] is key[0] and prev[1:] == key[1:]:
-        return _chunk_memo[1]
-    cu = cu_seqlens_cpu.to(torch.int64)
-    counts = (cu[1:] - cu[:-1] + chunk - 1) // chunk
-    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    intra = torch.arange(seq.numel()) - starts[seq]
-    idx = to_device_async(torch.stack([seq, intra], 1).to(dtype), device)
-    _chunk_memo[:] = [key, idx]
-    return idx
+    def build():
+        cu = cu_seqlens_cpu.to(torch.int64)
+        counts = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+        seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        intra = torch.arange(seq.numel()) - starts[seq]
+        return to_device_async(torch.stack([seq, intra], 1).to(dtype), device)
+
+    return _chunk_lists.get((cu_seqlens_cpu, torch.device(device), dtype, chunk), build)
 
 
 def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_state=None, cu_seqlens=None,
@@ -70,7 +62,7 @@ def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_sta
     final state [N, H, K, V] fp32). The token recurrence is used for single-token steps, the chunkwise form
     otherwise (both exact). `cu_seqlens_cpu`, the same offsets as `cu_seqlens` on the host, lets fla's chunk
     kernels run without reading anything back from the device (their fixed-shape chunk list, `use_graph`) when
-    `host_offsets_enabled()`."""
+    `host_offsets_enabled`."""
     T = q.shape[1]
     if resolve_backend(q.device, backend) == "fla":
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -81,7 +73,7 @@ def kda(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initial_sta
         if T == 1 and not torch.is_grad_enabled():
             return fused_recurrent_kda(q, k, v, z, beta_logits, **common)
         host = {}
-        if cu_seqlens is not None and cu_seqlens_cpu is not None and host_offsets_enabled():
+        if cu_seqlens is not None and cu_seqlens_cpu is not None and host_offsets_enabled(q.device):
             host = dict(cu_seqlens_cpu=cu_seqlens_cpu, use_graph=True)
         return chunk_kda(q, k, v, z, beta_logits, safe_gate=True, **common, **host)
     g = ref.kda_gate(z, A_log, dt_bias, lower_bound)
@@ -100,14 +92,14 @@ def short_conv(x, weight, conv_state=None, cu_seqlens=None, backend: str | None 
     Triton ``causal_conv1d`` on GPU. fla keeps W columns of state with the oldest slot unused, so ours is
     padded in front on the way in and its last W-1 columns are taken on the way out. Returns (y in x.dtype,
     new state fp32, or None with output_state=False). `cu_seqlens_cpu` (the offsets on the host) spares fla
-    building its chunk list on the device (see `host_chunk_indices`) when `host_offsets_enabled()`."""
+    building its chunk list on the device (see `host_chunk_indices`) when `host_offsets_enabled`."""
     if _resolve("short_conv", x.device, lambda: importable("fla.modules.causal_conv1d"), backend) == "fla":
         from fla.modules.causal_conv1d import causal_conv1d
 
         w = weight[:, 0] if weight.dim() == 3 else weight
         init = None if conv_state is None else torch.nn.functional.pad(conv_state.to(x.dtype), (1, 0))
         chunks = None
-        if cu_seqlens is not None and cu_seqlens_cpu is not None and host_offsets_enabled():
+        if cu_seqlens is not None and cu_seqlens_cpu is not None and host_offsets_enabled(x.device):
             chunks = host_chunk_indices(cu_seqlens_cpu, cu_seqlens.device, cu_seqlens.dtype)
         y, final = causal_conv1d(x, w, initial_state=init, output_final_state=output_state, activation="silu",
                                  cu_seqlens=cu_seqlens, chunk_indices=chunks)

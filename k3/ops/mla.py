@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3.utils import LastResult
+
 __all__ = ["mla_attention", "mla_attention_flex", "mla_absorbed", "max_logit", "split_kv_b", "causal_block_mask"]
 
 
@@ -341,9 +343,9 @@ def _flex_max_scores_supported() -> bool:
     return hasattr(fa, "AuxRequest") and "max_scores" in getattr(fa.AuxRequest, "_fields", ())
 
 
-# The last block mask built, with what it was built from: every Gated MLA layer of one forward (and the
-# recomputation of activation checkpointing) asks for the same mask, so it is built once per batch, not per layer.
-_last_mask: list = [None, None]  # [(T, device, segment_ids tensor, its version), BlockMask]
+# Every Gated MLA layer of one forward (and the recomputation of activation checkpointing) asks for the same mask,
+# so it is built once per batch, not per layer.
+_last_mask = LastResult()
 
 
 def causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None = None):
@@ -354,13 +356,8 @@ def causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None =
 
     The mask of the previous call is returned again when T, the device and `segment_ids` (the same tensor
     object, not modified since) are the same."""
-    key = (T, torch.device(device), segment_ids, None if segment_ids is None else segment_ids._version)
-    prev = _last_mask[0]
-    if prev is not None and prev[:2] == key[:2] and prev[2] is key[2] and prev[3] == key[3]:
-        return _last_mask[1]
-    mask = _build_causal_block_mask(T, device, segment_ids)
-    _last_mask[:] = [key, mask]
-    return mask
+    return _last_mask.get((T, torch.device(device), segment_ids),
+                          lambda: _build_causal_block_mask(T, device, segment_ids))
 
 
 def _build_causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None = None):

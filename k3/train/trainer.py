@@ -20,7 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from k3.model.latent_moe import LatentMoE
-from k3.model.model import K3ForCausalLM, packed_cu_seqlens
+from k3.model.model import K3ForCausalLM, check_token_ids, packed_cu_seqlens
 from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording
@@ -259,10 +259,7 @@ class Trainer:
         # Losses stay on the device until every micro-batch is launched: reading one back after each backward
         # would stall the host until the GPU drained, so the next micro-batch could not be queued behind it.
         losses, mtps = [], []
-        ids = batch["input_ids"]
-        vocab = model.config.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # checked here, before the device
-            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+        check_token_ids(batch["input_ids"], model.config.vocab_size)  # here, on the host copy (no device read)
         for s in range(0, rows, mb):
             host = {k: v[s:s + mb] for k, v in batch.items()}
             part = {k: to_device_async(v, self.device) for k, v in host.items()}  # no host wait

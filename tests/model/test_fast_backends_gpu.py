@@ -52,14 +52,14 @@ def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypat
     # work: this randomized k3-mini amplifies a 0.4% perturbation of one layer's output to ~80% eight layers on.
     # End to end, the loss with the fast ops must agree to 1e-2 relative. "host_offsets": the model also gets the
     # documents' offsets from the host, as the trainer gives them, with fla taking its chunk lists from there
-    # (K3_FLA_HOST_OFFSETS=on).
+    # (the kda_host_offsets backend).
     from k3.model.model import packed_cu_seqlens
 
     model, ids, seg = mini
     cu = None
     if "host_offsets" in fast_ops:
         fast_ops = [op for op in fast_ops if op != "host_offsets"]
-        monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
+        monkeypatch.setenv(env_var("kda_host_offsets"), FAST["kda_host_offsets"])
         cu = packed_cu_seqlens(seg.cpu())
     fast = {op: FAST[op] for op in fast_ops}  # forced, whether validated or not
     for op in FAST:
@@ -90,7 +90,7 @@ def test_training_forward_and_backward_never_wait_for_the_device(mini, monkeypat
     model, ids, seg = mini
     for op in TRAINING_OPS:
         monkeypatch.setenv(env_var(op), FAST[op])
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
+    monkeypatch.setenv(env_var("kda_host_offsets"), FAST["kda_host_offsets"])
     cu = packed_cu_seqlens(seg.cpu())
 
     def step():

@@ -19,8 +19,6 @@ def clean_env(monkeypatch):
     for op in FAST:  # setenv first so that teardown restores the original state even after force_all
         monkeypatch.setenv(env_var(op), "auto")
         monkeypatch.delenv(env_var(op))
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "auto")
-    monkeypatch.delenv("K3_FLA_HOST_OFFSETS")
     monkeypatch.setattr(backend, "_notices", set())
 
 
@@ -65,7 +63,7 @@ def test_importable_names_the_missing_module_and_force_all_sets_every_op(monkeyp
     assert not ok and "fla_missing_module_xyz is not importable" in why and "pip install k3[gpu]" in why
     backend.force_all("fast")
     assert all(resolve(op, CUDA, YES) == fast for op, fast in FAST.items())
-    assert os.environ["K3_FLA_HOST_OFFSETS"] == "on"  # fla's chunk lists from host offsets, the fast form too
+    assert os.environ["K3_KDA_HOST_OFFSETS_BACKEND"] == "fla"  # fla's chunk lists from host offsets, a fast op too
     monkeypatch.setenv("K3_MOE_BACKEND", "torch")
     backend.force_all("fast", overwrite=False)  # keeps what is already set
     assert resolve("moe", CUDA, YES) == "torch"

@@ -83,17 +83,21 @@ needs_fla = pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-cor
 
 
 def test_host_offsets_switch(monkeypatch):
-    from k3.ops import kda_backend
+    # A backend op like the others (K3_KDA_HOST_OFFSETS_BACKEND): auto follows VALIDATED on CUDA, fla turns it on,
+    # torch off, anything else is an error naming the variable.
+    from k3.ops import backend, kda_backend
 
-    monkeypatch.delenv("K3_FLA_HOST_OFFSETS", raising=False)
-    assert kda_backend.host_offsets_enabled() == kda_backend.HOST_OFFSETS_VALIDATED
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
-    assert kda_backend.host_offsets_enabled()
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "off")
-    assert not kda_backend.host_offsets_enabled()
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "sometimes")
-    with pytest.raises(ValueError, match="K3_FLA_HOST_OFFSETS"):
-        kda_backend.host_offsets_enabled()
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kda_backend, "importable", lambda m: (True, ""))
+    monkeypatch.delenv("K3_KDA_HOST_OFFSETS_BACKEND", raising=False)
+    assert kda_backend.host_offsets_enabled(cuda) == backend.VALIDATED["kda_host_offsets"]
+    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "fla")
+    assert kda_backend.host_offsets_enabled(cuda)
+    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "torch")
+    assert not kda_backend.host_offsets_enabled(cuda)
+    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "sometimes")
+    with pytest.raises(ValueError, match="K3_KDA_HOST_OFFSETS_BACKEND"):
+        kda_backend.host_offsets_enabled(cuda)
 
 
 def test_host_chunk_indices_list_each_documents_chunks():
@@ -162,7 +166,7 @@ def test_fla_chunk_matches_reference_forward_and_backward(B, T, H, cu):
 def test_fla_chunk_with_host_offsets_matches_reference_forward_and_backward(B, T, H, cu, monkeypatch):
     # As above, with the offsets also on the host, as the trainer gives them: fla's fixed-shape chunk list
     # (use_graph) instead of one built on the device; the same 5e-2.
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
+    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "fla")
     _assert_close(_fla_vs_reference(B, T, H, cu, torch.bfloat16, host=True), 5e-2)
 
 
@@ -223,7 +227,7 @@ def test_fla_short_conv_of_q_k_v_together_with_host_offsets_matches_reference(mo
     # documents with their offsets also on the host (fla gets its chunk list from there), no state; 2e-2 relative.
     from k3.ops.kda_backend import short_conv
 
-    monkeypatch.setenv("K3_FLA_HOST_OFFSETS", "on")
+    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "fla")
     g = torch.Generator().manual_seed(1)
     C, W, T = 3 * 1024, 4, 1000
     wide = torch.randn(1, T, C + 128, generator=g).cuda().to(torch.bfloat16)
