@@ -7,6 +7,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.ops.situ import situ_glu_any
+from k3.ops.weight_cast import stacked_weight, weight
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight goes through :func:`k3.ops.weight_cast.weight`: in training under autocast it is
+    cast once per step and its gradient summed straight into the fp32 ``.grad``; elsewhere this is nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight(self.weight), self.bias)
 
 
 def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
@@ -18,8 +27,8 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     GEMM instead of one each; in backward, d(x) comes from one GEMM (accumulated inside it) instead of a sum of
     per-layer gradients, and the weight gradients from one GEMM. The parameters stay separate (checkpoint names,
     Muon's per-matrix treatment); the stacked copy is made per call (small next to a training batch's
-    activations). It is padded with zero rows to a multiple of 16 outputs, so that the returned views' row stride
-    stays 16-element aligned (kernels that take strided inputs, like fla's convolution, specialize on that).
+    activations), or once per training step under :func:`k3.ops.weight_cast.cached_weight_casts`. It is padded
+    with zero rows to a multiple of 16 outputs, so that the returned views' row stride stays 16-element aligned (kernels that take strided inputs, like fla's convolution, specialize on that).
     Without gradients (serving, evaluation) the layers run one by one: a per-call copy of the weights would be
     most of a decode step's traffic and would sit in every captured CUDA graph's memory."""
     groups = [entry if isinstance(entry, tuple) else (entry,) for entry in layers]
@@ -29,9 +38,7 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     ws = [layer.weight for g in groups for layer in g]
     sizes = [sum(layer.weight.shape[0] for layer in g) for g in groups]
     pad = -sum(sizes) % 16
-    if pad:
-        ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
-    y = F.linear(x, torch.cat(ws))
+    y = F.linear(x, stacked_weight(ws, pad))
     return y.split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
 
 
@@ -62,9 +69,9 @@ class SituMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, beta1: float, beta2: float):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.beta1, self.beta2 = beta1, beta2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import RMSNorm, stacked_linear
+from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
@@ -27,22 +27,22 @@ class KimiDeltaAttention(nn.Module):
         P, W = H * K, cfg.kda_short_conv_kernel_size
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
         self.lower_bound = cfg.kda_gate_lower_bound
-        self.q_proj = nn.Linear(D, P, bias=False)
-        self.k_proj = nn.Linear(D, P, bias=False)
-        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_proj = Linear(D, P, bias=False)
+        self.k_proj = Linear(D, P, bias=False)
+        self.v_proj = Linear(D, P, bias=False)
         # Depthwise causal convs; nn.Conv1d only holds the [P, 1, W] weight, the op does the math.
         self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         # Decay logits z = W_up W_down x + dt_bias, low rank = head_dim (f_a: D -> K, f_b: K -> P).
-        self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.f_a_proj = Linear(D, K, bias=False)
+        self.f_b_proj = Linear(K, P, bias=False)
         self.A_log = nn.Parameter(torch.zeros(H))  # one log-scale per head, initialized 0 (report §2.1.1)
         self.dt_bias = nn.Parameter(torch.zeros(P))
-        self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_proj = nn.Linear(D, P, bias=False)  # full-rank output gate
+        self.b_proj = Linear(D, H, bias=False)
+        self.g_proj = Linear(D, P, bias=False)  # full-rank output gate
         self.o_norm = RMSNorm(K, eps=cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(P, D, bias=False)
+        self.o_proj = Linear(P, D, bias=False)
 
     def forward(self, x: torch.Tensor, cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None,
                 cu_seqlens_cpu: torch.Tensor | None = None):

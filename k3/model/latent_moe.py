@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import RMSNorm, SituMLP
+from k3.model.common import Linear, RMSNorm, SituMLP
 from k3.ops.backend import resolve
 from k3.ops.moe import (
     Routing,
@@ -24,6 +24,7 @@ from k3.ops.moe import (
 )
 from k3.ops.precision import autocast_off
 from k3.ops.situ import situ_glu, situ_glu_any
+from k3.ops.weight_cast import weight
 
 
 class MoEGate(nn.Module):
@@ -60,9 +61,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         backend = resolve("moe", z.device, lambda: grouped_available(z.device, z.dtype))
+        w1, w3, w2 = weight(self.w1), weight(self.w3), weight(self.w2)  # cast once per training step (weight_cast)
         if backend == "grouped":
-            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act_fused)
-        return moe_experts(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act)
+            return moe_experts_grouped(z, routing.weights, routing.indices, w1, w3, w2, self.act_fused)
+        return moe_experts(z, routing.weights, routing.indices, w1, w3, w2, self.act)
 
 
 class LatentMoE(nn.Module):
@@ -72,9 +74,9 @@ class LatentMoE(nn.Module):
         self.layer_idx = layer_idx
         self.gate = MoEGate(D, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_renormalize,
                             cfg.routed_scaling_factor)
-        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.routed_expert_down_proj = Linear(D, L, bias=False)
         self.routed_expert_norm = RMSNorm(L, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else nn.Identity()
-        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.routed_expert_up_proj = Linear(L, D, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, L, cfg.moe_intermediate_size,
                                       cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         self.shared_experts = (

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import RMSNorm, stacked_linear
+from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.backend import resolve
 from k3.ops.mla import flex_available, max_logit, mla_absorbed, mla_attention, mla_attention_flex, split_kv_b
 
@@ -54,14 +54,14 @@ class GatedMLA(nn.Module):
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
         self.scale = (self.dn + self.dr) ** -0.5
-        self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)  # the release builds these two with eps 1e-6
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.dn + self.dr), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + self.dr, bias=False)
+        self.q_b_proj = Linear(cfg.q_lora_rank, H * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + self.dr, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
-        self.g_proj = nn.Linear(D, H * self.dv, bias=False)
-        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
+        self.g_proj = Linear(D, H * self.dv, bias=False)
+        self.o_proj = Linear(H * self.dv, D, bias=False)
         self.last_max_logit: torch.Tensor | None = None  # per-head max pre-softmax logit, for QK-Clip
         self.record_max_logit = False
 

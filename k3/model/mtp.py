@@ -11,7 +11,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
 from k3.model.block import DecoderLayer
-from k3.model.common import RMSNorm
+from k3.model.common import Linear, RMSNorm
 
 
 class MTPLayer(nn.Module):
@@ -20,7 +20,7 @@ class MTPLayer(nn.Module):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(D, eps)
         self.hnorm = RMSNorm(D, eps)
-        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.eh_proj = Linear(2 * D, D, bias=False)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers + depth, is_kda=False,
                                   is_moe=cfg.num_experts > 0, res_idx=0)
         self.output_attn_res_norm = RMSNorm(D, eps)

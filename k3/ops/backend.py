@@ -55,7 +55,7 @@ FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ"
 # tests/model/test_fast_backends_gpu.py) have not run yet: `auto` keeps the reference for both.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
              "short_conv": True, "moe_combine": True, "muon": False, "gate_norm": True,
-             "linear_ce": True, "kda_host_offsets": False}
+             "linear_ce": True, "kda_host_offsets": True}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode, the Muon update and the cross-entropy kernels run in
 # Triton's interpreter (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).

@@ -18,6 +18,7 @@ Two equivalent forms:
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -314,6 +315,41 @@ def flex_autotune() -> bool:
     return value == "1"
 
 
+# flex_attention's kernel options measured best at Gated MLA's head dims (queries/keys 192, values 128) in bf16, by
+# GPU compute capability. torch's own tables have no entry for this shape on sm90 and fall back to 64 x 64 tiles
+# with 4 warps for the backward (~130 TFLOP/s on an H200). benchmarks/flex_tune.py measures the candidates
+# (BENCHMARKS.md, "seventh run"): on an H200, 4 x 8,192 tokens of packed documents, forward 1.285 -> 1.069 ms,
+# backward 6.75 -> 3.80 ms.
+_FLEX_TUNED: dict[tuple[int, int], dict] = {
+    (9, 0): dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=3, fwd_num_warps=8,
+                 bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=2,
+                 bwd_num_warps=8),
+}
+_FLEX_OPTION_KEYS = {f"{p}{k}" for p in ("fwd_", "bwd_") for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1",
+                                                                    "BLOCK_M2", "BLOCK_N2", "num_stages",
+                                                                    "num_warps")}
+
+
+def flex_kernel_options(q: Tensor, v: Tensor) -> dict | None:
+    """kernel_options for flex_attention on q's device: ``K3_FLEX_KERNEL_OPTIONS`` (a JSON object of ``fwd_*`` /
+    ``bwd_*`` block sizes, stages and warps; ``{}`` for torch's defaults) when set, else the measured table for
+    this GPU at Gated MLA's bf16 192/128 shape, else None (torch's defaults)."""
+    env = os.environ.get("K3_FLEX_KERNEL_OPTIONS")
+    if env is not None:
+        try:
+            opts = json.loads(env)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"K3_FLEX_KERNEL_OPTIONS is not valid JSON ({e}): {env!r}") from None
+        if not isinstance(opts, dict) or any(k not in _FLEX_OPTION_KEYS or not isinstance(v_, int) or v_ <= 0
+                                             for k, v_ in opts.items()):
+            raise ValueError("K3_FLEX_KERNEL_OPTIONS must be a JSON object of positive integers with keys among "
+                             f"{sorted(_FLEX_OPTION_KEYS)}, got {env!r}")
+        return opts or None
+    if not q.is_cuda or q.dtype != torch.bfloat16 or q.shape[-1] != 192 or v.shape[-1] != 128:
+        return None
+    return _FLEX_TUNED.get(torch.cuda.get_device_capability(q.device))
+
+
 def compiled_flex(autotune: bool | None = None):
     """flex_attention under torch.compile (static shapes), one compiled function per autotune setting."""
     from torch.nn.attention import flex_attention as fa
@@ -418,10 +454,13 @@ def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_id
         block_mask = causal_block_mask(T, q.device, segment_ids)
     fn = compiled_flex(autotune) if compiled else fa.flex_attention
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    # max-autotune picks its own tiles; eager flex (compiled=False) is the unfused reference and takes no tiles
+    opts = flex_kernel_options(q, v) if compiled and not (flex_autotune() if autotune is None else autotune) else None
     if return_max_logit and _flex_max_scores_supported() and q.is_cuda:
-        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, return_aux=fa.AuxRequest(max_scores=True))
+        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=opts,
+                    return_aux=fa.AuxRequest(max_scores=True))
         return o.transpose(1, 2), aux.max_scores.detach().float().amax(dim=(0, 2))
-    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale).transpose(1, 2)
+    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=opts).transpose(1, 2)
     if return_max_logit:
         return o, max_logit(q, k, scale, segment_ids)
     return o

@@ -101,3 +101,21 @@ def test_flex_autotune_setting_is_checked(monkeypatch):
     monkeypatch.setenv("K3_FLEX_AUTOTUNE", "yes")
     with pytest.raises(ValueError, match="K3_FLEX_AUTOTUNE='yes' is invalid"):
         flex_autotune()
+
+
+def test_flex_kernel_options_come_from_the_table_or_the_environment(monkeypatch):
+    # The compiled GPU test above runs with the table's tiles on the GPUs it lists (the H200's sm90 entry).
+    from k3.ops.mla import flex_kernel_options
+
+    q, _, v = _qkv(1, 8, 1)
+    monkeypatch.delenv("K3_FLEX_KERNEL_OPTIONS", raising=False)
+    assert flex_kernel_options(q, v) is None  # CPU tensors: torch's defaults
+    monkeypatch.setenv("K3_FLEX_KERNEL_OPTIONS", '{"bwd_BLOCK_M1": 32, "bwd_num_warps": 8}')
+    assert flex_kernel_options(q, v) == {"bwd_BLOCK_M1": 32, "bwd_num_warps": 8}
+    monkeypatch.setenv("K3_FLEX_KERNEL_OPTIONS", "{}")
+    assert flex_kernel_options(q, v) is None
+    for bad, match in [("{bwd", "not valid JSON"), ('{"BLOCK_M": 64}', "keys among"),
+                       ('{"fwd_num_warps": 0}', "positive integers"), ("[64]", "JSON object")]:
+        monkeypatch.setenv("K3_FLEX_KERNEL_OPTIONS", bad)
+        with pytest.raises(ValueError, match=match):
+            flex_kernel_options(q, v)

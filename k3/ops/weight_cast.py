@@ -1,0 +1,150 @@
+"""Weights cast to the autocast dtype once per training step, their gradients summed straight into fp32 ``.grad``.
+
+Under bf16 autocast each matmul casts its fp32 weight to bf16 in every forward, and in backward autograd casts
+the bf16 weight gradient back to fp32 (``ToCopyBackward``) and then adds it to ``.grad``: three passes over every
+weight per micro-batch, ~40 ms per 32K-token micro-batch for k3-mini on an H200 (BENCHMARKS.md, seventh run).
+Inside :func:`cached_weight_casts`, weights taken through :func:`weight` / :func:`stacked_weight`:
+
+* are cast once and reused by every later micro-batch of the step (a weight changed in place on the parameter
+  since, which bumps its version counter, is cast again);
+* send their gradient into the parameter's fp32 ``.grad`` in one pass: a copy for the first contribution, an
+  fp32 add of the bf16 gradient after that. That is exactly what autograd computes (cast to fp32, then add), so
+  gradients are bitwise the same as without the cache.
+
+Because these gradients reach ``.grad`` outside autograd's leaf accumulation, hooks on the parameters
+(``register_hook``, ``register_post_accumulate_grad_hook``) do not see them: k3's trainer reads ``.grad`` after
+backward (its data-parallel reduction included); wrappers built on such hooks (torch DDP, FSDP) must not run
+under this context. Outside the context, or without autocast, or for a weight that is not fp32, both functions
+return the parameter itself and change nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["cached_weight_casts", "weight", "stacked_weight", "cast_count"]
+
+
+class _State:
+    active = False
+    # key (parameter ids, dtype, pad) -> (parameters, their versions when cast, the cast tensor)
+    cache: dict[tuple, tuple[tuple[Tensor, ...], tuple[int, ...], Tensor]] = {}
+    casts = 0  # copies made so far (tests and benchmarks read it through cast_count)
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def cached_weight_casts(enabled: bool = True):
+    """Within, :func:`weight` and :func:`stacked_weight` cast once and route gradients into ``.grad`` (see the
+    module docstring). The cast copies are dropped on exit. Nested uses share the outermost one's cache."""
+    if not enabled or _state.active:
+        yield
+        return
+    _state.active = True
+    try:
+        yield
+    finally:
+        _state.active = False
+        _state.cache.clear()
+
+
+def cast_count() -> int:
+    """How many cast copies have been made (all contexts so far)."""
+    return _state.casts
+
+
+def _cast_dtype(p: Tensor) -> torch.dtype | None:
+    """The dtype autocast would cast `p` to here, when the cache applies to it, else None."""
+    if not _state.active or p.dtype != torch.float32:
+        return None
+    dev = p.device.type
+    if not torch.amp.is_autocast_available(dev) or not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    return dt if dt in (torch.bfloat16, torch.float16) else None
+
+
+def _cached(params: tuple[Tensor, ...], dt: torch.dtype, pad: int) -> Tensor:
+    key = (tuple(id(p) for p in params), dt, pad)
+    versions = tuple(p._version for p in params)
+    hit = _state.cache.get(key)
+    if hit is not None and hit[1] == versions:
+        return hit[2]
+    with torch.no_grad():
+        if len(params) == 1 and not pad:
+            w = params[0].detach().to(dt)
+        else:
+            rows = sum(p.shape[0] for p in params) + pad
+            w = torch.empty((rows,) + tuple(params[0].shape[1:]), device=params[0].device, dtype=dt)
+            off = 0
+            for p in params:
+                w[off:off + p.shape[0]].copy_(p.detach())
+                off += p.shape[0]
+            if pad:
+                w[off:].zero_()
+    _state.casts += 1
+    _state.cache[key] = (params, versions, w)
+    return w
+
+
+def _accumulate(p: Tensor, g: Tensor) -> None:
+    """p.grad += g in fp32 (a copy for the first contribution), as autograd's cast + accumulation would."""
+    if p.grad is None:
+        p.grad = torch.empty_like(p).copy_(g)
+    else:
+        p.grad.add_(g)
+
+
+class _CastWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: Tensor, *params: Tensor) -> Tensor:
+        ctx.params = params
+        return w
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        params = ctx.params
+        if len(params) == 1 and g.shape == params[0].shape:
+            _accumulate(params[0], g)
+        else:
+            off = 0
+            for p in params:
+                if p.requires_grad:
+                    _accumulate(p, g[off:off + p.shape[0]])
+                off += p.shape[0]
+        return (None,) * (1 + len(params))
+
+
+def _attach(w: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return _CastWithGrad.apply(w, *params)
+    return w
+
+
+def weight(p: Tensor) -> Tensor:
+    """`p` as the matmul will use it: inside :func:`cached_weight_casts` under autocast, its cached cast copy
+    (gradient into ``p.grad``); otherwise `p` itself."""
+    dt = _cast_dtype(p)
+    if dt is None:
+        return p
+    return _attach(_cached((p,), dt, 0), (p,))
+
+
+def stacked_weight(params: Sequence[Tensor], pad: int = 0) -> Tensor:
+    """``torch.cat(params + [pad zero rows])``: inside :func:`cached_weight_casts` under autocast, cached in the
+    autocast dtype with each parameter's rows of the gradient going to its ``.grad``; otherwise the fp32 cat
+    itself (made per call, gradients through autograd)."""
+    params = tuple(params)
+    dt = _cast_dtype(params[0])
+    if dt is None or any(p.dtype != params[0].dtype for p in params):
+        ws = list(params)
+        if pad:
+            ws.append(params[0].new_zeros((pad,) + tuple(params[0].shape[1:])))
+        return torch.cat(ws)
+    return _attach(_cached(params, dt, pad), params)

@@ -1,0 +1,138 @@
+"""Weights cast once per training step with gradients summed straight into fp32 .grad (k3.ops.weight_cast)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import randomize_
+from k3.config import K3Config
+from k3.model.model import K3ForCausalLM
+from k3.ops.weight_cast import cached_weight_casts, cast_count, stacked_weight, weight
+
+
+def _tiny(seed=0):
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    return randomize_(K3ForCausalLM(cfg), seed=seed, scale=0.3)
+
+
+def _grads_of_micro_batches(model, batches, cached: bool, checkpointing: bool = False):
+    """Sum of the gradients of several micro-batches under bf16 autocast, as the trainer accumulates them."""
+    model.zero_grad(set_to_none=True)
+    model.set_activation_checkpointing(checkpointing)
+    losses = []
+    with cached_weight_casts(enabled=cached):
+        for ids, seg in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(ids, labels=ids, segment_ids=seg)
+                loss = out.loss + 0.3 * out.mtp_loss
+            (loss * 0.5).backward()
+            losses.append(float(out.loss.detach()))
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _batches(n=2, B=2, T=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, 512, (B, T), generator=g)
+        seg = torch.zeros(B, T, dtype=torch.long)
+        seg[:, T // 3:] = 1
+        out.append((ids, seg))
+    return out
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_gradients_are_bitwise_those_of_autocast(checkpointing):
+    # The cast copy is what autocast makes; the fp32 add of a bf16 gradient is autograd's cast + accumulate.
+    # So losses and every parameter's gradient, summed over two micro-batches, must be exactly equal.
+    model = _tiny()
+    batches = _batches()
+    ref_losses, ref = _grads_of_micro_batches(model, batches, cached=False, checkpointing=checkpointing)
+    losses, got = _grads_of_micro_batches(model, batches, cached=True, checkpointing=checkpointing)
+    assert losses == ref_losses
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert got[name].dtype == torch.float32 and got[name].is_contiguous()
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_each_weight_is_cast_once_per_step_and_again_after_it_changes():
+    model = _tiny()
+    batches = _batches(n=3)
+    before = cast_count()
+    _grads_of_micro_batches(model, batches, cached=True)
+    per_step = cast_count() - before
+    n_linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert 0 < per_step < n_linear + 3 * len(model.model.layers)  # once per weight (or stack), not per micro-batch
+    w = model.model.layers[0].mlp.down_proj.weight if hasattr(model.model.layers[0], "mlp") else None
+    with cached_weight_casts():
+        p = model.lm_head.weight if w is None else w
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a = weight(p)
+            assert a.dtype == torch.bfloat16 and weight(p).data_ptr() == a.data_ptr()  # cached
+            with torch.no_grad():
+                p.mul_(2)  # an in-place update bumps the version: cast again
+            b = weight(p)
+        assert b.data_ptr() != a.data_ptr() and torch.equal(b, (p.detach()).to(torch.bfloat16))
+
+
+def test_outside_the_context_or_autocast_nothing_changes():
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    assert weight(p) is p  # no context
+    with cached_weight_casts():
+        assert weight(p) is p  # no autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert weight(p.detach().to(torch.bfloat16)).dtype == torch.bfloat16  # not fp32: left alone
+    ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5, 4))]
+    s = stacked_weight(ps, pad=8)
+    assert s.shape == (16, 4) and s.dtype == torch.float32 and torch.equal(s[:3], ps[0]) and not s[8:].any()
+
+
+def test_stacked_weight_sends_each_parameter_its_rows_of_the_gradient():
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(3, 16)), torch.nn.Parameter(torch.randn(5, 16))]
+    frozen = torch.nn.Parameter(torch.randn(2, 16), requires_grad=False)
+    x = torch.randn(6, 16)
+    dy = torch.randn(6, 10 + 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = F.linear(x, torch.cat(ps + [frozen, torch.zeros(6, 16)]))
+    (y.float() * dy).sum().backward()
+    ref = [p.grad.clone() for p in ps]
+    for p in ps:
+        p.grad = None
+    with cached_weight_casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y2 = F.linear(x, stacked_weight(ps + [frozen], pad=6))
+        (y2.float() * dy).sum().backward()
+    assert torch.equal(y2, y)
+    for p, r in zip(ps, ref):
+        assert torch.equal(p.grad, r)
+    assert frozen.grad is None
+
+
+def test_trainer_steps_are_the_same_with_the_cache(tmp_path, monkeypatch):
+    # The trainer uses the cache under autocast; switching it off must not change a step's numbers.
+    import numpy as np
+
+    import k3.train.trainer as trainer_mod
+    from k3.data.packing import PackedLoader
+    from k3.train.trainer import TrainConfig, Trainer
+
+    def run(on: bool):
+        real = trainer_mod.cached_weight_casts
+        monkeypatch.setattr(trainer_mod, "cached_weight_casts", lambda enabled=True: real(enabled=on and enabled))
+        model = _tiny()
+        tc = TrainConfig(out=str(tmp_path / str(on)), max_steps=2, seq_len=32, batch_tokens=256,
+                         micro_batch_rows=4, eval_every=100, eval_batches=1, save_every_minutes=1e9,
+                         autocast_bf16=True)
+        stream = np.random.default_rng(0).integers(0, 512, size=8000).astype(np.int32)
+        loader = PackedLoader(stream, tc.seq_len, tc.rows_per_step, eos_id=0, seed=0)
+        tr = Trainer(model, tc, loader, eos_id=0, log=lambda *a: None)
+        return [tr.train_step() for _ in range(2)]
+
+    before = cast_count()
+    on = run(True)
+    assert cast_count() > before  # the trainer really went through the cache
+    off = run(False)
+    for a, b in zip(on, off):
+        assert (a.loss, a.mtp_loss, a.grad_norm) == (b.loss, b.mtp_loss, b.grad_norm)
