@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.ops.rms_norm import rms_norm_any
 from k3.ops.situ import situ_glu_any
 from k3.ops.weight_cast import stacked_weight, weight
 
@@ -56,9 +57,9 @@ class RMSNorm(nn.Module):
             # Nothing to cast back: x * rsqrt(mean(x^2) + eps) * weight as one op (a fused kernel forward and
             # backward on CUDA; on CPU the same ops as below, in the same order).
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
-        # x * rsqrt(mean(x^2) + eps) in fp32: one fused kernel on CUDA, the same ops as written out on CPU.
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (self.weight * y.to(dtype)).to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, times the weight, rounded again: one Triton
+        # kernel each way on CUDA (backend op rms_norm), the same ops as written out otherwise.
+        return rms_norm_any(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

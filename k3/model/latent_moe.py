@@ -23,8 +23,8 @@ from k3.ops.moe import (
     route,
 )
 from k3.ops.precision import autocast_off
-from k3.ops.situ import situ_glu, situ_glu_any
-from k3.ops.weight_cast import weight
+from k3.ops.situ import situ_glu, situ_glu_any, situ_glu_any_fused
+from k3.ops.weight_cast import cached_stack, weight
 
 
 class MoEGate(nn.Module):
@@ -59,11 +59,20 @@ class GroupedExperts(nn.Module):
         """SiTU-GLU on the backend k3.ops.backend picks (the fused Triton kernel on GPU)."""
         return situ_glu_any(gate, up, self.beta1, self.beta2)
 
+    def act_fused13(self, h13: torch.Tensor) -> torch.Tensor:
+        """SiTU-GLU of [gate | up] columns on the backend k3.ops.backend picks."""
+        return situ_glu_any_fused(h13, self.beta1, self.beta2)
+
     def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         backend = resolve("moe", z.device, lambda: grouped_available(z.device, z.dtype))
-        w1, w3, w2 = weight(self.w1), weight(self.w3), weight(self.w2)  # cast once per training step (weight_cast)
         if backend == "grouped":
-            return moe_experts_grouped(z, routing.weights, routing.indices, w1, w3, w2, self.act_fused)
+            # In training under autocast: w1 and w3 stacked per expert once per step, one GEMM for both (weight_cast)
+            w13 = cached_stack([self.w1, self.w3], dim=1)
+            if w13 is not None:
+                return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, weight(self.w2),
+                                           self.act_fused, w13=w13, act13=self.act_fused13)
+            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act_fused)
+        w1, w3, w2 = weight(self.w1), weight(self.w3), weight(self.w2)  # cast once per training step (weight_cast)
         return moe_experts(z, routing.weights, routing.indices, w1, w3, w2, self.act)
 
 

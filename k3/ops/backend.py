@@ -21,6 +21,9 @@ Every op has a PyTorch reference (the definition, runs anywhere) and one fast ba
                               as one kernel each way (k3.ops.gate_norm)
     linear_ce  triton         the output head's cross-entropy gradient (log-sum-exp, softmax - onehot) in one
                               kernel, in place on the chunk's logits (k3.ops.linear_ce)
+    rms_norm   triton         RMSNorm of bf16 activations with an fp32 weight (the release's roundings) as one
+                              Triton kernel each way, the weight's gradient from per-program partial sums
+                              (k3.ops.rms_norm)
     kda_host_offsets fla      fla's KDA and conv take their packed-document chunk lists from offsets the trainer
                               computed on the host, so a training forward never waits for the device
                               (k3.ops.kda_backend); its reference is fla building those lists on the device
@@ -29,7 +32,8 @@ The choice never changes the math, only where it runs. `auto` (the default) pick
 when it is installed and validated (VALIDATED below: its GPU tests in tests/ops/ passed on an H200 with this
 code) and the reference otherwise. The environment variables K3_KDA_BACKEND, K3_ATTN_RES_BACKEND,
 K3_MLA_BACKEND, K3_MOE_BACKEND, K3_MOE_COMBINE_BACKEND, K3_SITU_BACKEND, K3_MLA_DECODE_BACKEND,
-K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND, K3_GATE_NORM_BACKEND, K3_LINEAR_CE_BACKEND and K3_KDA_HOST_OFFSETS_BACKEND
+K3_SHORT_CONV_BACKEND, K3_MUON_BACKEND, K3_GATE_NORM_BACKEND, K3_LINEAR_CE_BACKEND, K3_KDA_HOST_OFFSETS_BACKEND and
+K3_RMS_NORM_BACKEND
 (values: auto, torch, or the fast backend's name; `torch` is the reference) override it per op.
 Asking for a fast backend that cannot run is an error; `auto` falling back on a GPU prints a one-time notice
 saying why.
@@ -45,17 +49,18 @@ import torch
 
 FAST = {"kda": "fla", "attn_res": "fla", "mla": "flex", "moe": "grouped", "situ": "triton", "mla_decode": "triton",
         "short_conv": "fla", "moe_combine": "triton", "muon": "triton", "gate_norm": "fla",
-        "linear_ce": "triton", "kda_host_offsets": "fla"}
+        "linear_ce": "triton", "kda_host_offsets": "fla", "rms_norm": "triton"}
 # True once the backend's op-level GPU tests (forward and backward against the reference, tests/ops/) passed on an
 # H200 with this code: attn_res, mla, moe, situ (2026-11-29), mla_decode (2026-11-29), kda and short_conv
 # (2026-11-30: fla's chunk and decode KDA at k3-mini's shapes, packed and not, and the causal conv, packed and not).
 # moe_combine (op tests), gate_norm (op tests and the in-situ model test) and linear_ce (op tests at k3-mini's head
-# shapes) 2026-11-30. The Muon update kernels measured no faster than PyTorch's update, and the GPU tests of
-# kda_host_offsets (tests/ops/test_kda_backend.py, the in-situ case and the sync-free check in
-# tests/model/test_fast_backends_gpu.py) have not run yet: `auto` keeps the reference for both.
+# shapes) 2026-11-30; kda_host_offsets (tests/ops/test_kda_backend.py, the in-situ case and the sync-free check in
+# tests/model/test_fast_backends_gpu.py) 2026-11-30. The Muon update kernels measured no faster than PyTorch's
+# update: `auto` keeps the reference. rms_norm (tests/ops/test_rms_norm.py at k3-mini's hidden and latent shapes)
+# 2026-11-30.
 VALIDATED = {"kda": True, "attn_res": True, "mla": True, "moe": True, "situ": True, "mla_decode": True,
              "short_conv": True, "moe_combine": True, "muon": False, "gate_norm": True,
-             "linear_ce": True, "kda_host_offsets": True}
+             "linear_ce": True, "kda_host_offsets": True, "rms_norm": True}
 # Fast backends that also run on CPU (used when asked for explicitly; `auto` keeps the reference on CPU): the
 # grouped GEMM has a CPU implementation; the paged decode, the Muon update and the cross-entropy kernels run in
 # Triton's interpreter (TRITON_INTERPRET=1; the decode otherwise on its gather-based reference).

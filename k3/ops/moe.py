@@ -190,6 +190,8 @@ def moe_experts_grouped(
     w3: Tensor,
     w2: Tensor,
     act: Callable[[Tensor, Tensor], Tensor],
+    w13: Tensor | None = None,
+    act13: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """``moe_experts`` with grouped GEMMs: the same result, three GEMM launches for all experts.
 
@@ -200,10 +202,20 @@ def moe_experts_grouped(
     weights in fp32 by k3.ops.moe_combine (one Triton kernel on GPU, reading them in expert order). Every gather
     is a permutation, so the backward is free of atomic accumulation. Experts that got no tokens cost nothing.
 
-    Args: as ``moe_experts``.
+    With ``w13`` ([E, 2F, L]: ``w1`` and ``w3`` stacked per expert, as ``k3.ops.weight_cast.cached_stack`` makes
+    once per training step) and ``act13`` (``act`` of the [gate | up] columns of one tensor), the gate and up
+    projections are one grouped GEMM and one fused activation: in backward, d(x) is one GEMM (no sum of two) and
+    the activation's gradient one [M, 2F] tensor. ``w1`` and ``w3`` then only give the shapes.
+
+    Args: as ``moe_experts``, plus ``w13`` and ``act13`` (both or neither).
     Returns: u [N, L] in ``z.dtype``.
     """
     _check_expert_inputs(z, weights, indices, w1, w3, w2)
+    if (w13 is None) != (act13 is None):
+        raise ValueError("w13 and act13 go together: pass both or neither")
+    if w13 is not None and w13.shape != (w1.shape[0], 2 * w1.shape[1], w1.shape[2]):
+        raise ValueError(f"w13 must have shape [E, 2F, L] = {(w1.shape[0], 2 * w1.shape[1], w1.shape[2])} "
+                         f"(w1 and w3 stacked per expert), got {tuple(w13.shape)}")
     N, L = z.shape
     k = indices.shape[1]
     E = w1.shape[0]
@@ -222,9 +234,13 @@ def moe_experts_grouped(
     inverse[order] = torch.arange(order.numel(), device=order.device)
     x = moe_dispatch(z, order, inverse, k)  # [M, L] grouped by expert
 
-    gate = torch._grouped_mm(x, w1.to(dt).transpose(1, 2), offs=offs)  # [M, F]
-    up = torch._grouped_mm(x, w3.to(dt).transpose(1, 2), offs=offs)
-    hidden = act(gate, up).to(dt)  # [M, F]
+    if w13 is not None:
+        h13 = torch._grouped_mm(x, w13.to(dt).transpose(1, 2), offs=offs)  # [M, 2F] = [gate | up]
+        hidden = act13(h13).to(dt)  # [M, F]
+    else:
+        gate = torch._grouped_mm(x, w1.to(dt).transpose(1, 2), offs=offs)  # [M, F]
+        up = torch._grouped_mm(x, w3.to(dt).transpose(1, 2), offs=offs)
+        hidden = act(gate, up).to(dt)  # [M, F]
     y = torch._grouped_mm(hidden, w2.to(dt).transpose(1, 2), offs=offs)  # [M, L]
 
     return moe_combine(y, inverse, weights, dt)  # sum_j weights[n, j] * y[inverse[n*k + j]] in fp32

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["situ_glu", "situ_glu_any"]
+__all__ = ["situ_glu", "situ_glu_any", "situ_glu_any_fused"]
 
 
 def situ_glu(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
@@ -70,4 +70,19 @@ def situ_glu_any(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25
         from k3.ops.situ_triton import situ_glu_split
 
         return situ_glu_split(gate, up, beta1, beta2)
+    return situ_glu(gate, up, beta1, beta2)
+
+
+def situ_glu_any_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+    """``situ_glu(h13[..., :F], h13[..., F:])`` of a [gate | up] tensor on the backend k3.ops.backend picks (the
+    fused Triton kernel on GPU, whose backward writes d(h13) as one tensor)."""
+    from k3.ops.backend import resolve
+
+    if h13.shape[-1] % 2:
+        raise ValueError(f"h13's last dimension must be even ([gate | up], 2F columns), got {h13.shape[-1]}")
+    if resolve("situ", h13.device, lambda: _triton_available(h13)) == "triton":
+        from k3.ops.situ_triton import situ_glu_fused
+
+        return situ_glu_fused(h13, beta1, beta2)
+    gate, up = h13.chunk(2, dim=-1)
     return situ_glu(gate, up, beta1, beta2)

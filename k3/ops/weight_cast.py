@@ -26,12 +26,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["cached_weight_casts", "weight", "stacked_weight", "cast_count"]
+__all__ = ["cached_weight_casts", "weight", "stacked_weight", "cached_stack", "cast_count"]
 
 
 class _State:
     active = False
-    # key (parameter ids, dtype, pad) -> (parameters, their versions when cast, the cast tensor)
+    # key (parameter ids, dtype, pad, dim) -> (parameters, their versions when cast, the cast tensor)
     cache: dict[tuple, tuple[tuple[Tensor, ...], tuple[int, ...], Tensor]] = {}
     casts = 0  # copies made so far (tests and benchmarks read it through cast_count)
 
@@ -70,8 +70,8 @@ def _cast_dtype(p: Tensor) -> torch.dtype | None:
     return dt if dt in (torch.bfloat16, torch.float16) else None
 
 
-def _cached(params: tuple[Tensor, ...], dt: torch.dtype, pad: int) -> Tensor:
-    key = (tuple(id(p) for p in params), dt, pad)
+def _cached(params: tuple[Tensor, ...], dt: torch.dtype, pad: int, dim: int = 0) -> Tensor:
+    key = (tuple(id(p) for p in params), dt, pad, dim)
     versions = tuple(p._version for p in params)
     hit = _state.cache.get(key)
     if hit is not None and hit[1] == versions:
@@ -80,14 +80,15 @@ def _cached(params: tuple[Tensor, ...], dt: torch.dtype, pad: int) -> Tensor:
         if len(params) == 1 and not pad:
             w = params[0].detach().to(dt)
         else:
-            rows = sum(p.shape[0] for p in params) + pad
-            w = torch.empty((rows,) + tuple(params[0].shape[1:]), device=params[0].device, dtype=dt)
+            shape = list(params[0].shape)
+            shape[dim] = sum(p.shape[dim] for p in params) + pad
+            w = torch.empty(shape, device=params[0].device, dtype=dt)
             off = 0
             for p in params:
-                w[off:off + p.shape[0]].copy_(p.detach())
-                off += p.shape[0]
+                w.narrow(dim, off, p.shape[dim]).copy_(p.detach())
+                off += p.shape[dim]
             if pad:
-                w[off:].zero_()
+                w.narrow(dim, off, pad).zero_()
     _state.casts += 1
     _state.cache[key] = (params, versions, w)
     return w
@@ -103,8 +104,8 @@ def _accumulate(p: Tensor, g: Tensor) -> None:
 
 class _CastWithGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w: Tensor, *params: Tensor) -> Tensor:
-        ctx.params = params
+    def forward(ctx, w: Tensor, dim: int, *params: Tensor) -> Tensor:
+        ctx.params, ctx.dim = params, dim
         return w
 
     @staticmethod
@@ -116,14 +117,14 @@ class _CastWithGrad(torch.autograd.Function):
             off = 0
             for p in params:
                 if p.requires_grad:
-                    _accumulate(p, g[off:off + p.shape[0]])
-                off += p.shape[0]
-        return (None,) * (1 + len(params))
+                    _accumulate(p, g.narrow(ctx.dim, off, p.shape[ctx.dim]))
+                off += p.shape[ctx.dim]
+        return (None,) * (2 + len(params))
 
 
-def _attach(w: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+def _attach(w: Tensor, params: tuple[Tensor, ...], dim: int = 0) -> Tensor:
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return _CastWithGrad.apply(w, *params)
+        return _CastWithGrad.apply(w, dim, *params)
     return w
 
 
@@ -148,3 +149,15 @@ def stacked_weight(params: Sequence[Tensor], pad: int = 0) -> Tensor:
             ws.append(params[0].new_zeros((pad,) + tuple(params[0].shape[1:])))
         return torch.cat(ws)
     return _attach(_cached(params, dt, pad), params)
+
+
+def cached_stack(params: Sequence[Tensor], dim: int = 0) -> Tensor | None:
+    """``torch.cat(params, dim)`` in the autocast dtype, made once per step, with each parameter's slice of the
+    gradient going to its ``.grad``, when the cache applies (inside :func:`cached_weight_casts`, under autocast,
+    fp32 parameters); None otherwise, so that callers keep computing with the parameters one by one (a stacked
+    copy made on every call would cost a pass over the weights each time)."""
+    params = tuple(params)
+    dt = _cast_dtype(params[0])
+    if dt is None or any(p.dtype != params[0].dtype for p in params):
+        return None
+    return _attach(_cached(params, dt, 0, dim), params, dim)

@@ -48,6 +48,35 @@ def test_grouped_matches_the_loop_forward_and_backward(N, E, k, skew):
         assert rel_err(a, b) < 1e-5
 
 
+def _act13(h13):
+    return situ_glu(*h13.chunk(2, dim=-1))
+
+
+def _stacked(z, weights, indices, w1, w3, w2, act):
+    """The grouped path with w1 and w3 stacked per expert (one GEMM for gate and up, as in training)."""
+    return moe_experts_grouped(z, weights, indices, w1, w3, w2, act, w13=torch.cat([w1, w3], dim=1), act13=_act13)
+
+
+@pytest.mark.parametrize("N,E,k,skew", [(1, 4, 2, 0.0), (200, 32, 8, 6.0)])
+def test_grouped_with_stacked_gate_and_up_matches_the_loop(N, E, k, skew):
+    # fp32 on CPU, tolerance 1e-5 relative; the gradients of w1 and w3 reach them through the stack.
+    leaves, weights, idx = _problem(N, E, k, L=24, F=40, skew=skew)
+    u_ref, g_ref = _run(moe_experts, leaves, weights, idx, _act)
+    u, g = _run(_stacked, leaves, weights, idx, None)
+    assert rel_err(u, u_ref) < 1e-5
+    for a, b in zip(g, g_ref):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_grouped_checks_the_stacked_weight():
+    leaves, weights, idx = _problem(8, 4, 2, L=8, F=8)
+    z, w1, w3, w2 = leaves
+    with pytest.raises(ValueError, match="w13 and act13 go together"):
+        moe_experts_grouped(z, weights, idx, w1, w3, w2, _act, w13=torch.cat([w1, w3], 1))
+    with pytest.raises(ValueError, match=r"w13 must have shape \[E, 2F, L\]"):
+        moe_experts_grouped(z, weights, idx, w1, w3, w2, _act, w13=torch.cat([w1, w3], 2), act13=_act13)
+
+
 def test_experts_without_tokens_get_zero_gradient():
     leaves, weights, idx = _problem(64, 16, 2, L=16, F=32, skew=50.0)
     used = set(idx.reshape(-1).tolist())
@@ -98,6 +127,17 @@ def test_grouped_bf16_on_gpu_matches_the_fp32_loop():
     assert rel_err(u.float(), u_ref) < 2e-2
     for a, b in zip(g, g_ref):
         assert rel_err(a.float(), b) < 3e-2
+    # gate and up as one GEMM against w1 and w3 stacked (the training path), the fused kernel on [gate | up]
+    wb = weights.detach().clone().requires_grad_()
+
+    def stacked(z, weights, indices, w1, w3, w2, act):
+        return moe_experts_grouped(z, weights, indices, w1, w3, w2, act, w13=torch.cat([w1, w3], dim=1),
+                                   act13=experts.act_fused13)
+
+    u, g = _run(stacked, bf, wb, idx, experts.act_fused)
+    assert rel_err(u.float(), u_ref) < 2e-2
+    for a, b in zip(g, g_ref):
+        assert rel_err(a.float(), b) < 3e-2
 
 
 def test_whole_model_under_bf16_autocast_matches_the_loop(tiny_cfg, monkeypatch):
@@ -117,6 +157,15 @@ def test_whole_model_under_bf16_autocast_matches_the_loop(tiny_cfg, monkeypatch)
 
     loss_ref, g_ref = run("torch")
     loss, g = run("grouped")
+    assert rel_err(loss, loss_ref) < 1e-3
+    global_err, cos = grad_disagreement(g, g_ref)
+    assert global_err < 3e-2
+    assert cos[0][0] > 0.99, cos[:4]
+    # as the trainer runs it: weights cast once per step, w1 and w3 stacked into one grouped GEMM
+    from k3.ops.weight_cast import cached_weight_casts
+
+    with cached_weight_casts():
+        loss, g = run("grouped")
     assert rel_err(loss, loss_ref) < 1e-3
     global_err, cos = grad_disagreement(g, g_ref)
     assert global_err < 3e-2
