@@ -39,6 +39,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_muon_update.py",
     "tests/ops/test_gate_norm.py",
     "tests/ops/test_linear_ce.py",
+    "tests/ops/test_rms_norm.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py"]
@@ -80,6 +81,8 @@ STEPS = {
               150),
     "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"],
              [PY, "benchmarks/mla_decode_bench.py"]], 240),
+    # the flex MLA kernels' block sizes, one compile per configuration (~10 s each)
+    "flex_tune": ([[PY, "benchmarks/flex_tune.py"]], 300),
     "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),
     "train32k": ([TRAIN + ["--seq-len", "32768", "--micro-batch-rows", "1", "--activation-checkpointing"]], 150),
     "long": ([[PY, "benchmarks/long_context.py", "--preset", "k3-mini", "--seq-len", "131072"]], 180),

@@ -6,7 +6,7 @@ import torch
 from helpers import InSituComparison, bf16_loss_and_grads, randomize_, rel_err
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream
-from k3.model.common import SituMLP
+from k3.model.common import RMSNorm, SituMLP
 from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts
 from k3.model.mla import GatedMLA
@@ -35,7 +35,7 @@ SITES = {"kda": [(KimiDeltaAttention, "forward")], "short_conv": [(KimiDeltaAtte
          "gate_norm": [(KimiDeltaAttention, "forward")],
          "mla": [(GatedMLA, "forward")], "moe": [(GroupedExperts, "forward")],
          "moe_combine": [(GroupedExperts, "forward")], "situ": [(GroupedExperts, "forward"), (SituMLP, "forward")],
-         "attn_res": [(AttnResStream, "_mix")]}
+         "attn_res": [(AttnResStream, "_mix")], "rms_norm": [(RMSNorm, "forward")]}
 TRAINING_OPS = [op for op in FAST if op in SITES]
 
 

@@ -37,17 +37,6 @@ def _run(fn, leaves, weights, indices, act, seed=1):
     return u, grads
 
 
-@pytest.mark.parametrize("N,E,k,skew", [(1, 4, 2, 0.0), (37, 16, 4, 0.0), (200, 32, 8, 6.0)])
-def test_grouped_matches_the_loop_forward_and_backward(N, E, k, skew):
-    # fp32 on CPU: same products summed in another order, tolerance 1e-5 relative.
-    leaves, weights, idx = _problem(N, E, k, L=24, F=40, skew=skew)
-    u_ref, g_ref = _run(moe_experts, leaves, weights, idx, _act)
-    u, g = _run(moe_experts_grouped, leaves, weights, idx, _act)
-    assert rel_err(u, u_ref) < 1e-5
-    for a, b in zip(g, g_ref):
-        assert rel_err(a, b) < 1e-5
-
-
 def _act13(h13):
     return situ_glu(*h13.chunk(2, dim=-1))
 
@@ -57,12 +46,14 @@ def _stacked(z, weights, indices, w1, w3, w2, act):
     return moe_experts_grouped(z, weights, indices, w1, w3, w2, act, w13=torch.cat([w1, w3], dim=1), act13=_act13)
 
 
-@pytest.mark.parametrize("N,E,k,skew", [(1, 4, 2, 0.0), (200, 32, 8, 6.0)])
-def test_grouped_with_stacked_gate_and_up_matches_the_loop(N, E, k, skew):
-    # fp32 on CPU, tolerance 1e-5 relative; the gradients of w1 and w3 reach them through the stack.
+@pytest.mark.parametrize("stacked", [False, True], ids=["gate-up-apart", "gate-up-stacked"])
+@pytest.mark.parametrize("N,E,k,skew", [(1, 4, 2, 0.0), (37, 16, 4, 0.0), (200, 32, 8, 6.0)])
+def test_grouped_matches_the_loop_forward_and_backward(N, E, k, skew, stacked):
+    # fp32 on CPU: same products summed in another order, tolerance 1e-5 relative. Stacked, the gradients of w1
+    # and w3 reach them through the stack.
     leaves, weights, idx = _problem(N, E, k, L=24, F=40, skew=skew)
     u_ref, g_ref = _run(moe_experts, leaves, weights, idx, _act)
-    u, g = _run(_stacked, leaves, weights, idx, None)
+    u, g = _run(_stacked if stacked else moe_experts_grouped, leaves, weights, idx, _act)
     assert rel_err(u, u_ref) < 1e-5
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 1e-5
