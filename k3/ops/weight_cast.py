@@ -60,8 +60,9 @@ def cast_count() -> int:
 
 
 def _cast_dtype(p: Tensor) -> torch.dtype | None:
-    """The dtype autocast would cast `p` to here, when the cache applies to it, else None."""
-    if not _state.active or p.dtype != torch.float32:
+    """The dtype autocast would cast `p` to here, when the cache applies to it, else None. Only leaf tensors
+    (parameters) are cached: a computed weight (a fake-quantized copy, a slice) is a new tensor each forward."""
+    if not _state.active or p.dtype != torch.float32 or not p.is_leaf:
         return None
     dev = p.device.type
     if not torch.amp.is_autocast_available(dev) or not torch.is_autocast_enabled(dev):
@@ -143,7 +144,7 @@ def stacked_weight(params: Sequence[Tensor], pad: int = 0) -> Tensor:
     itself (made per call, gradients through autograd)."""
     params = tuple(params)
     dt = _cast_dtype(params[0])
-    if dt is None or any(p.dtype != params[0].dtype for p in params):
+    if dt is None or any(p.dtype != params[0].dtype or not p.is_leaf for p in params):
         ws = list(params)
         if pad:
             ws.append(params[0].new_zeros((pad,) + tuple(params[0].shape[1:])))
@@ -158,6 +159,6 @@ def cached_stack(params: Sequence[Tensor], dim: int = 0) -> Tensor | None:
     copy made on every call would cost a pass over the weights each time)."""
     params = tuple(params)
     dt = _cast_dtype(params[0])
-    if dt is None or any(p.dtype != params[0].dtype for p in params):
+    if dt is None or any(p.dtype != params[0].dtype or not p.is_leaf for p in params):
         return None
     return _attach(_cached(params, dt, 0, dim), params, dim)

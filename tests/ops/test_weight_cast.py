@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from helpers import randomize_
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
-from k3.ops.weight_cast import cached_weight_casts, cast_count, stacked_weight, weight
+from k3.ops.weight_cast import cached_stack, cached_weight_casts, cast_count, stacked_weight, weight
 
 
 def _tiny(seed=0):
@@ -84,6 +84,9 @@ def test_outside_the_context_or_autocast_nothing_changes():
         assert weight(p) is p  # no autocast
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert weight(p.detach().to(torch.bfloat16)).dtype == torch.bfloat16  # not fp32: left alone
+        computed = p * 2  # a weight computed in the forward (not a leaf) is new each time: never cached
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert weight(computed) is computed and cached_stack([p, computed]) is None
     ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5, 4))]
     s = stacked_weight(ps, pad=8)
     assert s.shape == (16, 4) and s.dtype == torch.float32 and torch.equal(s[:3], ps[0]) and not s[8:].any()
@@ -136,3 +139,24 @@ def test_trainer_steps_are_the_same_with_the_cache(tmp_path, monkeypatch):
     off = run(False)
     for a, b in zip(on, off):
         assert (a.loss, a.mtp_loss, a.grad_norm) == (b.loss, b.mtp_loss, b.grad_norm)
+
+
+def test_cached_stack_along_a_later_dim_routes_each_slice_back():
+    # The experts' w1 [E, F, L] and w3 stacked per expert ([E, 2F, L]): gradients exactly autocast's.
+    torch.manual_seed(1)
+    w1, w3 = (torch.nn.Parameter(torch.randn(3, 4, 6)) for _ in range(2))
+    x = torch.randn(3, 5, 6)
+    dy = torch.randn(3, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.bmm(x, torch.cat([w1, w3], dim=1).transpose(1, 2))
+    (y.float() * dy).sum().backward()
+    ref = [w1.grad.clone(), w3.grad.clone()]
+    w1.grad = w3.grad = None
+    assert cached_stack([w1, w3], dim=1) is None  # outside the context: the caller keeps its own path
+    with cached_weight_casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        w13 = cached_stack([w1, w3], dim=1)
+        assert w13.shape == (3, 8, 6) and w13.dtype == torch.bfloat16
+        y2 = torch.bmm(x, w13.transpose(1, 2))
+        (y2.float() * dy).sum().backward()
+    assert torch.equal(y2, y)
+    assert torch.equal(w1.grad, ref[0]) and torch.equal(w3.grad, ref[1])
