@@ -29,7 +29,8 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     per-layer gradients, and the weight gradients from one GEMM. The parameters stay separate (checkpoint names,
     Muon's per-matrix treatment); the stacked copy is made per call (small next to a training batch's
     activations), or once per training step under :func:`k3.ops.weight_cast.cached_weight_casts`. It is padded
-    with zero rows to a multiple of 16 outputs, so that the returned views' row stride stays 16-element aligned (kernels that take strided inputs, like fla's convolution, specialize on that).
+    with zero rows to a multiple of 16 outputs, so that the returned views' row stride stays 16-element aligned
+    (kernels that take strided inputs, like fla's convolution, specialize on that).
     Without gradients (serving, evaluation) the layers run one by one: a per-call copy of the weights would be
     most of a decode step's traffic and would sit in every captured CUDA graph's memory."""
     groups = [entry if isinstance(entry, tuple) else (entry,) for entry in layers]

@@ -68,10 +68,8 @@ class GroupedExperts(nn.Module):
         if backend == "grouped":
             # In training under autocast: w1 and w3 stacked per expert once per step, one GEMM for both (weight_cast)
             w13 = cached_stack([self.w1, self.w3], dim=1)
-            if w13 is not None:
-                return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, weight(self.w2),
-                                           self.act_fused, w13=w13, act13=self.act_fused13)
-            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act_fused)
+            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, weight(self.w2),
+                                       self.act_fused, w13=w13, act13=None if w13 is None else self.act_fused13)
         w1, w3, w2 = weight(self.w1), weight(self.w3), weight(self.w2)  # cast once per training step (weight_cast)
         return moe_experts(z, routing.weights, routing.indices, w1, w3, w2, self.act)
 

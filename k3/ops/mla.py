@@ -452,10 +452,11 @@ def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_id
     B, T, H, _ = q.shape
     if block_mask is None:
         block_mask = causal_block_mask(T, q.device, segment_ids)
+    autotune = flex_autotune() if autotune is None else autotune
     fn = compiled_flex(autotune) if compiled else fa.flex_attention
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # max-autotune picks its own tiles; eager flex (compiled=False) is the unfused reference and takes no tiles
-    opts = flex_kernel_options(q, v) if compiled and not (flex_autotune() if autotune is None else autotune) else None
+    opts = flex_kernel_options(q, v) if compiled and not autotune else None
     if return_max_logit and _flex_max_scores_supported() and q.is_cuda:
         o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=opts,
                     return_aux=fa.AuxRequest(max_scores=True))

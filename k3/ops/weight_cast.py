@@ -3,7 +3,8 @@
 Under bf16 autocast each matmul casts its fp32 weight to bf16 in every forward, and in backward autograd casts
 the bf16 weight gradient back to fp32 (``ToCopyBackward``) and then adds it to ``.grad``: three passes over every
 weight per micro-batch, ~40 ms per 32K-token micro-batch for k3-mini on an H200 (BENCHMARKS.md, seventh run).
-Inside :func:`cached_weight_casts`, weights taken through :func:`weight` / :func:`stacked_weight`:
+Inside :func:`cached_weight_casts`, weights taken through :func:`weight`, :func:`stacked_weight` or
+:func:`cached_stack`:
 
 * are cast once and reused by every later micro-batch of the step (a weight changed in place on the parameter
   since, which bumps its version counter, is cast again);
@@ -14,8 +15,8 @@ Inside :func:`cached_weight_casts`, weights taken through :func:`weight` / :func
 Because these gradients reach ``.grad`` outside autograd's leaf accumulation, hooks on the parameters
 (``register_hook``, ``register_post_accumulate_grad_hook``) do not see them: k3's trainer reads ``.grad`` after
 backward (its data-parallel reduction included); wrappers built on such hooks (torch DDP, FSDP) must not run
-under this context. Outside the context, or without autocast, or for a weight that is not fp32, both functions
-return the parameter itself and change nothing.
+under this context. Outside the context, or without autocast, or for a weight that is not an fp32 leaf, they
+leave the computation as it was (the parameter itself, the per-call fp32 cat, or None from cached_stack).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ _state = _State()
 
 @contextlib.contextmanager
 def cached_weight_casts(enabled: bool = True):
-    """Within, :func:`weight` and :func:`stacked_weight` cast once and route gradients into ``.grad`` (see the
-    module docstring). The cast copies are dropped on exit. Nested uses share the outermost one's cache."""
+    """Within, :func:`weight`, :func:`stacked_weight` and :func:`cached_stack` cast once and route gradients into
+    ``.grad`` (see the module docstring). The cast copies are dropped on exit. Nested uses share the outermost one's cache."""
     if not enabled or _state.active:
         yield
         return
@@ -111,19 +112,25 @@ class _CastWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        params = ctx.params
-        if len(params) == 1 and g.shape == params[0].shape:
-            _accumulate(params[0], g)
-        else:
-            off = 0
-            for p in params:
-                if p.requires_grad:
-                    _accumulate(p, g.narrow(ctx.dim, off, p.shape[ctx.dim]))
-                off += p.shape[ctx.dim]
-        return (None,) * (2 + len(params))
+        off = 0
+        for p in ctx.params:
+            if p.requires_grad:
+                _accumulate(p, g.narrow(ctx.dim, off, p.shape[ctx.dim]))
+            off += p.shape[ctx.dim]
+        return (None,) * (2 + len(ctx.params))
 
 
-def _attach(w: Tensor, params: tuple[Tensor, ...], dim: int = 0) -> Tensor:
+def cached_stack(params: Sequence[Tensor], dim: int = 0, pad: int = 0) -> Tensor | None:
+    """``torch.cat(params (+ `pad` zero slices), dim)`` in the autocast dtype, made once per step, with each
+    parameter's slice of the gradient going to its ``.grad``, when the cache applies (inside
+    :func:`cached_weight_casts`, under autocast, fp32 leaf parameters); None otherwise, so that callers keep their
+    own path (for the experts' w1/w3, the parameters one by one: a stacked copy made on every call would cost a
+    pass over the weights each time)."""
+    params = tuple(params)
+    dt = _cast_dtype(params[0])
+    if dt is None or any(_cast_dtype(p) != dt for p in params[1:]):
+        return None
+    w = _cached(params, dt, pad, dim)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         return _CastWithGrad.apply(w, dim, *params)
     return w
@@ -132,33 +139,18 @@ def _attach(w: Tensor, params: tuple[Tensor, ...], dim: int = 0) -> Tensor:
 def weight(p: Tensor) -> Tensor:
     """`p` as the matmul will use it: inside :func:`cached_weight_casts` under autocast, its cached cast copy
     (gradient into ``p.grad``); otherwise `p` itself."""
-    dt = _cast_dtype(p)
-    if dt is None:
-        return p
-    return _attach(_cached((p,), dt, 0), (p,))
+    w = cached_stack((p,))
+    return p if w is None else w
 
 
 def stacked_weight(params: Sequence[Tensor], pad: int = 0) -> Tensor:
     """``torch.cat(params + [pad zero rows])``: inside :func:`cached_weight_casts` under autocast, cached in the
     autocast dtype with each parameter's rows of the gradient going to its ``.grad``; otherwise the fp32 cat
     itself (made per call, gradients through autograd)."""
-    params = tuple(params)
-    dt = _cast_dtype(params[0])
-    if dt is None or any(p.dtype != params[0].dtype or not p.is_leaf for p in params):
-        ws = list(params)
-        if pad:
-            ws.append(params[0].new_zeros((pad,) + tuple(params[0].shape[1:])))
-        return torch.cat(ws)
-    return _attach(_cached(params, dt, pad), params)
-
-
-def cached_stack(params: Sequence[Tensor], dim: int = 0) -> Tensor | None:
-    """``torch.cat(params, dim)`` in the autocast dtype, made once per step, with each parameter's slice of the
-    gradient going to its ``.grad``, when the cache applies (inside :func:`cached_weight_casts`, under autocast,
-    fp32 parameters); None otherwise, so that callers keep computing with the parameters one by one (a stacked
-    copy made on every call would cost a pass over the weights each time)."""
-    params = tuple(params)
-    dt = _cast_dtype(params[0])
-    if dt is None or any(p.dtype != params[0].dtype or not p.is_leaf for p in params):
-        return None
-    return _attach(_cached(params, dt, 0, dim), params, dim)
+    w = cached_stack(params, 0, pad)
+    if w is not None:
+        return w
+    ws = list(params)
+    if pad:
+        ws.append(ws[0].new_zeros((pad,) + tuple(ws[0].shape[1:])))
+    return torch.cat(ws)

@@ -265,31 +265,26 @@ class Trainer:
         # the fp32 .grad (bitwise what autograd's cast + accumulation gives; k3.ops.weight_cast).
         with cached_weight_casts(enabled=c.autocast_bf16):
             for s in range(0, rows, mb):
-                self._micro_batch(batch, s, mb, rows, losses, mtps, bias_now)
+                host = {k: v[s:s + mb] for k, v in batch.items()}
+                part = {k: to_device_async(v, self.device) for k, v in host.items()}  # no host wait
+                # the documents' offsets from the host copy: the forward then never waits for the device
+                seg = host.get("segment_ids")
+                cu_cpu = packed_cu_seqlens(seg) if seg is not None and seg.device.type == "cpu" else None
+                w = part["input_ids"].shape[0] / rows
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
+                        record_function("k3.train.forward"):
+                    out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
+                                return_logits=False, check_ids=False, cu_seqlens_cpu=cu_cpu)
+                    loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
+                with record_function("k3.train.backward"):
+                    (loss * w).backward()
+                losses.append(out.loss.detach().double() * w)
+                if out.mtp_loss is not None:
+                    mtps.append(out.mtp_loss.detach().double() * w)
+                for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
+                    bal.observe(m.last_routing, b)
         zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
         return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else zero)
-
-    def _micro_batch(self, batch: dict, s: int, mb: int, rows: int, losses: list, mtps: list, bias_now: list):
-        """Forward + backward of rows [s, s + mb) of the batch, its losses appended (weighted by its rows)."""
-        c, model = self.cfg, self.model
-        host = {k: v[s:s + mb] for k, v in batch.items()}
-        part = {k: to_device_async(v, self.device) for k, v in host.items()}  # no host wait
-        # the documents' offsets from the host copy: the forward then never waits for the device
-        seg = host.get("segment_ids")
-        cu_cpu = packed_cu_seqlens(seg) if seg is not None and seg.device.type == "cpu" else None
-        w = part["input_ids"].shape[0] / rows
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
-                record_function("k3.train.forward"):
-            out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
-                        return_logits=False, check_ids=False, cu_seqlens_cpu=cu_cpu)
-            loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
-        with record_function("k3.train.backward"):
-            (loss * w).backward()
-        losses.append(out.loss.detach().double() * w)
-        if out.mtp_loss is not None:
-            mtps.append(out.mtp_loss.detach().double() * w)
-        for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
-            bal.observe(m.last_routing, b)
 
     def _all_reduce_grads(self) -> None:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""
