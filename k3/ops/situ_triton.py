@@ -34,9 +34,13 @@ gradient near dA/dg = 0, where its two terms cancel in any fp32 evaluation). Unl
 reference, the gradient does not lose accuracy to 1 - t^2 and 1 - s cancelling at large |x|.
 
 Speed. Written naively (a division per tanh and per sigmoid), the kernel is limited by arithmetic, not
-memory, on an H200; it therefore does one division per element, by (1 + e1)(1 + e2)(1 + en), every factor
-in [1, 2]. On a GPU the tile (2K-8K elements) and warp count are autotuned per shape class (K3_SITU_AUTOTUNE=0:
-a fixed 4K-element tile, 8 warps). ``benchmarks/situ_bench.py`` measures it against the copy bandwidth.
+memory, on an H200; it therefore takes one reciprocal per element, of (1 + e1)(1 + e2)(1 + en), every factor
+in [1, 2]. Compiled for CUDA that reciprocal is PTX's rcp.approx.ftz.f32 (at most 1 ulp off; the product lies in
+[1, 8], so flushing denormals never applies), one instruction where an IEEE or full-range division compiles to
+eight with their range checks: for sm_90 the forward drops from 54 to 46 SASS instructions per element and the
+backward from 80 to 72.5 (``benchmarks/situ_sass.py`` counts them offline). Triton's interpreter divides. On a
+GPU the tile (2K-8K elements) and warp count are autotuned per shape class (K3_SITU_AUTOTUNE=0: a fixed
+4K-element tile, 8 warps). ``benchmarks/situ_bench.py`` measures it against the copy bandwidth.
 
 Triton is imported lazily: this module imports on a CPU-only machine without Triton, and :func:`available`
 says whether the kernels can run. ``TRITON_INTERPRET=1`` runs them on CPU tensors in Triton's interpreter
@@ -97,10 +101,12 @@ def available() -> tuple[bool, str]:
 def _situ_glu_kernel(g_ptr, u_ptr, y_ptr, dy_ptr, dg_ptr, du_ptr, n_rows, n_cols,
                      stride_g, stride_u, stride_y, stride_dy, stride_dg, stride_du,
                      beta1, beta2, inv_beta1, inv_beta2, rows_log2,
-                     BACKWARD: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+                     BACKWARD: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+                     APPROX_RCP: tl.constexpr):
     """One [BLOCK_N, BLOCK_F] tile of y = situ_glu(g, u) (forward: y_ptr set, the d*_ptr None) or of
     (dg, du) from dy (BACKWARD: y_ptr None). Row offsets are int64; columns are unit-stride. `rows_log2` and TILE
-    (= BLOCK_N * BLOCK_F, the autotuned size) only key the autotuning."""
+    (= BLOCK_N * BLOCK_F, the autotuned size) only key the autotuning. APPROX_RCP (compiled for CUDA): the one
+    reciprocal per element by PTX's rcp.approx.ftz.f32, else an IEEE division (the interpreter)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -125,12 +131,18 @@ def _situ_glu_kernel(g_ptr, u_ptr, y_ptr, dy_ptr, dg_ptr, du_ptr, n_rows, n_cols
     signed = tl.where(x < 0.0, e - 1.0, 1.0 - e)
     pos = g >= 0.0
     sn = tl.where(pos, 1.0, en)
-    # The one division per element is by p1 p2 q (see the module docstring, Speed).
+    # The one reciprocal per element, of p1 p2 q (see the module docstring, Speed).
+    p12 = p1 * p2
+    if APPROX_RCP:
+        rcp = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [p12 * q], dtype=tl.float32,
+                                        is_pure=True, pack=1)
+    else:
+        rcp = 1.0 / (p12 * q)
     if BACKWARD:
         dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        rcp = 1.0 / (p1 * p2 * q)
-        r = tl.join(rcp * q * p2, rcp * q * p1)  # 1 / p
-        rq = rcp * p1 * p2  # 1 / q
+        rcp_q = rcp * q
+        r = tl.join(rcp_q * p2, rcp_q * p1)  # 1 / p
+        rq = rcp * p12  # 1 / q
         t = tl.where(small, series, signed * r)
         t1, t2 = tl.split(t)
         s = sn * rq
@@ -144,7 +156,7 @@ def _situ_glu_kernel(g_ptr, u_ptr, y_ptr, dy_ptr, dg_ptr, du_ptr, n_rows, n_cols
         tl.store(du_ptr + rows * stride_du + cols, (dy * a * sech2_2).to(du_ptr.dtype.element_ty), mask=mask)
     else:
         n1, n2 = tl.split(tl.where(small, series * p, signed))  # tanh * p
-        y = (beta1 * beta2) * (n1 * n2 * sn) / (p1 * p2 * q)
+        y = (beta1 * beta2) * (n1 * n2 * sn) * rcp
         tl.store(y_ptr + rows * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -188,18 +200,19 @@ def _launch(g: Tensor, u: Tensor, beta1: float, beta2: float, *, y: Tensor | Non
     strides = (0 if t is None else t.stride(0) for t in tensors)
     args = (*tensors, n_rows, n_cols, *strides, beta1, beta2, 1.0 / beta1, 1.0 / beta2, rows_log2)
     interpret = _interpret()
+    approx = not interpret and torch.version.hip is None  # PTX's reciprocal: compiled for CUDA only
     if tune is None:
         tune = not interpret and _autotune()
     with torch.cuda.device(g.device.index if g.is_cuda else -1):  # launch on the tensors' GPU; -1: no-op
         if tune:
             grid = lambda meta: (-(-n_rows // (meta["TILE"] // block_f)), -(-n_cols // block_f))  # noqa: E731
-            _kernel(interpret, True)[grid](*args, BACKWARD=y is None, BLOCK_F=block_f)
+            _kernel(interpret, True)[grid](*args, BACKWARD=y is None, BLOCK_F=block_f, APPROX_RCP=approx)
         else:
             # a tile of at most _TILE elements, no taller than the rows
             tile = block_f * max(1, min(1 << rows_log2, _TILE // block_f))
             grid = (-(-n_rows // (tile // block_f)), -(-n_cols // block_f))
             _kernel(interpret, False)[grid](*args, BACKWARD=y is None, TILE=tile, BLOCK_N=tile // block_f,
-                                            BLOCK_F=block_f, num_warps=_NUM_WARPS)
+                                            BLOCK_F=block_f, APPROX_RCP=approx, num_warps=_NUM_WARPS)
 
 
 def _rows(x: Tensor, n_cols: int) -> Tensor:

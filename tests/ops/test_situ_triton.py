@@ -207,6 +207,35 @@ def test_autotune_switch_is_validated(monkeypatch):
         situ_triton._autotune()
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_compiled_kernel_takes_one_approximate_reciprocal(backward):
+    # The CUDA build of the kernel (compiled here for sm_90 with Triton's bundled ptxas, no GPU needed) replaces
+    # the IEEE division by PTX's rcp.approx.ftz.f32; the interpreter's build (APPROX_RCP off) keeps the division.
+    # Its numerics on the device are checked by the GPU tests below.
+    import importlib.util
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    from k3.ops import situ_triton
+
+    situ_triton._kernel(False, False)  # binds triton.language for the kernel source
+    spec = importlib.util.spec_from_file_location(
+        "situ_sass", Path(__file__).resolve().parents[2] / "benchmarks" / "situ_sass.py")
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    try:
+        fast = sass.compile_kernel(backward, 512, 4096, 8, 90, approx_rcp=True)
+        exact = sass.compile_kernel(backward, 512, 4096, 8, 90, approx_rcp=False)
+    except (RuntimeError, FileNotFoundError, triton.compiler.errors.CompilationError) as e:
+        if "ptxas" in str(e) or "No such file" in str(e):
+            pytest.skip(f"no CUDA toolchain bundled with triton here: {e}")
+        raise
+    assert fast.asm["ptx"].count("rcp.approx.ftz.f32") > 0
+    assert "div.rn.f32" not in fast.asm["ptx"] and "div.full.f32" not in fast.asm["ptx"]
+    assert "rcp.approx.ftz.f32" not in exact.asm["ptx"]
+    assert "div.rn.f32" in exact.asm["ptx"] or "div.full.f32" in exact.asm["ptx"]
+
+
 def test_available_without_triton_or_device(monkeypatch):
     # The module imports and reports (does not raise) without triton.
     monkeypatch.setitem(sys.modules, "triton", None)
