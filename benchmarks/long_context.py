@@ -66,7 +66,7 @@ def main() -> None:
         "preset": args.preset, "seq_len": args.seq_len, "checkpointing": not args.no_checkpointing,
         "device": torch.cuda.get_device_name(), "first_call_s": round(times[0], 2), "fwd_bwd_s": round(dt, 3),
         "tokens_per_s": round(args.seq_len / dt, 1), "hardware_flops_util": round(flops / dt / PEAK_BF16, 4),
-        "loss": round(float(out.loss), 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "loss": round(float(out.loss.detach()), 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }))
 
 
