@@ -79,8 +79,10 @@ STEPS = {
     "train8k_ref": ([TRAIN[:-1] + ["torch", "--seq-len", "8192", "--micro-batch-rows", "4"]], 150),
     "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini", "--backend", b] for b in ("torch", "fast")],
               150),
-    "ops": ([[PY, "benchmarks/ops_bench.py"], [PY, "benchmarks/situ_bench.py"],
-             [PY, "benchmarks/mla_decode_bench.py"]], 240),
+    "ops": ([[PY, "benchmarks/situ_bench.py"], [PY, "benchmarks/ops_bench.py"],
+             [PY, "benchmarks/mla_decode_bench.py"]], 300),
+    # the SiTU-GLU kernel alone: its GPU tests, then its bandwidth against a copy
+    "situ": ([PYTEST + ["tests/ops/test_situ_triton.py"], [PY, "benchmarks/situ_bench.py"]], 300),
     # the flex MLA kernels' block sizes, one compile per configuration (~10 s each)
     "flex_tune": ([[PY, "benchmarks/flex_tune.py"]], 300),
     "train4k": ([TRAIN + ["--seq-len", "4096", "--micro-batch-rows", "8"]], 120),

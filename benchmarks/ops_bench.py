@@ -1,6 +1,6 @@
 """Per-op GPU timings of the fast backends against their reference and their roofline (k3-mini shapes).
 
-    python benchmarks/ops_bench.py [--ops kda attn_res mla moe moe_combine] [--tokens 65536]
+    python benchmarks/ops_bench.py [--ops kda attn_res mla moe moe_combine] [--tokens 65536] [--flex-autotune]
 
 Each line is one JSON record: the op, the backend, the median time of forward and forward+backward
 (triton.testing.do_bench), and the roofline of that op: FLOPs over the measured bf16 matrix peak
@@ -72,7 +72,7 @@ def bench_attn_res(tokens: int, D: int = 1024, sources: int = 5) -> None:
               fwd_bwd_floor_ms=(fwd_bytes + bwd_bytes) / COPY_BW * 1e3)
 
 
-def bench_mla(tokens: int, H: int = 8, T: int = 8192) -> None:
+def bench_mla(tokens: int, H: int = 8, T: int = 8192, flex_autotune: bool = False) -> None:
     from k3.ops.mla import causal_block_mask, mla_attention, mla_attention_flex
 
     B = max(1, tokens // T)
@@ -88,10 +88,11 @@ def bench_mla(tokens: int, H: int = 8, T: int = 8192) -> None:
     fns = {
         "flex (compiled, document mask)": lambda: mla_attention_flex(q, k, v, scale, seg, block_mask=bm),
         "flex + max logit": lambda: mla_attention_flex(q, k, v, scale, seg, block_mask=bm, return_max_logit=True)[0],
-        "flex + max logit, max-autotune (K3_FLEX_AUTOTUNE=1)": lambda: mla_attention_flex(
-            q, k, v, scale, seg, block_mask=bm, return_max_logit=True, autotune=True)[0],
         "reference (SDPA, dense mask)": lambda: mla_attention(q, k, v, scale, segment_ids=seg),
     }
+    if flex_autotune:  # inductor benchmarks block sizes per shape: minutes on a machine without its cache
+        fns["flex + max logit, max-autotune (K3_FLEX_AUTOTUNE=1)"] = lambda: mla_attention_flex(
+            q, k, v, scale, seg, block_mask=bm, return_max_logit=True, autotune=True)[0]
     for name, f in fns.items():
         tf = _t(f, False)
         tfb = _t(lambda f=f: f().float().sum().backward(), True)
@@ -157,12 +158,17 @@ def main() -> None:
     ops = ["kda", "attn_res", "mla", "moe", "moe_combine"]
     ap.add_argument("--ops", nargs="*", default=ops, choices=ops)
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per call (B x T)")
+    ap.add_argument("--flex-autotune", action="store_true",
+                    help="also time the MLA flex kernels compiled with max-autotune (minutes of compiling)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ops_bench.py measures GPU kernels: no CUDA device here")
     for op in args.ops:
         try:
-            globals()[f"bench_{op}"](args.tokens)
+            if op == "mla":
+                bench_mla(args.tokens, flex_autotune=args.flex_autotune)
+            else:
+                globals()[f"bench_{op}"](args.tokens)
         except Exception as e:  # one op failing must not hide the others' numbers
             _emit(op=op, error=f"{type(e).__name__}: {e}")
 
