@@ -13,6 +13,7 @@ Inputs are random, never all-zero.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -163,12 +164,11 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ops_bench.py measures GPU kernels: no CUDA device here")
+    benches = {"kda": bench_kda, "attn_res": bench_attn_res, "moe": bench_moe, "moe_combine": bench_moe_combine,
+               "mla": functools.partial(bench_mla, flex_autotune=args.flex_autotune)}
     for op in args.ops:
         try:
-            if op == "mla":
-                bench_mla(args.tokens, flex_autotune=args.flex_autotune)
-            else:
-                globals()[f"bench_{op}"](args.tokens)
+            benches[op](args.tokens)
         except Exception as e:  # one op failing must not hide the others' numbers
             _emit(op=op, error=f"{type(e).__name__}: {e}")
 

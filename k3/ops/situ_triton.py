@@ -38,7 +38,7 @@ memory, on an H200; it therefore takes one reciprocal per element, of (1 + e1)(1
 in [1, 2]. Compiled for CUDA that reciprocal is PTX's rcp.approx.ftz.f32 (at most 1 ulp off; the product lies in
 [1, 8], so flushing denormals never applies), one instruction where an IEEE or full-range division compiles to
 eight with their range checks: for sm_90 the forward drops from 54 to 46 SASS instructions per element and the
-backward from 80 to 72.5 (``benchmarks/situ_sass.py`` counts them offline). Triton's interpreter divides. On a
+backward (which also reuses p1 p2) from 80 to 70 (``benchmarks/situ_sass.py`` counts them offline). Triton's interpreter divides. On a
 GPU the tile (2K-8K elements) and warp count are autotuned per shape class (K3_SITU_AUTOTUNE=0: a fixed
 4K-element tile, 8 warps). ``benchmarks/situ_bench.py`` measures it against the copy bandwidth.
 
