@@ -40,7 +40,8 @@ in [1, 2]. Compiled for CUDA that reciprocal is PTX's rcp.approx.ftz.f32 (at mos
 eight with their range checks: for sm_90 the forward drops from 54 to 46 SASS instructions per element and the
 backward (which also reuses p1 p2) from 80 to 70 (``benchmarks/situ_sass.py`` counts them offline). Triton's interpreter divides. On a
 GPU the tile (2K-8K elements) and warp count are autotuned per shape class (K3_SITU_AUTOTUNE=0: a fixed
-4K-element tile, 8 warps). ``benchmarks/situ_bench.py`` measures it against the copy bandwidth.
+4K-element tile, 8 warps). ``benchmarks/situ_bench.py`` measures it against the copy bandwidth (on an H200:
+84-89% of copy, forward and forward + backward; BENCHMARKS.md).
 
 Triton is imported lazily: this module imports on a CPU-only machine without Triton, and :func:`available`
 says whether the kernels can run. ``TRITON_INTERPRET=1`` runs them on CPU tensors in Triton's interpreter
