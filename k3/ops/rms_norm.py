@@ -55,9 +55,11 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, stride_x
     dw = w * 0.0  # (tl.zeros is not callable in the interpreter)
     for i in range(ROWS):
         r = pid * ROWS + i
-        mr = m & (r < n_rows)
+        # The row test as a block (cols * 0 + r), and the last row's rstd read for rows past the end (their
+        # stores are masked): Triton's interpreter rejects a scalar boolean in a mask.
+        mr = m & (cols * 0 + r < n_rows)
         x = tl.load(x_ptr + r * stride_x + cols, mask=mr, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + r, mask=r < n_rows, other=0.0)
+        rstd = tl.load(rstd_ptr + tl.minimum(r, n_rows - 1))
         dy = tl.load(dy_ptr + r * stride_dy + cols, mask=mr, other=0.0).to(tl.float32)
         xh = x * rstd
         dw += dy * xh.to(dx_ptr.dtype.element_ty).to(tl.float32)

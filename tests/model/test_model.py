@@ -40,7 +40,10 @@ def test_future_tokens_never_change_earlier_logits(tiny_cfg):
     ids2 = ids.clone()
     ids2[:, 60:] = torch.randint(0, tiny_cfg.vocab_size, (1, 30))
     a, b = model(ids).logits, model(ids2).logits
-    assert torch.equal(a[:, :60], b[:, :60])
+    # Equal up to fp32 rounding: the experts' GEMMs see other row counts when later tokens route elsewhere, and
+    # some CPU BLAS kernels (AVX-512 builds) then block the reduction differently (measured 3e-7 on logits of
+    # size ~1). A leak of the future would move these logits by O(0.1-1), as the last assertion shows.
+    assert (a[:, :60] - b[:, :60]).abs().max() <= 1e-5
     assert not torch.allclose(a[:, 60:], b[:, 60:])
 
 
