@@ -56,7 +56,6 @@ def cmd_init(args) -> int:
     import torch
 
     from k3.config import K3Config
-    from k3.data.tokenizer import byte_level_tokenizer
     from k3.info import model_info
     from k3.model.model import K3ForCausalLM
 
@@ -66,15 +65,40 @@ def cmd_init(args) -> int:
     if nbytes > args.max_gib * 2**30:
         raise SystemExit(f"k3 init: preset '{args.preset}' has {info.total:,} parameters ({nbytes / 2**30:,.0f} GiB); "
                          f"raise --max-gib (now {args.max_gib}) to write it anyway")
+    tok = _init_tokenizer(args.tokenizer, cfg.vocab_size)
+    cfg = cfg.replace(eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, bos_token_id=None)
     torch.manual_seed(args.seed)
     model = K3ForCausalLM(cfg).init_weights(seed=args.seed).set_dtype(cfg.torch_dtype)
-    tok = byte_level_tokenizer().to_str().encode("utf-8")
-    model.save_pretrained(args.out, extra_files={"tokenizer.json": tok})
+    model.save_pretrained(args.out, extra_files={"tokenizer.json": tok.to_str().encode("utf-8")})
     from k3.serve.chat import save_chat_template
 
     save_chat_template(args.out)
-    print(f"wrote a randomly initialized '{args.preset}' checkpoint ({info.total:,} parameters) to {args.out}")
+    print(f"wrote a randomly initialized '{args.preset}' checkpoint ({info.total:,} parameters) and a "
+          f"{tok.vocab_size:,}-token tokenizer ({args.tokenizer}) to {args.out}")
     return 0
+
+
+INIT_BPE_TRAIN_BYTES = 2 << 20  # a few seconds of BPE training on two cores
+
+
+def _init_tokenizer(kind: str, vocab_size: int):
+    """The tokenizer `k3 init` writes: exactly `vocab_size` ids, every one with a text, so that everything the
+    model can emit decodes. 'bpe': a byte-level BPE trained on the standard library's sources (as `k3 train`
+    does); 'bytes': the 257 byte-level ids, the rest reserved special tokens."""
+    from k3.data.tokenizer import K3Tokenizer, byte_level_tokenizer, train_bpe
+
+    if kind == "bpe":
+        from k3.data.corpus import default_corpus
+
+        try:
+            train, _ = default_corpus(max_bytes=INIT_BPE_TRAIN_BYTES)
+            why = "it holds no readable sources"
+        except (OSError, ValueError) as e:
+            train, why = [], str(e)
+        if train:
+            return train_bpe((d.text for d in train), vocab_size, max_train_bytes=None)
+        print(f"k3 init: cannot train a BPE on the standard library ({why}); writing the byte tokenizer")
+    return K3Tokenizer(byte_level_tokenizer(vocab_size))
 
 
 TRAIN_FLAGS = ["max_steps", "max_minutes", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows", "balance",
@@ -198,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--max-gib", type=float, default=64.0, help="refuse to write checkpoints larger than this")
+    s.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe",
+                   help="bpe: a byte-level BPE of the model's vocabulary size trained on the Python standard "
+                        "library (a few seconds); bytes: the 256 bytes, the other ids reserved tokens")
     s.set_defaults(fn=cmd_init)
 
     s = sub.add_parser("train", help="train a model (default: tiny on the Python standard library, on CPU)")

@@ -37,8 +37,11 @@ DEFAULT_SPLIT_PATTERN = (
 DEFAULT_MAX_TRAIN_BYTES = 8_000_000
 
 
-def byte_level_tokenizer() -> Tokenizer:
-    """Id 0 is the end-of-text token; ids 1..256 are the 256 bytes. Every string round-trips."""
+def byte_level_tokenizer(vocab_size: int | None = None) -> Tokenizer:
+    """Id 0 is the end-of-text token; ids 1..256 are the 256 bytes. Every string round-trips.
+
+    With `vocab_size` (> 257), the ids 257.. are filled with reserved special tokens "<|reserved_N|>" (never
+    produced by encoding), so that a model with that vocabulary has a text for every id it can emit."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
     vocab = {EOS: 0}
     for i, ch in enumerate(sorted(alphabet)):
@@ -47,7 +50,18 @@ def byte_level_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([EOS])
+    if vocab_size is not None:
+        _pad_reserved(tok, vocab_size)
     return tok
+
+
+def _pad_reserved(tok: Tokenizer, vocab_size: int) -> None:
+    """Fill the ids up to `vocab_size` with unused special tokens "<|reserved_N|>"."""
+    have = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size < have:
+        raise ValueError(f"vocab_size must be at least {have} for this tokenizer, got {vocab_size}")
+    if vocab_size > have:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - have)])
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -206,9 +220,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, max_train_bytes: int | N
         initial_alphabet=sorted(alphabet),
     )
     tok.train_from_iterator(_limit_text(texts, max_train_bytes), trainer=trainer)
-    have = tok.get_vocab_size(with_added_tokens=True)
-    if pad_to_vocab_size and have < vocab_size:
-        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - have)])
+    if pad_to_vocab_size:
+        _pad_reserved(tok, vocab_size)
     out = K3Tokenizer(tok)
     assert out.eos_id == 0, out.eos_id
     return out
