@@ -35,8 +35,8 @@ from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["Backends", "Fast", "Impl", "Op", "Target", "backends_from_env", "dispatch", "importable", "notice",
-           "ops", "register", "runs_on"]
+__all__ = ["DEFAULT", "Backends", "Fast", "Impl", "Op", "Target", "backends_from_env", "dispatch", "importable",
+           "notice", "ops", "register", "runs_on"]
 
 REFERENCE = "torch"  # how Backends names the reference of every op
 MODES = ("auto", "torch", "fast")
@@ -205,7 +205,7 @@ class Backends:
         return _op(op).fast[0].name if req == "fast" and _op(op).fast else req
 
 
-DEFAULT = Backends()
+DEFAULT = Backends()  # what None means wherever a function takes `backends`
 
 
 def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = None) -> Impl:
