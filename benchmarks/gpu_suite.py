@@ -56,8 +56,8 @@ STEPS = {
     "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 520),  # flex max-autotune compiles for a minute or two
     "tests_kda": ([KDA_PYTEST + ["-k", "not fp32", f] for f in KDA_TEST_FILES], 480),
     "tests_model": ([[a for a in PYTEST if a != "-q"] + ["-v", MODEL_TEST_FILE]], 480),
-    # fla's chunk lists from host offsets (backend op kda_host_offsets): the KDA and conv op tests of that form, the in-situ
-    # model case and the check that a training forward + backward never waits for the device
+    # fla's chunk lists from host offsets (Backends.kda_host_offsets): the KDA and conv op tests of that form, the
+    # in-situ model case and the check that a training forward + backward never waits for the device
     "tests_host_offsets": ([KDA_PYTEST + ["-k", "host or together", KDA_TEST_FILES[0]],
                             [a for a in PYTEST if a != "-q"] + ["-v", "-k", "host_offsets or never_wait",
                                                                 MODEL_TEST_FILE]], 480),

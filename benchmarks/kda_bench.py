@@ -13,6 +13,7 @@ import torch
 import triton.testing
 
 from k3.ops.kda_backend import kda
+from k3.ops.registry import Backends
 
 
 def bench(B, T, H, backend, K=128):
@@ -24,7 +25,7 @@ def bench(B, T, H, backend, K=128):
     dt_bias = torch.randn(H * K, device=dev)
 
     def fwd():
-        return kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backend=backend)[0]
+        return kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backends=Backends(per_op={"kda": backend}))[0]
 
     def fwd_bwd():
         fwd().float().sum().backward()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from k3.config import K3Config
 from k3.info import model_info
 from k3.model.model import K3ForCausalLM
-from k3.ops.backend import force_all
+from k3.ops.registry import backends_from_env
 
 PEAK_BF16 = 803e12
 
@@ -34,9 +35,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("long_context.py needs a CUDA device")
-    force_all("fast", overwrite=False)
     cfg = K3Config.from_preset(args.preset).replace(vocab_size=args.vocab_size)
-    model = K3ForCausalLM(cfg).init_weights(seed=0).cuda().train()
+    backends = backends_from_env(os.environ, default="fast")  # every fast path, but ops pinned by K3_<OP>_BACKEND
+    model = K3ForCausalLM(cfg, backends=backends).init_weights(seed=0).cuda().train()
     model.set_activation_checkpointing(not args.no_checkpointing)
     ids = torch.randint(1, cfg.vocab_size, (1, args.seq_len), device="cuda")
     # One document, passed as the trainer passes its packed batches (segment ids): the KDA kernels then run their

@@ -94,7 +94,7 @@ def main():
     ap.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement (do_bench rep)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("mla_decode_bench.py needs a CUDA device (the kernel runs on GPU; see k3.ops.mla_decode.available)")
+        sys.exit("mla_decode_bench.py needs a CUDA device (the kernel runs on GPU; see k3.ops._triton.runnable)")
     cfg = K3Config.from_preset(args.preset)
     for B in args.batches:
         for ctx in args.contexts:

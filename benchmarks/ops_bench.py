@@ -38,6 +38,9 @@ def bench_kda(tokens: int, H: int = 8, K: int = 128, T: int = 8192) -> None:
     from fla.ops.kda import chunk_kda
 
     from k3.ops.kda_backend import kda
+    from k3.ops.registry import Backends
+
+    fla = Backends(per_op={"kda": "fla"})
 
     B = max(1, tokens // T)
     mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
@@ -48,7 +51,7 @@ def bench_kda(tokens: int, H: int = 8, K: int = 128, T: int = 8192) -> None:
     common = dict(A_log=A_log, dt_bias=dt_bias, output_final_state=True, use_qk_l2norm_in_kernel=True,
                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
     fns = {
-        "k3 (in-model call)": lambda: kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backend="fla")[0],
+        "k3 (in-model call)": lambda: kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backends=fla)[0],
         "fla chunk_kda (standalone)": lambda: chunk_kda(q, k, v, z, beta, **common)[0],
     }
     for name, f in fns.items():
@@ -92,7 +95,7 @@ def bench_mla(tokens: int, H: int = 8, T: int = 8192, flex_autotune: bool = Fals
         "reference (SDPA, dense mask)": lambda: mla_attention(q, k, v, scale, segment_ids=seg),
     }
     if flex_autotune:  # inductor benchmarks block sizes per shape: minutes on a machine without its cache
-        fns["flex + max logit, max-autotune (K3_FLEX_AUTOTUNE=1)"] = lambda: mla_attention_flex(
+        fns["flex + max logit, max-autotune (flex_autotune)"] = lambda: mla_attention_flex(
             q, k, v, scale, seg, block_mask=bm, return_max_logit=True, autotune=True)[0]
     for name, f in fns.items():
         tf = _t(f, False)

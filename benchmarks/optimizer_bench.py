@@ -8,7 +8,8 @@ median step time, the Newton-Schulz FLOPs of one step (5 quintic iterations per 
 the product with X), the rate that makes, and the floor at the measured bf16 matrix peak (803 TFLOP/s),
 plus how many blocks of each shape Muon orthogonalizes. One JSON line. `--backend` picks the momentum and update
 passes around Newton-Schulz: PyTorch ops (torch), the fused Triton kernels of k3.ops.muon_update (fast; on CPU
-only with TRITON_INTERPRET=1), or what k3.ops.backend decides (auto).
+only with TRITON_INTERPRET=1), or what k3.ops.registry decides (auto: the PyTorch passes; the kernels are not
+validated for it).
 """
 
 from __future__ import annotations
@@ -47,14 +48,13 @@ def main() -> None:
     ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto",
                     help="the Muon update passes: fused Triton kernels (fast), PyTorch ops (torch), or auto")
     args = ap.parse_args()
-    if args.backend != "auto":
-        import os
-
-        os.environ["K3_MUON_BACKEND"] = "triton" if args.backend == "fast" else "torch"
 
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
+    from k3.ops.registry import Backends
     from k3.train.muon import PerHeadMuon, muon_param_groups
+
+    backends = Backends(default=args.backend)
 
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def main() -> None:
         model = K3ForCausalLM(K3Config.from_preset(args.preset))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    opt = PerHeadMuon(muon_param_groups(model))
+    opt = PerHeadMuon(muon_param_groups(model), backends=backends)
     opt.step()  # state allocation
     times = []
     for _ in range(args.steps):

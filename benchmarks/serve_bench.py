@@ -18,6 +18,7 @@ import contextlib
 import cProfile
 import io
 import json
+import os
 import pstats
 import time
 
@@ -154,20 +155,19 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto",
                     help="fast: every op on its GPU fast path (incl. the paged decode kernel, which enables decode "
-                         "CUDA graphs); torch: the reference ops; auto: k3.ops.backend decides")
+                         "CUDA graphs); torch: the reference ops; auto: k3.ops.registry decides")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler tables for one more (untimed) TTFT pass and 4 more decode steps")
     args = ap.parse_args()
     global PROFILE
     PROFILE = args.profile
-    if args.backend != "auto":
-        from k3.ops.backend import force_all
+    from k3.ops.registry import backends_from_env
 
-        force_all(args.backend, overwrite=False)
+    backends = backends_from_env(os.environ, default=args.backend)
     dev = torch.device(args.device)
     cfg = K3Config.from_preset(args.preset).replace(num_nextn_predict_layers=0)
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).init_weights(seed=0)
+    model = K3ForCausalLM(cfg, backends=backends).init_weights(seed=0)
     if dev.type == "cuda":
         model = model.set_dtype(torch.bfloat16)
     model = model.to(dev).eval()

@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement (do_bench rep)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("situ_bench.py needs a CUDA device (the fused kernels run on GPU; see k3.ops.situ_triton.available)")
+        sys.exit("situ_bench.py needs a CUDA device (the fused kernels run on GPU; see k3.ops._triton.runnable)")
     for s in args.shapes:
         N, F = map(int, s.split("x"))
         for row in bench(N, F, getattr(torch, args.dtype), args.rep_ms):

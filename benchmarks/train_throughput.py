@@ -4,8 +4,8 @@
         [--backend fast|torch] [--activation-checkpointing] [--profile [--trace FILE.json.gz]]
 
 `--backend fast` runs every op on its GPU fast path (fla KDA and AttnRes, flex MLA, grouped-GEMM MoE with the
-fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) lets k3.ops.backend decide. An op
-pinned by its K3_<OP>_BACKEND variable keeps that backend.
+fused SiTU-GLU), `--backend torch` on the PyTorch reference, `auto` (default) lets k3.ops.registry decide. An op
+pinned by its K3_<OP>_BACKEND variable keeps that backend (k3.ops.registry.backends_from_env, as `k3 train`).
 
 Runs the real training step (forward + backward incl. MTP, Per-Head Muon, QK-Clip, Quantile Balancing) on
 random tokens. MFU counts 6 x active parameters per token plus causal MLA attention (12 x layers x heads x
@@ -42,7 +42,7 @@ from k3.config import K3Config
 from k3.data.packing import PackedLoader
 from k3.info import model_info
 from k3.model.model import K3ForCausalLM
-from k3.ops.backend import force_all
+from k3.ops.registry import backends_from_env
 from k3.train.trainer import Trainer, TrainConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling trace_report.py
@@ -70,14 +70,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.trace and not args.profile:
         ap.error("--trace needs --profile")
-    if args.backend != "auto":
-        force_all(args.backend, overwrite=False)
+    backends = backends_from_env(os.environ, default=args.backend)
     cfg = K3Config.from_preset(args.preset)
     if args.vocab_size:
         cfg = cfg.replace(vocab_size=args.vocab_size)
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).init_weights(seed=0).to(dev)
+    model = K3ForCausalLM(cfg, backends=backends).init_weights(seed=0).to(dev)
     stream = np.random.default_rng(0).integers(1, cfg.vocab_size, size=args.batch_tokens * (args.steps + 3),
                                                dtype=np.int64).astype(np.int32)
     tc = TrainConfig(out="/tmp/k3-bench", max_steps=10**6, seq_len=args.seq_len, batch_tokens=args.batch_tokens,

@@ -316,9 +316,10 @@ def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, laye
 
 
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
-                    layers: int | None = None, strict: bool = True):
+                    layers: int | None = None, strict: bool = True, backends=None):
     """Load a checkpoint in the official layout. `layers=N` builds and loads only the first N decoder layers
-    (plus embedding, output site, final norm and head), for analysing a slice of a large checkpoint."""
+    (plus embedding, output site, final norm and head), for analysing a slice of a large checkpoint. `backends`
+    (k3.ops.registry.Backends, None: the default) is given to the model (K3ForCausalLM.set_backends)."""
     from k3.model.model import K3ForCausalLM
 
     path = os.fspath(path)
@@ -336,7 +337,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     target_dtype = dtype if dtype is not None else cfg.torch_dtype
     device = torch.device(device) if device is not None else torch.device("cpu")
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
+        model = K3ForCausalLM(cfg, backends=backends)
     model.to_empty(device=device)
     model.set_dtype(target_dtype)
     # With layers=N the later layers are in the files but deliberately neither read nor reported.

@@ -22,25 +22,32 @@ BACKEND_HELP = ("which implementation runs the ops that have a GPU fast path: au
                 "CUDA) or torch (the reference everywhere). An op pinned by its K3_<OP>_BACKEND variable keeps it")
 
 
-def _apply_backend(choice: str, device) -> None:
-    """--backend: 'fast' or 'torch' set every op's K3_<OP>_BACKEND variable (k3.ops.backend) that is unset or 'auto';
-    'auto' leaves them all."""
-    from k3.ops.backend import force_all
+def _backends(choice: str, device):
+    """The ops' implementations for this run (k3.ops.registry.Backends): --backend for every op, each op pinned by
+    its K3_<OP>_BACKEND variable keeping its own, and the ops' options from their variables
+    (k3.ops.registry.backends_from_env lists them)."""
+    from k3.ops.registry import backends_from_env
 
-    if choice == "auto":
-        return
     if choice == "fast" and device.type != "cuda":
         raise SystemExit(f"k3: --backend fast needs a CUDA device (this run is on {device.type}); use auto or torch")
-    force_all(choice, overwrite=False)
+    return backends_from_env(os.environ, default=choice)
+
+
+_CUDA_GRAPHS = {"auto": True, "on": True, "1": True, "off": False, "0": False, "eager": "eager"}
 
 
 def _cmd_serve(args) -> int:
     from k3.serve.server import cmd_serve
     from k3.train.run import pick_device
 
-    _apply_backend(args.backend, pick_device(args.device))
-    if not args.cuda_graphs:  # the engine reads it when it decides how to run decode steps (k3.serve.cuda_graphs)
-        os.environ["K3_CUDA_GRAPHS"] = "off"
+    args.backends = _backends(args.backend, pick_device(args.device))
+    # EngineConfig.cuda_graphs: --no-cuda-graphs, else K3_CUDA_GRAPHS (auto, off, or eager: no capture, for debugging)
+    raw = os.environ.get("K3_CUDA_GRAPHS", "auto").strip().lower()
+    if raw not in _CUDA_GRAPHS:
+        raise ValueError(f"K3_CUDA_GRAPHS={raw!r} is invalid: use auto, off or eager")
+    args.cuda_graphs = _CUDA_GRAPHS[raw] if args.cuda_graphs else False
+    if args.api_key is None:
+        args.api_key = os.environ.get("K3_API_KEY")
     return cmd_serve(args)
 
 
@@ -113,7 +120,7 @@ def cmd_train(args) -> int:
     from k3.train.trainer import TrainConfig, TrainingError
 
     device = pick_device(args.device)
-    _apply_backend(args.backend, device)
+    backends = _backends(args.backend, device)
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     fields = {"out": args.out}
     if args.resume:
@@ -132,7 +139,7 @@ def cmd_train(args) -> int:
         fields["max_minutes"] = 10.0
     tcfg = TrainConfig(**fields)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
-                      resume=args.resume, device=args.device, max_corpus_mb=args.max_corpus_mb)
+                      resume=args.resume, device=args.device, max_corpus_mb=args.max_corpus_mb, backends=backends)
     try:
         summary = run_training(opts, tcfg, progress_bar=not args.no_progress)
     except TrainingError as e:
@@ -147,7 +154,7 @@ def _load_for_inference(ckpt: str, device: str):
     from k3.train.run import pick_device
 
     dev = pick_device(device)
-    model = from_pretrained(ckpt, device=dev)
+    model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev))
     try:
         tok = load_any_tokenizer(ckpt)
     except (FileNotFoundError, ValueError) as e:

@@ -53,6 +53,9 @@ def grad_disagreement(g: dict, g_ref: dict, min_numel: int = 64):
     return float((flat - flat_ref).norm() / flat_ref.norm()), cos
 
 
+_UNSET = object()
+
+
 class InSituComparison:
     """Compare fast backends with the reference *inside* a model, at every call of the patched methods.
 
@@ -60,8 +63,9 @@ class InSituComparison:
     randomized AttnRes pseudo-queries turns a 0.4% (L2) perturbation of the first KDA layer's output into ~2% at the
     next KDA layer's input and ~80% eight KDA layers later (bf16 autocast, routing pinned or not), so no tolerance
     separates a correct kernel from a wrong one there. Instead, each call of a patched method (a layer or site that
-    contains a backend choice) is run twice more on detached copies of its inputs: once with the reference ops, once
-    with `fast` ({op: backend}); their outputs, and the gradients for a fixed random output gradient with respect
+    contains a backend choice) is run twice more on detached copies of its inputs: once with the reference ops
+    (`ref`, a k3.ops.registry.Backends: every op on its reference by default), once with `fast` (a Backends); their
+    outputs, and the gradients for a fixed random output gradient with respect
     to every floating input and the module's parameters, are compared. The call itself then runs on the reference
     ops, so every site sees exactly the inputs of the reference model (teacher forcing) and the comparison tests
     the backend with the shapes, dtypes, layouts, packing and autocast state the model really gives it.
@@ -69,23 +73,33 @@ class InSituComparison:
     `records`: one (site, {quantity: relative error}) per call; relative error = max |fast - ref| / max |ref|.
     """
 
-    def __init__(self, fast: dict, ops: list, seed: int = 0):
-        from k3.ops.backend import env_var
+    def __init__(self, fast, ref=None, seed: int = 0):
+        from k3.ops.registry import Backends
 
-        self.ref_env = {env_var(op): "torch" for op in ops}
-        self.fast_env = {**self.ref_env, **{env_var(op): be for op, be in fast.items()}}
-        self.seed, self.records, self._monkeypatch = seed, [], None
+        self.ref = Backends(default="torch") if ref is None else ref
+        self.fast = fast
+        self.seed, self.records = seed, []
 
-    def _env(self, values: dict):
-        """A context in which the K3_<OP>_BACKEND variables hold `values` (restored after)."""
+    @staticmethod
+    def _using(obj, backends):
+        """A context in which `obj` (a module: and all its submodules; or a plain object such as the AttnRes stream)
+        holds `backends` (the previous values restored after)."""
         import contextlib
 
         @contextlib.contextmanager
         def cm():
-            with self._monkeypatch.context() as m:
-                for k, v in values.items():
-                    m.setenv(k, v)
+            holders = list(obj.modules()) if isinstance(obj, torch.nn.Module) else [obj]
+            before = [h.__dict__.get("backends", _UNSET) for h in holders]
+            for h in holders:
+                h.backends = backends
+            try:
                 yield
+            finally:
+                for h, b in zip(holders, before):
+                    if b is _UNSET:
+                        del h.backends
+                    else:
+                        h.backends = b
 
         return cm()
 
@@ -114,7 +128,7 @@ class InSituComparison:
             return [t for v in x for t in InSituComparison._tensors(v)]
         return []
 
-    def _run(self, fn, obj, args, kwargs, env: dict):
+    def _run(self, fn, obj, args, kwargs, backends):
         import copy
 
         leaves: list = []
@@ -126,7 +140,7 @@ class InSituComparison:
             for k, v in vars(obj).items():
                 setattr(this, k, self._leafify(v, leaves))
         a, kw = self._leafify(args, leaves), self._leafify(kwargs, leaves)
-        with self._env(env):
+        with self._using(this, backends):
             out = self._tensors(fn(this, *a, **kw))
         g = torch.Generator(device="cpu").manual_seed(self.seed)
         cot = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in out]
@@ -143,19 +157,18 @@ class InSituComparison:
 
         def wrapper(obj, *args, **kwargs):
             if torch.is_grad_enabled():
-                out_r, g_r = self._run(fn, obj, args, kwargs, self.ref_env)
-                out_f, g_f = self._run(fn, obj, args, kwargs, self.fast_env)
+                out_r, g_r = self._run(fn, obj, args, kwargs, self.ref)
+                out_f, g_f = self._run(fn, obj, args, kwargs, self.fast)
                 errs = {f"output{i}": rel_err(f, r) for i, (f, r) in enumerate(zip(out_f, out_r))}
                 errs.update({n: rel_err(g_f[n], g_r[n]) for n in g_r})
                 self.records.append((site, errs))
-            with self._env(self.ref_env):
+            with self._using(obj, self.ref):
                 return fn(obj, *args, **kwargs)
 
         return wrapper
 
     def patch(self, monkeypatch, sites) -> "InSituComparison":
         """Wrap each (class, method name) of `sites`."""
-        self._monkeypatch = monkeypatch
         for cls, name in sites:
             monkeypatch.setattr(cls, name, self._wrap(cls, name))
         return self

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from k3.model.common import RMSNorm
-from k3.ops.attn_res import attn_res, attn_res_fla, attn_res_inter, attn_res_merge, fla_available
-from k3.ops.backend import resolve
+from k3.ops.attn_res import attn_res_any, attn_res_inter, attn_res_merge
+from k3.ops.registry import Backends
 
 
 def site_query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -28,10 +28,12 @@ def site_query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
 
 
 class AttnResStream:
-    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False):
+    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False,
+                 backends: Backends | None = None):
         self.blocks: list[torch.Tensor] = []
         self.partial: torch.Tensor | None = embedding
         self.block_size, self.eps, self.two_phase = block_size, eps, two_phase
+        self.backends = backends  # which implementation runs the mix (the model's)
         self._stats = None  # phase-1 statistics for the sites of the current block
         self._site_of: dict = {}
 
@@ -44,9 +46,7 @@ class AttnResStream:
             for s in sources[1:]:
                 dt = torch.promote_types(dt, s.dtype)
             sources = [s.to(dt) for s in sources]
-        if resolve("attn_res", sources[0].device, fla_available) == "fla":
-            return attn_res_fla(sources, w, self.eps)
-        return attn_res(sources, w, self.eps)
+        return attn_res_any(sources, w, self.eps, backends=self.backends)
 
     def attn_input(self, layer_idx: int, w: torch.Tensor, upcoming: list[tuple[object, torch.Tensor]]):
         """Input of layer `layer_idx`'s mixer. `upcoming` lists (key, query) of the sites of the block

@@ -6,9 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.ops.registry import Backends
 from k3.ops.rms_norm import rms_norm_any
 from k3.ops.situ import situ_glu_any
 from k3.ops.weight_cast import stacked_weight, weight
+
+
+def set_backends(module: nn.Module, backends: Backends | None) -> nn.Module:
+    """Give `module` and every submodule `backends` (k3.ops.registry.Backends; None: the default), which the layers
+    read as ``self.backends`` and pass to the ops they call. ``K3ForCausalLM.set_backends`` does this for a whole
+    model; a layer built on its own takes it the same way."""
+    for m in module.modules():
+        m.backends = backends
+    return module
 
 
 class Linear(nn.Linear):
@@ -47,6 +57,8 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; the normalized value is cast back before the weight, as the release does."""
 
+    backends: Backends | None = None  # which implementation runs the op (K3ForCausalLM.set_backends)
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -59,8 +71,8 @@ class RMSNorm(nn.Module):
             # backward on CUDA; on CPU the same ops as below, in the same order).
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         # x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, times the weight, rounded again: one Triton
-        # kernel each way on CUDA (backend op rms_norm), the same ops as written out otherwise.
-        return rms_norm_any(x, self.weight, self.eps)
+        # kernel each way on CUDA (op rms_norm), the same ops as written out otherwise.
+        return rms_norm_any(x, self.weight, self.eps, backends=self.backends)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -68,6 +80,8 @@ class RMSNorm(nn.Module):
 
 class SituMLP(nn.Module):
     """Dense FFN (layer 0) and the fused shared experts: down(SiTU-GLU(gate x, up x)), report §2.3.2."""
+
+    backends: Backends | None = None  # which implementation runs SiTU-GLU (K3ForCausalLM.set_backends)
 
     def __init__(self, hidden: int, intermediate: int, beta1: float, beta2: float):
         super().__init__()
@@ -78,4 +92,4 @@ class SituMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = stacked_linear(x, self.gate_proj, self.up_proj)
-        return self.down_proj(situ_glu_any(gate, up, self.beta1, self.beta2))
+        return self.down_proj(situ_glu_any(gate, up, self.beta1, self.beta2, backends=self.backends))

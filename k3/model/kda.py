@@ -10,6 +10,7 @@ from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
+from k3.ops.registry import Backends
 
 
 class KDACache:
@@ -21,6 +22,8 @@ class KDACache:
 
 
 class KimiDeltaAttention(nn.Module):
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
     def __init__(self, cfg: K3Config, layer_idx: int):
         super().__init__()
         D, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
@@ -57,21 +60,22 @@ class KimiDeltaAttention(nn.Module):
                                                          self.b_proj, self.g_proj)
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
             q, k, v = short_conv(qkv, w, None, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                                 output_state=False)[0].split(P, dim=-1)
+                                 output_state=False, backends=self.backends)[0].split(P, dim=-1)
         else:
             q, k, v, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj,
                                                              self.f_a_proj, self.b_proj, self.g_proj)
-            q, cq = short_conv(q, self.q_conv1d.weight, cache.conv[0], cu_seqlens=cu_seqlens)
-            k, ck = short_conv(k, self.k_conv1d.weight, cache.conv[1], cu_seqlens=cu_seqlens)
-            v, cv = short_conv(v, self.v_conv1d.weight, cache.conv[2], cu_seqlens=cu_seqlens)
+            q, cq = short_conv(q, self.q_conv1d.weight, cache.conv[0], cu_seqlens=cu_seqlens, backends=self.backends)
+            k, ck = short_conv(k, self.k_conv1d.weight, cache.conv[1], cu_seqlens=cu_seqlens, backends=self.backends)
+            v, cv = short_conv(v, self.v_conv1d.weight, cache.conv[2], cu_seqlens=cu_seqlens, backends=self.backends)
         z = self.f_b_proj(f_a).view(B, T, H, K)
         state = cache.state if cache is not None else None
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
         o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z,
                                beta_logits.contiguous(), self.A_log, self.dt_bias, self.lower_bound,
-                               initial_state=state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+                               initial_state=state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                               backends=self.backends)
         if cache is not None:
             cache.state, cache.conv = new_state, [cq, ck, cv]
         # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)
-        o = gate_norm(o, gate.view(B, T, H, K), self.o_norm.weight, self.o_norm.eps)
+        o = gate_norm(o, gate.view(B, T, H, K), self.o_norm.weight, self.o_norm.eps, backends=self.backends)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))

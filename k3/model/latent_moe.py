@@ -14,17 +14,10 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import Linear, RMSNorm, SituMLP
-from k3.ops.backend import resolve
-from k3.ops.moe import (
-    Routing,
-    grouped_available,
-    moe_experts,
-    moe_experts_grouped,
-    route,
-)
+from k3.ops.moe import Routing, moe_experts_any, route
 from k3.ops.precision import autocast_off
+from k3.ops.registry import Backends
 from k3.ops.situ import situ_glu, situ_glu_any, situ_glu_any_fused
-from k3.ops.weight_cast import cached_stack, weight
 
 
 class MoEGate(nn.Module):
@@ -45,6 +38,8 @@ class MoEGate(nn.Module):
 class GroupedExperts(nn.Module):
     """The routed experts: E independent SiTU-GLU FFNs of width latent -> F -> latent."""
 
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
     def __init__(self, num_experts: int, latent: int, inter: int, beta1: float, beta2: float):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, inter, latent))  # gate
@@ -56,22 +51,18 @@ class GroupedExperts(nn.Module):
         return situ_glu(gate, up, self.beta1, self.beta2)
 
     def act_fused(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """SiTU-GLU on the backend k3.ops.backend picks (the fused Triton kernel on GPU)."""
-        return situ_glu_any(gate, up, self.beta1, self.beta2)
+        """SiTU-GLU on the implementation the registry picks (the fused Triton kernel on GPU)."""
+        return situ_glu_any(gate, up, self.beta1, self.beta2, backends=self.backends)
 
     def act_fused13(self, h13: torch.Tensor) -> torch.Tensor:
-        """SiTU-GLU of [gate | up] columns on the backend k3.ops.backend picks."""
-        return situ_glu_any_fused(h13, self.beta1, self.beta2)
+        """SiTU-GLU of [gate | up] columns on the implementation the registry picks."""
+        return situ_glu_any_fused(h13, self.beta1, self.beta2, backends=self.backends)
 
     def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
-        backend = resolve("moe", z.device, lambda: grouped_available(z.device, z.dtype))
-        if backend == "grouped":
-            # In training under autocast: w1 and w3 stacked per expert once per step, one GEMM for both (weight_cast)
-            w13 = cached_stack([self.w1, self.w3], dim=1)
-            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, weight(self.w2),
-                                       self.act_fused, w13=w13, act13=None if w13 is None else self.act_fused13)
-        w1, w3, w2 = weight(self.w1), weight(self.w3), weight(self.w2)  # cast once per training step (weight_cast)
-        return moe_experts(z, routing.weights, routing.indices, w1, w3, w2, self.act)
+        # the reference expert loop with the reference SiTU-GLU, or grouped GEMMs with the fused one (in training
+        # under autocast w1 and w3 stacked once per step, one GEMM for both: k3.ops.weight_cast)
+        return moe_experts_any(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act,
+                               self.act_fused, self.act_fused13, backends=self.backends)
 
 
 class LatentMoE(nn.Module):

@@ -7,18 +7,9 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import Linear, RMSNorm, stacked_linear
-from k3.ops.backend import resolve
-from k3.ops.mla import flex_available, max_logit, mla_absorbed, mla_attention, mla_attention_flex, split_kv_b
-
-
-def paged_decode_available(device: torch.device) -> tuple[bool, str]:
-    """The paged decode runs its Triton kernel on CUDA (or in Triton's interpreter) and its gather-based
-    reference elsewhere."""
-    if device.type != "cuda":
-        return True, ""
-    from k3.ops.situ_triton import available
-
-    return available()
+from k3.ops.mla import max_logit, mla_absorbed, mla_attention, mla_attention_any, split_kv_b
+from k3.ops.mla_decode import paged_kernel_used
+from k3.ops.registry import Backends
 
 
 class MLACache:
@@ -47,6 +38,8 @@ class MLACache:
 
 
 class GatedMLA(nn.Module):
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
     def __init__(self, cfg: K3Config, layer_idx: int):
         super().__init__()
         D, H = cfg.hidden_size, cfg.num_attention_heads
@@ -81,7 +74,7 @@ class GatedMLA(nn.Module):
                                         q_start=p_i) for a, b, c_i, kr_i, p_i in cache.append_packed(c, k_rope)], dim=1)
             return self._gated_out(x, gate, o)
         if cache is not None and hasattr(cache, "append_paged") and (T == 1 or getattr(cache, "paged_prefill", False)) \
-                and resolve("mla_decode", x.device, lambda: paged_decode_available(x.device)) == "triton":
+                and paged_kernel_used(x.device, self.backends):
             # Serving: attend straight from the page pool (no gathered copy of the cache). Several new tokens per
             # request (a static-buffer prefill step) run as one kernel row per query, each up to its position.
             from k3.ops.mla_decode import mla_decode_absorbed
@@ -99,8 +92,9 @@ class GatedMLA(nn.Module):
             kv = self.kv_b_proj(c).view(B, T, H, dn + dv)
             k_nope, v = kv.split([dn, dv], dim=-1)
             k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, dr)], dim=-1)
-            if cache is None and resolve("mla", x.device, flex_available) == "flex":
-                o = mla_attention_flex(q, k, v, self.scale, segment_ids, return_max_logit=self.record_max_logit)
+            if cache is None:  # training and evaluation forwards (compiled flex_attention on GPU)
+                o = mla_attention_any(q, k, v, self.scale, segment_ids, return_max_logit=self.record_max_logit,
+                                      backends=self.backends)
                 if self.record_max_logit:
                     o, self.last_max_logit = o
             else:

@@ -14,9 +14,10 @@ from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
 from k3.model.block import DecoderLayer
 from k3.model.cache import K3Cache
-from k3.model.common import RMSNorm
+from k3.model.common import RMSNorm, set_backends
 from k3.model.mtp import MTPLayer
 from k3.ops.linear_ce import linear_cross_entropy
+from k3.ops.registry import Backends
 from k3.utils import to_device_async
 
 # Parameters kept in fp32 whatever the model dtype (they are fp32 in the release, checkpoint-layout §2.9).
@@ -33,6 +34,8 @@ class CausalLMOutput:
 
 
 class K3Model(nn.Module):
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
     def __init__(self, cfg: K3Config):
         super().__init__()
         self.config = cfg
@@ -105,7 +108,8 @@ class K3Model(nn.Module):
         elif cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu needs the segment_ids it was computed from")
         S = self.config.attn_res_block_size
-        stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res)
+        stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res,
+                               backends=self.backends)
         for i, layer in enumerate(self.layers):
             upcoming = self._block_sites(i) if (self.two_phase_attn_res and i % S == 0) else None
             layer(stream, cache[i] if cache is not None else None, segment_ids=segment_ids,
@@ -135,7 +139,9 @@ def packed_cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg: K3Config):
+    backends: Backends | None = None  # which implementations run the ops: see set_backends
+
+    def __init__(self, cfg: K3Config, backends: Backends | None = None):
         super().__init__()
         self.config = cfg
         self.model = K3Model(cfg)
@@ -148,6 +154,7 @@ class K3ForCausalLM(nn.Module):
             from k3.model.vision import VisionConfig, VisionEncoder
 
             self.vision = VisionEncoder(VisionConfig.from_dict(cfg.vision_config))
+        self.set_backends(backends)
 
     # --- construction ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -196,6 +203,13 @@ class K3ForCausalLM(nn.Module):
             if t.is_floating_point() and t.dtype != target:
                 t.data = t.data.to(target)
         return self
+
+    def set_backends(self, backends: Backends | None) -> "K3ForCausalLM":
+        """Which implementation runs each op with a fast path (k3.ops.registry.Backends; None: ``Backends()``, every
+        op's validated fast path on CUDA and the reference elsewhere). Stored on every submodule, where each layer
+        reads it as ``self.backends`` and passes it to the ops it calls; the choice follows the tensors' device at
+        each call, so it holds when the model moves."""
+        return set_backends(self, backends)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> "K3ForCausalLM":
         """Turn activation checkpointing on (or off) in every decoder layer, backbone and MTP: training forwards
@@ -279,7 +293,8 @@ class K3ForCausalLM(nn.Module):
         h = self.model.norm(hidden[:, :-1].reshape(-1, D))
         target = labels[:, 1:].reshape(-1)
         with record_function("k3.head_loss"):  # includes the head's gradient when one is needed
-            total = linear_cross_entropy(h, self.lm_head.weight, target, chunk_tokens=chunk_tokens)
+            total = linear_cross_entropy(h, self.lm_head.weight, target, chunk_tokens=chunk_tokens,
+                                         backends=self.backends)
         return total / (target != -100).sum()
 
     # --- checkpoints -----------------------------------------------------------------------------

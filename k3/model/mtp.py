@@ -12,9 +12,12 @@ from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
 from k3.model.block import DecoderLayer
 from k3.model.common import Linear, RMSNorm
+from k3.ops.registry import Backends
 
 
 class MTPLayer(nn.Module):
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
     def __init__(self, cfg: K3Config, depth: int):
         super().__init__()
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -29,6 +32,6 @@ class MTPLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, segment_ids=None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        stream = AttnResStream(x, self.block_size, self.eps)
+        stream = AttnResStream(x, self.block_size, self.eps, backends=self.backends)
         self.block(stream, segment_ids=segment_ids)
         return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))

@@ -30,7 +30,10 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["AttnResPartial", "attn_res", "attn_res_fla", "attn_res_inter", "attn_res_merge", "fla_available"]
+from k3.ops.registry import Backends, Fast, Op, Target, dispatch, importable, register
+
+__all__ = ["AttnResPartial", "attn_res", "attn_res_any", "attn_res_fla", "attn_res_inter", "attn_res_merge",
+           "fla_available"]
 
 
 class AttnResPartial(NamedTuple):
@@ -103,9 +106,7 @@ def attn_res(sources: Tensor | Sequence[Tensor], w: Tensor, eps: float = 1e-5) -
     return out.to(v.dtype)
 
 
-def fla_available() -> tuple[bool, str]:
-    from k3.ops.backend import importable
-
+def fla_available(target: Target) -> tuple[bool, str]:
     return importable("fla.ops.attnres")
 
 
@@ -120,6 +121,19 @@ def attn_res_fla(sources: Sequence[Tensor], w: Tensor, eps: float = 1e-5) -> Ten
     _check_query("w", w, v.shape[-1])
     ones = torch.ones(v.shape[-1], device=v.device, dtype=torch.float32)
     return fused_attnres(w.float(), sources, ones, rms_eps=eps)
+
+
+register(Op(
+    "attn_res", reference=attn_res,
+    fast=(Fast("fla", attn_res_fla, fla_available, validated=True),),
+    tolerance="fp32: 1e-5 of the largest entry (the same sums in another order); bf16 sources: 1e-2 (one bf16 "
+              "rounding of the output), gradients 3x that"))
+
+
+def attn_res_any(sources: Sequence[Tensor], w: Tensor, eps: float = 1e-5, backends: Backends | None = None) -> Tensor:
+    """``attn_res`` on the implementation the registry picks for the sources (op ``attn_res``: fla-core's fused
+    kernel on GPU). `sources`: a list of tensors of one shape and dtype."""
+    return dispatch("attn_res", sources[0], backends).fn(sources, w, eps)
 
 
 def attn_res_inter(blocks: Tensor | Sequence[Tensor], ws: Tensor, eps: float = 1e-5) -> AttnResPartial:

@@ -8,8 +8,7 @@ about eight passes over an fp32 [tokens, H*K] tensor forward and more backward. 
 returning y in o's dtype (the reference returns fp32; the layer's output projection rounds either to its compute
 dtype, so both give the same bf16 input to that GEMM up to fp32 rounding).
 
-:func:`gate_norm` picks the implementation through k3.ops.backend (op ``gate_norm``,
-K3_GATE_NORM_BACKEND=auto|torch|fla).
+:func:`gate_norm` picks the implementation through k3.ops.registry (op ``gate_norm``).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from k3.ops.backend import importable, resolve
+from k3.ops.registry import Backends, Fast, Op, Target, dispatch, importable, register
 
 __all__ = ["gate_norm", "gate_norm_fla", "gate_norm_torch"]
 
@@ -45,8 +44,16 @@ def gate_norm_fla(o: Tensor, g: Tensor, weight: Tensor, eps: float) -> Tensor:
     return rms_norm_gated(o, g, weight, None, activation="sigmoid", eps=eps)
 
 
-def gate_norm(o: Tensor, g: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """:func:`gate_norm_torch` or :func:`gate_norm_fla`, as k3.ops.backend decides for o's device."""
-    if resolve("gate_norm", o.device, lambda: importable("fla.modules.norm.fused_norm_gate")) == "fla":
-        return gate_norm_fla(o, g, weight, eps)
-    return gate_norm_torch(o, g, weight, eps)
+def fla_available(target: Target) -> tuple[bool, str]:
+    return importable("fla.modules.norm.fused_norm_gate")
+
+
+register(Op(
+    "gate_norm", reference=gate_norm_torch,
+    fast=(Fast("fla", gate_norm_fla, fla_available, validated=True),),
+    tolerance="bf16: 2e-2 of the largest reference entry (one rounding of y and of each gradient); fp32: 1e-5"))
+
+
+def gate_norm(o: Tensor, g: Tensor, weight: Tensor, eps: float, backends: Backends | None = None) -> Tensor:
+    """:func:`gate_norm_torch` or :func:`gate_norm_fla`, as the registry picks for o (op ``gate_norm``)."""
+    return dispatch("gate_norm", o, backends).fn(o, g, weight, eps)

@@ -13,7 +13,7 @@ that dtype in fp32, as autograd does when it accumulates a bf16 weight gradient 
 
 The step between the GEMMs (log-sum-exp, the picked logit, softmax - onehot) is a chain of PyTorch passes over an
 fp32 copy of the chunk's logits (about ten reads and writes of [chunk, V] in fp32). With the ``triton`` backend
-(op ``linear_ce``, K3_LINEAR_CE_BACKEND=auto|torch|triton) one kernel does it in place on the GEMM's output: each
+(op ``linear_ce`` of k3.ops.registry) one kernel does it in place on the GEMM's output: each
 row is read twice (running max and sum of exponentials, then the gradient) and written once, in the GEMM dtype,
 with fp32 arithmetic as the reference. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors (tests).
 """
@@ -26,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3.ops import _triton
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
+
 __all__ = ["linear_cross_entropy", "ce_grad_", "ce_grad_torch_", "ce_grad_triton_"]
 
 _BLOCK_V = 4096
-# triton.language and the reduction combine functions, bound on first use; as in k3.ops.moe_combine the kernel
-# calls only Triton builtins (tl.reduce with these), which the interpreter runs whenever triton was imported.
+# triton.language and the reduction combine functions, bound on first use (k3.ops._triton.bind)
 tl = None
 _SUM = None
 _MAX = None
@@ -95,20 +97,16 @@ def _ce_kernel(x_ptr, t_ptr, loss_ptr, stride_x, ignore_index, V: tl.constexpr, 
 
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):
-    global tl, _SUM, _MAX
     import triton
-    import triton.language as tl
 
-    _SUM, _MAX = tl.standard._sum_combine, tl.standard._elementwise_max
+    _triton.bind(globals())
     return triton.jit(_ce_kernel)
 
 
 def ce_grad_triton_(logits: Tensor, target: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     """:func:`ce_grad_torch_` as one Triton kernel that overwrites `logits` (row-major, unit column stride) with
     the gradient and returns (total, logits)."""
-    from k3.ops.situ_triton import _interpret, available
-
-    ok, why = available()
+    ok, why = _triton.runnable()
     if not ok:
         raise RuntimeError(f"the cross-entropy kernel cannot run: {why}")
     if logits.ndim != 2 or logits.stride(1) != 1 or target.shape != logits.shape[:1]:
@@ -119,26 +117,29 @@ def ce_grad_triton_(logits: Tensor, target: Tensor, ignore_index: int = -100) ->
     if n:
         block = min(_BLOCK_V, 1 << max(V - 1, 1).bit_length())
         with torch.cuda.device(logits.device.index if logits.is_cuda else -1):  # -1: no-op (CPU, interpreter)
-            _kernel(_interpret())[(n,)](logits, target.contiguous(), loss, logits.stride(0), ignore_index, V=V,
+            _kernel(_triton.interpret())[(n,)](logits, target.contiguous(), loss, logits.stride(0), ignore_index, V=V,
                                         BLOCK=block, num_warps=8)
     return loss.sum(), logits
 
 
-def ce_grad_(logits: Tensor, target: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
-    """(summed cross-entropy, its gradient with respect to `logits`) by the backend k3.ops.backend picks (op
-    ``linear_ce``); the Triton kernel reuses `logits`' memory for the gradient, the reference does not."""
-    from k3.ops.backend import resolve
-    from k3.ops.situ_triton import available
+register(Op(
+    "linear_ce", reference=ce_grad_torch_,
+    fast=(Fast("triton", ce_grad_triton_, _triton.available, validated=True, cpu=True),),
+    tolerance="loss 1e-6; gradient fp32 1e-6 of the largest entry (only the order of the sums differs), bf16 one "
+              "step 2^-7 (both sides round the same fp32 values); the whole head under bf16 autocast 5e-3"))
 
-    if resolve("linear_ce", logits.device, available) == "triton":
-        return ce_grad_triton_(logits, target, ignore_index)
-    return ce_grad_torch_(logits, target, ignore_index)
+
+def ce_grad_(logits: Tensor, target: Tensor, ignore_index: int = -100,
+             backends: Backends | None = None) -> tuple[Tensor, Tensor]:
+    """(summed cross-entropy, its gradient with respect to `logits`) on the implementation the registry picks (op
+    ``linear_ce``); the Triton kernel reuses `logits`' memory for the gradient, the reference does not."""
+    return dispatch("linear_ce", logits, backends).fn(logits, target, ignore_index)
 
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, target: Tensor, chunk: int, dtype: torch.dtype,
-                ignore_index: int) -> Tensor:
+                ignore_index: int, backends: Backends | None) -> Tensor:
         hc, wc = h.to(dtype), weight.to(dtype)
         grad_h = torch.empty_like(hc)
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
@@ -146,7 +147,7 @@ class _LinearCE(torch.autograd.Function):
         for i in range(0, h.shape[0], chunk):
             x, t = hc[i:i + chunk], target[i:i + chunk]
             # d(sum CE)/d(logits) = softmax - onehot on the valid rows, from the logits in the GEMM's dtype
-            loss, g = ce_grad_(x @ wc.t(), t, ignore_index)
+            loss, g = ce_grad_(x @ wc.t(), t, ignore_index, backends)
             total += loss
             torch.mm(g, wc, out=grad_h[i:i + chunk])
             grad_w += (g.t() @ x).float()
@@ -157,13 +158,14 @@ class _LinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout: Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return ((grad_h * gout).to(ctx.h_dtype), (grad_w * gout).to(ctx.w_dtype), None, None, None, None)
+        return ((grad_h * gout).to(ctx.h_dtype), (grad_w * gout).to(ctx.w_dtype), None, None, None, None, None)
 
 
 def linear_cross_entropy(h: Tensor, weight: Tensor, target: Tensor, chunk_tokens: int = 8192,
-                         ignore_index: int = -100) -> Tensor:
+                         ignore_index: int = -100, backends: Backends | None = None) -> Tensor:
     """Summed cross-entropy of ``h @ weight.T`` (h [N, D], weight [V, D]) against ``target`` [N] (ignore_index
-    rows count nothing), as an fp32 scalar. See the module docstring."""
+    rows count nothing), as an fp32 scalar. See the module docstring; `backends` picks the gradient step's
+    implementation (op ``linear_ce``)."""
     if h.ndim != 2 or weight.ndim != 2 or h.shape[1] != weight.shape[1]:
         raise ValueError(f"h must be [N, D] and weight [V, D], got {tuple(h.shape)} and {tuple(weight.shape)}")
     if target.shape != (h.shape[0],):
@@ -173,7 +175,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, target: Tensor, chunk_tokens
     dtype = _compute_dtype(h, weight)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         with torch.autocast(h.device.type, enabled=False):
-            return _LinearCE.apply(h, weight, target, chunk_tokens, dtype, ignore_index)
+            return _LinearCE.apply(h, weight, target, chunk_tokens, dtype, ignore_index, backends)
     total = torch.zeros((), device=h.device, dtype=torch.float32)
     wc = weight.to(dtype)
     with torch.autocast(h.device.type, enabled=False):

@@ -18,16 +18,15 @@ Two equivalent forms:
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3.ops.registry import Backends, Fast, Op, Target, dispatch, notice, register
 from k3.utils import LastResult
 
-__all__ = ["mla_attention", "mla_attention_flex", "mla_absorbed", "max_logit", "split_kv_b", "causal_block_mask"]
+__all__ = ["mla_attention", "mla_attention_any", "mla_attention_flex", "mla_absorbed", "max_logit", "split_kv_b",
+           "causal_block_mask"]
 
 
 def _as_positions(name: str, value, batch: int, device: torch.device) -> Tensor:
@@ -305,67 +304,47 @@ _FLEX_BLOCK = 128
 _compiled_flex: dict[bool, object] = {}  # autotune? -> torch.compile'd flex_attention
 
 
-def flex_autotune() -> bool:
-    """K3_FLEX_AUTOTUNE=1: compile flex_attention with inductor's max-autotune, which benchmarks the forward and
-    backward kernels' block sizes and stages for each shape (minutes more compilation on first use) instead of
-    taking its defaults."""
-    value = os.environ.get("K3_FLEX_AUTOTUNE", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"K3_FLEX_AUTOTUNE={value!r} is invalid: use 0 or 1")
-    return value == "1"
-
-
 # flex_attention's kernel options measured best at Gated MLA's head dims (queries/keys 192, values 128) in bf16, by
-# GPU compute capability. torch's own tables have no entry for this shape on sm90 and fall back to 64 x 64 tiles
-# with 4 warps for the backward (~130 TFLOP/s on an H200). benchmarks/flex_tune.py measures the candidates
-# (BENCHMARKS.md, "seventh run"): on an H200, 4 x 8,192 tokens of packed documents, forward 1.285 -> 1.069 ms,
-# backward 6.75 -> 3.80 ms.
+# GPU compute capability: torch's own tables have no entry for this shape on sm90 and fall back to 64 x 64 tiles
+# with 4 warps for the backward. benchmarks/flex_tune.py measures the candidates (BENCHMARKS.md).
 _FLEX_TUNED: dict[tuple[int, int], dict] = {
     (9, 0): dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=3, fwd_num_warps=8,
                  bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=2,
                  bwd_num_warps=8),
 }
-_FLEX_OPTION_KEYS = {f"{p}{k}" for p in ("fwd_", "bwd_") for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1",
-                                                                    "BLOCK_M2", "BLOCK_N2", "num_stages",
-                                                                    "num_warps")}
+# The keys Backends.flex_kernel_options may set.
+FLEX_OPTION_KEYS = frozenset(f"{p}{k}" for p in ("fwd_", "bwd_")
+                             for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
+                                       "num_stages", "num_warps"))
 
 
-def flex_kernel_options(q: Tensor, v: Tensor) -> dict | None:
-    """kernel_options for flex_attention on q's device: ``K3_FLEX_KERNEL_OPTIONS`` (a JSON object of ``fwd_*`` /
-    ``bwd_*`` block sizes, stages and warps; ``{}`` for torch's defaults) when set, else the measured table for
-    this GPU at Gated MLA's bf16 192/128 shape, else None (torch's defaults)."""
-    env = os.environ.get("K3_FLEX_KERNEL_OPTIONS")
-    if env is not None:
-        try:
-            opts = json.loads(env)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"K3_FLEX_KERNEL_OPTIONS is not valid JSON ({e}): {env!r}") from None
-        if not isinstance(opts, dict) or any(k not in _FLEX_OPTION_KEYS or not isinstance(v_, int) or v_ <= 0
-                                             for k, v_ in opts.items()):
-            raise ValueError("K3_FLEX_KERNEL_OPTIONS must be a JSON object of positive integers with keys among "
-                             f"{sorted(_FLEX_OPTION_KEYS)}, got {env!r}")
-        return opts or None
+def flex_kernel_options(q: Tensor, v: Tensor, backends: Backends | None = None) -> dict | None:
+    """kernel_options for flex_attention on q's device: ``Backends.flex_kernel_options`` (``fwd_*`` / ``bwd_*`` block
+    sizes, stages and warps; ``{}`` for torch's defaults) when set, else the measured table for this GPU at Gated
+    MLA's bf16 192/128 shape, else None (torch's defaults)."""
+    opts = None if backends is None else backends.flex_kernel_options
+    if opts is not None:
+        return dict(opts) or None
     if not q.is_cuda or q.dtype != torch.bfloat16 or q.shape[-1] != 192 or v.shape[-1] != 128:
         return None
     return _FLEX_TUNED.get(torch.cuda.get_device_capability(q.device))
 
 
-def compiled_flex(autotune: bool | None = None):
-    """flex_attention under torch.compile (static shapes), one compiled function per autotune setting."""
+def compiled_flex(autotune: bool = False):
+    """flex_attention under torch.compile (static shapes), one compiled function per autotune setting. `autotune`:
+    inductor's max-autotune, which benchmarks the forward and backward kernels' block sizes and stages for each
+    shape (minutes more compilation on first use) instead of taking fixed ones."""
     from torch.nn.attention import flex_attention as fa
 
-    autotune = flex_autotune() if autotune is None else autotune
     if autotune not in _compiled_flex:
-        from k3.ops.backend import notice
-
         notice("compiling the flex_attention MLA kernels (once per shape; the first call takes a while"
-               + (", longer with K3_FLEX_AUTOTUNE=1)" if autotune else ")"))
+               + (", longer with flex_autotune)" if autotune else ")"))
         mode = "max-autotune-no-cudagraphs" if autotune else None
         _compiled_flex[autotune] = torch.compile(fa.flex_attention, dynamic=False, mode=mode)
     return _compiled_flex[autotune]
 
 
-def flex_available() -> tuple[bool, str]:
+def flex_available(target: Target) -> tuple[bool, str]:
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except Exception as e:
@@ -439,24 +418,26 @@ def _build_causal_block_mask(T: int, device: torch.device, segment_ids: Tensor |
 
 def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
                        block_mask=None, return_max_logit: bool = False, compiled: bool = True,
-                       autotune: bool | None = None):
+                       autotune: bool | None = None, backends: Backends | None = None):
     """``mla_attention`` (q_start = 0, Tq = Tk) on flex_attention: fused causal/document-masked attention with
     the 192/128 head dims, no T x T matrix in memory, fully masked tiles skipped.
 
     Returns o [B, T, H, Dv], or (o, max_logit [H] fp32) with ``return_max_logit``: the largest scaled
     pre-softmax logit of each head over the visible pairs (QK-Clip's signal), taken from the kernel's
-    running maxima when this torch provides them, else computed blockwise. ``autotune`` (default: K3_FLEX_AUTOTUNE)
-    compiles with inductor's max-autotune (see :func:`flex_autotune`)."""
+    running maxima when this torch provides them, else computed blockwise. ``autotune`` (default:
+    ``backends.flex_autotune``) compiles with inductor's max-autotune (see :func:`compiled_flex`); otherwise the
+    kernels take :func:`flex_kernel_options`."""
     from torch.nn.attention import flex_attention as fa
 
     B, T, H, _ = q.shape
     if block_mask is None:
         block_mask = causal_block_mask(T, q.device, segment_ids)
-    autotune = flex_autotune() if autotune is None else autotune
+    if autotune is None:
+        autotune = backends is not None and backends.flex_autotune
     fn = compiled_flex(autotune) if compiled else fa.flex_attention
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # max-autotune picks its own tiles; eager flex (compiled=False) is the unfused reference and takes no tiles
-    opts = flex_kernel_options(q, v) if compiled and not autotune else None
+    opts = flex_kernel_options(q, v, backends) if compiled and not autotune else None
     if return_max_logit and _flex_max_scores_supported() and q.is_cuda:
         o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=opts,
                     return_aux=fa.AuxRequest(max_scores=True))
@@ -465,3 +446,31 @@ def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_id
     if return_max_logit:
         return o, max_logit(q, k, scale, segment_ids)
     return o
+
+
+def _mla_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
+                             return_max_logit: bool = False, backends: Backends | None = None):
+    """``mla_attention`` with ``max_logit`` beside it when asked for: the reference of op ``mla``."""
+    o = mla_attention(q, k, v, scale, segment_ids=segment_ids)
+    return (o, max_logit(q, k, scale, segment_ids)) if return_max_logit else o
+
+
+def _mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
+                        return_max_logit: bool = False, backends: Backends | None = None):
+    return mla_attention_flex(q, k, v, scale, segment_ids, return_max_logit=return_max_logit, backends=backends)
+
+
+register(Op(
+    "mla", reference=_mla_attention_reference,
+    fast=(Fast("flex", _mla_attention_flex, flex_available, validated=True),),
+    tolerance="fp32 (eager flex): 1e-5; compiled bf16 against the fp32 reference: output and gradients 2e-2, the max "
+              "logit 1e-2 (bf16 rounding of q.k)",
+    options=("flex_autotune", "flex_kernel_options")))
+
+
+def mla_attention_any(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
+                      return_max_logit: bool = False, backends: Backends | None = None):
+    """Causal (document-masked with `segment_ids`) attention over the whole sequence, q_start = 0 and Tq = Tk (the
+    training forward), on the implementation the registry picks for q (op ``mla``: compiled flex_attention on GPU).
+    Returns o [B, T, H, Dv], or (o, max_logit [H] fp32) with `return_max_logit` (QK-Clip's signal)."""
+    return dispatch("mla", q, backends).fn(q, k, v, scale, segment_ids, return_max_logit, backends)

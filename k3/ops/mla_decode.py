@@ -46,8 +46,10 @@ Garbage. Slots past a request's length, pages past its last page, and block-tabl
 may hold anything (stale data, NaN, inf, out-of-range page ids): every load of a table entry or a cache row
 is masked by ``t < kv_len[b]`` and masked lanes read as 0, so such memory is never even read.
 
-Triton is imported lazily, as in :mod:`k3.ops.situ_triton`: the module imports on a CPU-only machine without
-Triton, :func:`mla_decode_paged` then falls back to :func:`mla_decode_paged_reference` (plain torch), and
+Which path a layer takes. This is op ``mla_decode`` of k3.ops.registry: its reference is the absorbed form over
+a gathered copy of the cache (:func:`k3.ops.mla.mla_absorbed`), its fast implementation ``triton`` this paged form,
+which runs anywhere: Triton is imported lazily (k3.ops._triton), so the module imports on a CPU-only machine
+without Triton, and :func:`mla_decode_paged` then falls back to :func:`mla_decode_paged_reference` (plain torch);
 ``TRITON_INTERPRET=1`` (read at each call) runs the kernels on CPU tensors in Triton's interpreter (tests).
 """
 
@@ -59,11 +61,14 @@ import math
 import torch
 from torch import Tensor
 
-from k3.ops.situ_triton import _interpret, available
+from k3.ops import _triton
+from k3.ops.mla import mla_absorbed
+from k3.ops.registry import Backends, Fast, Op, Target, register, runs_on
 
 __all__ = [
-    "available",
     "default_num_splits",
+    "paged_available",
+    "paged_kernel_used",
     "mla_decode_absorbed",
     "mla_decode_paged",
     "mla_decode_paged_reference",
@@ -82,11 +87,8 @@ _PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 132  # H200; used when no CUDA device says otherwise (the interpreter)
 _LOG2E = 1.4426950408889634
 
-# triton.language, bound by _kernels() on first use (see k3.ops.situ_triton: the interpreter resolves names in
-# the kernel's module globals only). The kernels call only Triton builtins: Triton's own jitted helpers (tl.max,
-# tl.sum, tl.zeros, tl.cdiv) cannot be called by the interpreter when triton was imported before
-# TRITON_INTERPRET was set (as in the tests), so reductions are tl.reduce with the combine functions tl.max and
-# tl.sum use, _MAX and _SUM (which the interpreter also recognizes and runs as numpy reductions).
+# triton.language and the combine functions of tl.reduce, bound by _kernels() on first use (k3.ops._triton.bind:
+# the kernels call only Triton builtins, which the interpreter can run)
 tl = None
 _MAX = None
 _SUM = None
@@ -240,11 +242,9 @@ def _mla_decode_combine_kernel(
 def _kernels(interpret: bool):
     """(split kernel, combine kernel), jitted. ``triton.jit`` picks compiled or interpreted when it wraps the
     function, so there is one pair per interpreter setting (``interpret`` is the cache key)."""
-    global tl, _MAX, _SUM
     import triton
-    import triton.language as tl
 
-    _MAX, _SUM = tl.standard._elementwise_max, tl.standard._sum_combine
+    _triton.bind(globals())
     return triton.jit(_mla_decode_split_kernel), triton.jit(_mla_decode_combine_kernel)
 
 
@@ -385,10 +385,10 @@ def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_tab
     the call can be captured in a CUDA graph. Without it, max(kv_len) is read to choose the split count.
     """
     _validate(q_lat, q_rope, kv, block_table, kv_len, scale, kv_rank, num_splits)
-    ok, why = available()
+    ok, why = _triton.runnable()
     if not ok:
         raise RuntimeError(f"the MLA decode Triton kernels cannot run: {why}")
-    interpret = _interpret()
+    interpret = _triton.interpret()
     if not kv.is_cuda and not interpret:
         raise ValueError(f"the MLA decode Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {kv.device}")
     B, H, R = q_lat.shape
@@ -442,7 +442,7 @@ def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_tab
 
 
 def _use_triton(kv: Tensor) -> bool:
-    return available()[0] and (kv.is_cuda or _interpret())
+    return _triton.available(Target(kv.device))[0]
 
 
 def mla_decode_paged(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_table: Tensor, kv_len: Tensor,
@@ -507,3 +507,27 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_kc.float())
     o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits)
     return torch.einsum("bhr,hvr->bhv", o_lat, w_vc.float()).to(q_nope.dtype)
+
+
+def paged_available(target: Target) -> tuple[bool, str]:
+    """The paged decode runs its Triton kernel on CUDA (or in Triton's interpreter) and its gather-based reference
+    elsewhere, so off CUDA it is always available."""
+    if target.device.type != "cuda":
+        return True, ""
+    return _triton.available(target)
+
+
+register(Op(
+    "mla_decode", reference=mla_absorbed,
+    fast=(Fast("triton", mla_decode_absorbed, paged_available, validated=True, cpu=True),),
+    tolerance="fp32 pool: 1e-5 (exact fp32 products, only the summation order differs); bf16/fp16 pool against the "
+              "same rounded cache in fp32: rtol 1e-2, atol 1e-2 x max |expected| (the probabilities are rounded to "
+              "the pool dtype for p @ c, one rounding, not amplified)"))
+
+
+def paged_kernel_used(device: torch.device, backends: Backends | None = None) -> bool:
+    """Whether a decode step on `device` attends straight from the page pool (:func:`mla_decode_absorbed`) under
+    `backends`, rather than through a gathered copy of each request's cache (op ``mla_decode``). The model asks
+    when it runs a step; the serving engine asks ahead, since only the paged form can be captured in a CUDA graph
+    (the reference reads the lengths back to the host)."""
+    return runs_on("mla_decode", "triton", Target(device), backends)

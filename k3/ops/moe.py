@@ -20,8 +20,11 @@ import torch
 from torch import Tensor
 
 from k3.ops.moe_combine import moe_combine, moe_dispatch
+from k3.ops.registry import Backends, Fast, Op, Target, dispatch, register, runs_on
+from k3.ops.weight_cast import cached_stack, weight
 
-__all__ = ["Routing", "route", "expert_load", "moe_experts", "moe_experts_grouped", "grouped_available"]
+__all__ = ["Routing", "route", "expert_load", "moe_experts", "moe_experts_any", "moe_experts_grouped",
+           "grouped_available", "grouped_used"]
 
 
 class Routing(NamedTuple):
@@ -173,12 +176,13 @@ def moe_experts(
     return u.to(z.dtype)
 
 
-def grouped_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the `grouped` MoE backend can run on `device` with expert inputs of `dtype`."""
+def grouped_available(target: Target) -> tuple[bool, str]:
+    """Whether the `grouped` MoE backend can run on `target`'s device with expert inputs of its dtype."""
     if not hasattr(torch, "_grouped_mm"):
         return False, f"torch {torch.__version__} has no torch._grouped_mm (needs torch >= 2.8)"
-    if device.type == "cuda" and dtype != torch.bfloat16:
-        return False, f"the grouped GEMM on CUDA takes bf16 inputs, the experts get {dtype} (train under bf16 autocast)"
+    if target.device.type == "cuda" and target.dtype != torch.bfloat16:
+        return False, (f"the grouped GEMM on CUDA takes bf16 inputs, the experts get {target.dtype} (train under bf16 "
+                       "autocast)")
     return True, ""
 
 
@@ -192,6 +196,7 @@ def moe_experts_grouped(
     act: Callable[[Tensor, Tensor], Tensor],
     w13: Tensor | None = None,
     act13: Callable[[Tensor], Tensor] | None = None,
+    backends: Backends | None = None,
 ) -> Tensor:
     """``moe_experts`` with grouped GEMMs: the same result, three GEMM launches for all experts.
 
@@ -207,7 +212,8 @@ def moe_experts_grouped(
     projections are one grouped GEMM and one fused activation: in backward, d(x) is one GEMM (no sum of two) and
     the activation's gradient one [M, 2F] tensor. ``w1`` and ``w3`` then only give the shapes.
 
-    Args: as ``moe_experts``, plus ``w13`` and ``act13`` (both or neither).
+    Args: as ``moe_experts``, plus ``w13`` and ``act13`` (both or neither), and ``backends`` for the dispatch and
+    combine (op ``moe_combine``).
     Returns: u [N, L] in ``z.dtype``.
     """
     _check_expert_inputs(z, weights, indices, w1, w3, w2)
@@ -232,7 +238,7 @@ def moe_experts_grouped(
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     inverse = torch.empty_like(order)  # row of the sorted pairs holding each (token, slot)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    x = moe_dispatch(z, order, inverse, k)  # [M, L] grouped by expert
+    x = moe_dispatch(z, order, inverse, k, backends)  # [M, L] grouped by expert
 
     if w13 is not None:
         h13 = torch._grouped_mm(x, w13.to(dt).transpose(1, 2), offs=offs)  # [M, 2F] = [gate | up]
@@ -243,4 +249,35 @@ def moe_experts_grouped(
         hidden = act(gate, up).to(dt)  # [M, F]
     y = torch._grouped_mm(hidden, w2.to(dt).transpose(1, 2), offs=offs)  # [M, L]
 
-    return moe_combine(y, inverse, weights, dt)  # sum_j weights[n, j] * y[inverse[n*k + j]] in fp32
+    return moe_combine(y, inverse, weights, dt, backends)  # sum_j weights[n, j] * y[inverse[n*k + j]] in fp32
+
+
+register(Op(
+    "moe", reference=moe_experts,
+    fast=(Fast("grouped", moe_experts_grouped, grouped_available, validated=True, cpu=True),),
+    tolerance="fp32: 1e-5 (the same products summed in another order); bf16 GEMMs against the fp32 loop: output "
+              "2e-2, gradients 3e-2 relative (bf16 rounding of the inputs, h13 and the hidden)"))
+
+
+def moe_experts_any(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+                    act: Callable[[Tensor, Tensor], Tensor], act_fast: Callable[[Tensor, Tensor], Tensor],
+                    act13: Callable[[Tensor], Tensor], backends: Backends | None = None) -> Tensor:
+    """The routed experts on the implementation the registry picks for z (op ``moe``), with the parameters
+    w1, w3, w2 read through k3.ops.weight_cast (cast once per training step):
+
+    * the reference loop ``moe_experts`` with `act` (the activation's reference);
+    * ``moe_experts_grouped`` with `act_fast` (the activation on its own fast path); when weight_cast holds this
+      step's w1 and w3 stacked per expert (training under autocast), gate and up are one grouped GEMM followed by
+      `act13` on the [gate | up] columns (w1 and w3 then only give the shapes: no separate casts of them)."""
+    if dispatch("moe", z, backends).name == "grouped":
+        w13 = cached_stack([w1, w3], dim=1)
+        return moe_experts_grouped(z, weights, indices, w1, w3, weight(w2), act_fast, w13=w13,
+                                   act13=None if w13 is None else act13, backends=backends)
+    return moe_experts(z, weights, indices, weight(w1), weight(w3), weight(w2), act)
+
+
+def grouped_used(device: torch.device, dtype: torch.dtype, backends: Backends | None = None) -> bool:
+    """Whether the routed experts run on the grouped GEMMs (op ``moe``) for expert inputs of `dtype` on `device`:
+    the serving engine asks ahead, since only that form can be captured in a CUDA graph (the reference loop reads
+    the expert counts back to the host)."""
+    return runs_on("moe", "grouped", Target(device, dtype), backends)

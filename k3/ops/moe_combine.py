@@ -11,9 +11,8 @@ fp32, multiplies and sums: four passes over an [N, k, L] tensor, two of them in 
 ``du`` once, writes d(y) in the same expert order (every row of ``y`` belongs to exactly one (token, slot), so no
 atomics) and reduces d(weights)[n, j] = <du[n], y[pos[n*k + j]]> in fp32 in the same pass.
 
-:func:`moe_combine` picks the implementation through k3.ops.backend (op ``moe_combine``,
-K3_MOE_COMBINE_BACKEND=auto|torch|triton). Triton is imported lazily; ``TRITON_INTERPRET=1`` runs the kernel on
-CPU tensors in Triton's interpreter (tests).
+:func:`moe_combine` picks the implementation through k3.ops.registry (op ``moe_combine``). Triton is imported
+lazily (k3.ops._triton); ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors in Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -23,16 +22,14 @@ import functools
 import torch
 from torch import Tensor
 
-# The same requirements as the SiTU kernels (Triton and CUDA, or TRITON_INTERPRET=1), checked the same way, as
-# k3.ops.mla_decode does.
-from k3.ops.situ_triton import _interpret, available
+from k3.ops import _triton
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
-__all__ = ["available", "moe_combine", "moe_combine_torch", "moe_combine_triton", "moe_dispatch"]
+__all__ = ["moe_combine", "moe_combine_torch", "moe_combine_triton", "moe_dispatch"]
 
 _MAX_BLOCK_L = 512
-# triton.language and the sum combine function, bound on first use. As in k3.ops.mla_decode, the kernel calls only
-# Triton builtins (tl.reduce with _SUM rather than tl.sum / tl.zeros, which the interpreter cannot call when
-# triton was imported before TRITON_INTERPRET was set).
+# triton.language and the sum combine function, bound on first use (k3.ops._triton.bind: the kernel calls only
+# Triton builtins, tl.reduce with _SUM)
 tl = None
 _SUM = None
 
@@ -84,11 +81,9 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, u_ptr, du_ptr, dy_ptr, dw_ptr, stride
 
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):
-    global tl, _SUM
     import triton
-    import triton.language as tl
 
-    _SUM = tl.standard._sum_combine
+    _triton.bind(globals())
     return triton.jit(_combine_kernel)
 
 
@@ -102,7 +97,7 @@ def _launch(y, pos, w, *, u=None, du=None, dy=None, dw=None) -> None:
     k_pad = 1 << (k - 1).bit_length()
     stride_u = (u if u is not None else du).stride(0)
     with torch.cuda.device(y.device.index if y.is_cuda else -1):  # launch on the tensors' GPU; -1: no-op
-        _kernel(_interpret())[(N,)](y, pos, w, u, du, dy, dw, y.stride(0), stride_u, L=L,
+        _kernel(_triton.interpret())[(N,)](y, pos, w, u, du, dy, dw, y.stride(0), stride_u, L=L,
                                     K=k, K_PAD=k_pad, BLOCK_L=block, BACKWARD=u is None, num_warps=4)
 
 
@@ -128,7 +123,7 @@ class _Combine(torch.autograd.Function):
 def moe_combine_triton(y: Tensor, pos: Tensor, weights: Tensor, out_dtype: torch.dtype) -> Tensor:
     """:func:`moe_combine_torch` as one Triton kernel forward and one backward (see the module docstring)."""
     _check(y, pos, weights)
-    ok, why = available()
+    ok, why = _triton.runnable()
     if not ok:
         raise RuntimeError(f"the MoE combine kernel cannot run: {why}")
     if y.stride(1) != 1:
@@ -156,24 +151,27 @@ class _Dispatch(torch.autograd.Function):
         return dz, None, None, None
 
 
-def moe_dispatch(z: Tensor, order: Tensor, pos: Tensor, k: int) -> Tensor:
-    """The experts' input rows: x[i] = z[order[i] // k] for the N*k (token, slot) pairs sorted by expert
-    (`order`; `pos` is its inverse). On the backend that runs the combine kernel its backward is that kernel with
-    unit weights (deterministic, fp32 sums); otherwise the same gather in PyTorch."""
-    from k3.ops.backend import resolve
+register(Op(
+    "moe_combine", reference=moe_combine_torch,
+    fast=(Fast("triton", moe_combine_triton, _triton.available, validated=True),),
+    tolerance="fp32: 1e-5 of the largest entry (only the order of the k-term sums differs); bf16 outputs one "
+              "ulp, 2^-7 (the interpreter truncates where the compiled kernel rounds); d(weights) 1e-5 (fp32 sums)"))
 
+
+def moe_dispatch(z: Tensor, order: Tensor, pos: Tensor, k: int, backends: Backends | None = None) -> Tensor:
+    """The experts' input rows: x[i] = z[order[i] // k] for the N*k (token, slot) pairs sorted by expert
+    (`order`; `pos` is its inverse). Where the registry picks the combine kernel (op ``moe_combine``) its backward
+    is that kernel with unit weights (deterministic, fp32 sums); otherwise the same gather in PyTorch."""
     N, L = z.shape
     if order.shape != (N * k,) or pos.shape != (N * k,):
         raise ValueError(f"order and pos must have shape [N*k={N * k}], got {tuple(order.shape)}, {tuple(pos.shape)}")
-    if resolve("moe_combine", z.device, available) == "triton":
+    if dispatch("moe_combine", z, backends).name == "triton":
         return _Dispatch.apply(z if z.stride(1) == 1 else z.contiguous(), order, pos.contiguous(), k)
     return z[:, None, :].expand(N, k, L).reshape(N * k, L)[order]
 
 
-def moe_combine(y: Tensor, pos: Tensor, weights: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """The combine on the backend k3.ops.backend picks for `y`'s device (the Triton kernel on CUDA)."""
-    from k3.ops.backend import resolve
-
-    if resolve("moe_combine", y.device, available) == "triton":
-        return moe_combine_triton(y, pos, weights, out_dtype)
-    return moe_combine_torch(y, pos, weights, out_dtype)
+def moe_combine(y: Tensor, pos: Tensor, weights: Tensor, out_dtype: torch.dtype,
+                backends: Backends | None = None) -> Tensor:
+    """The combine on the implementation the registry picks for `y` (op ``moe_combine``: the Triton kernel on
+    CUDA)."""
+    return dispatch("moe_combine", y, backends).fn(y, pos, weights, out_dtype)

@@ -1,4 +1,4 @@
-"""Per-Head Muon's elementwise passes as two Triton kernels (op ``muon`` in k3.ops.backend).
+"""Per-Head Muon's elementwise passes as two Triton kernels (op ``muon`` of k3.ops.registry).
 
 Around its Newton-Schulz GEMMs, a Muon step moves every parameter's bytes several times. With PyTorch ops:
 
@@ -12,7 +12,9 @@ Around its Newton-Schulz GEMMs, a Muon step moves every parameter's bytes severa
 2.2B parameters that is ~55 GB less traffic per optimizer step. Both compute in fp32. The results equal the
 PyTorch passes up to the rounding of one fused multiply-add instead of a multiply and an add.
 
-Triton is imported lazily; ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors in Triton's interpreter (tests).
+The kernels are not validated for ``auto``: they measured no faster than the PyTorch passes (BENCHMARKS.md), so
+``auto`` keeps the reference and ``per_op={"muon": "triton"}`` (or ``fast``) asks for them. Triton is imported
+lazily (k3.ops._triton); ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors in Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ import functools
 import torch
 from torch import Tensor
 
-from k3.ops.situ_triton import _interpret, available
+from k3.ops import _triton
+from k3.ops.registry import Backends, Fast, Op, Target, register, runs_on
 
-__all__ = ["available", "available_on", "decay_add_", "decay_add_torch", "momentum_", "momentum_torch",
-           "newton_schulz_input_torch"]
+__all__ = ["decay_add_", "decay_add_torch", "fused", "momentum_", "momentum_torch", "newton_schulz_input_torch"]
 
 _BLOCK = 2048  # elements per program of the momentum kernel
 _BLOCK_R, _BLOCK_C = 32, 64  # tile of the update kernel
-tl = None  # triton.language, bound on first use (module-level kernels read it as a global, as in situ_triton)
+tl = None  # triton.language, bound on first use (k3.ops._triton.bind)
 
 
 def momentum_torch(g: Tensor, buf: Tensor, u: Tensor, mu: float, nesterov: bool) -> None:
@@ -85,24 +87,14 @@ def _decay_add_kernel(p_ptr, o_ptr, R, C, so0, so1, so2, decay, alpha,
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The jitted kernels, one pair per interpreter setting (``triton.jit`` decides compiled or interpreted)."""
-    global tl
     import triton
-    import triton.language as tl
 
+    _triton.bind(globals())
     return triton.jit(_momentum_kernel), triton.jit(_decay_add_kernel)
 
 
-def available_on(device: torch.device) -> tuple[bool, str]:
-    """(True, "") when the kernels can run on tensors of `device`: a CUDA device with Triton, or any device in
-    Triton's interpreter (TRITON_INTERPRET=1); else (False, why not)."""
-    ok, why = available()
-    if ok and device.type != "cuda" and not _interpret():
-        return False, f"the kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {device}"
-    return ok, why
-
-
 def _check_runnable(t: Tensor) -> None:
-    ok, why = available_on(t.device)
+    ok, why = _triton.available(Target(t.device))
     if not ok:
         raise RuntimeError(f"the Muon update kernels cannot run: {why}")
 
@@ -117,7 +109,7 @@ def momentum_(g: Tensor, buf: Tensor, u: Tensor, mu: float, nesterov: bool) -> N
     _check_runnable(buf)
     if n == 0:
         return
-    kernel = _kernels(_interpret())[0]
+    kernel = _kernels(_triton.interpret())[0]
     with torch.cuda.device(buf.device.index if buf.is_cuda else -1):  # launch on the tensors' GPU; -1: no-op
         kernel[(-(-n // _BLOCK),)](g, buf, u, n, float(mu), NESTEROV=bool(nesterov), BLOCK=_BLOCK, num_warps=4)
 
@@ -133,8 +125,21 @@ def decay_add_(p: Tensor, o: Tensor, decay: float, alpha: float) -> None:
     n, R, C = p.shape
     if p.numel() == 0:
         return
-    kernel = _kernels(_interpret())[1]
+    kernel = _kernels(_triton.interpret())[1]
     grid = (n, -(-R // _BLOCK_R), -(-C // _BLOCK_C))
     with torch.cuda.device(p.device.index if p.is_cuda else -1):
         kernel[grid](p, o, R, C, *o.stride(), float(decay), float(alpha), BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
                      num_warps=4)
+
+
+register(Op(
+    "muon", reference=momentum_torch,
+    fast=(Fast("triton", momentum_, _triton.available, validated=False, cpu=True),),
+    tolerance="fp32: 1e-6 relative (one fused multiply-add instead of a multiply and an add); a bf16 "
+              "Newton-Schulz input one bf16 step, 2^-7 (with decay_add_torch / decay_add_ as the update pass)"))
+
+
+def fused(device: torch.device, backends: Backends | None = None) -> bool:
+    """Whether Per-Head Muon runs its momentum and update passes on these kernels for parameters on `device`
+    (op ``muon``: ``momentum_`` and ``decay_add_``), rather than the PyTorch passes."""
+    return runs_on("muon", "triton", Target(device), backends)

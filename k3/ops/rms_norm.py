@@ -6,14 +6,15 @@ The model's RMSNorm (``k3.model.common.RMSNorm``, the release's form) on a bf16 
     y     = bf16(weight * x_hat)                  fp32 weight, product rounded to the input dtype
 
 which in PyTorch is a cast, the fused norm, a cast, a multiply and a cast forward, and as many kernels backward
-plus a reduction for the weight's gradient (~15 ms per 32K-token micro-batch of k3-mini on an H200). Here the
-forward reads x once and writes y and the per-row rstd; the backward reads x, dy and rstd once and writes dx and
-per-program partial sums of d(weight), with the same roundings as autograd's: d(x_hat) = bf16(dy * weight) (the
-multiply's gradient with respect to a bf16 input), then the fp32 norm backward
+plus a reduction for the weight's gradient. Here the forward reads x once and writes y and the per-row rstd; the
+backward reads x, dy and rstd once and writes dx and per-program partial sums of d(weight), with the same roundings
+as autograd's: d(x_hat) = bf16(dy * weight) (the multiply's gradient with respect to a bf16 input), then the fp32
+norm backward
 ``dx = rstd * (g - x_hat * mean(g * x_hat))`` rounded to the input dtype, and d(weight) = sum over rows of
 ``dy * x_hat`` in fp32.
 
-This is backend op ``rms_norm`` (``triton``) of k3.ops.backend; :func:`rms_norm_any` picks it or the reference.
+This is op ``rms_norm`` (fast implementation ``triton``) of k3.ops.registry; :func:`rms_norm_any` picks it or the
+reference.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ import functools
 import torch
 from torch import Tensor
 
+from k3.ops import _triton
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
+
 __all__ = ["rms_norm_reference", "rms_norm_triton", "rms_norm_any"]
 
 _ROWS = 64  # rows per program in the backward (partial weight-gradient sums: one [D] row per program)
+tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
+_SUM = None
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -71,11 +77,9 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, stride_x
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
-    global tl, _SUM
     import triton
-    import triton.language as tl
 
-    _SUM = tl.standard._sum_combine  # tl.sum is a jit function the interpreter cannot call from here
+    _triton.bind(globals())  # _SUM: tl.sum is a jit function the interpreter cannot call from here
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
 
 
@@ -86,8 +90,6 @@ def _warps(block: int) -> int:
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        from k3.ops.situ_triton import _interpret
-
         D = x.shape[-1]
         x2 = x.reshape(-1, D)
         if x2.stride(-1) != 1:
@@ -98,7 +100,7 @@ class _RMSNorm(torch.autograd.Function):
         block = 1 << max(D - 1, 1).bit_length()
         if n:
             with torch.cuda.device(x.device.index if x.is_cuda else -1):
-                _kernels(_interpret())[0][(n,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), D, eps,
+                _kernels(_triton.interpret())[0][(n,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), D, eps,
                                                 BLOCK=block, num_warps=_warps(block))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
@@ -106,8 +108,6 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        from k3.ops.situ_triton import _interpret
-
         x2, weight, rstd = ctx.saved_tensors
         n, D = x2.shape
         dy2 = dy.reshape(n, D)
@@ -119,7 +119,7 @@ class _RMSNorm(torch.autograd.Function):
         block = 1 << max(D - 1, 1).bit_length()
         if n:
             with torch.cuda.device(x2.device.index if x2.is_cuda else -1):
-                _kernels(_interpret())[1][(programs,)](x2, weight, dy2, rstd, dx, partial, n, x2.stride(0),
+                _kernels(_triton.interpret())[1][(programs,)](x2, weight, dy2, rstd, dx, partial, n, x2.stride(0),
                                                        dy2.stride(0), dx.stride(0), D, ROWS=_ROWS, BLOCK=block,
                                                        num_warps=_warps(block))
         else:
@@ -130,25 +130,27 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """:func:`rms_norm_reference` as one Triton kernel forward and one backward (x bf16/fp16, weight fp32 [D])."""
-    from k3.ops.situ_triton import available
-
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
         raise ValueError(f"the RMSNorm kernel takes bf16/fp16 x and an fp32 weight, got {x.dtype} and {weight.dtype}")
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}")
-    ok, why = available()
+    ok, why = _triton.runnable()
     if not ok:
         raise RuntimeError(f"the RMSNorm kernel cannot run: {why}")
     return _RMSNorm.apply(x, weight, float(eps))
 
 
-def rms_norm_any(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """:func:`rms_norm_reference` on the backend k3.ops.backend picks (op ``rms_norm``) for a bf16/fp16 x and an
-    fp32 weight; the reference for anything else."""
-    from k3.ops.backend import resolve
-    from k3.ops.situ_triton import available
+register(Op(
+    "rms_norm", reference=rms_norm_reference,
+    fast=(Fast("triton", rms_norm_triton, _triton.available, validated=True),),
+    tolerance="output and input gradient one bf16 step, 2^-7 (both sides round the same fp32 values; the norm's sum "
+              "runs in another order), two in the interpreter (it truncates); the weight's gradient 1e-4 (fp32 sums "
+              "over rows in another order), 1e-2 in the interpreter"))
 
-    if (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32
-            and resolve("rms_norm", x.device, available) == "triton"):
-        return rms_norm_triton(x, weight, eps)
+
+def rms_norm_any(x: Tensor, weight: Tensor, eps: float, backends: Backends | None = None) -> Tensor:
+    """:func:`rms_norm_reference` on the implementation the registry picks (op ``rms_norm``) for a bf16/fp16 x and
+    an fp32 weight; the reference for anything else (the kernel's domain)."""
+    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32:
+        return dispatch("rms_norm", x, backends).fn(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3.ops import _triton, situ_triton
+from k3.ops.registry import DEFAULT, Backends, Fast, Op, Target, dispatch, register
+
 __all__ = ["situ_glu", "situ_glu_any", "situ_glu_any_fused"]
 
 
@@ -54,35 +57,38 @@ def situ_glu(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0) 
     return (gate_branch * up_branch).to(gate.dtype)
 
 
-def _triton_available(x: Tensor) -> tuple[bool, str]:
-    from k3.ops import situ_triton
-
-    if x.dtype == torch.float64:
+def triton_available(target: Target) -> tuple[bool, str]:
+    if target.dtype == torch.float64:
         return False, "the Triton kernel takes fp32/bf16/fp16 (float64 runs on the reference)"
-    return situ_triton.available()
+    return _triton.available(target)
 
 
-def situ_glu_any(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
-    """``situ_glu`` on the backend k3.ops.backend picks for this device (the fused Triton kernel on GPU)."""
-    from k3.ops.backend import resolve
-
-    if resolve("situ", gate.device, lambda: _triton_available(gate)) == "triton":
-        from k3.ops.situ_triton import situ_glu_split
-
-        return situ_glu_split(gate, up, beta1, beta2)
-    return situ_glu(gate, up, beta1, beta2)
+register(Op(
+    "situ", reference=situ_glu,
+    fast=(Fast("triton", situ_triton.situ_glu_split, triton_available, validated=True),),
+    tolerance="fp32: 1e-5 against a float64 evaluation (the kernel builds tanh and sigmoid from exponentials, "
+              "exact to ~1e-6); bf16/fp16: half an ulp of the output rounding (2^-8 / 2^-11) plus that, a whole "
+              "ulp in the interpreter, which truncates",
+    options=("situ_autotune",)))
 
 
-def situ_glu_any_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
-    """``situ_glu(h13[..., :F], h13[..., F:])`` of a [gate | up] tensor on the backend k3.ops.backend picks (the
-    fused Triton kernel on GPU, whose backward writes d(h13) as one tensor)."""
-    from k3.ops.backend import resolve
+def situ_glu_any(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0,
+                 backends: Backends | None = None) -> Tensor:
+    """``situ_glu`` on the implementation the registry picks for `gate` under `backends` (op ``situ``: the fused
+    Triton kernel on GPU)."""
+    impl = dispatch("situ", gate, backends)
+    if impl.name == "triton":
+        return impl.fn(gate, up, beta1, beta2, autotune=(backends or DEFAULT).situ_autotune)
+    return impl.fn(gate, up, beta1, beta2)
 
+
+def situ_glu_any_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0,
+                       backends: Backends | None = None) -> Tensor:
+    """``situ_glu(h13[..., :F], h13[..., F:])`` of a [gate | up] tensor on the implementation the registry picks
+    (op ``situ``: the fused Triton kernel on GPU, whose backward writes d(h13) as one tensor)."""
     if h13.shape[-1] % 2:
         raise ValueError(f"h13's last dimension must be even ([gate | up], 2F columns), got {h13.shape[-1]}")
-    if resolve("situ", h13.device, lambda: _triton_available(h13)) == "triton":
-        from k3.ops.situ_triton import situ_glu_fused
-
-        return situ_glu_fused(h13, beta1, beta2)
+    if dispatch("situ", h13, backends).name == "triton":
+        return situ_triton.situ_glu_fused(h13, beta1, beta2, autotune=(backends or DEFAULT).situ_autotune)
     gate, up = h13.chunk(2, dim=-1)
     return situ_glu(gate, up, beta1, beta2)

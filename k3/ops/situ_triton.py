@@ -33,70 +33,42 @@ times that where sigmoid(g) < 1e-20 and the rounding of exp's argument dominates
 gradient near dA/dg = 0, where its two terms cancel in any fp32 evaluation). Unlike the eager fp32
 reference, the gradient does not lose accuracy to 1 - t^2 and 1 - s cancelling at large |x|.
 
-Speed. Written naively (a division per tanh and per sigmoid), the kernel is limited by arithmetic, not
-memory, on an H200; it therefore takes one reciprocal per element, of (1 + e1)(1 + e2)(1 + en), every factor
-in [1, 2]. Compiled for CUDA that reciprocal is PTX's rcp.approx.ftz.f32 (at most 1 ulp off; the product lies in
-[1, 8], so flushing denormals never applies), one instruction where an IEEE or full-range division compiles to
-eight with their range checks: for sm_90 the forward drops from 54 to 46 SASS instructions per element and the
-backward (which also reuses p1 p2) from 80 to 70 (``benchmarks/situ_sass.py`` counts them offline). Triton's interpreter divides. On a
-GPU the tile (2K-8K elements) and warp count are autotuned per shape class (K3_SITU_AUTOTUNE=0: a fixed
-4K-element tile, 8 warps). ``benchmarks/situ_bench.py`` measures it against the copy bandwidth (on an H200:
-84-89% of copy, forward and forward + backward; BENCHMARKS.md).
+Speed. Written naively (a division per tanh and per sigmoid), the kernel is limited by arithmetic, not memory;
+it therefore takes one reciprocal per element, of (1 + e1)(1 + e2)(1 + en), every factor in [1, 2]. Compiled for
+CUDA that reciprocal is PTX's rcp.approx.ftz.f32 (at most 1 ulp off; the product lies in [1, 8], so flushing
+denormals never applies), one instruction where an IEEE or full-range division compiles to eight with their range
+checks (``benchmarks/situ_sass.py`` counts the instructions offline; BENCHMARKS.md). Triton's interpreter divides.
+On a GPU the tile (2K-8K elements) and warp count are autotuned per shape class (``autotune=False``, or
+``Backends(situ_autotune=False)`` through k3.ops.situ: a fixed 4K-element tile, 8 warps). ``benchmarks/situ_bench.py``
+measures it against the copy bandwidth.
 
-Triton is imported lazily: this module imports on a CPU-only machine without Triton, and :func:`available`
-says whether the kernels can run. ``TRITON_INTERPRET=1`` runs them on CPU tensors in Triton's interpreter
-(for tests); the flag is read at each call.
+Triton is imported lazily (k3.ops._triton): this module imports on a CPU-only machine without Triton, and
+``k3.ops._triton.runnable`` says whether the kernels can run. ``TRITON_INTERPRET=1`` runs them on CPU tensors in
+Triton's interpreter (for tests); the flag is read at each call.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 from torch import Tensor
 
-__all__ = ["available", "situ_glu_fused", "situ_glu_split"]
+from k3.ops import _triton
+
+__all__ = ["situ_glu_fused", "situ_glu_split"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_BLOCK_F = 1024  # columns per program
 _TILE = 4096  # elements per program (BLOCK_N * BLOCK_F when the rows allow it) without autotuning
 _NUM_WARPS = 8
 # On GPU the tile and warp count are autotuned per (columns, rows bucket, pass, dtypes) among these (Triton keeps
-# the results on disk with TRITON_CACHE_AUTOTUNING=1, which k3 sets); K3_SITU_AUTOTUNE=0 keeps the fixed choice.
+# the results on disk with TRITON_CACHE_AUTOTUNING=1, which k3 sets); autotune=False keeps the fixed choice.
 _TUNE_TILES = (2048, 4096, 8192)
 _TUNE_WARPS = (4, 8, 16)
 
-# triton.language, bound by _kernel() on first use. The kernel is a module-level function reading `tl` as a
-# global because Triton's interpreter resolves names only in the kernel's module globals (no closures).
-tl = None
-
-
-def _interpret() -> bool:
-    """Whether Triton's interpreter is on, read from the environment now."""
-    import triton
-
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older versions read the variable directly
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def available() -> tuple[bool, str]:
-    """(True, "") when the kernels can run here, else (False, why not).
-
-    They need Triton and a CUDA device, or Triton with ``TRITON_INTERPRET=1`` (CPU tensors).
-    """
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install failing at import
-        return False, f"triton is not importable ({type(e).__name__}: {e})"
-    if _interpret():
-        return True, ""
-    if not torch.cuda.is_available():
-        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
-    return True, ""
+tl = None  # triton.language, bound by _kernel() on first use (k3.ops._triton.bind)
 
 
 def _situ_glu_kernel(g_ptr, u_ptr, y_ptr, dy_ptr, dg_ptr, du_ptr, n_rows, n_cols,
@@ -167,10 +139,9 @@ def _kernel(interpret: bool, tune: bool):
     one per interpreter setting (``interpret`` is part of the cache key). With `tune`, wrapped in
     ``triton.autotune`` over the tile sizes and warp counts of _TUNE_TILES x _TUNE_WARPS; every config writes the
     same outputs from the same inputs, so the timing runs leave nothing behind."""
-    global tl
     import triton
-    import triton.language as tl
 
+    _triton.bind(globals())
     kernel = triton.jit(_situ_glu_kernel)
     if not tune:
         return kernel
@@ -179,19 +150,11 @@ def _kernel(interpret: bool, tune: bool):
     return triton.autotune(configs, key=["n_cols", "rows_log2", "BACKWARD"])(rows_per_tile(kernel))
 
 
-def _autotune() -> bool:
-    """Whether the compiled kernel picks its tile and warps by measurement (K3_SITU_AUTOTUNE, default on)."""
-    v = os.environ.get("K3_SITU_AUTOTUNE", "1").strip().lower()
-    if v not in ("0", "1", "off", "on", "false", "true"):
-        raise ValueError(f"K3_SITU_AUTOTUNE must be 0/1 (or off/on), got {v!r}")
-    return v in ("1", "on", "true")
-
-
 def _launch(g: Tensor, u: Tensor, beta1: float, beta2: float, *, y: Tensor | None = None,
             dy: Tensor | None = None, dg: Tensor | None = None, du: Tensor | None = None,
             tune: bool | None = None) -> None:
     """Forward (y given) or backward (dy, dg, du given) over [rows, cols] tensors with unit column stride.
-    `tune`: through the autotuner (default: on a GPU unless K3_SITU_AUTOTUNE=0)."""
+    `tune`: through the autotuner (default: when compiled, not in the interpreter)."""
     n_rows, n_cols = g.shape
     if n_rows == 0 or n_cols == 0:
         return
@@ -200,10 +163,10 @@ def _launch(g: Tensor, u: Tensor, beta1: float, beta2: float, *, y: Tensor | Non
     tensors = (g, u, y, dy, dg, du)
     strides = (0 if t is None else t.stride(0) for t in tensors)
     args = (*tensors, n_rows, n_cols, *strides, beta1, beta2, 1.0 / beta1, 1.0 / beta2, rows_log2)
-    interpret = _interpret()
+    interpret = _triton.interpret()
     approx = not interpret and torch.version.hip is None  # PTX's reciprocal: compiled for CUDA only
     if tune is None:
-        tune = not interpret and _autotune()
+        tune = not interpret
     with torch.cuda.device(g.device.index if g.is_cuda else -1):  # launch on the tensors' GPU; -1: no-op
         if tune:
             grid = lambda meta: (-(-n_rows // (meta["TILE"] // block_f)), -(-n_cols // block_f))  # noqa: E731
@@ -226,12 +189,12 @@ class _SituGLUFused(torch.autograd.Function):
     """h13 [N, 2F] -> y [N, F]; saves only h13."""
 
     @staticmethod
-    def forward(ctx, h13: Tensor, beta1: float, beta2: float) -> Tensor:
+    def forward(ctx, h13: Tensor, beta1: float, beta2: float, tune: bool | None) -> Tensor:
         F = h13.shape[1] // 2
         y = h13.new_empty(h13.shape[0], F)
-        _launch(h13[:, :F], h13[:, F:], beta1, beta2, y=y)
+        _launch(h13[:, :F], h13[:, F:], beta1, beta2, y=y, tune=tune)
         ctx.save_for_backward(h13)
-        ctx.betas = (beta1, beta2)
+        ctx.betas, ctx.tune = (beta1, beta2), tune
         return y
 
     @staticmethod
@@ -239,27 +202,28 @@ class _SituGLUFused(torch.autograd.Function):
         (h13,) = ctx.saved_tensors
         F = h13.shape[1] // 2
         dh13 = h13.new_empty(h13.shape)
-        _launch(h13[:, :F], h13[:, F:], *ctx.betas, dy=_rows(dy, F), dg=dh13[:, :F], du=dh13[:, F:])
-        return dh13, None, None
+        _launch(h13[:, :F], h13[:, F:], *ctx.betas, dy=_rows(dy, F), dg=dh13[:, :F], du=dh13[:, F:], tune=ctx.tune)
+        return dh13, None, None, None
 
 
 class _SituGLUSplit(torch.autograd.Function):
     """gate, up [N, F] -> y [N, F] in gate.dtype; saves gate and up."""
 
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor, beta1: float, beta2: float) -> Tensor:
+    def forward(ctx, gate: Tensor, up: Tensor, beta1: float, beta2: float, tune: bool | None) -> Tensor:
         y = gate.new_empty(gate.shape)
-        _launch(gate, up, beta1, beta2, y=y)
+        _launch(gate, up, beta1, beta2, y=y, tune=tune)
         ctx.save_for_backward(gate, up)
-        ctx.betas = (beta1, beta2)
+        ctx.betas, ctx.tune = (beta1, beta2), tune
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         gate, up = ctx.saved_tensors
         dgate, dup = gate.new_empty(gate.shape), up.new_empty(up.shape)
-        _launch(gate, up, *ctx.betas, dy=_rows(dy, gate.shape[1]), dg=dgate, du=dup)
-        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None), None, None
+        _launch(gate, up, *ctx.betas, dy=_rows(dy, gate.shape[1]), dg=dgate, du=dup, tune=ctx.tune)
+        return ((dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None),
+                None, None, None)
 
 
 def _check_tensor(x: Tensor, name: str) -> None:
@@ -277,16 +241,16 @@ def _check_runnable(x: Tensor, beta1: float, beta2: float) -> None:
         raise ValueError(f"beta1 must be > 0, got {beta1}")
     if not beta2 > 0:
         raise ValueError(f"beta2 must be > 0, got {beta2}")
-    ok, why = available()
+    ok, why = _triton.runnable()
     if not ok:
         raise RuntimeError(f"the SiTU-GLU Triton kernels cannot run: {why}")
-    if x.device.type != "cuda" and not _interpret():
+    if x.device.type != "cuda" and not _triton.interpret():
         raise ValueError(
             f"the SiTU-GLU Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {x.device}"
         )
 
 
-def situ_glu_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+def situ_glu_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0, autotune: bool = True) -> Tensor:
     """SiTU-GLU of a concatenated projection: ``situ_glu(h13[..., :F], h13[..., F:], beta1, beta2)``.
 
     Args:
@@ -294,6 +258,7 @@ def situ_glu_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tens
             GEMM against concatenated [w1; w3]). Rows may be strided; columns are made unit-stride if not.
         beta1: soft cap of the gate branch (> 0).
         beta2: soft cap of the up branch (> 0).
+        autotune: pick the tile and warps by measurement per shape class (compiled kernels); False: a fixed tile.
 
     Returns:
         [..., F] in ``h13.dtype``, computed in fp32. Differentiable: the backward writes d(h13) as one
@@ -304,11 +269,12 @@ def situ_glu_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tens
         raise ValueError(f"h13's last dimension must be even ([gate | up], 2F columns), got {h13.shape[-1]}")
     _check_runnable(h13, beta1, beta2)
     two_f = h13.shape[-1]
-    y = _SituGLUFused.apply(_rows(h13, two_f), float(beta1), float(beta2))
+    y = _SituGLUFused.apply(_rows(h13, two_f), float(beta1), float(beta2), None if autotune else False)
     return y.reshape(*h13.shape[:-1], two_f // 2)
 
 
-def situ_glu_split(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+def situ_glu_split(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0,
+                    autotune: bool = True) -> Tensor:
     """SiTU-GLU of separate gate and up tensors: the fused kernels' version of :func:`k3.ops.situ.situ_glu`.
 
     Args:
@@ -316,6 +282,7 @@ def situ_glu_split(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 
         up: [..., F], same shape and device as ``gate`` (its dtype may differ).
         beta1: soft cap of the gate branch (> 0).
         beta2: soft cap of the up branch (> 0).
+        autotune: as in :func:`situ_glu_fused`.
 
     Returns:
         [..., F] in ``gate.dtype``, computed in fp32. Differentiable; gradients come back in each input's dtype.
@@ -330,5 +297,5 @@ def situ_glu_split(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 
         raise ValueError(f"gate and up must be on the same device, got {gate.device} and {up.device}")
     _check_runnable(gate, beta1, beta2)
     F = gate.shape[-1]
-    y = _SituGLUSplit.apply(_rows(gate, F), _rows(up, F), float(beta1), float(beta2))
+    y = _SituGLUSplit.apply(_rows(gate, F), _rows(up, F), float(beta1), float(beta2), None if autotune else False)
     return y.reshape(gate.shape)

@@ -2,7 +2,7 @@
 
 Under bf16 autocast each matmul casts its fp32 weight to bf16 in every forward, and in backward autograd casts
 the bf16 weight gradient back to fp32 (``ToCopyBackward``) and then adds it to ``.grad``: three passes over every
-weight per micro-batch, ~40 ms per 32K-token micro-batch for k3-mini on an H200 (BENCHMARKS.md, seventh run).
+weight per micro-batch (BENCHMARKS.md has what that costs k3-mini).
 Inside :func:`cached_weight_casts`, weights taken through :func:`weight`, :func:`stacked_weight` or
 :func:`cached_stack`:
 

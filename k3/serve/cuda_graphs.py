@@ -26,11 +26,11 @@ cache's allocator), so they read and write only that page. The step zeroes it fi
 compute on a zero state (finite, and the same every step). Table entries past a request's own pages keep
 whatever an earlier step left there: the kernel reads only entries below the request's length.
 
-When: the model is on a CUDA device, the MLA decode runs on the paged kernel (the `mla_decode` backend resolves
-to triton: the reference gathers each request's pages to its length, read back from the device) and the MoE
-on the grouped backend (the reference expert loop reads the expert counts back). Otherwise the runner stays
-eager and a notice says why. Prefill chunks other than those below, packed forwards, batches larger than
-max_batch and block tables longer than max_pages always run eagerly.
+When: the model is on a CUDA device and, under the model's Backends, the MLA decode runs on the paged kernel (op
+`mla_decode` on triton: the reference gathers each request's pages to its length, read back from the device) and
+the MoE on the grouped GEMMs (op `moe` on grouped: the reference expert loop reads the expert counts back).
+Otherwise the runner stays eager and a notice says why. Prefill chunks other than those below, packed forwards,
+batches larger than max_batch and block tables longer than max_pages always run eagerly.
 
 Prefill chunks of exactly one hash block (`prefill_lengths`; the uncached tail of a prompt whose prefix was a
 hit) run the same way in buckets of their own, of at most MAX_PREFILL_GRAPH_TOKENS tokens a step and contexts of
@@ -39,26 +39,25 @@ as its own row of the paged decode kernel with length position + 1 (causal). Tha
 first token one graph replay instead of an eager forward. KDA runs there on fla or on the reference, whose chunked
 form reads nothing back for rows of one length; a capture that fails turns off prefill graphs only.
 
-K3_CUDA_GRAPHS: auto (default: capture when the conditions hold), off, or eager (the static-buffer step called
-directly, without capture, on any device: the same buffers, padding and scratch page; for tests and debugging).
+`EngineConfig.cuda_graphs` (the command line fills it from --no-cuda-graphs and K3_CUDA_GRAPHS): True (default:
+capture when the conditions hold), False (off), or "eager" (the static-buffer step called directly, without
+capture, on any device: the same buffers, padding and scratch page; for tests and debugging).
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from k3.ops.backend import notice, resolve
-from k3.ops.mla_decode import default_num_splits
+from k3.ops.mla_decode import default_num_splits, paged_kernel_used
+from k3.ops.moe import grouped_used
+from k3.ops.registry import notice
 
-ENV = "K3_CUDA_GRAPHS"
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
 # ... and contexts up to this long: every query row of such a step reads its request's whole latent cache, which
 # stays cheap while one layer's cache fits in the GPU's L2 (32K tokens of k3-mini: 21 MB); longer runs eagerly.
 MAX_PREFILL_GRAPH_CONTEXT = 32768
-_MODES = {"auto": "auto", "on": "auto", "1": "auto", "off": "off", "0": "off", "eager": "eager"}
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -73,42 +72,39 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 
 def decode_graphs_support(model, need_cuda: bool = True) -> tuple[bool, str]:
-    """(True, "") when a decode step of `model` can be captured, else (False, why not)."""
+    """(True, "") when a decode step of `model` can be captured, else (False, why not). The model's Backends
+    decide which implementations its ops run (the registry is asked; nothing runs)."""
     from k3.model.latent_moe import LatentMoE
-    from k3.model.mla import paged_decode_available
-    from k3.ops.moe import grouped_available
 
     device = next(model.parameters()).device
     if need_cuda and device.type != "cuda":
         return False, f"the model is on {device}, not a CUDA device"
     layers = model.model.layers
-    if any(not l.is_kda for l in layers) and \
-            resolve("mla_decode", device, lambda: paged_decode_available(device)) != "triton":
-        return False, ("the MLA decode runs on the PyTorch reference (mla_decode backend torch), which reads the "
-                       "lengths back; the paged decode kernel can be captured (K3_MLA_DECODE_BACKEND=triton)")
+    if any(not l.is_kda for l in layers) and not paged_kernel_used(device, model.backends):
+        return False, ("the MLA decode runs on the PyTorch reference (op mla_decode on torch), which reads the "
+                       "lengths back; the paged decode kernel can be captured (mla_decode=triton: "
+                       "K3_MLA_DECODE_BACKEND=triton for `k3 serve`)")
     moe = [l.ffn for l in layers if isinstance(l.ffn, LatentMoE)]
     if moe:
         dtype = moe[0].routed_expert_down_proj.weight.dtype
-        if resolve("moe", device, lambda: grouped_available(device, dtype)) != "grouped":
-            return False, ("the MoE runs on the reference expert loop (moe backend torch), which reads the expert "
-                           "counts back; the grouped backend can be captured (K3_MOE_BACKEND=grouped)")
+        if not grouped_used(device, dtype, model.backends):
+            return False, ("the MoE runs on the reference expert loop (op moe on torch), which reads the expert "
+                           "counts back; the grouped GEMMs can be captured (moe=grouped: K3_MOE_BACKEND=grouped "
+                           "for `k3 serve`)")
     return True, ""
 
 
-def decode_graphs_mode(model) -> str | None:
-    """How the engine runs batched decode steps: "capture" (CUDA graphs), "eager" (the static-buffer step without
-    capture, K3_CUDA_GRAPHS=eager) or None (the plain eager runner; a one-time notice says why)."""
-    raw = os.environ.get(ENV, "auto").strip().lower()
-    if raw not in _MODES:
-        raise ValueError(f"{ENV}={raw!r} is invalid: use auto, off or eager")
-    mode = _MODES[raw]
-    if mode == "off":
+def decode_graphs_mode(model, mode: bool | str = True) -> str | None:
+    """How the engine runs batched decode steps for `mode` (EngineConfig.cuda_graphs): "capture" (CUDA graphs),
+    "eager" (the static-buffer step without capture) or None (the plain eager runner; when graphs were asked for
+    but cannot be used, a one-time notice says why)."""
+    if mode is False:
         return None
-    ok, why = decode_graphs_support(model, need_cuda=mode == "auto")
+    ok, why = decode_graphs_support(model, need_cuda=mode is True)
     if not ok:
         notice(f"decode steps run without CUDA graphs: {why}")
         return None
-    return "capture" if mode == "auto" else "eager"
+    return "capture" if mode is True else "eager"
 
 
 def prefill_graph_lengths(model, mode: str, hash_block_tokens: int) -> tuple[int, ...]:

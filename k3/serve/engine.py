@@ -32,7 +32,7 @@ class EngineConfig:
     hash_block_tokens: int = 512  # prefix-hash granularity; KDA checkpoints sit on these boundaries
     enable_prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    cuda_graphs: bool = True  # decode steps as CUDA-graph replays where possible (k3.serve.cuda_graphs)
+    cuda_graphs: bool | str = True  # CUDA-graph decode steps where possible; False: off; "eager": no capture (tests)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -41,6 +41,8 @@ class EngineConfig:
                              f"({self.hash_block_tokens})")
         if not self.cache_memory_mb > 0:
             raise ValueError(f"cache_memory_mb must be positive, got {self.cache_memory_mb}")
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         self.scheduler.validate()
 
 
@@ -78,7 +80,7 @@ class LLMEngine:
         device = next(model.parameters()).device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         probe = CachePool(mcfg, 1, self.cfg.page_tokens, dtype=dtype, device="meta")
-        graphs = decode_graphs_mode(model) if self.cfg.cuda_graphs else None
+        graphs = decode_graphs_mode(model, self.cfg.cuda_graphs)
         scratch = int(graphs is not None)  # the last page of the pool: padding rows of graph steps use it
         num_pages = int(self.cfg.cache_memory_mb * 2**20) // probe.page_bytes - scratch
         n_kda = sum(1 for l in model.model.layers if l.is_kda)

@@ -3,8 +3,6 @@ imported when a server starts)."""
 
 from __future__ import annotations
 
-import os
-
 
 def add_serve_arguments(parser) -> None:
     """The flags of `k3 serve`."""
@@ -12,7 +10,7 @@ def add_serve_arguments(parser) -> None:
                                                       "checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("K3_API_KEY"),
+    parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)")
     parser.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
                                                           "directory's name)")

@@ -118,8 +118,8 @@ class StaticMLAView:
         return _append_paged(self.pool, self.tables, self.positions, c, k_rope)
 
     def append(self, c: torch.Tensor, k_rope: torch.Tensor):
-        raise RuntimeError("a static-buffer decode step needs the paged MLA decode (the mla_decode backend "
-                           "'triton'; K3_MLA_DECODE_BACKEND)")
+        raise RuntimeError("a static-buffer decode step needs the paged MLA decode (op mla_decode on 'triton' "
+                           "under the model's Backends)")
 
 
 class ModelRunner:

@@ -468,8 +468,9 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
 def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_tokens: int | None = None,
                  hash_block_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
-                 max_model_len: int | None = None):
-    """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template)."""
+                 max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True):
+    """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template). `backends`
+    (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
     from k3.serve.chat import load_chat_template
@@ -482,26 +483,28 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     dev = pick_device(device)
     sched = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_step_tokens", max_step_tokens),
                                                  ("prefill_chunk", prefill_chunk)) if v is not None})
-    ecfg = EngineConfig(scheduler=sched, max_model_len=max_model_len,
+    ecfg = EngineConfig(scheduler=sched, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
                         **{k: v for k, v in (("cache_memory_mb", cache_memory_mb), ("page_tokens", page_tokens),
                                              ("hash_block_tokens", hash_block_tokens)) if v is not None})
     ecfg.validate()  # before the (possibly slow) load
     tokenizer = load_any_tokenizer(ckpt_dir)
     template = load_chat_template(ckpt_dir)
-    model = from_pretrained(ckpt_dir, device=dev)
+    model = from_pretrained(ckpt_dir, device=dev, backends=backends)
     return LLMEngine(model, tokenizer, ecfg), tokenizer, template
 
 
 def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           cache_memory_mb: float | None = None, page_tokens: int | None = None, hash_block_tokens: int | None = None,
           max_num_seqs: int | None = None, max_step_tokens: int | None = None, prefill_chunk: int | None = None,
-          device: str = "auto", model_name: str | None = None, log_level: str = "info") -> None:
+          device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
+          cuda_graphs: bool | str = True) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
     as None take EngineConfig / SchedulerConfig defaults."""
     import uvicorn
 
     engine, tokenizer, template = build_engine(ckpt_dir, cache_memory_mb, page_tokens, hash_block_tokens,
-                                               max_num_seqs, max_step_tokens, prefill_chunk, device)
+                                               max_num_seqs, max_step_tokens, prefill_chunk, device,
+                                               backends=backends, cuda_graphs=cuda_graphs)
     if engine.runner.graphs is not None and engine.runner.graphs.capture:
         t0 = time.perf_counter()
         n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
@@ -532,7 +535,8 @@ def cmd_serve(args) -> int:
         serve(ckpt, host=args.host, port=args.port, api_key=args.api_key, cache_memory_mb=args.cache_memory_mb,
               page_tokens=args.page_tokens, hash_block_tokens=args.hash_block_tokens, max_num_seqs=args.max_num_seqs,
               max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk, device=args.device,
-              model_name=args.model_name, log_level=getattr(args, "log_level", "info"))
+              model_name=args.model_name, log_level=getattr(args, "log_level", "info"),
+              backends=getattr(args, "backends", None), cuda_graphs=getattr(args, "cuda_graphs", True))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

@@ -42,7 +42,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts, MoEGate
 from k3.model.mla import GatedMLA
 from k3.ops import muon_update
-from k3.ops.backend import resolve
+from k3.ops.registry import Backends
 
 __all__ = ["newton_schulz", "muon_param_groups", "describe_param_groups", "PerHeadMuon",
            "NS_COEFFS", "MUON_RMS_SCALE"]
@@ -252,6 +252,8 @@ class PerHeadMuon(torch.optim.Optimizer):
     "initial_lr" for schedulers. `weight_decay=None` keeps each group's own value (muon_param_groups puts
     0.1 on the decayed groups); a number replaces it on every group marked "decay": True (the no-decay
     groups stay at 0) and is the default for groups that carry neither. `ns_dtype=None` runs Newton-Schulz in bf16 on CUDA and fp32 elsewhere.
+    `backends` picks the momentum and update passes (op ``muon``: k3.ops.muon_update's kernels or the PyTorch
+    passes; None: ``Backends()``).
     Optimizer state lives in the parameter's dtype, so state_dict()/load_state_dict() round-trips exactly
     and a resumed run continues bit-for-bit.
     """
@@ -259,7 +261,8 @@ class PerHeadMuon(torch.optim.Optimizer):
     def __init__(self, param_groups: Iterable[dict] | nn.Module, lr: float = DEFAULT_LR, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, weight_decay: float | None = None,
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.95),
-                 adamw_eps: float = 1e-8, rms_scale: float = MUON_RMS_SCALE, ns_dtype: torch.dtype | None = None):
+                 adamw_eps: float = 1e-8, rms_scale: float = MUON_RMS_SCALE, ns_dtype: torch.dtype | None = None,
+                 backends: Backends | None = None):
         if lr <= 0 or (adamw_lr is not None and adamw_lr <= 0):
             raise ValueError(f"learning rates must be > 0, got lr={lr}, adamw_lr={adamw_lr}")
         if not 0.0 <= momentum < 1.0:
@@ -292,6 +295,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                         betas=tuple(adamw_betas), eps=adamw_eps, rms_scale=rms_scale)
         super().__init__(groups, defaults)
         self.ns_dtype = ns_dtype
+        self.backends = backends
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
         if self.ns_dtype is not None:
@@ -334,7 +338,7 @@ class PerHeadMuon(torch.optim.Optimizer):
             for p, g, buf in zip(params, grads, bufs):
                 dev = p.device
                 if dev not in fused_on:
-                    fused_on[dev] = resolve("muon", dev, lambda d=dev: muon_update.available_on(d)) == "triton"
+                    fused_on[dev] = muon_update.fused(dev, self.backends)
                 fused.append(fused_on[p.device] and p.is_contiguous() and g.is_contiguous() and buf.is_contiguous())
             rest = [i for i, f in enumerate(fused) if not f]  # momentum of these now; the fused ones later
             if rest:

@@ -11,6 +11,7 @@ import torch
 
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
+from k3.ops.registry import Backends
 from k3.train.trainer import Trainer, TrainConfig, TrainingError
 
 
@@ -23,6 +24,7 @@ class RunOptions:
     resume: bool = False
     device: str = "auto"
     max_corpus_mb: float | None = None
+    backends: Backends | None = None  # which implementations run the ops (None: Backends(), `auto`)
 
 
 # Defaults that make plain `k3 train` learn something on the machine at hand. The whole batch goes through
@@ -117,7 +119,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
                          f"(--batch-tokens {tcfg.batch_tokens}); add data or lower --batch-tokens")
 
     torch.manual_seed(tcfg.seed)
-    model = K3ForCausalLM(cfg).init_weights(seed=tcfg.seed).to(device)
+    model = K3ForCausalLM(cfg, backends=opts.backends).init_weights(seed=tcfg.seed).to(device)
     loader = PackedLoader(train_stream, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed)
     tok_json = _tokenizer_json_bytes(tok)
     trainer = Trainer(model, tcfg, loader, eval_stream=eval_stream, eos_id=tok.eos_id, tokenizer_json=tok_json,

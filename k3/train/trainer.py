@@ -117,7 +117,8 @@ class Trainer:
         self.model, self.cfg, self.loader = model, tcfg, train_loader
         self.eval_stream, self.eos_id, self.tokenizer_json, self.log = eval_stream, eos_id, tokenizer_json, log
         self.device = torch.device(tcfg.device)
-        self.optimizer = PerHeadMuon(muon_param_groups(model), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+        self.optimizer = PerHeadMuon(muon_param_groups(model), lr=tcfg.lr, weight_decay=tcfg.weight_decay,
+                                     backends=model.backends)
         # Training forwards only: evaluation (eval mode, no_grad) runs the plain path whatever the setting.
         model.set_activation_checkpointing(tcfg.activation_checkpointing)
         self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]

@@ -11,7 +11,10 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts
 from k3.model.mla import GatedMLA
 from k3.model.model import K3ForCausalLM
-from k3.ops.backend import FAST, env_var
+from k3.ops.registry import Backends, ops
+
+FAST = {name: op.fast[0].name for name, op in ops().items()}  # every op's fast implementation
+REF = Backends(default="torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,27 +55,24 @@ def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypat
     # work: this randomized k3-mini amplifies a 0.4% perturbation of one layer's output to ~80% eight layers on.
     # End to end, the loss with the fast ops must agree to 1e-2 relative. "host_offsets": the model also gets the
     # documents' offsets from the host, as the trainer gives them, with fla taking its chunk lists from there
-    # (the kda_host_offsets backend).
+    # (Backends.kda_host_offsets).
     from k3.model.model import packed_cu_seqlens
 
     model, ids, seg = mini
     cu = None
-    if "host_offsets" in fast_ops:
+    host_offsets = "host_offsets" in fast_ops
+    if host_offsets:
         fast_ops = [op for op in fast_ops if op != "host_offsets"]
-        monkeypatch.setenv(env_var("kda_host_offsets"), FAST["kda_host_offsets"])
         cu = packed_cu_seqlens(seg.cpu())
-    fast = {op: FAST[op] for op in fast_ops}  # forced, whether validated or not
-    for op in FAST:
-        monkeypatch.setenv(env_var(op), "torch")
-    loss_ref, _ = bf16_loss_and_grads(model, ids, seg, cu_seqlens_cpu=cu)
-    with monkeypatch.context() as m:
-        for op, be in fast.items():
-            m.setenv(env_var(op), be)
-        loss, _ = bf16_loss_and_grads(model, ids, seg, cu_seqlens_cpu=cu)
+    # forced, whether validated or not; every other op on its reference
+    fast = Backends(default="torch", per_op={op: FAST[op] for op in fast_ops}, kda_host_offsets=host_offsets)
+    loss_ref, _ = bf16_loss_and_grads(model.set_backends(REF), ids, seg, cu_seqlens_cpu=cu)
+    loss, _ = bf16_loss_and_grads(model.set_backends(fast), ids, seg, cu_seqlens_cpu=cu)
     assert rel_err(loss, loss_ref) < 1e-2, (float(loss), float(loss_ref))
 
+    model.set_backends(REF)
     sites = sorted({s for op in fast_ops for s in SITES[op]}, key=lambda s: (s[0].__name__, s[1]))
-    cmp = InSituComparison(fast, list(FAST)).patch(monkeypatch, sites)
+    cmp = InSituComparison(fast, REF).patch(monkeypatch, sites)
     bf16_loss_and_grads(model, ids, seg, cu_seqlens_cpu=cu)
     called = {site for site, _ in cmp.records}
     assert called == {f"{c.__name__}.{n}" for c, n in sites}, called
@@ -80,7 +80,7 @@ def test_k3_mini_fast_backends_match_the_reference_at_every_site(mini, monkeypat
     assert worst[0][0] < 5e-2, worst
 
 
-def test_training_forward_and_backward_never_wait_for_the_device(mini, monkeypatch):
+def test_training_forward_and_backward_never_wait_for_the_device(mini):
     # With every fast backend and the documents' offsets given from the host (as the trainer gives them), a training
     # forward + backward of k3-mini never synchronizes the host with the device, so the host can queue the next
     # micro-batch while the device still runs the previous one. After one warm-up pass (compilation and
@@ -88,9 +88,7 @@ def test_training_forward_and_backward_never_wait_for_the_device(mini, monkeypat
     from k3.model.model import packed_cu_seqlens
 
     model, ids, seg = mini
-    for op in TRAINING_OPS:
-        monkeypatch.setenv(env_var(op), FAST[op])
-    monkeypatch.setenv(env_var("kda_host_offsets"), FAST["kda_host_offsets"])
+    model.set_backends(Backends(per_op={op: FAST[op] for op in TRAINING_OPS}, kda_host_offsets=True))
     cu = packed_cu_seqlens(seg.cpu())
 
     def step():

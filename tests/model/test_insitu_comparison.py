@@ -3,22 +3,23 @@
 import pytest
 import torch
 
-import k3.model.latent_moe as latent_moe
 from helpers import InSituComparison, randomize_
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream
 from k3.model.latent_moe import GroupedExperts
 from k3.model.model import K3ForCausalLM
-from k3.ops.backend import FAST, env_var
+from k3.ops import moe
+from k3.ops.registry import Backends
+
+REF = Backends(default="torch")
+FAST_MOE = Backends(default="torch", per_op={"moe": "grouped"})
 
 
 @pytest.fixture()
-def tiny(monkeypatch):
-    for op in FAST:
-        monkeypatch.setenv(env_var(op), "torch")
+def tiny():
     cfg = K3Config.from_preset("tiny")
     torch.manual_seed(0)
-    model = randomize_(K3ForCausalLM(cfg)).train()
+    model = randomize_(K3ForCausalLM(cfg, backends=REF)).train()
     ids = torch.randint(1, cfg.vocab_size, (2, 96))
     seg = torch.zeros_like(ids)
     seg[0, 40:] = 1
@@ -41,7 +42,7 @@ def test_each_site_call_is_compared_and_the_model_runs_on_the_reference(tiny, mo
     # reference with itself, exactly. The model's own loss and gradients are untouched by the comparison.
     model, ids, seg = tiny
     loss_ref, g_ref = _loss(model, ids, seg)
-    cmp = InSituComparison({"moe": "grouped"}, list(FAST)).patch(monkeypatch, SITES)
+    cmp = InSituComparison(FAST_MOE).patch(monkeypatch, SITES)
     loss, g = _loss(model, ids, seg)
     assert torch.equal(loss, loss_ref) and all(torch.equal(g[n], g_ref[n]) for n in g_ref)
     sites = [s for s, _ in cmp.records]
@@ -58,9 +59,9 @@ def test_each_site_call_is_compared_and_the_model_runs_on_the_reference(tiny, mo
 def test_a_wrong_fast_path_is_caught_and_named(tiny, monkeypatch):
     # A "fast" MoE that is 10% off must show up at its site with an error of about 0.1.
     model, ids, seg = tiny
-    grouped = latent_moe.moe_experts_grouped
-    monkeypatch.setattr(latent_moe, "moe_experts_grouped", lambda *a, **k: 1.1 * grouped(*a, **k))
-    cmp = InSituComparison({"moe": "grouped"}, list(FAST)).patch(monkeypatch, SITES)
+    grouped = moe.moe_experts_grouped
+    monkeypatch.setattr(moe, "moe_experts_grouped", lambda *a, **k: 1.1 * grouped(*a, **k))
+    cmp = InSituComparison(FAST_MOE).patch(monkeypatch, SITES)
     _loss(model, ids, seg)
     err, site, _, _ = cmp.worst()[0]
     assert site == "GroupedExperts.forward" and 0.09 < err < 0.11, cmp.worst()

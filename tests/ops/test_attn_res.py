@@ -150,8 +150,9 @@ def test_validation():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fla_fused_matches_reference_forward_and_backward(dtype, tol):
     from k3.ops.attn_res import attn_res_fla, fla_available
+    from k3.ops.registry import Target
 
-    ok, why = fla_available()
+    ok, why = fla_available(Target(torch.device("cuda")))
     if not ok:
         pytest.skip(why)
     g = torch.Generator().manual_seed(0)

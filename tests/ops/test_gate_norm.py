@@ -7,6 +7,7 @@ import torch
 from helpers import rel_err
 from k3.model.common import RMSNorm
 from k3.ops.gate_norm import gate_norm, gate_norm_fla, gate_norm_torch
+from k3.ops.registry import Backends
 
 
 def test_reference_is_the_rmsnorm_module_times_the_gate():
@@ -21,16 +22,15 @@ def test_reference_is_the_rmsnorm_module_times_the_gate():
     assert torch.equal(y, norm(o.float()) * torch.sigmoid(g.float()))
 
 
-def test_cpu_uses_the_reference_and_bad_shapes_are_named(monkeypatch):
+def test_cpu_uses_the_reference_and_bad_shapes_are_named():
     o = torch.randn(4, 8)
     assert torch.equal(gate_norm(o, o, torch.ones(8), 1e-6), gate_norm_torch(o, o, torch.ones(8), 1e-6))
     with pytest.raises(ValueError, match="same shape"):
         gate_norm(o, o[:, :4], torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="weight must have shape"):
         gate_norm(o, o, torch.ones(4), 1e-6)
-    monkeypatch.setenv("K3_GATE_NORM_BACKEND", "fla")
     with pytest.raises(ValueError, match="CUDA"):
-        gate_norm(o, o, torch.ones(8), 1e-6)
+        gate_norm(o, o, torch.ones(8), 1e-6, backends=Backends(per_op={"gate_norm": "fla"}))
 
 
 def _fla_usable():

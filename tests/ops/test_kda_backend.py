@@ -5,16 +5,25 @@ import torch
 
 from helpers import rel_err
 from k3.ops import kda as ref
-from k3.ops.kda_backend import kda, resolve_backend
+from k3.ops.kda_backend import kda
+from k3.ops.registry import Backends, Target, backends_from_env, dispatch
+
+TORCH = Backends(default="torch")
 
 
-def test_cpu_uses_the_reference_and_bad_choices_are_named(monkeypatch):
-    assert resolve_backend(torch.device("cpu")) == "torch"
+def on(op: str, be: str) -> Backends:
+    """Backends with `op` pinned to `be`."""
+    return Backends(per_op={op: be})
+
+
+def test_cpu_uses_the_reference_and_bad_choices_are_named():
+    assert dispatch("kda", Target(torch.device("cpu"))).name == "torch"
     with pytest.raises(ValueError, match="needs CUDA"):
-        resolve_backend(torch.device("cpu"), "fla")
-    monkeypatch.setenv("K3_KDA_BACKEND", "magic")
+        dispatch("kda", Target(torch.device("cpu")), on("kda", "fla"))
+    with pytest.raises(ValueError, match=r"per_op\['kda'\]='magic' is invalid: use auto, torch, fla"):
+        on("kda", "magic")
     with pytest.raises(ValueError, match="K3_KDA_BACKEND"):
-        resolve_backend(torch.device("cpu"))
+        backends_from_env({"K3_KDA_BACKEND": "magic"})
 
 
 def _inputs(B, T, H, K, device, dtype, seed=0):
@@ -29,7 +38,7 @@ def _inputs(B, T, H, K, device, dtype, seed=0):
 
 def test_layer_op_reference_matches_the_plain_ops():
     q, k, v, z, beta, A_log, dt_bias = _inputs(2, 70, 2, 16, "cpu", torch.float32)
-    o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backend="torch")
+    o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backends=TORCH)
     g = ref.kda_gate(z, A_log, dt_bias, -5.0)
     o2, s2 = ref.kda_recurrent(ref.l2norm(q), ref.l2norm(k), v, g, torch.sigmoid(beta))
     assert rel_err(o, o2) < 1e-5 and rel_err(s, s2) < 1e-5
@@ -39,7 +48,7 @@ def _fla_usable() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        return resolve_backend(torch.device("cuda"), "fla") == "fla"
+        return dispatch("kda", Target(torch.device("cuda")), on("kda", "fla")).name == "fla"
     except ValueError:
         return False
 
@@ -62,7 +71,7 @@ def test_reference_chunk_and_short_conv_read_nothing_back_for_unpacked_rows(no_h
     x = torch.randn(2, 200, 8)
     w = torch.randn(8, 1, 4)
     for _ in range(2):
-        o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backend="torch")
+        o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, backends=TORCH)
         ref.short_conv(x, w, torch.zeros(2, 8, 3))
     assert o.shape == (2, 200, 2, 16) and s.shape == (2, 2, 16, 16)
 
@@ -72,7 +81,7 @@ def test_chunk_maps_from_host_sizes_match_the_recurrence_for_packed_documents():
     # against the token recurrence.
     q, k, v, z, beta, A_log, dt_bias = _inputs(1, 300, 2, 16, "cpu", torch.float32, seed=3)
     cu = torch.tensor([0, 0, 1, 130, 131, 300])
-    o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, cu_seqlens=cu, backend="torch")
+    o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, cu_seqlens=cu, backends=TORCH)
     g = ref.kda_gate(z, A_log, dt_bias, -5.0)
     o2, s2 = ref.kda_recurrent(ref.l2norm(q), ref.l2norm(k), v, g, torch.sigmoid(beta), cu_seqlens=cu)
     assert rel_err(o, o2) < 1e-5 and rel_err(s, s2) < 1e-5
@@ -82,22 +91,20 @@ DEV = "cuda"  # the device of the fla comparisons
 needs_fla = pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-core")
 
 
-def test_host_offsets_switch(monkeypatch):
-    # A backend op like the others (K3_KDA_HOST_OFFSETS_BACKEND): auto follows VALIDATED on CUDA, fla turns it on,
-    # torch off, anything else is an error naming the variable.
-    from k3.ops import backend, kda_backend
+def test_host_offsets_switch():
+    # An option of the KDA ops (Backends.kda_host_offsets, K3_KDA_HOST_OFFSETS on the command line): on by default
+    # (validated on GPU), True turns it on, False off, anything else is an error naming the field or the variable.
+    from k3.ops import kda_backend
 
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(kda_backend, "importable", lambda m: (True, ""))
-    monkeypatch.delenv("K3_KDA_HOST_OFFSETS_BACKEND", raising=False)
-    assert kda_backend.host_offsets_enabled(cuda) == backend.VALIDATED["kda_host_offsets"]
-    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "fla")
-    assert kda_backend.host_offsets_enabled(cuda)
-    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "torch")
-    assert not kda_backend.host_offsets_enabled(cuda)
-    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "sometimes")
-    with pytest.raises(ValueError, match="K3_KDA_HOST_OFFSETS_BACKEND"):
-        kda_backend.host_offsets_enabled(cuda)
+    assert kda_backend.host_offsets_enabled(Backends()) and kda_backend.host_offsets_enabled(None)
+    assert kda_backend.host_offsets_enabled(Backends(kda_host_offsets=True))
+    assert not kda_backend.host_offsets_enabled(Backends(kda_host_offsets=False))
+    assert backends_from_env({"K3_KDA_HOST_OFFSETS": "0"}).kda_host_offsets is False
+    assert backends_from_env({"K3_KDA_HOST_OFFSETS": "1"}).kda_host_offsets is True
+    with pytest.raises(ValueError, match="kda_host_offsets='sometimes'"):
+        Backends(kda_host_offsets="sometimes")
+    with pytest.raises(ValueError, match="K3_KDA_HOST_OFFSETS"):
+        backends_from_env({"K3_KDA_HOST_OFFSETS": "sometimes"})
 
 
 def test_host_chunk_indices_list_each_documents_chunks():
@@ -131,7 +138,7 @@ def _fla_vs_reference(B, T, H, cu, dtype, seed=0, host=False):
     for be in ("fla", "torch"):
         ins = [t.to(dtype if i < 5 else torch.float32).detach().requires_grad_() for i, t in enumerate(base)]
         h0 = s0.clone().requires_grad_()
-        o, s = kda(*ins, -5.0, initial_state=h0, cu_seqlens=cu_t, backend=be,
+        o, s = kda(*ins, -5.0, initial_state=h0, cu_seqlens=cu_t, backends=Backends(per_op={"kda": be}),
                    cu_seqlens_cpu=cu_host if be == "fla" else None)
         (o.float() * do).sum().backward()
         res[be] = [o.float(), s] + [t.grad.float() for t in ins] + [h0.grad]
@@ -163,10 +170,9 @@ def test_fla_chunk_matches_reference_forward_and_backward(B, T, H, cu):
 @needs_fla
 @pytest.mark.parametrize("B,T,H,cu", [(1, 2048, 8, [0, 300, 1024, 1724, 2048]), (1, 1000, 8, [0, 300, 301, 1000])],
                          ids=["k3-mini-packed", "varlen-with-1-token-doc"])
-def test_fla_chunk_with_host_offsets_matches_reference_forward_and_backward(B, T, H, cu, monkeypatch):
+def test_fla_chunk_with_host_offsets_matches_reference_forward_and_backward(B, T, H, cu):
     # As above, with the offsets also on the host, as the trainer gives them: fla's fixed-shape chunk list
-    # (use_graph) instead of one built on the device; the same 5e-2.
-    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "fla")
+    # (use_graph, Backends.kda_host_offsets on by default) instead of one built on the device; the same 5e-2.
     _assert_close(_fla_vs_reference(B, T, H, cu, torch.bfloat16, host=True), 5e-2)
 
 
@@ -189,9 +195,9 @@ def test_fla_decode_step_matches_reference():
     q, k, v, z, beta, A_log, dt_bias = _inputs(8, 1, H, K, "cuda", torch.bfloat16)
     s0 = torch.randn(8, H, K, K, device="cuda") * 0.1
     with torch.no_grad():
-        o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, initial_state=s0.clone(), backend="fla")
+        o, s = kda(q, k, v, z, beta, A_log, dt_bias, -5.0, initial_state=s0.clone(), backends=on("kda", "fla"))
         o_r, s_r = kda(q.float(), k.float(), v.float(), z.float(), beta.float(), A_log, dt_bias, -5.0,
-                       initial_state=s0.clone(), backend="torch")
+                       initial_state=s0.clone(), backends=TORCH)
     assert rel_err(o.float(), o_r) < 2e-2 and rel_err(s, s_r) < 2e-2
 
 
@@ -214,7 +220,7 @@ def test_fla_short_conv_matches_reference_forward_backward_and_states(packed):
     dy = torch.randn(x.shape, generator=g).cuda()
     res = {}
     for be in ("fla", "torch"):
-        y, s = short_conv(x, w, state, cu_seqlens=cu, backend=be)
+        y, s = short_conv(x, w, state, cu_seqlens=cu, backends=on("short_conv", be))
         res[be] = (y, s, *torch.autograd.grad((y.float() * dy).sum(), [x, w]))
     for a, b in zip(res["fla"], res["torch"]):
         assert rel_err(a.float(), b.float()) < 2e-2
@@ -222,12 +228,11 @@ def test_fla_short_conv_matches_reference_forward_backward_and_states(packed):
 
 @pytest.mark.gpu
 @needs_fla
-def test_fla_short_conv_of_q_k_v_together_with_host_offsets_matches_reference(monkeypatch):
+def test_fla_short_conv_of_q_k_v_together_with_host_offsets_matches_reference():
     # The training form: q, k and v side by side (3 x 1,024 channels, a strided view of a wider GEMM output), packed
     # documents with their offsets also on the host (fla gets its chunk list from there), no state; 2e-2 relative.
     from k3.ops.kda_backend import short_conv
 
-    monkeypatch.setenv("K3_KDA_HOST_OFFSETS_BACKEND", "fla")
     g = torch.Generator().manual_seed(1)
     C, W, T = 3 * 1024, 4, 1000
     wide = torch.randn(1, T, C + 128, generator=g).cuda().to(torch.bfloat16)
@@ -239,8 +244,9 @@ def test_fla_short_conv_of_q_k_v_together_with_host_offsets_matches_reference(mo
     res = {}
     for be in ("fla", "torch"):
         xx = x.detach().requires_grad_()
-        y, s = short_conv(xx, w, None, cu_seqlens=cu, backend=be, cu_seqlens_cpu=cu_host if be == "fla" else None,
-                          output_state=False)
+        backends = Backends(per_op={"short_conv": be}, kda_host_offsets=True)
+        y, s = short_conv(xx, w, None, cu_seqlens=cu, backends=backends,
+                          cu_seqlens_cpu=cu_host if be == "fla" else None, output_state=False)
         assert s is None
         res[be] = (y, *torch.autograd.grad((y.float() * dy).sum(), [xx, w]))
     for a, b in zip(res["fla"], res["torch"]):

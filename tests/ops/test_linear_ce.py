@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from helpers import rel_err
 
 from k3.ops.linear_ce import linear_cross_entropy
+from k3.ops.registry import Backends
 
 
 def _case(N=300, D=32, V=97, seed=0, ignore_every=7):
@@ -69,7 +70,7 @@ def test_bad_shapes_are_named():
         linear_cross_entropy(h, w, t, chunk_tokens=0)
 
 
-# --- the cross-entropy gradient kernel (backend ``linear_ce``: triton) -------------------------------------------
+# --- the cross-entropy gradient kernel (op ``linear_ce``: triton) ------------------------------------------------
 # CPU tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, set in-process); the `gpu` tests run it
 # compiled at k3-mini's head shapes. Tolerances: fp32, 1e-6 relative to the largest reference entry (only the order
 # of the exponential sums differs); bf16 gradients one bf16 step of the largest entry (2^-7: both sides round the
@@ -113,14 +114,13 @@ def test_interpreted_ce_kernel_matches_reference_bf16(interpret):
     _kernel_vs_reference(*_logits(9, 300, torch.bfloat16, seed=1), 2**-7)
 
 
-def test_interpreted_ce_kernel_inside_the_head_loss(interpret, monkeypatch):
+def test_interpreted_ce_kernel_inside_the_head_loss(interpret):
     # The whole chunked head with the kernel against the reference path: fp32, the same 1e-6 as above.
     h, w, t = _case(seed=3)
     res = []
     for be in ("triton", "torch"):
-        monkeypatch.setenv("K3_LINEAR_CE_BACKEND", be)
         a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = linear_cross_entropy(a, b, t, chunk_tokens=64)
+        loss = linear_cross_entropy(a, b, t, chunk_tokens=64, backends=Backends(per_op={"linear_ce": be}))
         loss.backward()
         res.append((loss.detach(), a.grad, b.grad))
     for x, y in zip(*res):
@@ -147,7 +147,7 @@ def test_ce_kernel_matches_reference_on_gpu_at_k3_mini_head_shapes():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_head_loss_with_the_ce_kernel_matches_the_reference_on_gpu(monkeypatch):
+def test_head_loss_with_the_ce_kernel_matches_the_reference_on_gpu():
     # The head of k3-mini (hidden 1,024, vocabulary 32,768) on 16,384 rows in two chunks under bf16 autocast: loss to
     # 1e-5; d(h) and d(W) to 5e-3 of the largest entry (a gradient element may round to the neighbouring bf16 value
     # before the GEMMs, where the sums of exponentials differ in order).
@@ -158,10 +158,9 @@ def test_head_loss_with_the_ce_kernel_matches_the_reference_on_gpu(monkeypatch):
     t[::9] = -100
     res = []
     for be in ("triton", "torch"):
-        monkeypatch.setenv("K3_LINEAR_CE_BACKEND", be)
         a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = linear_cross_entropy(a, b, t, chunk_tokens=8192)
+            loss = linear_cross_entropy(a, b, t, chunk_tokens=8192, backends=Backends(per_op={"linear_ce": be}))
         loss.backward()
         res.append((loss.detach(), a.grad, b.grad))
     assert rel_err(res[0][0], res[1][0]) < 1e-5

@@ -7,8 +7,10 @@ import torch
 
 from helpers import rel_err
 from k3.ops.mla import causal_block_mask, flex_available, max_logit, mla_attention, mla_attention_flex
+from k3.ops.registry import Backends, Target, backends_from_env
 
-pytestmark = pytest.mark.skipif(not flex_available()[0], reason="this torch has no flex_attention")
+pytestmark = pytest.mark.skipif(not flex_available(Target(torch.device("cpu")))[0],
+                                reason="this torch has no flex_attention")
 
 
 def _qkv(B, T, H, device="cpu", dtype=torch.float32, seed=0):
@@ -91,31 +93,31 @@ def test_compiled_flex_matches_reference_forward_backward_and_max_logit(packed, 
     assert rel_err(m, max_logit(q32, k32, 192 ** -0.5, seg)) < 1e-2
 
 
-def test_flex_autotune_setting_is_checked(monkeypatch):
-    from k3.ops.mla import flex_autotune
-
-    monkeypatch.delenv("K3_FLEX_AUTOTUNE", raising=False)
-    assert flex_autotune() is False
-    monkeypatch.setenv("K3_FLEX_AUTOTUNE", "1")
-    assert flex_autotune() is True
-    monkeypatch.setenv("K3_FLEX_AUTOTUNE", "yes")
+def test_flex_autotune_setting_is_checked():
+    assert Backends().flex_autotune is False
+    assert backends_from_env({}).flex_autotune is False
+    assert backends_from_env({"K3_FLEX_AUTOTUNE": "1"}).flex_autotune is True
     with pytest.raises(ValueError, match="K3_FLEX_AUTOTUNE='yes' is invalid"):
-        flex_autotune()
+        backends_from_env({"K3_FLEX_AUTOTUNE": "yes"})
+    with pytest.raises(ValueError, match="flex_autotune='yes' is invalid"):
+        Backends(flex_autotune="yes")
 
 
-def test_flex_kernel_options_come_from_the_table_or_the_environment(monkeypatch):
+def test_flex_kernel_options_come_from_the_table_or_the_backends():
     # The compiled GPU test above runs with the table's tiles on the GPUs it lists (the H200's sm90 entry).
     from k3.ops.mla import flex_kernel_options
 
     q, _, v = _qkv(1, 8, 1)
-    monkeypatch.delenv("K3_FLEX_KERNEL_OPTIONS", raising=False)
+    env = backends_from_env
     assert flex_kernel_options(q, v) is None  # CPU tensors: torch's defaults
-    monkeypatch.setenv("K3_FLEX_KERNEL_OPTIONS", '{"bwd_BLOCK_M1": 32, "bwd_num_warps": 8}')
-    assert flex_kernel_options(q, v) == {"bwd_BLOCK_M1": 32, "bwd_num_warps": 8}
-    monkeypatch.setenv("K3_FLEX_KERNEL_OPTIONS", "{}")
-    assert flex_kernel_options(q, v) is None
+    assert flex_kernel_options(q, v, env({})) is None
+    opts = env({"K3_FLEX_KERNEL_OPTIONS": '{"bwd_BLOCK_M1": 32, "bwd_num_warps": 8}'})
+    assert flex_kernel_options(q, v, opts) == {"bwd_BLOCK_M1": 32, "bwd_num_warps": 8}
+    assert flex_kernel_options(q, v, Backends(flex_kernel_options={"bwd_num_warps": 8})) == {"bwd_num_warps": 8}
+    assert flex_kernel_options(q, v, env({"K3_FLEX_KERNEL_OPTIONS": "{}"})) is None
     for bad, match in [("{bwd", "not valid JSON"), ('{"BLOCK_M": 64}', "keys among"),
                        ('{"fwd_num_warps": 0}', "positive integers"), ("[64]", "JSON object")]:
-        monkeypatch.setenv("K3_FLEX_KERNEL_OPTIONS", bad)
         with pytest.raises(ValueError, match=match):
-            flex_kernel_options(q, v)
+            env({"K3_FLEX_KERNEL_OPTIONS": bad})
+    with pytest.raises(ValueError, match="keys among"):
+        Backends(flex_kernel_options={"BLOCK_M": 64})

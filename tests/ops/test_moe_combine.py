@@ -103,12 +103,13 @@ def test_shapes_are_checked():
         moe_dispatch(torch.zeros(4, 8), pos, pos, 3)
 
 
-def test_cpu_uses_the_reference_and_forcing_the_kernel_on_cpu_is_an_error(monkeypatch):
+def test_cpu_uses_the_reference_and_forcing_the_kernel_on_cpu_is_an_error():
+    from k3.ops.registry import Backends
+
     y, pos, w, _ = _case(4, 2, 8, torch.float32)
     assert torch.equal(moe_combine(y, pos, w, torch.float32), moe_combine_torch(y, pos, w, torch.float32))
-    monkeypatch.setenv("K3_MOE_COMBINE_BACKEND", "triton")
     with pytest.raises(ValueError, match="needs CUDA"):
-        moe_combine(y, pos, w, torch.float32)
+        moe_combine(y, pos, w, torch.float32, backends=Backends(per_op={"moe_combine": "triton"}))
 
 
 @pytest.mark.gpu
@@ -123,11 +124,12 @@ def test_gpu_kernel_matches_reference(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_grouped_moe_layer_with_the_kernels_matches_the_pytorch_permutations(monkeypatch):
+def test_gpu_grouped_moe_layer_with_the_kernels_matches_the_pytorch_permutations():
     # The whole grouped MoE (k3-mini's experts, 4K tokens, bf16) with dispatch backward and combine on the kernel
     # against the same layer with PyTorch's gather/scatter: output and every gradient within 1e-2 relative.
     from k3.model.latent_moe import GroupedExperts
     from k3.ops.moe import moe_experts_grouped, route
+    from k3.ops.registry import Backends
 
     torch.manual_seed(0)
     ex = GroupedExperts(128, 512, 768, 4.0, 25.0).cuda()
@@ -138,10 +140,10 @@ def test_gpu_grouped_moe_layer_with_the_kernels_matches_the_pytorch_permutations
     du = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
     res = {}
     for be in ("triton", "torch"):
-        monkeypatch.setenv("K3_MOE_COMBINE_BACKEND", be)
         z, lg = z0.clone().requires_grad_(), logits.clone().requires_grad_()
         r = route(lg, None, 8)
-        u = moe_experts_grouped(z, r.weights, r.indices, ex.w1, ex.w3, ex.w2, ex.act_fused)
+        u = moe_experts_grouped(z, r.weights, r.indices, ex.w1, ex.w3, ex.w2, ex.act_fused,
+                                backends=Backends(per_op={"moe_combine": be}))
         grads = torch.autograd.grad((u.float() * du.float()).sum(), [z, lg, ex.w1, ex.w3, ex.w2])
         res[be] = (u, *grads)
     for a, b in zip(res["triton"], res["torch"]):

@@ -5,9 +5,11 @@ import torch
 
 from helpers import rel_err
 from k3.ops.moe import grouped_available, moe_experts, moe_experts_grouped, route
+from k3.model.common import set_backends
+from k3.ops.registry import Backends, Target, backends_from_env
 from k3.ops.situ import situ_glu
 
-pytestmark = pytest.mark.skipif(not grouped_available(torch.device("cpu"), torch.float32)[0],
+pytestmark = pytest.mark.skipif(not grouped_available(Target(torch.device("cpu"), torch.float32))[0],
                                 reason="this torch has no torch._grouped_mm")
 
 
@@ -83,7 +85,7 @@ def test_grouped_rejects_bad_indices_by_name():
         moe_experts_grouped(leaves[0], weights, idx + 4, *leaves[1:], _act)
 
 
-def test_layer_backend_switch_gives_the_same_layer_output(tiny_cfg, monkeypatch):
+def test_layer_backend_switch_gives_the_same_layer_output(tiny_cfg):
     from k3.model.latent_moe import LatentMoE
 
     layer = next(i for i in range(tiny_cfg.num_hidden_layers) if tiny_cfg.is_moe_layer(i))
@@ -92,13 +94,14 @@ def test_layer_backend_switch_gives_the_same_layer_output(tiny_cfg, monkeypatch)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(2, 9, tiny_cfg.hidden_size)
-    monkeypatch.setenv("K3_MOE_BACKEND", "torch")
+    set_backends(moe, Backends(per_op={"moe": "torch"}))
     ref = moe(x)
-    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
+    set_backends(moe, Backends(per_op={"moe": "grouped"}))
     assert rel_err(moe(x), ref) < 1e-5
-    monkeypatch.setenv("K3_MOE_BACKEND", "fast")
-    with pytest.raises(ValueError, match="K3_MOE_BACKEND"):
-        moe(x)
+    with pytest.raises(ValueError, match=r"per_op\['moe'\]='fast' is invalid: use auto, torch, grouped"):
+        Backends(per_op={"moe": "fast"})
+    with pytest.raises(ValueError, match="K3_MOE_BACKEND='fast' is invalid"):
+        backends_from_env({"K3_MOE_BACKEND": "fast"})
 
 
 @pytest.mark.gpu
@@ -131,7 +134,7 @@ def test_grouped_bf16_on_gpu_matches_the_fp32_loop():
         assert rel_err(a.float(), b) < 3e-2
 
 
-def test_whole_model_under_bf16_autocast_matches_the_loop(tiny_cfg, monkeypatch):
+def test_whole_model_under_bf16_autocast_matches_the_loop(tiny_cfg):
     # The training setting (bf16 autocast, packed documents, MTP): loss equal to 1e-3 relative, all gradients
     # together within 3e-2 (L2) and every gradient tensor of >= 64 entries with cosine > 0.99 against the loop.
     from helpers import bf16_loss_and_grads, grad_disagreement, randomize_
@@ -143,8 +146,7 @@ def test_whole_model_under_bf16_autocast_matches_the_loop(tiny_cfg, monkeypatch)
     seg[0, 50:] = 1
 
     def run(backend):
-        monkeypatch.setenv("K3_MOE_BACKEND", backend)
-        return bf16_loss_and_grads(model, ids, seg)
+        return bf16_loss_and_grads(model.set_backends(Backends(per_op={"moe": backend})), ids, seg)
 
     loss_ref, g_ref = run("torch")
     loss, g = run("grouped")

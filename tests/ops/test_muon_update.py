@@ -92,13 +92,13 @@ def test_gpu_kernels_match_the_torch_passes():
 
 
 def test_asking_for_the_kernels_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
-    # through the optimizer: K3_MUON_BACKEND=triton with CPU parameters and no interpreter names the problem
+    # through the optimizer: muon=triton with CPU parameters and no interpreter names the problem
     pytest.importorskip("triton")
+    from k3.ops.registry import Backends
     from k3.train.muon import PerHeadMuon, muon_param_groups
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("K3_MUON_BACKEND", "triton")
     lin = torch.nn.Linear(8, 8, bias=False)
     lin.weight.grad = torch.randn(8, 8)
-    with pytest.raises(ValueError, match="K3_MUON_BACKEND=triton.*CUDA"):
-        PerHeadMuon(muon_param_groups(lin), lr=0.1).step()
+    with pytest.raises(ValueError, match="muon=triton.*CUDA"):
+        PerHeadMuon(muon_param_groups(lin), lr=0.1, backends=Backends(per_op={"muon": "triton"})).step()

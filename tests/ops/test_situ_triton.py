@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from k3.ops.situ import situ_glu
-from k3.ops.situ_triton import available, situ_glu_fused, situ_glu_split
+from k3.ops._triton import runnable as available
+from k3.ops.situ_triton import situ_glu_fused, situ_glu_split
 
 FP32_TOL = 1e-5
 # Output rounding of the kernel's fp32 result: (compiled, interpreter) relative bound.
@@ -197,14 +198,15 @@ def test_autotuned_launch_path_equals_the_fixed_one(interpret, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_autotune_switch_is_validated(monkeypatch):
-    from k3.ops import situ_triton
+def test_autotune_switch_is_validated():
+    from k3.ops.registry import Backends, backends_from_env
 
-    monkeypatch.setenv("K3_SITU_AUTOTUNE", "0")
-    assert situ_triton._autotune() is False
-    monkeypatch.setenv("K3_SITU_AUTOTUNE", "maybe")
+    assert Backends().situ_autotune is True
+    assert backends_from_env({"K3_SITU_AUTOTUNE": "0"}).situ_autotune is False
     with pytest.raises(ValueError, match="K3_SITU_AUTOTUNE"):
-        situ_triton._autotune()
+        backends_from_env({"K3_SITU_AUTOTUNE": "maybe"})
+    with pytest.raises(ValueError, match="situ_autotune"):
+        Backends(situ_autotune="maybe")
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -238,7 +240,7 @@ def test_available_without_triton_or_device(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.delitem(sys.modules, "k3.ops.situ_triton")
     fresh = importlib.import_module("k3.ops.situ_triton")
-    ok, why = fresh.available()
+    ok, why = available()
     assert not ok and "triton is not importable" in why
     with pytest.raises(RuntimeError, match="triton is not importable"):
         fresh.situ_glu_fused(torch.zeros(2, 8))

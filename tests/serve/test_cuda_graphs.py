@@ -4,7 +4,6 @@ real capture on a GPU (marked `gpu`)."""
 
 import copy
 import functools
-import os
 
 import pytest
 import torch
@@ -12,7 +11,8 @@ import torch
 from helpers import randomize_, rel_err
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
-from k3.ops import backend, mla_decode
+from k3.ops import mla_decode, registry
+from k3.ops.registry import Backends
 from k3.serve.cuda_graphs import DecodeGraphs, decode_buckets
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.generate import generate_tokens
@@ -22,6 +22,8 @@ from k3.serve.scheduler import SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0)
 HB, PAGE = 16, 48
+GRAPH_OPS = {"mla_decode": "triton", "moe": "grouped"}  # the implementations a captured step needs
+ENGINE = {}  # EngineConfig fields a fixture sets for every engine of its test
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,6 +42,7 @@ def reference(prompt: tuple) -> list[int]:
 
 
 def _engine(model=None, max_num_seqs=4, max_model_len=2048, mb=8.0, **kw):
+    kw = {**ENGINE, **kw}
     eng = LLMEngine(model or _model(), None, EngineConfig(
         cache_memory_mb=mb, page_tokens=PAGE, hash_block_tokens=HB, max_model_len=max_model_len,
         scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=max_num_seqs,
@@ -54,11 +57,17 @@ def _prompts(lengths, seed=3):
 
 
 @pytest.fixture
-def static_mode(monkeypatch):
+def use_backends():
+    """Set the shared model's Backends for one test: `use_backends(b)` (restored to the default after)."""
+    yield _model().set_backends
+    _model().set_backends(None)
+
+
+@pytest.fixture
+def static_mode(monkeypatch, use_backends):
     """The static-buffer decode step without capture, on the backends a graph needs."""
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "eager")
-    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")  # on CPU: the paged reference (or the interpreter)
-    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
+    monkeypatch.setitem(ENGINE, "cuda_graphs", "eager")
+    use_backends(Backends(per_op=GRAPH_OPS))  # mla_decode on CPU: the paged reference (or the interpreter)
 
 
 @pytest.fixture(params=["reference", "triton-interpreter"])
@@ -142,16 +151,14 @@ def test_hash_block_prefill_chunks_run_on_the_static_buffers(static_mode, decode
 
 
 @pytest.mark.parametrize("T", [1, HB], ids=["decode", "hash-block-prefill"])
-def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode, monkeypatch, T):
+def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode, T):
     # At the runner: three requests (prefilled eagerly) take one step of T new tokens each (a decode step, or a
     # hash-block prefill chunk) on the static buffers (bucket 4) and on the eager runner. Same logits; the static
     # step changed the requests' own pages and the scratch page only.
     prompts = _prompts((30, 47, 95), seed=7)
     runs = []
     for static in (True, False):
-        if not static:
-            monkeypatch.setenv("K3_CUDA_GRAPHS", "off")
-        eng = _engine()
+        eng = _engine() if static else _engine(cuda_graphs=False)
         assert (eng.runner.graphs is not None) == static
         seqs = [eng.add_request(p, GREEDY) for p in prompts]
         for s in seqs:
@@ -195,65 +202,69 @@ def test_batches_beyond_the_largest_bucket_or_table_run_eagerly(static_mode):
 
 
 def _notice_after(monkeypatch, capsys, **kw):
-    monkeypatch.setattr(backend, "_notices", set())
+    monkeypatch.setattr(registry, "_notices", set())
     capsys.readouterr()
     eng = _engine(**kw)
     return eng, capsys.readouterr().err
 
 
-def test_graphs_are_not_used_off_cuda_or_on_uncapturable_backends(monkeypatch, capsys):
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")
-    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
-    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
-    eng, err = _notice_after(monkeypatch, capsys)
+def test_graphs_are_not_used_off_cuda_or_on_uncapturable_backends(monkeypatch, capsys, use_backends):
+    use_backends(Backends(per_op=GRAPH_OPS))
+    eng, err = _notice_after(monkeypatch, capsys, cuda_graphs=True)
     assert eng.runner.graphs is None and "without CUDA graphs" in err and "not a CUDA device" in err
     assert eng.pool.num_pages == eng.prefix.num_pages  # no scratch page
 
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "eager")  # past the device check: the backends decide
-    monkeypatch.setenv("K3_MOE_BACKEND", "torch")
-    eng, err = _notice_after(monkeypatch, capsys)
+    # eager: past the device check, the backends decide
+    use_backends(Backends(per_op={**GRAPH_OPS, "moe": "torch"}))
+    eng, err = _notice_after(monkeypatch, capsys, cuda_graphs="eager")
     assert eng.runner.graphs is None and "MoE" in err and "K3_MOE_BACKEND=grouped" in err
 
-    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
-    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "torch")
-    eng, err = _notice_after(monkeypatch, capsys)
+    use_backends(Backends(per_op={**GRAPH_OPS, "mla_decode": "torch"}))
+    eng, err = _notice_after(monkeypatch, capsys, cuda_graphs="eager")
     assert eng.runner.graphs is None and "MLA decode" in err and "K3_MLA_DECODE_BACKEND=triton" in err
 
-    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
+    use_backends(Backends(per_op=GRAPH_OPS))
     eng, err = _notice_after(monkeypatch, capsys, cuda_graphs=False)  # off by configuration: nothing to explain
     assert eng.runner.graphs is None and err == ""
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "off")
-    assert _engine().runner.graphs is None
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "sometimes")
-    with pytest.raises(ValueError, match="K3_CUDA_GRAPHS"):
-        _engine()
+    with pytest.raises(ValueError, match="cuda_graphs='sometimes' is invalid"):
+        _engine(cuda_graphs="sometimes")
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs(eng.runner, 4, 512, scratch_page=0, capture=True)
 
 
 def test_serve_flag_turns_graphs_off(monkeypatch):
+    # The command line fills EngineConfig.cuda_graphs: --no-cuda-graphs, else K3_CUDA_GRAPHS (auto, off, eager).
     from k3 import cli
     from k3.serve import server
 
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")  # restored after the test
-    args = cli.build_parser().parse_args(["serve", "--ckpt", "x"])
+    monkeypatch.delenv("K3_CUDA_GRAPHS", raising=False)
+    parse = cli.build_parser().parse_args
+    args = parse(["serve", "--ckpt", "x"])
     assert args.cuda_graphs is True
-    args = cli.build_parser().parse_args(["serve", "--ckpt", "x", "--no-cuda-graphs"])
     seen = []
-    monkeypatch.setattr(server, "cmd_serve", lambda a: seen.append(os.environ["K3_CUDA_GRAPHS"]) or 0)
-    assert args.fn(args) == 0 and seen == ["off"]
+    monkeypatch.setattr(server, "cmd_serve", lambda a: seen.append(a.cuda_graphs) or 0)
+    assert args.fn(args) == 0 and seen == [True]
+    args = parse(["serve", "--ckpt", "x", "--no-cuda-graphs"])
+    assert args.fn(args) == 0 and seen[-1] is False
+    for raw, want in (("off", False), ("eager", "eager"), ("auto", True)):
+        monkeypatch.setenv("K3_CUDA_GRAPHS", raw)
+        args = parse(["serve", "--ckpt", "x"])
+        assert args.fn(args) == 0 and seen[-1] == want
+    args = parse(["serve", "--ckpt", "x", "--no-cuda-graphs"])  # the flag wins
+    assert args.fn(args) == 0 and seen[-1] is False
+    monkeypatch.setenv("K3_CUDA_GRAPHS", "sometimes")
+    args = parse(["serve", "--ckpt", "x"])
+    with pytest.raises(ValueError, match="K3_CUDA_GRAPHS"):
+        args.fn(args)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_captured_decode_equals_the_eager_engine(monkeypatch):
+def test_gpu_captured_decode_equals_the_eager_engine():
     # The same requests on a bf16 model on the GPU through captured graphs and through the eager runner: the same
     # greedy outputs; the graphs were captured (buckets 1 and 4) and replayed. Then at the runner, one replay equals
     # the same static-buffer step called without capture.
-    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
-    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")
-    model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16)
+    model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16).set_backends(Backends(per_op=GRAPH_OPS))
     prompts = _prompts((44, 46, 10, 94))
     outputs = []
     for graphs_on in (True, False):
@@ -291,17 +302,14 @@ def test_gpu_captured_decode_equals_the_eager_engine(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kda_backend", ["torch", "fla"])
-def test_gpu_captured_hash_block_prefill_equals_the_eager_engine(monkeypatch, kda_backend):
+def test_gpu_captured_hash_block_prefill_equals_the_eager_engine(kda_backend):
     # Hash-block prefill chunks are captured too (KDA on fla, or on the reference, whose chunk reads nothing back
     # for rows of one length): a prompt with a cached prefix and a one-hash-block tail gives the same greedy
     # output through the captured prefill graph as through the eager engine.
-    if kda_backend == "fla" and not backend.importable("fla.ops.kda")[0]:
+    if kda_backend == "fla" and not registry.importable("fla.ops.kda")[0]:
         pytest.skip("needs fla-core")
-    monkeypatch.setenv("K3_KDA_BACKEND", kda_backend)
-    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
-    monkeypatch.setenv("K3_MOE_BACKEND", "grouped")
-    monkeypatch.setenv("K3_CUDA_GRAPHS", "auto")
     model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16)
+    model.set_backends(Backends(per_op={**GRAPH_OPS, "kda": kda_backend}))
     base = _prompts((5 * HB,), seed=11)[0]
     outputs = []
     for graphs_on in (True, False):

@@ -273,18 +273,22 @@ def test_packed_runner_forward_equals_separate_forwards():
 def test_decode_through_the_paged_kernel_matches_the_reference(monkeypatch, interpret):
     # Decode steps attend straight from the page pool (k3.ops.mla_decode): with its gather-based reference on CPU,
     # and with the Triton kernel itself in Triton's CPU interpreter. Greedy outputs equal the cache-free run.
+    from k3.ops import mla_decode
+    from k3.ops.registry import Backends
+
     if interpret:
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("K3_MLA_DECODE_BACKEND", "triton")
-    from k3.ops import mla_decode
-
     calls = []
     orig = mla_decode.mla_decode_absorbed
     monkeypatch.setattr(mla_decode, "mla_decode_absorbed", lambda *a, **k: calls.append(1) or orig(*a, **k))
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 60)]
-    seqs = _run(_engine(mb=8), [prompts])
+    _model().set_backends(Backends(per_op={"mla_decode": "triton"}))
+    try:
+        seqs = _run(_engine(mb=8), [prompts])
+    finally:
+        _model().set_backends(None)
     assert calls
     for s, p in zip(seqs, prompts):
         assert s.output_ids == reference(tuple(p))

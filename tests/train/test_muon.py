@@ -11,6 +11,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts
 from k3.model.mla import GatedMLA
 from k3.model.model import K3ForCausalLM
+from k3.ops.registry import Backends
 from k3.train.muon import (MUON_RMS_SCALE, PerHeadMuon, describe_param_groups, muon_param_groups,
                            newton_schulz)
 
@@ -331,11 +332,10 @@ def test_batched_muon_step_matches_the_per_parameter_definition(tiny_cfg, monkey
     if backend == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("K3_MUON_BACKEND", backend)
     monkeypatch.setattr(muon, "NS_CHUNK_BYTES", chunk_bytes)
     model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
     ref = copy.deepcopy(model)
-    opt = PerHeadMuon(muon_param_groups(model), lr=0.01)
+    opt = PerHeadMuon(muon_param_groups(model), lr=0.01, backends=Backends(per_op={"muon": backend}))
     gen = torch.Generator().manual_seed(7)
     bufs: dict = {}
     for _ in range(3):
@@ -397,7 +397,7 @@ def test_bf16_newton_schulz_stays_within_the_gpu_tolerance_of_the_fp32_step(tiny
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, monkeypatch, backend):
+def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, backend):
     # On CUDA, Newton-Schulz runs in bf16 (fp32 accumulation): two steps of the whole tiny model land every Muon
     # parameter's update within 3e-2 (relative L2) of the fp32 definition on CPU (bf16 Newton-Schulz on CPU is
     # 1.5e-2 from it, test below; elementwise maxima differ by up to ~3e-2); AdamW's to 1e-4 (max relative): the
@@ -405,12 +405,12 @@ def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, 
     # to 2e-2) is ~4e-5 of the update (an H200 differed from the CPU by 2.4e-5). Every parameter is checked before the
     # test fails, and the failures are listed. With the PyTorch passes around Newton-Schulz and with the fused
     # Triton kernels.
-    monkeypatch.setenv("K3_MUON_BACKEND", backend)
     model = randomize_(K3ForCausalLM(tiny_cfg).init_weights(0))
     ref = copy.deepcopy(model)
     gpu = copy.deepcopy(model).cuda()
-    opt = PerHeadMuon(muon_param_groups(gpu), lr=0.01)
-    ref_opt = PerHeadMuon(muon_param_groups(ref), lr=0.01)
+    opt = PerHeadMuon(muon_param_groups(gpu), lr=0.01, backends=Backends(per_op={"muon": backend}))
+    # the CPU definition (the kernels run on CUDA only here)
+    ref_opt = PerHeadMuon(muon_param_groups(ref), lr=0.01, backends=Backends(per_op={"muon": "torch"}))
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
         grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
@@ -419,9 +419,7 @@ def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, 
         for n, p in ref.named_parameters():
             p.grad = grads[n].clone()
         opt.step()
-        with monkeypatch.context() as m:
-            m.setenv("K3_MUON_BACKEND", "torch")  # the CPU definition (the kernels run on CUDA only here)
-            ref_opt.step()
+        ref_opt.step()
     desc = describe_param_groups(model)
     bad = []
     for n, p0 in model.named_parameters():

@@ -1,0 +1,191 @@
+"""The op registry and the Backends choice (pure logic: no kernel runs here, nothing is allocated on a GPU)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3.ops import registry
+from k3.ops.registry import Backends, Fast, Op, Target, backends_from_env, dispatch, ops, register, runs_on
+
+CUDA = Target(torch.device("cuda"), torch.bfloat16)  # dispatch() only reads the device type and dtype
+CPU = Target(torch.device("cpu"), torch.float32)
+YES = lambda target: (True, "")  # noqa: E731
+NO = lambda target: (False, "the kernel library is missing")  # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def fresh_notices(monkeypatch):
+    monkeypatch.setattr(registry, "_notices", set())
+
+
+def _with(monkeypatch, available=YES, validated=None, **per_op):
+    """Every registered op with its fast implementations' availability replaced by `available` (and their
+    validation record by `validated`, where given); per_op: {op: available} for single ops."""
+    for name, op in list(ops().items()):
+        avail = per_op.get(name, available)
+        fast = tuple(dataclasses.replace(f, available=avail, **({} if validated is None else {"validated": validated}))
+                     for f in op.fast)
+        monkeypatch.setitem(registry._ops, name, dataclasses.replace(op, fast=fast))
+
+
+def _fast(op: str) -> str:
+    return ops()[op].fast[0].name
+
+
+def test_every_op_registers_its_facts():
+    # The fast implementations, which are validated on GPU (all but the Muon update kernels, which measured no faster
+    # than the PyTorch passes) and which also run on CPU when asked for; a tolerance with its reason for each op.
+    assert {name: [f.name for f in op.fast] for name, op in ops().items()} == {
+        "kda": ["fla"], "short_conv": ["fla"], "attn_res": ["fla"], "gate_norm": ["fla"], "mla": ["flex"],
+        "moe": ["grouped"], "moe_combine": ["triton"], "situ": ["triton"], "mla_decode": ["triton"],
+        "muon": ["triton"], "linear_ce": ["triton"], "rms_norm": ["triton"]}
+    assert {name for name, op in ops().items() if not op.fast[0].validated} == {"muon"}
+    assert {name for name, op in ops().items() if op.fast[0].cpu} == {"moe", "mla_decode", "muon", "linear_ce"}
+    assert all(len(op.tolerance) > 20 and callable(op.reference) for op in ops().values())
+    option_fields = {f.name for f in dataclasses.fields(Backends)} - {"default", "per_op"}
+    assert {o for op in ops().values() for o in op.options} == option_fields  # every option belongs to an op
+
+
+def test_auto_uses_the_reference_on_cpu_and_validated_fast_paths_on_cuda(monkeypatch):
+    _with(monkeypatch, validated=True)
+    for op in ops():
+        assert dispatch(op, CPU).name == "torch"
+        assert dispatch(op, CUDA).name == _fast(op)
+        assert dispatch(op, CUDA).fn is ops()[op].fast[0].fn
+    assert dispatch("kda", CPU).fn is ops()["kda"].reference
+    assert dispatch("kda", torch.zeros(2)).name == "torch"  # a tensor stands for its own device and dtype
+
+
+def test_torch_is_the_reference_everywhere(monkeypatch):
+    _with(monkeypatch, validated=True)
+    for op in ops():
+        assert dispatch(op, CUDA, Backends(default="torch")).name == "torch"
+        assert dispatch(op, CPU, Backends(default="torch")).name == "torch"
+
+
+def test_unvalidated_or_unavailable_fast_paths_fall_back_with_one_notice(monkeypatch, capsys):
+    _with(monkeypatch, moe=NO)
+    monkeypatch.setitem(registry._ops, "kda", dataclasses.replace(
+        ops()["kda"], fast=(dataclasses.replace(ops()["kda"].fast[0], validated=False),)))
+    assert dispatch("kda", CUDA).name == "torch"
+    assert dispatch("kda", CUDA).name == "torch"
+    assert dispatch("moe", CUDA).name == "torch"
+    assert dispatch("muon", CUDA).name == "torch"  # not validated: `auto` keeps the PyTorch passes
+    err = capsys.readouterr().err
+    assert err.count("kda runs on its reference path") == 1 and err.count("not yet validated") == 2
+    assert "K3_KDA_BACKEND=fla" in err and "per_op={'kda': 'fla'}" in err
+    assert "moe runs on its reference path: the kernel library is missing" in err
+
+
+def test_explicit_choices_are_obeyed_or_refused_by_name(monkeypatch):
+    _with(monkeypatch, validated=False)
+    assert dispatch("mla", CUDA, Backends(per_op={"mla": "torch"})).name == "torch"
+    assert dispatch("kda", CUDA, Backends(per_op={"kda": "fla"})).name == "fla"  # forced: runs though not validated
+    _with(monkeypatch, available=NO)
+    with pytest.raises(ValueError, match="kda=fla: the kernel library is missing"):
+        dispatch("kda", CUDA, Backends(per_op={"kda": "fla"}))
+    with pytest.raises(ValueError, match="kda=fla needs CUDA tensors, got device cpu"):
+        dispatch("kda", CPU, Backends(per_op={"kda": "fla"}))
+    _with(monkeypatch, validated=True)
+    assert dispatch("moe", CPU, Backends(per_op={"moe": "grouped"})).name == "grouped"  # the grouped GEMM runs on CPU
+    assert dispatch("attn_res", CUDA, Backends(per_op={"attn_res": "torch"})).name == "torch"  # the pin wins
+    assert dispatch("attn_res", CUDA, Backends(default="torch", per_op={"attn_res": "auto"})).name == "fla"
+
+
+def test_fast_runs_every_fast_path_and_refuses_one_that_cannot_run(monkeypatch):
+    _with(monkeypatch, validated=False)
+    fast = Backends(default="fast")
+    assert all(dispatch(op, CUDA, fast).name == _fast(op) for op in ops())
+    assert dispatch("moe", CUDA, Backends(default="fast", per_op={"moe": "torch"})).name == "torch"  # pinned: kept
+    with pytest.raises(ValueError, match="kda=fla needs CUDA tensors"):
+        dispatch("kda", CPU, fast)
+    _with(monkeypatch, gate_norm=NO)
+    with pytest.raises(ValueError, match="gate_norm=fla: the kernel library is missing"):
+        dispatch("gate_norm", CUDA, fast)
+
+
+def test_names_are_checked_when_the_choice_is_built():
+    with pytest.raises(ValueError, match="Backends.default='turbo' is invalid: use auto, torch, fast"):
+        Backends(default="turbo")
+    with pytest.raises(ValueError, match="per_op names no op 'kda_host_offsets'; the ops are attn_res, gate_norm"):
+        Backends(per_op={"kda_host_offsets": "fla"})
+    with pytest.raises(ValueError, match=r"per_op\['attn_res'\]='turbo' is invalid: use auto, torch, fla"):
+        Backends(per_op={"attn_res": "turbo"})
+    with pytest.raises(ValueError, match=r"per_op\['moe'\]='fla' is invalid: use auto, torch, grouped"):
+        Backends(per_op={"moe": "fla"})
+    with pytest.raises(ValueError, match="per_op must map op names to backends"):
+        Backends(per_op=["moe"])
+    for field, bad in (("kda_host_offsets", 1), ("flex_autotune", "yes"), ("situ_autotune", None)):
+        with pytest.raises(ValueError, match=f"Backends.{field}={bad!r} is invalid"):
+            Backends(**{field: bad})
+    with pytest.raises(ValueError, match="flex_kernel_options.*keys among"):
+        Backends(flex_kernel_options={"fwd_num_warps": True})
+
+
+def test_a_choice_is_a_value():
+    pinned = {"moe": "grouped"}
+    b = Backends(per_op=pinned, flex_kernel_options={"bwd_num_warps": 8})
+    pinned["moe"] = "torch"  # the caller's dict is copied
+    assert b.per_op == {"moe": "grouped"}
+    assert b == Backends(per_op={"moe": "grouped"}, flex_kernel_options={"bwd_num_warps": 8})
+    assert hash(b) == hash(Backends(per_op={"moe": "grouped"}, flex_kernel_options={"bwd_num_warps": 8}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.default = "torch"
+
+
+def test_a_registered_op_dispatches_to_its_fast_implementation_or_falls_back(monkeypatch, capsys):
+    # A new op registers in its own file and is chosen like the others.
+    state = {"ok": True}
+    reference = lambda x: x + 1  # noqa: E731
+    doubled = lambda x: (2 * x + 2) // 2  # noqa: E731  (the same result another way: the "fast" one)
+    op = Op("plus_one", reference=reference, tolerance="exact: integer arithmetic on both sides",
+            fast=(Fast("doubled", doubled, lambda t: (state["ok"], "" if state["ok"] else "no doubling here"),
+                       validated=True, cpu=True),))
+    monkeypatch.setitem(registry._ops, "plus_one", op)
+
+    def plus_one(x, backends=None):  # what the op's file exposes
+        return dispatch("plus_one", x, backends).fn(x)
+
+    x = torch.arange(3)
+    assert dispatch("plus_one", CUDA).name == "doubled" and runs_on("plus_one", "doubled", CUDA)
+    assert dispatch("plus_one", x).name == "torch"  # auto keeps the reference on CPU
+    assert torch.equal(plus_one(x, Backends(per_op={"plus_one": "doubled"})), x + 1)  # asked for: runs on CPU too
+    assert torch.equal(plus_one(x, Backends(default="fast")), x + 1)
+    state["ok"] = False
+    assert dispatch("plus_one", CUDA).name == "torch" and not runs_on("plus_one", "doubled", CUDA)
+    assert "plus_one runs on its reference path: no doubling here" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="plus_one=doubled: no doubling here"):
+        plus_one(x, Backends(default="fast"))
+    assert backends_from_env({"K3_PLUS_ONE_BACKEND": "doubled"}).per_op == {"plus_one": "doubled"}
+    with pytest.raises(ValueError, match="fast implementation names must be distinct"):
+        register(dataclasses.replace(op, name="other", fast=(op.fast[0], op.fast[0])))
+    with pytest.raises(KeyError, match="no op 'nothing' is registered"):
+        dispatch("nothing", CPU)
+
+
+def test_backends_from_env_fills_the_choice_from_the_variables():
+    assert backends_from_env({}) == Backends()
+    assert backends_from_env({}, default="torch") == Backends(default="torch")
+    env = {"K3_MOE_BACKEND": "grouped", "K3_KDA_BACKEND": " Torch ", "K3_MLA_BACKEND": "auto",
+           "K3_KDA_HOST_OFFSETS": "0", "K3_FLEX_AUTOTUNE": "1", "K3_SITU_AUTOTUNE": "off",
+           "K3_FLEX_KERNEL_OPTIONS": '{"bwd_num_warps": 4}', "PATH": "/bin"}
+    assert backends_from_env(env, default="fast") == Backends(
+        default="fast", per_op={"moe": "grouped", "kda": "torch"}, kda_host_offsets=False, flex_autotune=True,
+        situ_autotune=False, flex_kernel_options={"bwd_num_warps": 4})
+    for env, match in [
+            ({"K3_ATTN_RES_BACKEND": "turbo"}, "K3_ATTN_RES_BACKEND='turbo' is invalid: use auto, torch, fla"),
+            ({"K3_KDA_HOST_OFFSETS_BACKEND": "fla"}, "K3_KDA_HOST_OFFSETS_BACKEND names no op"),
+            ({"K3_FLEX_AUTOTUNE": "yes"}, "K3_FLEX_AUTOTUNE='yes' is invalid: use 0 or 1"),
+            ({"K3_FLEX_KERNEL_OPTIONS": "{bwd"}, "K3_FLEX_KERNEL_OPTIONS is not valid JSON"),
+            ({"K3_FLEX_KERNEL_OPTIONS": '{"BLOCK_M": 64}'}, "K3_FLEX_KERNEL_OPTIONS=.*keys among")]:
+        with pytest.raises(ValueError, match=match):
+            backends_from_env(env)
+    with pytest.raises(ValueError, match="Backends.default='turbo'"):
+        backends_from_env({}, default="turbo")
+
+
+def test_importable_names_the_missing_module():
+    assert registry.importable("json") == (True, "")
+    ok, why = registry.importable("fla_missing_module_xyz")
+    assert not ok and "fla_missing_module_xyz is not importable" in why and "pip install k3[gpu]" in why
