@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import Linear, RMSNorm, SituMLP
+from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP
 from k3.ops.backend import resolve
 from k3.ops.moe import (
     Routing,
@@ -42,7 +42,7 @@ class MoEGate(nn.Module):
         return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(CastsWeights, nn.Module):
     """The routed experts: E independent SiTU-GLU FFNs of width latent -> F -> latent."""
 
     def __init__(self, num_experts: int, latent: int, inter: int, beta1: float, beta2: float):
@@ -67,10 +67,12 @@ class GroupedExperts(nn.Module):
         backend = resolve("moe", z.device, lambda: grouped_available(z.device, z.dtype))
         if backend == "grouped":
             # In training under autocast: w1 and w3 stacked per expert once per step, one GEMM for both (weight_cast)
-            w13 = cached_stack([self.w1, self.w3], dim=1)
-            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, weight(self.w2),
+            casts = self.weight_casts
+            w13 = cached_stack([self.w1, self.w3], dim=1, casts=casts)
+            return moe_experts_grouped(z, routing.weights, routing.indices, self.w1, self.w3, weight(self.w2, casts),
                                        self.act_fused, w13=w13, act13=None if w13 is None else self.act_fused13)
-        w1, w3, w2 = weight(self.w1), weight(self.w3), weight(self.w2)  # cast once per training step (weight_cast)
+        # cast once per training step (weight_cast)
+        w1, w3, w2 = (weight(w, self.weight_casts) for w in (self.w1, self.w3, self.w2))
         return moe_experts(z, routing.weights, routing.indices, w1, w3, w2, self.act)
 
 

@@ -14,9 +14,10 @@ from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
 from k3.model.block import DecoderLayer
 from k3.model.cache import K3Cache
-from k3.model.common import RMSNorm
+from k3.model.common import RMSNorm, use_weight_casts
 from k3.model.mtp import MTPLayer
 from k3.ops.linear_ce import linear_cross_entropy
+from k3.ops.weight_cast import WeightCasts
 from k3.utils import to_device_async
 
 # Parameters kept in fp32 whatever the model dtype (they are fp32 in the release, checkpoint-layout §2.9).
@@ -206,6 +207,14 @@ class K3ForCausalLM(nn.Module):
             if isinstance(m, DecoderLayer):
                 m.activation_checkpointing = bool(enabled)
         return self
+
+    def use_weight_casts(self, casts: WeightCasts | None):
+        """A context within which this model's weights (and no other model's) go through `casts`
+        (k3.ops.weight_cast): under autocast each is cast once for all the forwards within, and its gradient
+        summed straight into the fp32 ``.grad``, bitwise what autograd gives. The trainer makes one `WeightCasts`
+        per optimizer step and runs that step's micro-batches, forward and backward, within. None: no change
+        (under FSDP2, whose MixedPrecisionPolicy casts the parameters itself, the trainer passes None)."""
+        return use_weight_casts(self, casts)
 
     def new_cache(self) -> K3Cache:
         return K3Cache([layer.new_cache() for layer in self.model.layers])

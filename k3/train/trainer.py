@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from k3.model.latent_moe import LatentMoE
 from k3.model.model import K3ForCausalLM, check_token_ids, packed_cu_seqlens
-from k3.ops.weight_cast import cached_weight_casts
+from k3.ops.weight_cast import WeightCasts
 from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording
@@ -263,7 +263,7 @@ class Trainer:
         check_token_ids(batch["input_ids"], model.config.vocab_size)  # here, on the host copy (no device read)
         # Under autocast the weights are cast once for all micro-batches and their gradients summed straight into
         # the fp32 .grad (bitwise what autograd's cast + accumulation gives; k3.ops.weight_cast).
-        with cached_weight_casts(enabled=c.autocast_bf16):
+        with model.use_weight_casts(self._weight_casts()):
             for s in range(0, rows, mb):
                 host = {k: v[s:s + mb] for k, v in batch.items()}
                 part = {k: to_device_async(v, self.device) for k, v in host.items()}  # no host wait
@@ -285,6 +285,13 @@ class Trainer:
                     bal.observe(m.last_routing, b)
         zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
         return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else zero)
+
+    def _weight_casts(self) -> WeightCasts | None:
+        """The weight casts of one step's micro-batches (k3.ops.weight_cast): a fresh `WeightCasts` under bf16
+        autocast, else None. A data-parallel wrapper that shards the model with FSDP2 returns None: FSDP2's
+        MixedPrecisionPolicy casts the parameters for each forward itself, and reduces gradients through the
+        autograd hooks that the cast cache bypasses."""
+        return WeightCasts() if self.cfg.autocast_bf16 else None
 
     def _all_reduce_grads(self) -> None:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""
