@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
+from k3.model.batch import BatchInfo
 from k3.model.common import RMSNorm, SituMLP
 from k3.model.kda import KDACache, KimiDeltaAttention
 from k3.model.latent_moe import LatentMoE
@@ -64,33 +65,25 @@ class DecoderLayer(nn.Module):
     def new_cache(self):
         return KDACache() if self.is_kda else MLACache()
 
-    def forward(self, stream: AttnResStream, cache=None, segment_ids=None, cu_seqlens=None,
-                upcoming=None, cu_seqlens_cpu=None) -> None:
+    def forward(self, stream: AttnResStream, cache=None, batch: BatchInfo | None = None, upcoming=None) -> None:
         """Advance `stream` by this layer (mixer site, then FFN site). With `activation_checkpointing` on, each
         site is checkpointed in training forwards only: a module in eval mode, a forward without gradients, a
         decode cache or two-phase AttnRes run the plain path (those are inference forms)."""
         ckpt = (self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
                 and not stream.two_phase)
         if ckpt:
-            stream.add(_checkpointed(stream, lambda s: self._attn_site(s, None, segment_ids, cu_seqlens,
-                                                                       cu_seqlens_cpu=cu_seqlens_cpu)))
+            stream.add(_checkpointed(stream, lambda s: self._attn_site(s, None, batch)))
             stream.add(_checkpointed(stream, self._mlp_site))
         else:
-            stream.add(self._attn_site(stream, cache, segment_ids, cu_seqlens, upcoming, cu_seqlens_cpu))
+            stream.add(self._attn_site(stream, cache, batch, upcoming))
             stream.add(self._mlp_site(stream))
 
-    def _attn_site(self, stream: AttnResStream, cache=None, segment_ids=None, cu_seqlens=None,
-                   upcoming=None, cu_seqlens_cpu=None) -> torch.Tensor:
+    def _attn_site(self, stream: AttnResStream, cache=None, batch: BatchInfo | None = None,
+                   upcoming=None) -> torch.Tensor:
         """AttnRes mix -> input norm -> KDA / Gated MLA. Closes the stream's block at a block boundary."""
         w = site_query(self.self_attention_res_norm, self.self_attention_res_proj)
         x = self.input_layernorm(stream.attn_input(self.res_idx, w, upcoming or []))
-        if self.is_kda:
-            if cu_seqlens is not None:  # packed documents: one row of sequences, state reset at each start
-                B, T, D = x.shape
-                return self.self_attn(x.reshape(1, B * T, D), cache, cu_seqlens=cu_seqlens,
-                                      cu_seqlens_cpu=cu_seqlens_cpu).view(B, T, D)
-            return self.self_attn(x, cache)
-        return self.self_attn(x, cache, segment_ids=segment_ids)
+        return self.self_attn(x, cache, batch=batch)
 
     def _mlp_site(self, stream: AttnResStream) -> torch.Tensor:
         """AttnRes mix -> post-attention norm -> dense MLP / LatentMoE."""

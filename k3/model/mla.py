@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.batch import BatchInfo
 from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.backend import resolve
 from k3.ops.mla import flex_available, max_logit, mla_absorbed, mla_attention, mla_attention_flex, split_kv_b
@@ -65,7 +66,10 @@ class GatedMLA(nn.Module):
         self.last_max_logit: torch.Tensor | None = None  # per-head max pre-softmax logit, for QK-Clip
         self.record_max_logit = False
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None, segment_ids: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, batch: BatchInfo | None = None):
+        """x [B, T, D] -> [B, T, D]. `batch`: the batch's record (its segment ids keep each query in its own
+        document)."""
+        segment_ids = batch.segment_ids if batch is not None else None
         B, T, _ = x.shape
         H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
         q_a, kv_a, gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)  # one GEMM
@@ -100,7 +104,9 @@ class GatedMLA(nn.Module):
             k_nope, v = kv.split([dn, dv], dim=-1)
             k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, dr)], dim=-1)
             if cache is None and resolve("mla", x.device, flex_available) == "flex":
-                o = mla_attention_flex(q, k, v, self.scale, segment_ids, return_max_logit=self.record_max_logit)
+                mask = batch.flex_block_mask(x.device) if segment_ids is not None else None
+                o = mla_attention_flex(q, k, v, self.scale, segment_ids, block_mask=mask,
+                                       return_max_logit=self.record_max_logit)
                 if self.record_max_logit:
                     o, self.last_max_logit = o
             else:

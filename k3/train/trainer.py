@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from k3.model.batch import BatchInfo
 from k3.model.latent_moe import LatentMoE
-from k3.model.model import K3ForCausalLM, check_token_ids, packed_cu_seqlens
+from k3.model.model import K3ForCausalLM, check_token_ids
 from k3.ops.weight_cast import WeightCasts
 from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
@@ -266,15 +267,15 @@ class Trainer:
         with model.use_weight_casts(self._weight_casts()):
             for s in range(0, rows, mb):
                 host = {k: v[s:s + mb] for k, v in batch.items()}
-                part = {k: to_device_async(v, self.device) for k, v in host.items()}  # no host wait
-                # the documents' offsets from the host copy: the forward then never waits for the device
-                seg = host.get("segment_ids")
-                cu_cpu = packed_cu_seqlens(seg) if seg is not None and seg.device.type == "cpu" else None
+                # The micro-batch's record, its documents' offsets computed from the host copy: the forward then
+                # never waits for the device.
+                info = BatchInfo.from_segment_ids(host["segment_ids"]).to(self.device)
+                part = {k: to_device_async(host[k], self.device) for k in ("input_ids", "labels")}  # no host wait
                 w = part["input_ids"].shape[0] / rows
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                         record_function("k3.train.forward"):
-                    out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
-                                return_logits=False, check_ids=False, cu_seqlens_cpu=cu_cpu)
+                    out = model(part["input_ids"], labels=part["labels"], batch=info, return_logits=False,
+                                check_ids=False)
                     loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
                 with record_function("k3.train.backward"):
                     (loss * w).backward()
@@ -432,9 +433,10 @@ def evaluate_loss(model, stream: np.ndarray, seq_len: int, eos_id: int, max_batc
     model.eval()
     total, count = 0.0, 0
     for batch in batches_fn(stream, seq_len, rows, eos_id, max_batches=max_batches):
-        b = {k: v.to(device) for k, v in batch.items()}
+        b = {k: v.to(device) for k, v in batch.items() if k != "segment_ids"}
+        info = BatchInfo.from_segment_ids(batch["segment_ids"]).to(device)  # offsets from the host copy
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            out = model(b["input_ids"], labels=b["labels"], segment_ids=b["segment_ids"], return_logits=False)
+            out = model(b["input_ids"], labels=b["labels"], batch=info, return_logits=False)
         n = int((b["labels"][:, 1:] != -100).sum())
         total += float(out.loss) * n
         count += n
