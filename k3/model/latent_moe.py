@@ -92,17 +92,17 @@ class LatentMoE(nn.Module):
             SituMLP(D, cfg.shared_intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
             if cfg.num_shared_experts > 0 else None
         )
-        self.last_routing: Routing | None = None  # read by load balancing and metrics
-        self.record_routing = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, return_routing: bool = False):
+        """y [..., D] for x [..., D]; with `return_routing`, (y, the routing of the flattened tokens, detached):
+        what load balancing and the expert-load metrics read."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.gate(flat)
-        if self.record_routing:
-            self.last_routing = Routing(*(t.detach() for t in routing))
         u = self.experts(self.routed_expert_down_proj(flat), routing)
         y = self.routed_expert_up_proj(self.routed_expert_norm(u))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
+        if return_routing:
+            return y.view(shape), Routing(*(t.detach() for t in routing))
         return y.view(shape)

@@ -63,12 +63,14 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
         self.g_proj = Linear(D, H * self.dv, bias=False)
         self.o_proj = Linear(H * self.dv, D, bias=False)
-        self.last_max_logit: torch.Tensor | None = None  # per-head max pre-softmax logit, for QK-Clip
-        self.record_max_logit = False
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None, batch: BatchInfo | None = None):
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, batch: BatchInfo | None = None,
+                return_max_logit: bool = False):
         """x [B, T, D] -> [B, T, D]. `batch`: the batch's record (its segment ids keep each query in its own
-        document)."""
+        document). With `return_max_logit` (a forward without a cache), (output, each head's largest scaled
+        pre-softmax logit [H] fp32, detached): QK-Clip's signal."""
+        if return_max_logit and cache is not None:
+            raise ValueError("return_max_logit is a training statistic: ask for it in a forward without a cache")
         segment_ids = batch.segment_ids if batch is not None else None
         B, T, _ = x.shape
         H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
@@ -106,19 +108,22 @@ class GatedMLA(nn.Module):
             if cache is None and resolve("mla", x.device, flex_available) == "flex":
                 mask = batch.flex_block_mask(x.device) if segment_ids is not None else None
                 o = mla_attention_flex(q, k, v, self.scale, segment_ids, block_mask=mask,
-                                       return_max_logit=self.record_max_logit)
-                if self.record_max_logit:
-                    o, self.last_max_logit = o
+                                       return_max_logit=return_max_logit)
+                if return_max_logit:
+                    o, top = o
+                    top = top.detach()
             else:
-                if self.record_max_logit:
-                    self.last_max_logit = max_logit(q, k, self.scale, segment_ids)
+                if return_max_logit:
+                    with torch.no_grad():
+                        top = max_logit(q, k, self.scale, segment_ids)
                 o = mla_attention(q, k, v, self.scale, segment_ids=segment_ids)
         else:
             # Decode / continued prefill: attend against the latent cache directly (absorbed form).
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past, kv_len=kv_len)
-        return self._gated_out(x, gate, o)
+        out = self._gated_out(x, gate, o)
+        return (out, top) if return_max_logit else out
 
     def _gated_out(self, x: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Output gate and projection: o_proj(sigmoid(gate) * o), gate = g_proj x, o of any shape [B, T, ...]."""

@@ -17,6 +17,7 @@ from k3.model.block import DecoderLayer
 from k3.model.cache import K3Cache
 from k3.model.common import RMSNorm, use_weight_casts
 from k3.model.mtp import MTPLayer
+from k3.model.stats import ForwardStats, check_stats
 from k3.ops.linear_ce import linear_cross_entropy
 from k3.ops.weight_cast import WeightCasts
 
@@ -31,6 +32,7 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None  # next-token cross-entropy when labels are given
     hidden_states: torch.Tensor | None = None  # output-site mix before the final norm [B, T, D]
     mtp_loss: torch.Tensor | None = None  # token t+2 cross-entropy of the MTP layer(s), when labels are given
+    stats: ForwardStats | None = None  # the statistics asked for with `stats=` (k3.model.stats), else None
 
 
 class K3Model(nn.Module):
@@ -76,13 +78,17 @@ class K3Model(nn.Module):
         return sites
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: K3Cache | None = None,
-                segment_ids: torch.Tensor | None = None, batch: BatchInfo | None = None) -> torch.Tensor:
-        """Returns the output-site hidden state [B, T, D] (before the final norm).
+                segment_ids: torch.Tensor | None = None, batch: BatchInfo | None = None, stats=()):
+        """Returns the output-site hidden state [B, T, D] (before the final norm), or (that, ForwardStats) when
+        `stats` names statistics to return (k3.model.stats; forwards without a cache only).
 
         `batch`: the batch's record (k3.model.batch), or `segment_ids` [B, T] to have it built here. With a cache,
         segment ids [1, T] pack several requests' new tokens into one row (the cache must be `packed`: per-request
         KDA states and one MLA view per layer that attends each request's own context)."""
         batch = _batch_record(segment_ids, batch)
+        want = check_stats(stats)
+        if want and cache is not None:
+            raise ValueError(f"stats={sorted(want)} are training statistics: ask for them in forwards without a cache")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         dev = h.device.type
         if h.dtype == torch.float32 and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
@@ -98,14 +104,18 @@ class K3Model(nn.Module):
                 and (segment_ids.shape[0] != 1 or not getattr(cache, "packed", False)):
             raise ValueError("segment_ids with a cache need a packed cache (one row of several requests' "
                              "tokens, as the serving runner builds) and a batch of one row")
+        found = ForwardStats(asked=want) if want else None
         S = self.config.attn_res_block_size
         stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res)
         for i, layer in enumerate(self.layers):
             upcoming = self._block_sites(i) if (self.two_phase_attn_res and i % S == 0) else None
-            layer(stream, cache[i] if cache is not None else None, batch=batch, upcoming=upcoming)
+            got = layer(stream, cache[i] if cache is not None else None, batch=batch, upcoming=upcoming, stats=want)
+            if found is not None:
+                found.add(layer.layer_idx, got)
         if cache is not None:
             cache.seq_len += h.shape[1]
-        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        hidden = stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        return hidden if found is None else (hidden, found)
 
 
 def _batch_record(segment_ids: torch.Tensor | None, batch: BatchInfo | None) -> BatchInfo | None:
@@ -213,7 +223,7 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, pixel_values=None, return_logits: bool = True,
-                check_ids: bool = True, batch: BatchInfo | None = None) -> CausalLMOutput:
+                check_ids: bool = True, batch: BatchInfo | None = None, stats=()) -> CausalLMOutput:
         """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
         segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
         MLA does not attend across documents. `batch` instead: the batch's record (k3.model.batch) built where the
@@ -224,7 +234,9 @@ class K3ForCausalLM(nn.Module):
         embeddings at the `media_placeholder_token_id` positions of input_ids (report §2.4).
         return_logits=False (training, with labels) skips the [B, T, V] logits: the loss is computed by
         `head_loss` in chunks of rows, and `logits` is None. check_ids=False skips the token-id range check,
-        which reads the ids back from the device (the serving engine validates prompts when they arrive)."""
+        which reads the ids back from the device (the serving engine validates prompts when they arrive).
+        stats: names among k3.model.stats.STATS ("routing", "max_logit"): the output's `stats` then holds them for
+        every MoE / MLA layer that ran, backbone and MTP (forwards without a cache); nothing is computed otherwise."""
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -245,24 +257,30 @@ class K3ForCausalLM(nn.Module):
         if positions is not None and (logits_to_keep > 0 or labels is not None):
             raise ValueError("the batch record's logit_positions select the logits to compute: give no "
                              "logits_to_keep and no labels with them")
-        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, batch=batch)
+        want = check_stats(stats)
+        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, batch=batch, stats=want)
+        found = None
+        if want:
+            hidden, found = hidden
         logits = None
         if return_logits:
             h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
             if positions is not None:
                 h = hidden[:, positions]
             logits = self.lm_head(self.model.norm(h))
-        out = CausalLMOutput(logits=logits, hidden_states=hidden)
+        out = CausalLMOutput(logits=logits, hidden_states=hidden, stats=found)
         if labels is not None:
             out.loss = _shifted_ce(logits, labels, 1) if return_logits else self.head_loss(hidden, labels)
             if len(self.mtp) and input_ids is not None:
-                out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, batch)
+                out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, batch, found=found)
         return out
 
-    def mtp_loss(self, hidden, input_ids, labels, batch: BatchInfo | None = None) -> torch.Tensor:
+    def mtp_loss(self, hidden, input_ids, labels, batch: BatchInfo | None = None,
+                 found: ForwardStats | None = None) -> torch.Tensor:
         """Depth-d MTP layer predicts token t+1+d from the depth-(d-1) hidden state at t and the
         embedding of token t+d (DeepSeek-V3-style chaining); losses averaged over depths. `batch`: the record of
-        the backbone's batch."""
+        the backbone's batch. `found`: the forward's statistics, joined by the MTP layers' own (those it asked for)."""
+        want = found.asked if found is not None else frozenset()
         losses = []
         h = hidden
         for d, layer in enumerate(self.mtp, start=1):
@@ -271,7 +289,9 @@ class K3ForCausalLM(nn.Module):
                 break
             emb = self.model.embed_tokens(input_ids[:, d:])
             shifted = None if batch is None else batch.shifted(d)
-            h = layer(h[:, : T - d] if d == 1 else h[:, :-1], emb, batch=shifted)
+            h, got = layer(h[:, : T - d] if d == 1 else h[:, :-1], emb, batch=shifted, stats=want)
+            if found is not None:
+                found.add(layer.block.layer_idx, got)
             losses.append(self.head_loss(h, labels[:, d:]))
         return torch.stack(losses).mean() if losses else hidden.new_zeros(())
 

@@ -28,9 +28,11 @@ class MTPLayer(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.eps, self.block_size = eps, cfg.attn_res_block_size
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: BatchInfo | None = None) -> torch.Tensor:
-        """`batch`: the record of these T positions (`BatchInfo.shifted`)."""
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: BatchInfo | None = None,
+                stats: frozenset[str] = frozenset()) -> tuple[torch.Tensor, dict]:
+        """(hidden state [B, T, D], the block's statistics among `stats`, as `DecoderLayer.forward` returns them).
+        `batch`: the record of these T positions (`BatchInfo.shifted`)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         stream = AttnResStream(x, self.block_size, self.eps)
-        self.block(stream, batch=batch)
-        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        found = self.block(stream, batch=batch, stats=stats)
+        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj)), found

@@ -25,7 +25,7 @@ from k3.model.model import K3ForCausalLM, check_token_ids
 from k3.ops.weight_cast import WeightCasts
 from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
-from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording
+from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
 from k3.train.schedule import lr_multiplier
 from k3.train import state as state_io
 from k3.utils import atomic_write_text, to_device_async
@@ -122,12 +122,14 @@ class Trainer:
         # Training forwards only: evaluation (eval mode, no_grad) runs the plain path whatever the setting.
         model.set_activation_checkpointing(tcfg.activation_checkpointing)
         self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
-        for m in self.moe_layers:
-            m.record_routing = True
         self.balancers = [] if tcfg.balance == "none" else [
             ExpertBalancer(m.gate.e_score_correction_bias.numel(), m.gate.top_k, method=tcfg.balance)
             for m in self.moe_layers]
-        enable_max_logit_recording(model, tcfg.qk_clip_tau is not None and tcfg.qk_clip_tau > 0)
+        # QK-Clip's per-head maxima over each step's training forwards (never an evaluation's)
+        clip_on = tcfg.qk_clip_tau is not None and tcfg.qk_clip_tau > 0
+        self.max_logits = MaxLogitTracker(model) if clip_on else None
+        # what the training forwards return besides the loss: routing for balancing, max logits for QK-Clip
+        self.forward_stats = (("routing",) if self.balancers else ()) + (("max_logit",) if clip_on else ())
         self.step = 0
         self.elapsed = 0.0  # seconds of training (excluding evaluation), carried across resumes
         self.bad_steps = 0
@@ -176,6 +178,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             for bal in self.balancers:
                 bal.discard()
+            if self.max_logits is not None:
+                self.max_logits.discard()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if mb == 1:
@@ -188,8 +192,8 @@ class Trainer:
         self._all_reduce_grads()
         with record_function("k3.train.grad_clip"):
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-        clip_on = bool(c.qk_clip_tau and c.qk_clip_tau > 0)
-        maxima = consume_max_logits(model) if clip_on else []
+        clip_on = self.max_logits is not None
+        maxima = self.max_logits.consume() if clip_on else []
         # One read from the device per step: the losses, the gradient norm, the expert loads and the MLA maxima
         # together, so the host waits for the device once (here, before the optimizer) instead of once for each.
         loss_sum, mtp_sum, grad_norm, loads, maxima = self._read_back(loss_sum, mtp_sum, grad_norm,
@@ -275,15 +279,19 @@ class Trainer:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                         record_function("k3.train.forward"):
                     out = model(part["input_ids"], labels=part["labels"], batch=info, return_logits=False,
-                                check_ids=False)
+                                check_ids=False, stats=self.forward_stats)
                     loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
                 with record_function("k3.train.backward"):
                     (loss * w).backward()
                 losses.append(out.loss.detach().double() * w)
                 if out.mtp_loss is not None:
                     mtps.append(out.mtp_loss.detach().double() * w)
+                if self.max_logits is not None:
+                    self.max_logits.observe(out.stats)
                 for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
-                    bal.observe(m.last_routing, b)
+                    routing = out.stats.routing.get(m.layer_idx)
+                    if routing is not None:  # an MTP depth longer than the micro-batch did not run
+                        bal.observe(routing, b)
         zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
         return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else zero)
 

@@ -97,7 +97,9 @@ def test_training_forward_and_backward_never_wait_for_the_device(mini, monkeypat
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             batch = BatchInfo.from_segment_ids(seg, cu_seqlens_cpu=cu)
-            out = model(ids, labels=ids, batch=batch, return_logits=False, check_ids=False)
+            # with the statistics the trainer asks for (balancing's routing, QK-Clip's max logits)
+            out = model(ids, labels=ids, batch=batch, return_logits=False, check_ids=False,
+                        stats=("routing", "max_logit"))
             loss = out.loss + 0.3 * out.mtp_loss
         loss.backward()
 
