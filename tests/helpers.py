@@ -31,10 +31,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bf16_loss_and_grads(model, ids, segment_ids=None, mtp_weight: float = 0.3, cu_seqlens_cpu=None):
     """One training forward + backward under bf16 autocast on the model's device: (loss, {name: fp64 flat grad}).
-    `cu_seqlens_cpu`: the documents' offsets from the host, as the trainer passes them."""
+    `cu_seqlens_cpu`: the documents' offsets from the host, as the trainer puts them in the batch record."""
+    from k3.model.batch import BatchInfo
+
+    batch = None if segment_ids is None else BatchInfo.from_segment_ids(segment_ids, cu_seqlens_cpu=cu_seqlens_cpu)
     model.zero_grad(set_to_none=True)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-        out = model(ids, labels=ids, segment_ids=segment_ids, cu_seqlens_cpu=cu_seqlens_cpu)
+        out = model(ids, labels=ids, batch=batch)
     (out.loss + (mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0)).backward()
     grads = {n: p.grad.detach().double().flatten() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.detach(), grads

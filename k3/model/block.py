@@ -8,9 +8,9 @@ whose inputs are the stream's source tensors (the completed blocks and the runni
 kept (the stream holds them anyway); everything inside (the fp32 AttnRes softmax intermediates, the norms,
 projections, attention / KDA and MoE activations) is recomputed in backward, about one extra forward of compute.
 The stream's bookkeeping (closing a block at a block boundary, adding the sublayer outputs to the partial sum)
-happens once, outside the recomputed region. Forward side effects of the layers (MLA's ``last_max_logit``,
-LatentMoE's ``last_routing``) are recomputed from the same inputs during backward: they are overwritten with new
-tensors holding the same values.
+happens once, outside the recomputed region. The statistics a forward asks for (MLA's per-head max logit,
+LatentMoE's routing) are returned, detached, from the checkpointed function: they are the original forward's, and
+the recompute in backward, whose outputs are dropped, cannot change them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
+from k3.model.batch import BatchInfo
 from k3.model.common import RMSNorm, SituMLP
 from k3.model.kda import KDACache, KimiDeltaAttention
 from k3.model.latent_moe import LatentMoE
@@ -64,47 +65,60 @@ class DecoderLayer(nn.Module):
     def new_cache(self):
         return KDACache() if self.is_kda else MLACache()
 
-    def forward(self, stream: AttnResStream, cache=None, segment_ids=None, cu_seqlens=None,
-                upcoming=None, cu_seqlens_cpu=None) -> None:
+    def forward(self, stream: AttnResStream, cache=None, batch: BatchInfo | None = None, upcoming=None,
+                stats: frozenset[str] = frozenset()) -> dict:
         """Advance `stream` by this layer (mixer site, then FFN site). With `activation_checkpointing` on, each
         site is checkpointed in training forwards only: a module in eval mode, a forward without gradients, a
-        decode cache or two-phase AttnRes run the plain path (those are inference forms)."""
+        decode cache or two-phase AttnRes run the plain path (those are inference forms).
+
+        Returns this layer's statistics among `stats` ({"max_logit": [H]} for a Gated MLA layer, {"routing":
+        Routing} for a LatentMoE layer; k3.model.stats), detached."""
+        want_max = "max_logit" in stats and not self.is_kda
+        want_routing = "routing" in stats and isinstance(self.ffn, LatentMoE)
         ckpt = (self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
                 and not stream.two_phase)
         if ckpt:
-            stream.add(_checkpointed(stream, lambda s: self._attn_site(s, None, segment_ids, cu_seqlens,
-                                                                       cu_seqlens_cpu=cu_seqlens_cpu)))
-            stream.add(_checkpointed(stream, self._mlp_site))
+            out, top = _checkpointed(stream, lambda s: self._attn_site(s, None, batch, want_max=want_max))
+            stream.add(out)
+            out, routing = _checkpointed(stream, lambda s: self._mlp_site(s, want_routing))
         else:
-            stream.add(self._attn_site(stream, cache, segment_ids, cu_seqlens, upcoming, cu_seqlens_cpu))
-            stream.add(self._mlp_site(stream))
+            out, top = self._attn_site(stream, cache, batch, upcoming, want_max)
+            stream.add(out)
+            out, routing = self._mlp_site(stream, want_routing)
+        stream.add(out)
+        found = {}
+        if top is not None:
+            found["max_logit"] = top
+        if routing is not None:
+            found["routing"] = routing
+        return found
 
-    def _attn_site(self, stream: AttnResStream, cache=None, segment_ids=None, cu_seqlens=None,
-                   upcoming=None, cu_seqlens_cpu=None) -> torch.Tensor:
-        """AttnRes mix -> input norm -> KDA / Gated MLA. Closes the stream's block at a block boundary."""
+    def _attn_site(self, stream: AttnResStream, cache=None, batch: BatchInfo | None = None, upcoming=None,
+                   want_max: bool = False) -> tuple:
+        """AttnRes mix -> input norm -> KDA / Gated MLA: (output, the MLA's max logit or None). Closes the
+        stream's block at a block boundary."""
         w = site_query(self.self_attention_res_norm, self.self_attention_res_proj)
         x = self.input_layernorm(stream.attn_input(self.res_idx, w, upcoming or []))
-        if self.is_kda:
-            if cu_seqlens is not None:  # packed documents: one row of sequences, state reset at each start
-                B, T, D = x.shape
-                return self.self_attn(x.reshape(1, B * T, D), cache, cu_seqlens=cu_seqlens,
-                                      cu_seqlens_cpu=cu_seqlens_cpu).view(B, T, D)
-            return self.self_attn(x, cache)
-        return self.self_attn(x, cache, segment_ids=segment_ids)
+        if want_max:
+            return self.self_attn(x, cache, batch=batch, return_max_logit=True)
+        return self.self_attn(x, cache, batch=batch), None
 
-    def _mlp_site(self, stream: AttnResStream) -> torch.Tensor:
-        """AttnRes mix -> post-attention norm -> dense MLP / LatentMoE."""
+    def _mlp_site(self, stream: AttnResStream, want_routing: bool = False) -> tuple:
+        """AttnRes mix -> post-attention norm -> dense MLP / LatentMoE: (output, the MoE's routing or None)."""
         h = stream.mlp_input(self.res_idx, site_query(self.mlp_res_norm, self.mlp_res_proj))
-        return self.ffn(self.post_attention_layernorm(h))
+        if want_routing:
+            return self.ffn(self.post_attention_layernorm(h), return_routing=True)
+        return self.ffn(self.post_attention_layernorm(h)), None
 
 
-def _checkpointed(stream: AttnResStream, site) -> torch.Tensor:
-    """`site(stream)` (one AttnRes site and its sublayer) under a non-reentrant checkpoint whose inputs are the
-    stream's sources.
+def _checkpointed(stream: AttnResStream, site) -> tuple:
+    """`site(stream)` (one AttnRes site and its sublayer: (output, statistic or None)) under a non-reentrant
+    checkpoint whose inputs are the stream's sources.
 
     The site runs on a private copy of the stream rebuilt from those inputs, so the forward and the recompute in
     backward start from the same state; the state the forward's copy ends in (a block closed at a block boundary)
-    is then taken over by `stream`, once."""
+    is then taken over by `stream`, once. The statistic is detached and comes from this forward: the recompute's
+    outputs are dropped."""
     proto = copy.copy(stream)
 
     def run(*sources):

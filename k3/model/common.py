@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,7 +11,7 @@ from torch import nn
 from k3.ops.registry import Backends
 from k3.ops.rms_norm import rms_norm_any
 from k3.ops.situ import situ_glu_any
-from k3.ops.weight_cast import stacked_weight, weight
+from k3.ops.weight_cast import WeightCasts, stacked_weight, weight
 
 
 def set_backends(module: nn.Module, backends: Backends | None) -> nn.Module:
@@ -21,12 +23,37 @@ def set_backends(module: nn.Module, backends: Backends | None) -> nn.Module:
     return module
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose weight goes through :func:`k3.ops.weight_cast.weight`: in training under autocast it is
-    cast once per step and its gradient summed straight into the fp32 ``.grad``; elsewhere this is nn.Linear."""
+class CastsWeights:
+    """A module whose weights go through k3.ops.weight_cast (`Linear`, the routed experts): `weight_casts` is the
+    step's :class:`~k3.ops.weight_cast.WeightCasts` while :func:`use_weight_casts` scopes one to its model, else
+    None (the plain autocast path)."""
+
+    weight_casts: WeightCasts | None = None
+
+
+@contextlib.contextmanager
+def use_weight_casts(model: nn.Module, casts: WeightCasts | None):
+    """Within, the weights of `model`'s own modules (and no other model's) go through `casts`: under autocast
+    each is cast once and its gradient summed straight into the fp32 ``.grad``. Backward of the forwards run
+    within must run within too. None leaves the model as it is. The previous setting comes back on exit."""
+    mods = [m for m in model.modules() if isinstance(m, CastsWeights)]
+    before = [m.weight_casts for m in mods]
+    for m in mods:
+        m.weight_casts = casts
+    try:
+        yield casts
+    finally:
+        for m, b in zip(mods, before):
+            m.weight_casts = b
+
+
+class Linear(CastsWeights, nn.Linear):
+    """nn.Linear whose weight goes through :func:`k3.ops.weight_cast.weight`: in training under autocast with the
+    step's `weight_casts` it is cast once per step and its gradient summed straight into the fp32 ``.grad``;
+    elsewhere this is nn.Linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight(self.weight), self.bias)
+        return F.linear(x, weight(self.weight, self.weight_casts), self.bias)
 
 
 def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
@@ -38,7 +65,7 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     GEMM instead of one each; in backward, d(x) comes from one GEMM (accumulated inside it) instead of a sum of
     per-layer gradients, and the weight gradients from one GEMM. The parameters stay separate (checkpoint names,
     Muon's per-matrix treatment); the stacked copy is made per call (small next to a training batch's
-    activations), or once per training step under :func:`k3.ops.weight_cast.cached_weight_casts`. It is padded
+    activations), or once per training step with the layers' `weight_casts` (:func:`use_weight_casts`). It is padded
     with zero rows to a multiple of 16 outputs, so that the returned views' row stride stays 16-element aligned
     (kernels that take strided inputs, like fla's convolution, specialize on that).
     Without gradients (serving, evaluation) the layers run one by one: a per-call copy of the weights would be
@@ -50,7 +77,8 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     ws = [layer.weight for g in groups for layer in g]
     sizes = [sum(layer.weight.shape[0] for layer in g) for g in groups]
     pad = -sum(sizes) % 16
-    y = F.linear(x, stacked_weight(ws, pad))
+    casts = next((layer.weight_casts for g in groups for layer in g if isinstance(layer, CastsWeights)), None)
+    y = F.linear(x, stacked_weight(ws, pad, casts))
     return y.split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.batch import BatchInfo
 from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
@@ -47,8 +48,17 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(K, eps=cfg.rms_norm_eps)
         self.o_proj = Linear(P, D, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None,
-                cu_seqlens_cpu: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, batch: BatchInfo | None = None):
+        """x [B, T, D] -> [B, T, D]. `batch`: the batch's record; with segment ids, the documents (offsets
+        `batch.cu_seqlens`) run as separate sequences of one row, state and conv reset at each start."""
+        shape = x.shape
+        cu_seqlens = cu_seqlens_cpu = None
+        if batch is not None and batch.segment_ids is not None:
+            if batch.cu_seqlens is None:
+                raise ValueError("KDA layers need the documents' offsets: build the record with "
+                                 "BatchInfo.from_segment_ids or BatchInfo.from_lengths")
+            cu_seqlens, cu_seqlens_cpu = batch.cu_seqlens, batch.cu_seqlens_cpu
+            x = x.reshape(1, -1, shape[-1])  # the batch's documents as the sequences of one row
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         P = H * K
@@ -78,4 +88,4 @@ class KimiDeltaAttention(nn.Module):
             cache.state, cache.conv = new_state, [cq, ck, cv]
         # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)
         o = gate_norm(o, gate.view(B, T, H, K), self.o_norm.weight, self.o_norm.eps, backends=self.backends)
-        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype)).view(shape)

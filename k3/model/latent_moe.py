@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import Linear, RMSNorm, SituMLP
+from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP
 from k3.ops.moe import Routing, moe_experts_any, route
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
@@ -35,7 +35,7 @@ class MoEGate(nn.Module):
         return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(CastsWeights, nn.Module):
     """The routed experts: E independent SiTU-GLU FFNs of width latent -> F -> latent."""
 
     backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
@@ -60,9 +60,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         # the reference expert loop with the reference SiTU-GLU, or grouped GEMMs with the fused one (in training
-        # under autocast w1 and w3 stacked once per step, one GEMM for both: k3.ops.weight_cast)
+        # under autocast, with the step's weight casts, w1 and w3 stacked once per step, one GEMM for both:
+        # k3.ops.weight_cast)
         return moe_experts_any(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act,
-                               self.act_fused, self.act_fused13, backends=self.backends)
+                               self.act_fused, self.act_fused13, backends=self.backends, casts=self.weight_casts)
 
 
 class LatentMoE(nn.Module):
@@ -81,17 +82,17 @@ class LatentMoE(nn.Module):
             SituMLP(D, cfg.shared_intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
             if cfg.num_shared_experts > 0 else None
         )
-        self.last_routing: Routing | None = None  # read by load balancing and metrics
-        self.record_routing = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, return_routing: bool = False):
+        """y [..., D] for x [..., D]; with `return_routing`, (y, the routing of the flattened tokens, detached):
+        what load balancing and the expert-load metrics read."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.gate(flat)
-        if self.record_routing:
-            self.last_routing = Routing(*(t.detach() for t in routing))
         u = self.experts(self.routed_expert_down_proj(flat), routing)
         y = self.routed_expert_up_proj(self.routed_expert_norm(u))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
+        if return_routing:
+            return y.view(shape), Routing(*(t.detach() for t in routing))
         return y.view(shape)

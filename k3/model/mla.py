@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.batch import BatchInfo
 from k3.model.common import Linear, RMSNorm, stacked_linear
-from k3.ops.mla import max_logit, mla_absorbed, mla_attention, mla_attention_any, split_kv_b
+from k3.ops.mla import mla_absorbed, mla_attention, mla_attention_any, split_kv_b
 from k3.ops.mla_decode import paged_kernel_used
 from k3.ops.registry import Backends
 
@@ -55,10 +56,15 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
         self.g_proj = Linear(D, H * self.dv, bias=False)
         self.o_proj = Linear(H * self.dv, D, bias=False)
-        self.last_max_logit: torch.Tensor | None = None  # per-head max pre-softmax logit, for QK-Clip
-        self.record_max_logit = False
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None, segment_ids: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, batch: BatchInfo | None = None,
+                return_max_logit: bool = False):
+        """x [B, T, D] -> [B, T, D]. `batch`: the batch's record (its segment ids keep each query in its own
+        document). With `return_max_logit` (a forward without a cache), (output, each head's largest scaled
+        pre-softmax logit [H] fp32, detached): QK-Clip's signal."""
+        if return_max_logit and cache is not None:
+            raise ValueError("return_max_logit is a training statistic: ask for it in a forward without a cache")
+        segment_ids = batch.segment_ids if batch is not None else None
         B, T, _ = x.shape
         H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
         q_a, kv_a, gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)  # one GEMM
@@ -93,20 +99,21 @@ class GatedMLA(nn.Module):
             k_nope, v = kv.split([dn, dv], dim=-1)
             k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, dr)], dim=-1)
             if cache is None:  # training and evaluation forwards (compiled flex_attention on GPU)
-                o = mla_attention_any(q, k, v, self.scale, segment_ids, return_max_logit=self.record_max_logit,
-                                      backends=self.backends)
-                if self.record_max_logit:
-                    o, self.last_max_logit = o
+                mask = batch.flex_block_mask if segment_ids is not None else None  # built once per batch
+                o = mla_attention_any(q, k, v, self.scale, segment_ids, return_max_logit=return_max_logit,
+                                      backends=self.backends, make_block_mask=mask)
+                if return_max_logit:
+                    o, top = o
+                    top = top.detach()
             else:
-                if self.record_max_logit:
-                    self.last_max_logit = max_logit(q, k, self.scale, segment_ids)
                 o = mla_attention(q, k, v, self.scale, segment_ids=segment_ids)
         else:
             # Decode / continued prefill: attend against the latent cache directly (absorbed form).
             w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, H, dn, dv)
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             o = mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=past, kv_len=kv_len)
-        return self._gated_out(x, gate, o)
+        out = self._gated_out(x, gate, o)
+        return (out, top) if return_max_logit else out
 
     def _gated_out(self, x: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Output gate and projection: o_proj(sigmoid(gate) * o), gate = g_proj x, o of any shape [B, T, ...]."""

@@ -12,13 +12,15 @@ from torch.profiler import record_function
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
+from k3.model.batch import BatchInfo, packed_cu_seqlens  # noqa: F401  (packed_cu_seqlens: re-exported)
 from k3.model.block import DecoderLayer
 from k3.model.cache import K3Cache
-from k3.model.common import RMSNorm, set_backends
+from k3.model.common import RMSNorm, set_backends, use_weight_casts
 from k3.model.mtp import MTPLayer
+from k3.model.stats import ForwardStats, check_stats
 from k3.ops.linear_ce import linear_cross_entropy
 from k3.ops.registry import Backends
-from k3.utils import to_device_async
+from k3.ops.weight_cast import WeightCasts
 
 # Parameters kept in fp32 whatever the model dtype (they are fp32 in the release, checkpoint-layout §2.9).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
@@ -31,6 +33,7 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None  # next-token cross-entropy when labels are given
     hidden_states: torch.Tensor | None = None  # output-site mix before the final norm [B, T, D]
     mtp_loss: torch.Tensor | None = None  # token t+2 cross-entropy of the MTP layer(s), when labels are given
+    stats: ForwardStats | None = None  # the statistics asked for with `stats=` (k3.model.stats), else None
 
 
 class K3Model(nn.Module):
@@ -78,13 +81,17 @@ class K3Model(nn.Module):
         return sites
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: K3Cache | None = None,
-                segment_ids: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns the output-site hidden state [B, T, D] (before the final norm).
+                segment_ids: torch.Tensor | None = None, batch: BatchInfo | None = None, stats=()):
+        """Returns the output-site hidden state [B, T, D] (before the final norm), or (that, ForwardStats) when
+        `stats` names statistics to return (k3.model.stats; forwards without a cache only).
 
-        With a cache, segment_ids [1, T] packs several requests' new tokens into one row (the cache must be
-        `packed`: per-request KDA states and one MLA view per layer that attends each request's own context).
-        `cu_seqlens_cpu`: `packed_cu_seqlens(segment_ids)` already computed on the host (the trainer has the
-        batch there); the forward then reads nothing back from the device to find the documents."""
+        `batch`: the batch's record (k3.model.batch), or `segment_ids` [B, T] to have it built here. With a cache,
+        segment ids [1, T] pack several requests' new tokens into one row (the cache must be `packed`: per-request
+        KDA states and one MLA view per layer that attends each request's own context)."""
+        batch = _batch_record(segment_ids, batch)
+        want = check_stats(stats)
+        if want and cache is not None:
+            raise ValueError(f"stats={sorted(want)} are training statistics: ask for them in forwards without a cache")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         dev = h.device.type
         if h.dtype == torch.float32 and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
@@ -93,31 +100,35 @@ class K3Model(nn.Module):
             # copy every block to fp32 to mix them, and feed fp32 activations to the bf16 GEMMs, with a cast of
             # each of their gradients back in backward (~15% of a k3-mini training step on an H200).
             h = h.to(torch.get_autocast_dtype(dev))
-        cu_seqlens = None
-        if segment_ids is not None:
-            if cache is not None and (segment_ids.shape[0] != 1 or not getattr(cache, "packed", False)):
-                raise ValueError("segment_ids with a cache need a packed cache (one row of several requests' "
-                                 "tokens, as the serving runner builds) and a batch of one row")
-            if cu_seqlens_cpu is None:
-                cu_seqlens = packed_cu_seqlens(segment_ids)
-            else:
-                if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.ndim != 1 or cu_seqlens_cpu.numel() < 2:
-                    raise ValueError("cu_seqlens_cpu must be a 1-D host tensor of document offsets [0, ..., B*T], "
-                                     f"got shape {tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
-                cu_seqlens = to_device_async(cu_seqlens_cpu.to(torch.int64), segment_ids.device)
-        elif cu_seqlens_cpu is not None:
-            raise ValueError("cu_seqlens_cpu needs the segment_ids it was computed from")
+        if batch is not None:
+            batch.check(h.shape[0], h.shape[1])
+            segment_ids = batch.segment_ids
+        if segment_ids is not None and cache is not None \
+                and (segment_ids.shape[0] != 1 or not getattr(cache, "packed", False)):
+            raise ValueError("segment_ids with a cache need a packed cache (one row of several requests' "
+                             "tokens, as the serving runner builds) and a batch of one row")
+        found = ForwardStats(asked=want) if want else None
         S = self.config.attn_res_block_size
         stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res,
                                backends=self.backends)
         for i, layer in enumerate(self.layers):
             upcoming = self._block_sites(i) if (self.two_phase_attn_res and i % S == 0) else None
-            layer(stream, cache[i] if cache is not None else None, segment_ids=segment_ids,
-                  cu_seqlens=cu_seqlens, upcoming=upcoming,
-                  cu_seqlens_cpu=cu_seqlens_cpu if cu_seqlens is not None else None)
+            got = layer(stream, cache[i] if cache is not None else None, batch=batch, upcoming=upcoming, stats=want)
+            if found is not None:
+                found.add(layer.layer_idx, got)
         if cache is not None:
             cache.seq_len += h.shape[1]
-        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        hidden = stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        return hidden if found is None else (hidden, found)
+
+
+def _batch_record(segment_ids: torch.Tensor | None, batch: BatchInfo | None) -> BatchInfo | None:
+    """The forward's record: `batch`, or one built from `segment_ids` (the convenience form), or None."""
+    if segment_ids is None:
+        return batch
+    if batch is not None:
+        raise ValueError("give segment_ids or a batch record (BatchInfo), not both")
+    return BatchInfo.from_segment_ids(segment_ids)
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -126,16 +137,6 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-
-
-def packed_cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Offsets of the documents of a [B, T] batch flattened to one row: a document starts at every row
-    start and wherever the segment id changes."""
-    B, T = segment_ids.shape
-    start = torch.ones_like(segment_ids, dtype=torch.bool)
-    start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    idx = torch.nonzero(start.reshape(-1)).squeeze(1)
-    return torch.cat([idx, idx.new_tensor([B * T])])
 
 
 class K3ForCausalLM(nn.Module):
@@ -221,6 +222,14 @@ class K3ForCausalLM(nn.Module):
                 m.activation_checkpointing = bool(enabled)
         return self
 
+    def use_weight_casts(self, casts: WeightCasts | None):
+        """A context within which this model's weights (and no other model's) go through `casts`
+        (k3.ops.weight_cast): under autocast each is cast once for all the forwards within, and its gradient
+        summed straight into the fp32 ``.grad``, bitwise what autograd gives. The trainer makes one `WeightCasts`
+        per optimizer step and runs that step's micro-batches, forward and backward, within. None: no change
+        (under FSDP2, whose MixedPrecisionPolicy casts the parameters itself, the trainer passes None)."""
+        return use_weight_casts(self, casts)
+
     def new_cache(self) -> K3Cache:
         return K3Cache([layer.new_cache() for layer in self.model.layers])
 
@@ -228,18 +237,20 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, pixel_values=None, return_logits: bool = True,
-                check_ids: bool = True, cu_seqlens_cpu: torch.Tensor | None = None) -> CausalLMOutput:
+                check_ids: bool = True, batch: BatchInfo | None = None, stats=()) -> CausalLMOutput:
         """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
         segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
-        MLA does not attend across documents. logits_to_keep > 0 computes logits for the last N positions only.
+        MLA does not attend across documents. `batch` instead: the batch's record (k3.model.batch) built where the
+        batch was made; the trainer builds it on the host, and with it and check_ids=False the forward never waits
+        for the device, so the host can queue it while the device still runs earlier work. Its `logit_positions`
+        compute logits at those positions only. logits_to_keep > 0 computes logits for the last N positions only.
         pixel_values ([N, 3, H, W] or a list of [3, H, W]) are encoded by MoonViT-V2 and replace, in order, the
         embeddings at the `media_placeholder_token_id` positions of input_ids (report §2.4).
         return_logits=False (training, with labels) skips the [B, T, V] logits: the loss is computed by
         `head_loss` in chunks of rows, and `logits` is None. check_ids=False skips the token-id range check,
         which reads the ids back from the device (the serving engine validates prompts when they arrive).
-        cu_seqlens_cpu: the documents' offsets `packed_cu_seqlens(segment_ids)`, computed on the host by a caller
-        that has the batch there (the trainer): with it and check_ids=False the forward never waits for the
-        device, so the host can queue it while the device still runs earlier work."""
+        stats: names among k3.model.stats.STATS ("routing", "max_logit"): the output's `stats` then holds them for
+        every MoE / MLA layer that ran, backbone and MTP (forwards without a cache); nothing is computed otherwise."""
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -255,22 +266,35 @@ class K3ForCausalLM(nn.Module):
                                                    self.config.media_placeholder_token_id)
         if not return_logits and labels is None:
             raise ValueError("return_logits=False needs labels (it computes only the loss)")
-        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, segment_ids=segment_ids,
-                            cu_seqlens_cpu=cu_seqlens_cpu)
+        batch = _batch_record(segment_ids, batch)
+        positions = batch.logit_positions if batch is not None else None
+        if positions is not None and (logits_to_keep > 0 or labels is not None):
+            raise ValueError("the batch record's logit_positions select the logits to compute: give no "
+                             "logits_to_keep and no labels with them")
+        want = check_stats(stats)
+        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, batch=batch, stats=want)
+        found = None
+        if want:
+            hidden, found = hidden
         logits = None
         if return_logits:
             h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+            if positions is not None:
+                h = hidden[:, positions]
             logits = self.lm_head(self.model.norm(h))
-        out = CausalLMOutput(logits=logits, hidden_states=hidden)
+        out = CausalLMOutput(logits=logits, hidden_states=hidden, stats=found)
         if labels is not None:
             out.loss = _shifted_ce(logits, labels, 1) if return_logits else self.head_loss(hidden, labels)
             if len(self.mtp) and input_ids is not None:
-                out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, segment_ids)
+                out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, batch, found=found)
         return out
 
-    def mtp_loss(self, hidden, input_ids, labels, segment_ids=None) -> torch.Tensor:
+    def mtp_loss(self, hidden, input_ids, labels, batch: BatchInfo | None = None,
+                 found: ForwardStats | None = None) -> torch.Tensor:
         """Depth-d MTP layer predicts token t+1+d from the depth-(d-1) hidden state at t and the
-        embedding of token t+d (DeepSeek-V3-style chaining); losses averaged over depths."""
+        embedding of token t+d (DeepSeek-V3-style chaining); losses averaged over depths. `batch`: the record of
+        the backbone's batch. `found`: the forward's statistics, joined by the MTP layers' own (those it asked for)."""
+        want = found.asked if found is not None else frozenset()
         losses = []
         h = hidden
         for d, layer in enumerate(self.mtp, start=1):
@@ -278,8 +302,10 @@ class K3ForCausalLM(nn.Module):
             if T <= d + 1:
                 break
             emb = self.model.embed_tokens(input_ids[:, d:])
-            seg = segment_ids[:, d:] if segment_ids is not None else None
-            h = layer(h[:, : T - d] if d == 1 else h[:, :-1], emb, segment_ids=seg)
+            shifted = None if batch is None else batch.shifted(d)
+            h, got = layer(h[:, : T - d] if d == 1 else h[:, :-1], emb, batch=shifted, stats=want)
+            if found is not None:
+                found.add(layer.block.layer_idx, got)
             losses.append(self.head_loss(h, labels[:, d:]))
         return torch.stack(losses).mean() if losses else hidden.new_zeros(())
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
+from k3.model.batch import BatchInfo
 from k3.model.block import DecoderLayer
 from k3.model.common import Linear, RMSNorm
 from k3.ops.registry import Backends
@@ -30,8 +31,11 @@ class MTPLayer(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.eps, self.block_size = eps, cfg.attn_res_block_size
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, segment_ids=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: BatchInfo | None = None,
+                stats: frozenset[str] = frozenset()) -> tuple[torch.Tensor, dict]:
+        """(hidden state [B, T, D], the block's statistics among `stats`, as `DecoderLayer.forward` returns them).
+        `batch`: the record of these T positions (`BatchInfo.shifted`)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         stream = AttnResStream(x, self.block_size, self.eps, backends=self.backends)
-        self.block(stream, segment_ids=segment_ids)
-        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        found = self.block(stream, batch=batch, stats=stats)
+        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj)), found

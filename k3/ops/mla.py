@@ -18,6 +18,8 @@ Two equivalent forms:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -449,15 +451,19 @@ def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_id
 
 
 def _mla_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
-                             return_max_logit: bool = False, backends: Backends | None = None):
-    """``mla_attention`` with ``max_logit`` beside it when asked for: the reference of op ``mla``."""
+                             return_max_logit: bool = False, backends: Backends | None = None,
+                             make_block_mask=None):
+    """``mla_attention`` with ``max_logit`` beside it when asked for: the reference of op ``mla`` (it needs no
+    block mask, so `make_block_mask` is never called)."""
     o = mla_attention(q, k, v, scale, segment_ids=segment_ids)
     return (o, max_logit(q, k, scale, segment_ids)) if return_max_logit else o
 
 
 def _mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
-                        return_max_logit: bool = False, backends: Backends | None = None):
-    return mla_attention_flex(q, k, v, scale, segment_ids, return_max_logit=return_max_logit, backends=backends)
+                        return_max_logit: bool = False, backends: Backends | None = None, make_block_mask=None):
+    mask = make_block_mask(q.device) if make_block_mask is not None and segment_ids is not None else None
+    return mla_attention_flex(q, k, v, scale, segment_ids, block_mask=mask, return_max_logit=return_max_logit,
+                              backends=backends)
 
 
 register(Op(
@@ -469,8 +475,14 @@ register(Op(
 
 
 def mla_attention_any(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
-                      return_max_logit: bool = False, backends: Backends | None = None):
+                      return_max_logit: bool = False, backends: Backends | None = None,
+                      make_block_mask: Callable[[torch.device], object] | None = None):
     """Causal (document-masked with `segment_ids`) attention over the whole sequence, q_start = 0 and Tq = Tk (the
     training forward), on the implementation the registry picks for q (op ``mla``: compiled flex_attention on GPU).
-    Returns o [B, T, H, Dv], or (o, max_logit [H] fp32) with `return_max_logit` (QK-Clip's signal)."""
-    return dispatch("mla", q, backends).fn(q, k, v, scale, segment_ids, return_max_logit, backends)
+    Returns o [B, T, H, Dv], or (o, max_logit [H] fp32) with `return_max_logit` (QK-Clip's signal).
+
+    `make_block_mask(device)`: the flex block mask of `segment_ids` (the batch record's
+    ``BatchInfo.flex_block_mask``, built once per batch for every layer and the recompute in backward), called only
+    when flex runs with segment ids; None: :func:`causal_block_mask`."""
+    return dispatch("mla", q, backends).fn(q, k, v, scale, segment_ids, return_max_logit, backends,
+                                           make_block_mask=make_block_mask)

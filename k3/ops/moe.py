@@ -21,7 +21,7 @@ from torch import Tensor
 
 from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.registry import Backends, Fast, Op, Target, dispatch, register, runs_on
-from k3.ops.weight_cast import cached_stack, weight
+from k3.ops.weight_cast import WeightCasts, cached_stack, weight
 
 __all__ = ["Routing", "route", "expert_load", "moe_experts", "moe_experts_any", "moe_experts_grouped",
            "grouped_available", "grouped_used"]
@@ -261,19 +261,21 @@ register(Op(
 
 def moe_experts_any(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                     act: Callable[[Tensor, Tensor], Tensor], act_fast: Callable[[Tensor, Tensor], Tensor],
-                    act13: Callable[[Tensor], Tensor], backends: Backends | None = None) -> Tensor:
+                    act13: Callable[[Tensor], Tensor], backends: Backends | None = None,
+                    casts: WeightCasts | None = None) -> Tensor:
     """The routed experts on the implementation the registry picks for z (op ``moe``), with the parameters
-    w1, w3, w2 read through k3.ops.weight_cast (cast once per training step):
+    w1, w3, w2 read through k3.ops.weight_cast with `casts` (the step's `WeightCasts`: cast once per training
+    step; None: the plain autocast path):
 
     * the reference loop ``moe_experts`` with `act` (the activation's reference);
-    * ``moe_experts_grouped`` with `act_fast` (the activation on its own fast path); when weight_cast holds this
+    * ``moe_experts_grouped`` with `act_fast` (the activation on its own fast path); when `casts` holds this
       step's w1 and w3 stacked per expert (training under autocast), gate and up are one grouped GEMM followed by
       `act13` on the [gate | up] columns (w1 and w3 then only give the shapes: no separate casts of them)."""
     if dispatch("moe", z, backends).name == "grouped":
-        w13 = cached_stack([w1, w3], dim=1)
-        return moe_experts_grouped(z, weights, indices, w1, w3, weight(w2), act_fast, w13=w13,
+        w13 = cached_stack([w1, w3], dim=1, casts=casts)
+        return moe_experts_grouped(z, weights, indices, w1, w3, weight(w2, casts), act_fast, w13=w13,
                                    act13=None if w13 is None else act13, backends=backends)
-    return moe_experts(z, weights, indices, weight(w1), weight(w3), weight(w2), act)
+    return moe_experts(z, weights, indices, weight(w1, casts), weight(w3, casts), weight(w2, casts), act)
 
 
 def grouped_used(device: torch.device, dtype: torch.dtype, backends: Backends | None = None) -> bool:

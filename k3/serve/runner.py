@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.model.batch import BatchInfo
 from k3.model.cache import K3Cache
 from k3.serve.cache_pool import CachePool
 
@@ -187,13 +188,9 @@ class ModelRunner:
         cache = K3Cache(per_layer)
         cache.packed = lengths is not None
         if lengths is not None:
-            dev = ids.device
-            seg = torch.repeat_interleave(torch.arange(len(lengths), device=dev),
-                                          torch.tensor(lengths, device=dev))[None]
-            hidden = self.model.model(ids, cache=cache, segment_ids=seg)
-            last = torch.cumsum(torch.tensor(lengths, device=dev), 0) - 1
-            m = self.model
-            logits = m.lm_head(m.model.norm(hidden[0, last])).float()
+            # the packed requests' record, built on the host: their documents and each one's last token
+            info = BatchInfo.from_lengths(lengths, device=ids.device, logits_at_ends=True)
+            logits = self.model(ids, cache=cache, batch=info, check_ids=False).logits[0].float()
         else:
             logits = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False).logits[:, -1].float()
         for g, view in enumerate(kda_views):

@@ -241,7 +241,8 @@ class ExpertBalancer:
         """Accumulate one micro-batch routed with ``bias``.
 
         ``routing`` has ``.scores`` [N, E], ``.cutoff`` [N] and ``.indices`` [N, k]
-        (``k3.ops.moe.Routing``). The histogram range is taken from ``bias`` at the first
+        (``k3.ops.moe.Routing``, as a forward run with ``stats=("routing",)`` returns it for each MoE layer in
+        ``out.stats.routing``). The histogram range is taken from ``bias`` at the first
         observe of a window and kept until ``update``.
         """
         scores, cutoff, indices = routing.scores, routing.cutoff, routing.indices

@@ -1,7 +1,7 @@
 """QK-Clip (Kimi K2's weight clipping, applied per Gated MLA head), report §3.3.
 
-During the forward, every `GatedMLA` with ``record_max_logit = True`` stores ``last_max_logit`` [H]: each
-head's largest causal pre-softmax logit (softmax scale included). After the optimizer step, a head whose
+A forward run with ``stats=("max_logit",)`` returns, in ``out.stats.max_logit``, each Gated MLA layer's [H]
+largest causal pre-softmax logit per head (softmax scale included). After the optimizer step, a head whose
 maximum m_h exceeds tau is rescaled with gamma = tau / m_h so that its logits shrink by exactly gamma:
 
 * query "nope" rows of q_b_proj   * sqrt(gamma)   (rows h*(dn+dr) : h*(dn+dr)+dn)
@@ -12,11 +12,11 @@ The extra key dims (kv_a_proj_with_mqa rows kv_lora_rank:) are shared by all hea
 which is why the query side of those dims takes the whole gamma; the value rows are untouched too.
 Logit_h = scale * (q_nope . k_nope + q_extra . k_extra) therefore becomes gamma * logit_h.
 
-Gradient accumulation: `enable_max_logit_recording` also hooks each layer so that the maxima of all the
-training forwards (gradients enabled) since the last `qk_clip_` are combined (a running max): clipping sees
-the whole step's batch, not only the last micro-batch. The latest record is always included, whether or not
-its forward ran with gradients. Recomputation (activation checkpointing) is harmless: taking a max again
-changes nothing, and each record is consumed at most once.
+Gradient accumulation: a :class:`MaxLogitTracker` folds the statistics of every training forward it is shown
+(the step's micro-batches) into a running max, so clipping sees the whole step's batch, not only the last
+micro-batch. Its owner decides what it sees: the trainer shows it its training forwards and never an evaluation.
+Under activation checkpointing the statistics are the original forward's (k3.model.block), so recomputation
+changes nothing.
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from k3.model.mla import GatedMLA
+from k3.model.stats import ForwardStats
 
-__all__ = ["enable_max_logit_recording", "qk_clip_", "consume_max_logits", "apply_qk_clip_", "mla_layers"]
-
-_RUNNING = "_qk_clip_running_max"  # running max [H] since the last qk_clip_ (set by the forward hook)
-_SEEN = "_qk_clip_seen"  # the last `last_max_logit` tensor already folded in (records are consumed once)
+__all__ = ["MaxLogitTracker", "qk_clip_", "apply_qk_clip_", "mla_layers"]
 
 
 def mla_layers(model: nn.Module) -> list[GatedMLA]:
@@ -41,94 +39,75 @@ def mla_layers(model: nn.Module) -> list[GatedMLA]:
     return [m for m in model.modules() if isinstance(m, GatedMLA)]
 
 
-def _fold_record(m: GatedMLA) -> None:
-    """Fold a fresh `last_max_logit` into the running max (each recorded tensor only once)."""
-    cur = m.last_max_logit
-    if cur is None or cur is getattr(m, _SEEN, None):
-        return
-    setattr(m, _SEEN, cur)
-    run = getattr(m, _RUNNING, None)
-    # fmax: a NaN record (a diverged micro-batch) does not hide the other micro-batches' maxima.
-    setattr(m, _RUNNING, cur.detach().float().clone() if run is None else torch.fmax(run, cur.float()))
+class MaxLogitTracker:
+    """The running per-head max logit of each Gated MLA layer of `model` over the forwards observed since the
+    last :meth:`consume`: one optimizer step's micro-batches."""
 
+    def __init__(self, model: nn.Module):
+        self.layers = [(m.layer_idx, m.num_heads) for m in mla_layers(model)]
+        self._device = next((m.q_b_proj.weight.device for m in mla_layers(model)), torch.device("cpu"))
+        self._running: dict[int, torch.Tensor] = {}  # layer_idx -> [H] fp32 running max
 
-def _record_hook(m: GatedMLA, args, output) -> None:
-    # Only training forwards (gradients on) accumulate; an evaluation under no_grad between two steps must
-    # not steer the clipping of the weights being trained.
-    if m.record_max_logit and torch.is_grad_enabled():
-        _fold_record(m)
+    def observe(self, stats: ForwardStats | None) -> None:
+        """Fold one forward's `stats.max_logit` into the running maxima (on the device: nothing is read back)."""
+        if stats is None or "max_logit" not in stats.asked:
+            raise ValueError("observe needs the statistics of a forward run with stats=('max_logit',) "
+                             "(its output's .stats)")
+        for i, cur in stats.max_logit.items():
+            run = self._running.get(i)
+            # fmax: a NaN record (a diverged micro-batch) does not hide the other micro-batches' maxima.
+            self._running[i] = cur.detach().float().clone() if run is None else torch.fmax(run, cur.float())
 
+    def discard(self) -> None:
+        """Forget what was observed since the last consume (a step that is retried)."""
+        self._running = {}
 
-def enable_max_logit_recording(model: nn.Module, on: bool = True) -> None:
-    """Turn per-head max-logit recording on (or off) in every Gated MLA layer of `model`.
-
-    Turning it off also removes the accumulation hook and drops any recorded maxima."""
-    for m in mla_layers(model):
-        m.record_max_logit = on
-        hooked = any(h is _record_hook for h in m._forward_hooks.values())
-        if on and not hooked:
-            m.register_forward_hook(_record_hook)
-        elif not on:
-            for key in [k for k, h in m._forward_hooks.items() if h is _record_hook]:
-                del m._forward_hooks[key]
-            m.last_max_logit = None
-            setattr(m, _RUNNING, None)
-            setattr(m, _SEEN, None)
-
-
-def _consume(m: GatedMLA) -> torch.Tensor | None:
-    """The layer's per-head max logit over every forward since the last call (None if nothing recorded)."""
-    _fold_record(m)  # a record made without the hook (flag set by hand) still counts
-    run = getattr(m, _RUNNING, None)
-    setattr(m, _RUNNING, None)
-    return run
+    @torch.no_grad()
+    def consume(self, process_group=None) -> list[torch.Tensor | None]:
+        """Each Gated MLA layer's per-head max logit [H] (fp32, on the device) over the forwards observed since
+        the last call, in `mla_layers(model)` order, or None for a layer that saw nothing; all-reduced (MAX) over
+        `process_group` when torch.distributed is initialized. Nothing is read back to the host."""
+        maxima = [self._running.get(i) for i, _ in self.layers]
+        self._running = {}
+        if dist.is_available() and dist.is_initialized() and self.layers:
+            # Every rank must contribute the same shapes: unrecorded layers send -inf.
+            dev = next((t.device for t in maxima if t is not None), self._device)
+            flat = torch.cat([t.to(dev) if t is not None else torch.full((h,), -math.inf, device=dev)
+                              for (_, h), t in zip(self.layers, maxima)])
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=process_group)
+            parts = flat.split([h for _, h in self.layers])
+            maxima = [None if torch.isneginf(p).all() else p for p in parts]
+        if self.layers and all(t is None for t in maxima):
+            warnings.warn("qk_clip_: no Gated MLA layer recorded a max logit since the last call; observe the "
+                          "statistics of forwards run with stats=('max_logit',)", stacklevel=3)
+        return [None if t is None else t.float() for t in maxima]
 
 
 @torch.no_grad()
-def qk_clip_(model: nn.Module, tau: float = 100.0, process_group=None) -> dict:
-    """Clip the Gated MLA heads whose recorded max logit exceeds `tau` (in place, after optimizer.step()).
+def qk_clip_(model: nn.Module, max_logits: MaxLogitTracker, tau: float = 100.0, process_group=None) -> dict:
+    """Clip the Gated MLA heads whose max logit, as `max_logits` observed it, exceeds `tau` (in place, after
+    optimizer.step()).
 
     Returns {"max_logit": float over all recorded heads and layers (-inf if none was recorded),
     "clipped_heads": int, "per_layer": {layer_idx: [H] fp32 tensor of the maxima that were used}}.
-    The maxima are consumed: the next call only sees forwards made after this one.
+    The maxima are consumed: the next call only sees forwards observed after this one.
 
     When torch.distributed is initialized the maxima are all-reduced (MAX) over `process_group` (default:
     the world), so data-parallel replicas clip identically. Non-finite maxima are reported but not clipped
     (scaling by tau/inf would zero the head; a NaN/inf logit is the trainer's divergence check to handle).
 
-    The same as ``apply_qk_clip_(model, consume_max_logits(model, process_group), tau)``; a training loop that
-    reads other values back from the device anyway can consume the maxima before the optimizer step, read them
-    with those values, and apply the clip after the step without waiting for the device again.
+    The same as ``apply_qk_clip_(model, max_logits.consume(process_group), tau)``; a training loop that reads
+    other values back from the device anyway can consume the maxima before the optimizer step, read them with
+    those values, and apply the clip after the step without waiting for the device again.
     """
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau}")
-    return apply_qk_clip_(model, consume_max_logits(model, process_group), tau)
-
-
-@torch.no_grad()
-def consume_max_logits(model: nn.Module, process_group=None) -> list[torch.Tensor | None]:
-    """Each Gated MLA layer's per-head max logit [H] (fp32, on the device) over the forwards since the last
-    call, or None for a layer that recorded nothing; all-reduced (MAX) when torch.distributed is initialized.
-    Nothing is read back to the host."""
-    layers = mla_layers(model)
-    maxima = [_consume(m) for m in layers]
-    if dist.is_available() and dist.is_initialized() and layers:
-        # Every rank must contribute the same shapes: unrecorded layers send -inf.
-        dev = next((t.device for t in maxima if t is not None), layers[0].q_b_proj.weight.device)
-        flat = torch.cat([t.to(dev) if t is not None else torch.full((m.num_heads,), -math.inf, device=dev)
-                          for m, t in zip(layers, maxima)])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=process_group)
-        parts = flat.split([m.num_heads for m in layers])
-        maxima = [None if torch.isneginf(p).all() else p for p in parts]
-    if layers and all(t is None for t in maxima):
-        warnings.warn("qk_clip_: no Gated MLA layer recorded a max logit since the last call; call "
-                      "enable_max_logit_recording(model) before the forward", stacklevel=3)
-    return [None if t is None else t.float() for t in maxima]
+    return apply_qk_clip_(model, max_logits.consume(process_group), tau)
 
 
 @torch.no_grad()
 def apply_qk_clip_(model: nn.Module, maxima: list[torch.Tensor | None], tau: float = 100.0) -> dict:
-    """Clip with the maxima of `consume_max_logits` (one per Gated MLA layer, on any device); returns what
+    """Clip with the maxima of `MaxLogitTracker.consume` (one per Gated MLA layer, on any device); returns what
     `qk_clip_` returns. The maxima are read to the host in one transfer (none when they are there already);
     the weights of the heads over `tau` are then scaled on their device without further reads."""
     if not tau > 0:

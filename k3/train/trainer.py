@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from k3.model.batch import BatchInfo
 from k3.model.latent_moe import LatentMoE
-from k3.model.model import K3ForCausalLM, check_token_ids, packed_cu_seqlens
-from k3.ops.weight_cast import cached_weight_casts
+from k3.model.model import K3ForCausalLM, check_token_ids
+from k3.ops.weight_cast import WeightCasts
 from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
-from k3.train.qk_clip import apply_qk_clip_, consume_max_logits, enable_max_logit_recording
+from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
 from k3.train.schedule import lr_multiplier
 from k3.train import state as state_io
 from k3.utils import atomic_write_text, to_device_async
@@ -122,12 +123,14 @@ class Trainer:
         # Training forwards only: evaluation (eval mode, no_grad) runs the plain path whatever the setting.
         model.set_activation_checkpointing(tcfg.activation_checkpointing)
         self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
-        for m in self.moe_layers:
-            m.record_routing = True
         self.balancers = [] if tcfg.balance == "none" else [
             ExpertBalancer(m.gate.e_score_correction_bias.numel(), m.gate.top_k, method=tcfg.balance)
             for m in self.moe_layers]
-        enable_max_logit_recording(model, tcfg.qk_clip_tau is not None and tcfg.qk_clip_tau > 0)
+        # QK-Clip's per-head maxima over each step's training forwards (never an evaluation's)
+        clip_on = tcfg.qk_clip_tau is not None and tcfg.qk_clip_tau > 0
+        self.max_logits = MaxLogitTracker(model) if clip_on else None
+        # what the training forwards return besides the loss: routing for balancing, max logits for QK-Clip
+        self.forward_stats = (("routing",) if self.balancers else ()) + (("max_logit",) if clip_on else ())
         self.step = 0
         self.elapsed = 0.0  # seconds of training (excluding evaluation), carried across resumes
         self.bad_steps = 0
@@ -176,6 +179,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             for bal in self.balancers:
                 bal.discard()
+            if self.max_logits is not None:
+                self.max_logits.discard()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if mb == 1:
@@ -188,8 +193,8 @@ class Trainer:
         self._all_reduce_grads()
         with record_function("k3.train.grad_clip"):
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-        clip_on = bool(c.qk_clip_tau and c.qk_clip_tau > 0)
-        maxima = consume_max_logits(model) if clip_on else []
+        clip_on = self.max_logits is not None
+        maxima = self.max_logits.consume() if clip_on else []
         # One read from the device per step: the losses, the gradient norm, the expert loads and the MLA maxima
         # together, so the host waits for the device once (here, before the optimizer) instead of once for each.
         loss_sum, mtp_sum, grad_norm, loads, maxima = self._read_back(loss_sum, mtp_sum, grad_norm,
@@ -264,28 +269,39 @@ class Trainer:
         check_token_ids(batch["input_ids"], model.config.vocab_size)  # here, on the host copy (no device read)
         # Under autocast the weights are cast once for all micro-batches and their gradients summed straight into
         # the fp32 .grad (bitwise what autograd's cast + accumulation gives; k3.ops.weight_cast).
-        with cached_weight_casts(enabled=c.autocast_bf16):
+        with model.use_weight_casts(self._weight_casts()):
             for s in range(0, rows, mb):
                 host = {k: v[s:s + mb] for k, v in batch.items()}
-                part = {k: to_device_async(v, self.device) for k, v in host.items()}  # no host wait
-                # the documents' offsets from the host copy: the forward then never waits for the device
-                seg = host.get("segment_ids")
-                cu_cpu = packed_cu_seqlens(seg) if seg is not None and seg.device.type == "cpu" else None
+                # The micro-batch's record, its documents' offsets computed from the host copy: the forward then
+                # never waits for the device.
+                info = BatchInfo.from_segment_ids(host["segment_ids"]).to(self.device)
+                part = {k: to_device_async(host[k], self.device) for k in ("input_ids", "labels")}  # no host wait
                 w = part["input_ids"].shape[0] / rows
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                         record_function("k3.train.forward"):
-                    out = model(part["input_ids"], labels=part["labels"], segment_ids=part["segment_ids"],
-                                return_logits=False, check_ids=False, cu_seqlens_cpu=cu_cpu)
+                    out = model(part["input_ids"], labels=part["labels"], batch=info, return_logits=False,
+                                check_ids=False, stats=self.forward_stats)
                     loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
                 with record_function("k3.train.backward"):
                     (loss * w).backward()
                 losses.append(out.loss.detach().double() * w)
                 if out.mtp_loss is not None:
                     mtps.append(out.mtp_loss.detach().double() * w)
+                if self.max_logits is not None:
+                    self.max_logits.observe(out.stats)
                 for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
-                    bal.observe(m.last_routing, b)
+                    routing = out.stats.routing.get(m.layer_idx)
+                    if routing is not None:  # an MTP depth longer than the micro-batch did not run
+                        bal.observe(routing, b)
         zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
         return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else zero)
+
+    def _weight_casts(self) -> WeightCasts | None:
+        """The weight casts of one step's micro-batches (k3.ops.weight_cast): a fresh `WeightCasts` under bf16
+        autocast, else None. A data-parallel wrapper that shards the model with FSDP2 returns None: FSDP2's
+        MixedPrecisionPolicy casts the parameters for each forward itself, and reduces gradients through the
+        autograd hooks that the cast cache bypasses."""
+        return WeightCasts() if self.cfg.autocast_bf16 else None
 
     def _all_reduce_grads(self) -> None:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""
@@ -426,9 +442,10 @@ def evaluate_loss(model, stream: np.ndarray, seq_len: int, eos_id: int, max_batc
     model.eval()
     total, count = 0.0, 0
     for batch in batches_fn(stream, seq_len, rows, eos_id, max_batches=max_batches):
-        b = {k: v.to(device) for k, v in batch.items()}
+        b = {k: v.to(device) for k, v in batch.items() if k != "segment_ids"}
+        info = BatchInfo.from_segment_ids(batch["segment_ids"]).to(device)  # offsets from the host copy
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            out = model(b["input_ids"], labels=b["labels"], segment_ids=b["segment_ids"], return_logits=False)
+            out = model(b["input_ids"], labels=b["labels"], batch=info, return_logits=False)
         n = int((b["labels"][:, 1:] != -100).sum())
         total += float(out.loss) * n
         count += n

@@ -11,7 +11,8 @@ import k3.model.block as block
 from helpers import randomize_, rel_err
 from k3.data.packing import PackedLoader
 from k3.model.model import K3ForCausalLM
-from k3.train.qk_clip import enable_max_logit_recording, mla_layers, qk_clip_
+from k3.model.stats import STATS
+from k3.train.qk_clip import MaxLogitTracker, qk_clip_
 from k3.train.trainer import Trainer, TrainConfig
 
 
@@ -25,12 +26,7 @@ def one_thread():
 
 
 def make(cfg, on, seed=0):
-    model = randomize_(K3ForCausalLM(cfg), seed=seed).train().set_activation_checkpointing(on)
-    for m in model.modules():
-        if hasattr(m, "record_routing"):
-            m.record_routing = True
-    enable_max_logit_recording(model)
-    return model
+    return randomize_(K3ForCausalLM(cfg), seed=seed).train().set_activation_checkpointing(on)
 
 
 def packed_batch(cfg, B=2, T=48, seed=0):
@@ -75,7 +71,7 @@ def test_loss_gradients_and_recorded_stats_match(tiny_cfg, monkeypatch):
     for on in (False, True):
         spy = CheckpointSpy(monkeypatch)
         model = make(cfg, on)
-        out = model(ids, labels=labels, segment_ids=seg)
+        out = model(ids, labels=labels, segment_ids=seg, stats=STATS)
         (out.loss + 0.3 * out.mtp_loss).backward()
         # 2 sites per layer, backbone and MTP, only when on.
         assert spy.calls == (2 * (cfg.num_hidden_layers + 1) if on else 0)
@@ -91,18 +87,57 @@ def test_loss_gradients_and_recorded_stats_match(tiny_cfg, monkeypatch):
             assert rel_err(q.grad, p.grad) < 1e-6, name
             n += 1
     assert n > 100
-    # What load balancing and QK-Clip read after backward (the recompute rewrote it with the same values).
-    moe = [(a, b) for a, b in zip(ref.modules(), ck.modules()) if hasattr(a, "last_routing")]
-    assert len(moe) == 5  # 4 backbone MoE layers + the MTP layer
+    # What load balancing and QK-Clip read after backward: the statistics of the original forward.
+    moe = [(out_ref.stats.routing[i], out_ck.stats.routing[i]) for i in out_ref.stats.routing]
+    assert len(moe) == 5 and out_ck.stats.routing.keys() == out_ref.stats.routing.keys()  # 4 MoE layers + MTP
     for a, b in moe:
-        for x, y in zip(a.last_routing, b.last_routing):
+        for x, y in zip(a, b):
             assert torch.equal(x, y)
-    for a, b in zip(mla_layers(ref), mla_layers(ck)):
-        assert torch.allclose(a.last_max_logit, b.last_max_logit, rtol=1e-6, atol=0)
-    clip_ref, clip_ck = qk_clip_(ref, tau=1e9), qk_clip_(ck, tau=1e9)
+    assert out_ck.stats.max_logit.keys() == out_ref.stats.max_logit.keys()
+    for i, a in out_ref.stats.max_logit.items():
+        assert torch.allclose(a, out_ck.stats.max_logit[i], rtol=1e-6, atol=0)
+    trackers = {}
+    for name, model, out in (("ref", ref, out_ref), ("ck", ck, out_ck)):
+        trackers[name] = MaxLogitTracker(model)
+        trackers[name].observe(out.stats)
+    clip_ref, clip_ck = qk_clip_(ref, trackers["ref"], tau=1e9), qk_clip_(ck, trackers["ck"], tau=1e9)
     assert clip_ck["per_layer"].keys() == clip_ref["per_layer"].keys() and len(clip_ck["per_layer"]) == 3
     for k, v in clip_ref["per_layer"].items():
         assert torch.allclose(clip_ck["per_layer"][k], v, rtol=1e-6, atol=0)
+
+
+def test_statistics_are_the_forwards_and_the_recompute_leaves_them_alone(tiny_cfg, monkeypatch):
+    # The layers return their statistics from the checkpointed function: the recompute in backward runs the layers
+    # again, but what the forward returned is neither replaced nor modified.
+    from k3.model.mla import GatedMLA
+
+    cfg = tiny_cfg.replace(num_nextn_predict_layers=1)
+    ids, seg, labels = packed_batch(cfg, seed=1)
+    spy = CheckpointSpy(monkeypatch)
+    model = make(cfg, True)
+    calls = []
+    for m in model.modules():
+        if isinstance(m, GatedMLA):
+            m.register_forward_pre_hook(lambda mod, args: calls.append(mod.layer_idx))
+    out = model(ids, labels=labels, segment_ids=seg, stats=STATS)
+    assert spy.calls == 2 * (cfg.num_hidden_layers + 1) and len(calls) == 3
+    routing, top = dict(out.stats.routing), dict(out.stats.max_logit)
+    values = ({i: [t.clone() for t in r] for i, r in routing.items()}, {i: t.clone() for i, t in top.items()})
+    assert all(not t.requires_grad for r in routing.values() for t in r) and not any(t.requires_grad
+                                                                                     for t in top.values())
+    (out.loss + 0.3 * out.mtp_loss).backward()
+    assert len(calls) > 3  # the MLA layers ran again in backward
+    assert out.stats.routing.keys() == routing.keys() and out.stats.max_logit.keys() == top.keys()
+    for i, r in routing.items():
+        assert out.stats.routing[i] is r and all(torch.equal(t, v) for t, v in zip(r, values[0][i]))
+    for i, t in top.items():
+        assert out.stats.max_logit[i] is t and torch.equal(t, values[1][i])
+    # and they are the statistics of the plain (not checkpointed) forward
+    plain = make(cfg, False)(ids, labels=labels, segment_ids=seg, stats=STATS).stats
+    for i, r in routing.items():
+        assert all(torch.equal(t, v) for t, v in zip(r, plain.routing[i]))
+    for i, t in top.items():
+        assert torch.allclose(t, plain.max_logit[i], rtol=1e-6, atol=0)
 
 
 def _saved_bytes(model, ids, seg, labels, monkeypatch) -> tuple[int, int]:

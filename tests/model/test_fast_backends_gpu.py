@@ -85,6 +85,7 @@ def test_training_forward_and_backward_never_wait_for_the_device(mini):
     # forward + backward of k3-mini never synchronizes the host with the device, so the host can queue the next
     # micro-batch while the device still runs the previous one. After one warm-up pass (compilation and
     # autotuning), torch's sync debug mode turns any synchronizing call into an error.
+    from k3.model.batch import BatchInfo
     from k3.model.model import packed_cu_seqlens
 
     model, ids, seg = mini
@@ -93,7 +94,10 @@ def test_training_forward_and_backward_never_wait_for_the_device(mini):
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(ids, labels=ids, segment_ids=seg, return_logits=False, check_ids=False, cu_seqlens_cpu=cu)
+            batch = BatchInfo.from_segment_ids(seg, cu_seqlens_cpu=cu)
+            # with the statistics the trainer asks for (balancing's routing, QK-Clip's max logits)
+            out = model(ids, labels=ids, batch=batch, return_logits=False, check_ids=False,
+                        stats=("routing", "max_logit"))
             loss = out.loss + 0.3 * out.mtp_loss
         loss.backward()
 

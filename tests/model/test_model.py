@@ -78,8 +78,10 @@ def test_packed_documents_equal_separate_forwards(tiny_cfg):
 
 
 def test_host_document_offsets_give_the_same_forward_and_backward(tiny_cfg):
-    # The trainer passes packed_cu_seqlens of the host copy of segment_ids (cu_seqlens_cpu) so that the forward reads
-    # nothing back from the device; on CPU both ways run the same ops: loss and gradients exactly equal.
+    # The trainer builds the batch record with packed_cu_seqlens of the host copy of segment_ids (cu_seqlens_cpu) so
+    # that the forward reads nothing back from the device; on CPU both ways run the same ops: loss and gradients
+    # exactly equal.
+    from k3.model.batch import BatchInfo
     from k3.model.model import packed_cu_seqlens
 
     model = make(tiny_cfg.replace(num_nextn_predict_layers=1), seed=5)
@@ -91,16 +93,16 @@ def test_host_document_offsets_give_the_same_forward_and_backward(tiny_cfg):
     res = []
     for cu in (None, packed_cu_seqlens(seg)):
         model.zero_grad(set_to_none=True)
-        out = model(ids, labels=ids, segment_ids=seg, return_logits=False, cu_seqlens_cpu=cu)
+        out = model(ids, labels=ids, batch=BatchInfo.from_segment_ids(seg, cu_seqlens_cpu=cu), return_logits=False)
         (out.loss + out.mtp_loss).backward()
         res.append([out.loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert len(res[0]) == len(res[1]) > 10
     assert all(torch.equal(a, b) for a, b in zip(*res))
     assert torch.equal(packed_cu_seqlens(seg), torch.tensor([0, 20, 48, 53, 78, 96]))
     with pytest.raises(ValueError, match="needs the segment_ids"):
-        model(ids, cu_seqlens_cpu=packed_cu_seqlens(seg))
+        model(ids, batch=BatchInfo(cu_seqlens_cpu=packed_cu_seqlens(seg)))
     with pytest.raises(ValueError, match="1-D host tensor"):
-        model(ids, segment_ids=seg, cu_seqlens_cpu=packed_cu_seqlens(seg)[None])
+        model(ids, batch=BatchInfo.from_segment_ids(seg, cu_seqlens_cpu=packed_cu_seqlens(seg)[None]))
 
 
 def test_loss_and_mtp_loss_backpropagate(tiny_cfg):

@@ -155,9 +155,9 @@ def test_whole_model_under_bf16_autocast_matches_the_loop(tiny_cfg):
     assert global_err < 3e-2
     assert cos[0][0] > 0.99, cos[:4]
     # as the trainer runs it: weights cast once per step, w1 and w3 stacked into one grouped GEMM
-    from k3.ops.weight_cast import cached_weight_casts
+    from k3.ops.weight_cast import WeightCasts
 
-    with cached_weight_casts():
+    with model.use_weight_casts(WeightCasts()):
         loss, g = run("grouped")
     assert rel_err(loss, loss_ref) < 1e-3
     global_err, cos = grad_disagreement(g, g_ref)
