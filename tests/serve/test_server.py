@@ -1,8 +1,9 @@
 """The OpenAI-compatible server (k3.serve.server), the chat template (k3.serve.chat) and /metrics (k3.serve.metrics).
 
 A real uvicorn server runs in a background thread on 127.0.0.1 (a free port) over a random tiny checkpoint written by
-`k3 init`; it is driven with the official `openai` client and, for malformed requests, with httpx. Every HTTP client
-here has trust_env=False (no proxies) and talks only to 127.0.0.1; every wait is bounded in count and time.
+`k3 init --tokenizer bytes` (the byte tokenizer: the prompts below are sized in bytes); it is driven with the official
+`openai` client and, for malformed requests, with httpx. Every HTTP client here has trust_env=False (no proxies) and
+talks only to 127.0.0.1; every wait is bounded in count and time.
 
 The random model mostly predicts ids outside the byte-level tokenizer's 257 tokens (which decode to nothing), so the
 fixture gives the loaded model's head a bias of -30 on every id but the printable ASCII bytes: outputs are then
@@ -56,7 +57,8 @@ def server(tmp_path_factory):
     from k3.serve.server import create_app
 
     ckpt = tmp_path_factory.mktemp("serve") / "tiny"
-    assert main(["init", "--preset", "tiny", "--out", str(ckpt)]) == 0
+    # the byte tokenizer (k3 init's default is a BPE), for which the prompts below are sized
+    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
     save_chat_template(ckpt)
     model = from_pretrained(ckpt)
     tok = load_any_tokenizer(ckpt)
