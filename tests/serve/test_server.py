@@ -56,7 +56,8 @@ def server(tmp_path_factory):
     from k3.serve.server import create_app
 
     ckpt = tmp_path_factory.mktemp("serve") / "tiny"
-    assert main(["init", "--preset", "tiny", "--out", str(ckpt)]) == 0
+    # The byte tokenizer: these tests size prompts at one token per byte.
+    assert main(["init", "--preset", "tiny", "--out", str(ckpt), "--tokenizer", "bytes"]) == 0
     save_chat_template(ckpt)
     model = from_pretrained(ckpt)
     tok = load_any_tokenizer(ckpt)
@@ -460,7 +461,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "greater than or equal to 1",
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "greater than or equal to 0",
      "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**12}, 400, "at most 255 new tokens",
@@ -477,7 +478,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "non-empty", "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs", "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n=2 is not supported", "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo is not supported", "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "stream": True}, 400,
+     "echo is not supported with stream=true", "echo"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "'gpt-9' does not exist", "model"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "'messages' is a required field", "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "list", "messages"),
