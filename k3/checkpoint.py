@@ -11,6 +11,7 @@ Only safetensors and JSON are read; nothing is unpickled.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from safetensors.torch import save as st_save_bytes
 
 from k3.config import K3Config
 from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
+from k3.utils import fsync_dir
 
 PREFIX = "language_model."
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
@@ -37,6 +39,12 @@ _FOREIGN = ("vision_tower.", "mm_projector.")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, broken or does not match the config; the message names what is wrong."""
+
+
+INDEX = "model.safetensors.index.json"
+# Index metadata key holding {shard file: SHA-256 hex} of the shards as written (our own; the release has none).
+CHECKSUM_KEY = "k3_sha256"
+_HASH_BLOCK = 8 << 20  # shards are GiBs: hash them in blocks, never whole in memory
 
 
 def _is_mxfp4(cfg: K3Config) -> bool:
@@ -112,7 +120,9 @@ def state_dict_for_disk(model: torch.nn.Module, dtype: torch.dtype | None = None
 def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = 4 << 30, extra_files: dict[str, bytes] | None = None) -> None:
     """Write config.json + `model-000NN-of-0000MM.safetensors` shards + index atomically: everything goes to
-    a sibling temporary directory that replaces `path` only once complete."""
+    a sibling temporary directory that replaces `path` only once complete. Every file and the directory are
+    fsynced before the rename and the parent after it, so after a power loss `path` is the old checkpoint or
+    the complete new one. The index records each shard's SHA-256 (`metadata.k3_sha256`), checked on load."""
     path = os.path.abspath(os.fspath(path))
     tmp = path + ".partial"
     if os.path.exists(tmp):
@@ -130,30 +140,36 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
             shards[-1][name] = t.cpu()
             size += nbytes
         n = len(shards)
-        weight_map, total = {}, 0
+        weight_map, total, sums = {}, 0, {}
         for i, shard in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{n:06d}.safetensors"  # the release's 5-digit/6-digit mix
-            with open(os.path.join(tmp, fname), "wb") as f:
-                f.write(st_save_bytes(shard, metadata={"format": "pt"}))
-                f.flush()
-                os.fsync(f.fileno())
+            data = st_save_bytes(shard, metadata={"format": "pt"})
+            sums[fname] = hashlib.sha256(data).hexdigest()
+            _write_synced(os.path.join(tmp, fname), data)
+            del data
             for k, t in shard.items():
                 weight_map[k] = fname
                 total += t.numel() * t.element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
+        index = {"metadata": {"total_size": total, CHECKSUM_KEY: sums}, "weight_map": dict(sorted(weight_map.items()))}
+        _write_synced(os.path.join(tmp, INDEX), json.dumps(index, indent=2).encode("utf-8"))
         # The config records the dtype the tensors are stored in (fp32 master weights save as float32).
         stored = dtype if dtype is not None else model.lm_head.weight.dtype
         save_cfg = cfg.replace(dtype=_dtype_name(stored))
-        save_cfg.save(os.path.join(tmp, "config.json"))
+        _write_synced(os.path.join(tmp, "config.json"), (json.dumps(save_cfg.to_dict(), indent=2) + "\n").encode("utf-8"))
         for fname, data in (extra_files or {}).items():
-            with open(os.path.join(tmp, fname), "wb") as f:
-                f.write(data)
+            _write_synced(os.path.join(tmp, fname), data)
+        fsync_dir(tmp)  # the directory's entries, so the renamed directory is never missing a file
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _replace_dir(new: str, path: str) -> None:
@@ -164,6 +180,7 @@ def _replace_dir(new: str, path: str) -> None:
     if os.path.exists(path):
         os.replace(path, old)
     os.replace(new, path)
+    fsync_dir(os.path.dirname(path))
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -172,31 +189,103 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # --- loading ---------------------------------------------------------------------------------------------
-def _shard_files(path: str) -> dict[str, list[str]]:
+def _short(v, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _read_index(path: str) -> tuple[dict[str, list[str] | None], dict[str, str]]:
+    """(shard file -> tensor names, shard file -> recorded SHA-256) from the index, or the single-file layout
+    (no checksums). Everything in the index is checked before use: a malformed one raises CheckpointError."""
+    index = os.path.join(path, INDEX)
+    if not os.path.exists(index):
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            return {"model.safetensors": None}, {}
+        raise CheckpointError(f"no {INDEX} or model.safetensors in {path}")
+    try:
+        with open(index, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {index}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{index} is not UTF-8 text ({e.reason} at byte {e.start}); it must be JSON") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index} is not valid JSON ({e})") from None
+
+    def bad(what: str, allowed: str):
+        raise CheckpointError(f"{index} is not a valid safetensors index: {what}; {allowed}")
+
+    if not isinstance(d, dict):
+        bad(f"the top level is a JSON {type(d).__name__}", "it must be an object with 'weight_map' and 'metadata'")
+    unknown = sorted(set(d) - {"weight_map", "metadata"})
+    if unknown:
+        bad(f"unknown keys {unknown}", "only 'weight_map' and 'metadata' are allowed")
+    if "weight_map" not in d:
+        bad("'weight_map' is missing", "it maps every tensor name to its shard file")
+    wm = d["weight_map"]
+    if not isinstance(wm, dict) or not wm:
+        bad(f"'weight_map' = {_short(wm)}", "must be a non-empty object mapping tensor names to shard file names")
+    files: dict[str, list[str]] = defaultdict(list)
+    for name, fname in wm.items():
+        # a plain file name: an index must not point outside its checkpoint directory
+        if not (isinstance(fname, str) and fname.endswith(".safetensors") and os.path.basename(fname) == fname
+                and "\\" not in fname and not fname.startswith(".")):
+            bad(f"'weight_map'[{_short(name)}] = {_short(fname)}",
+                "must be the name of a .safetensors file in the checkpoint directory")
+        files[fname].append(name)
+    meta = d.get("metadata")
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict):
+        bad(f"'metadata' = {_short(meta)}", "must be an object")
+    total = meta.get("total_size")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or not total >= 0):
+        bad(f"'metadata.total_size' = {_short(total)}", "must be a non-negative number of bytes")
+    sums = meta.get(CHECKSUM_KEY, {})
+    if not isinstance(sums, dict):
+        bad(f"'metadata.{CHECKSUM_KEY}' = {_short(sums)}", "must be an object mapping shard files to SHA-256 hex digests")
+    for fname, digest in sums.items():
+        if fname not in files:
+            bad(f"'metadata.{CHECKSUM_KEY}' names {_short(fname)}", "which is not a shard of 'weight_map'")
+        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            bad(f"'metadata.{CHECKSUM_KEY}'[{_short(fname)}] = {_short(digest)}", "must be 64 lowercase hex digits")
+    for fname in files:
+        if not os.path.isfile(os.path.join(path, fname)):
+            raise CheckpointError(f"shard {fname} named in {index} is missing from {path}")
+    return dict(files), dict(sums)
+
+
+def _shard_files(path: str) -> dict[str, list[str] | None]:
     """Map shard file -> tensor names, from the index (or the single-file layout)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                wm = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
-        files: dict[str, list[str]] = defaultdict(list)
-        for name, fname in wm.items():
-            files[fname].append(name)
-        for fname in files:
-            if not os.path.exists(os.path.join(path, fname)):
-                raise CheckpointError(f"shard {fname} named in {index} is missing from {path}")
-        return dict(files)
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
-        return {"model.safetensors": None}  # type: ignore[dict-item]
-    raise CheckpointError(f"no model.safetensors.index.json or model.safetensors in {path}")
+    return _read_index(path)[0]
 
 
-def _iter_disk_tensors(path: str, files: dict[str, list[str] | None], wanted) -> Iterator[tuple[str, torch.Tensor]]:
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _verify_shard(path: str, fname: str, expected: str) -> None:
+    got = sha256_file(os.path.join(path, fname))
+    if got != expected:
+        raise CheckpointError(
+            f"shard {fname} in {path} does not match the SHA-256 its index records (file {got[:16]}..., index "
+            f"{expected[:16]}...): it is truncated or corrupt, or was modified after the save; --no-verify "
+            "(verify=False) loads it anyway")
+
+
+def _iter_disk_tensors(path: str, files: dict[str, list[str] | None], wanted,
+                       checksums: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     for fname, names in files.items():
         fpath = os.path.join(path, fname)
+        if names is not None and not any(wanted(n) for n in names):
+            continue  # nothing to read from this shard (a layers=N load)
+        if checksums and fname in checksums:
+            _verify_shard(path, fname, checksums[fname])  # just before reading: the file is then in the page cache
         try:
             with safe_open(fpath, framework="pt") as f:
                 keys = list(f.keys())
@@ -218,9 +307,11 @@ def _show(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, layer_limit: int | None = None) -> None:
+def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, layer_limit: int | None = None,
+                    verify: bool = True) -> None:
     """Fill `model`'s parameters and buffers from the checkpoint at `path`, converting the file layout.
-    Tensors of decoder layers >= `layer_limit` (and MTP layers) are skipped without being read."""
+    Tensors of decoder layers >= `layer_limit` (and MTP layers) are skipped without being read. `verify`: check
+    each shard read against the SHA-256 its index records (checkpoints without checksums load unchecked)."""
     cfg: K3Config = model.config
     L, n_mtp = cfg.num_hidden_layers, len(getattr(model, "mtp", []))
     targets = dict(model.named_parameters())
@@ -230,7 +321,7 @@ def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, laye
     filled: set[str] = set()
     expert_parts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     unexpected, mismatched = [], []
-    files = _shard_files(path)
+    files, checksums = _read_index(path)
 
     def assign(name: str, t: torch.Tensor, disk_name: str) -> None:
         dst = targets[name]
@@ -249,7 +340,7 @@ def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, laye
         m = _LAYER.match(disk_name[len(PREFIX):])
         return m is None or int(m.group(1)) < layer_limit
 
-    for disk_name, t in _iter_disk_tensors(path, files, wanted):
+    for disk_name, t in _iter_disk_tensors(path, files, wanted, checksums if verify else None):
         name = _disk_to_internal_name(disk_name, L, n_mtp, vision=getattr(model, "vision", None) is not None)
         if name is None:
             continue
@@ -315,17 +406,33 @@ def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, laye
         raise CheckpointError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
 
 
+def load_config(path: str | os.PathLike) -> K3Config:
+    """A checkpoint's config.json, strictly checked (it must give the model's shape); CheckpointError naming
+    the file and the problem otherwise."""
+    from k3.config import ConfigError
+
+    f = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(f):
+        raise CheckpointError(f"{os.fspath(path)} has no config.json: not a checkpoint directory")
+    try:
+        return K3Config.load(f, strict=True)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None  # the message already names the file
+
+
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
-                    layers: int | None = None, strict: bool = True, backends=None):
+                    layers: int | None = None, strict: bool = True, backends=None, verify: bool = True):
     """Load a checkpoint in the official layout. `layers=N` builds and loads only the first N decoder layers
     (plus embedding, output site, final norm and head), for analysing a slice of a large checkpoint. `backends`
-    (k3.ops.registry.Backends, None: the default) is given to the model (K3ForCausalLM.set_backends)."""
+    (k3.ops.registry.Backends, None: the default) is given to the model (K3ForCausalLM.set_backends).
+    `verify`: check the shards against the SHA-256 digests their index records (see load_state_into)."""
     from k3.model.model import K3ForCausalLM
 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    cfg = K3Config.load(path)
+    cfg = load_config(path)
+    _read_index(path)  # a broken index fails here, before the (possibly large) allocation
     if layers is not None:
         if not isinstance(layers, int) or not 1 <= layers <= cfg.num_hidden_layers:
             raise CheckpointError(f"layers={layers!r} must be an integer in [1, {cfg.num_hidden_layers}]")
@@ -338,9 +445,14 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     device = torch.device(device) if device is not None else torch.device("cpu")
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, backends=backends)
-    model.to_empty(device=device)
+    try:
+        model.to_empty(device=device)
+    except (RuntimeError, MemoryError) as e:  # e.g. a config.json whose sizes describe a far larger model
+        n = sum(p.numel() for p in model.parameters())
+        raise CheckpointError(f"the model {os.path.join(path, 'config.json')} describes ({n:,} parameters) does "
+                              f"not fit in {device} memory: {str(e).splitlines()[0]}") from None
     model.set_dtype(target_dtype)
     # With layers=N the later layers are in the files but deliberately neither read nor reported.
-    load_state_into(model, path, strict=strict, layer_limit=layers)
+    load_state_into(model, path, strict=strict, layer_limit=layers, verify=verify)
     model.eval()
     return model

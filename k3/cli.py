@@ -22,6 +22,10 @@ BACKEND_HELP = ("which implementation runs the ops that have a GPU fast path: au
                 "CUDA) or torch (the reference everywhere). An op pinned by its K3_<OP>_BACKEND variable keeps it")
 
 
+VERIFY_HELP = ("load the checkpoint without checking its shards against the SHA-256 digests its index records "
+               "(checkpoints without digests, such as the release, are never checked)")
+
+
 def _backends(choice: str, device):
     """The ops' implementations for this run (k3.ops.registry.Backends): --backend for every op, each op pinned by
     its K3_<OP>_BACKEND variable keeping its own, and the ops' options from their variables
@@ -113,9 +117,25 @@ TRAIN_FLAGS = ["max_steps", "max_minutes", "seq_len", "batch_tokens", "lr", "see
                "activation_checkpointing"]
 
 
-def cmd_train(args) -> int:
+def _saved_train_config(ck: str) -> dict:
+    """The training settings a checkpoint was saved with (its trainer_state.json), for --resume."""
     import json
 
+    from k3.checkpoint import CheckpointError
+    from k3.train.state import unflatten
+
+    path = os.path.join(ck, "trainer_state.json")
+    try:
+        with open(path, "rb") as f:
+            saved = unflatten(None, json.loads(f.read().decode("utf-8")))["train_config"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"train_config is a {type(saved).__name__}, not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e}); the checkpoint is damaged") from None
+    return saved
+
+
+def cmd_train(args) -> int:
     from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, latest_checkpoint, pick_device, run_training
     from k3.train.trainer import TrainConfig, TrainingError
 
@@ -126,10 +146,7 @@ def cmd_train(args) -> int:
     if args.resume:
         ck = latest_checkpoint(args.out)
         if ck is not None:  # continue with the run's own settings unless a flag overrides them
-            with open(os.path.join(ck, "trainer_state.json"), "rb") as f:
-                from k3.train.state import unflatten
-
-                saved = unflatten(None, json.load(f))["train_config"]
+            saved = _saved_train_config(ck)
             fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
     else:
         fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
@@ -139,22 +156,25 @@ def cmd_train(args) -> int:
         fields["max_minutes"] = 10.0
     tcfg = TrainConfig(**fields)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
-                      resume=args.resume, device=args.device, max_corpus_mb=args.max_corpus_mb, backends=backends)
+                      resume=args.resume, device=args.device, max_corpus_mb=args.max_corpus_mb, backends=backends,
+                      verify=args.verify)
     try:
         summary = run_training(opts, tcfg, progress_bar=not args.no_progress)
     except TrainingError as e:
         print(f"k3 train: {e}", file=sys.stderr)
         return 3
+    if summary.get("signal") == "SIGTERM":
+        return 143  # 128 + SIGTERM, what a process killed by the signal reports: supervisors expect it
     return 130 if summary.get("interrupted") else 0
 
 
-def _load_for_inference(ckpt: str, device: str):
+def _load_for_inference(ckpt: str, device: str, verify: bool = True):
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
     from k3.train.run import pick_device
 
     dev = pick_device(device)
-    model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev))
+    model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev), verify=verify)
     try:
         tok = load_any_tokenizer(ckpt)
     except (FileNotFoundError, ValueError) as e:
@@ -180,7 +200,7 @@ def cmd_eval(args) -> int:
     from k3.train.trainer import evaluate_loss
 
     ckpt = _resolve_ckpt(args.ckpt)
-    model, tok, dev = _load_for_inference(ckpt, args.device)
+    model, tok, dev = _load_for_inference(ckpt, args.device, verify=args.verify)
     _, heldout = load_corpus(args.data or [], None, log=lambda *a: None)
     docs = heldout
     stream = tokenize_documents(tok, docs)
@@ -196,7 +216,7 @@ def cmd_generate(args) -> int:
     from k3.serve.sampling import SamplingParams
 
     ckpt = _resolve_ckpt(args.ckpt)
-    model, tok, _ = _load_for_inference(ckpt, args.device)
+    model, tok, _ = _load_for_inference(ckpt, args.device, verify=args.verify)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:
@@ -263,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
     s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("eval", help="held-out loss and perplexity of a checkpoint")
@@ -272,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=_positive_int, default=8)
     s.add_argument("--max-batches", type=_positive_int, default=None)
     s.add_argument("--device", default="auto")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_eval)
 
     from k3.serve.options import add_serve_arguments
@@ -281,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
     s.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly instead of as CUDA-graph replays (same as K3_CUDA_GRAPHS=off)")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=_cmd_serve)
 
     s = sub.add_parser("generate", help="continue a prompt")
@@ -293,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--cache-memory-mb", type=_positive_float, default=256.0, help="page pool for the decode cache")
     s.add_argument("--device", default="auto")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_generate)
     return p
 

@@ -271,8 +271,11 @@ class K3Config:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "K3Config":
-        """Accepts the official wrapper (`text_config` inside) or a bare text config."""
+    def from_dict(cls, d: dict[str, Any], strict: bool = False) -> "K3Config":
+        """Accepts the official wrapper (`text_config` inside) or a bare text config. Missing keys take the
+        release values unless `strict` (a checkpoint's config.json: every key that shapes the model must be
+        there). An unknown key that is a near miss of a known one is refused: a misspelt key would otherwise
+        be ignored and its default used silently; other unknown keys (transformers' generic fields) are."""
         if not isinstance(d, dict):
             raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
         text = d.get("text_config", d)
@@ -282,6 +285,7 @@ class K3Config:
         lac = text.pop("linear_attn_config", None) or {}
         if not isinstance(lac, dict):
             raise ConfigError("config field 'linear_attn_config' must be a JSON object")
+        _check_keys(d, text, lac, strict)
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {k: v for k, v in text.items() if k in names}
         rename = {
@@ -301,8 +305,12 @@ class K3Config:
         if "tie_word_embeddings" in d and "tie_word_embeddings" not in kwargs:
             kwargs["tie_word_embeddings"] = d["tie_word_embeddings"]
         for k in ("kda_layers", "full_attn_layers"):
-            if k in kwargs and not isinstance(kwargs[k], list):
+            if k in kwargs and not (isinstance(kwargs[k], list)
+                                    and all(isinstance(i, int) and not isinstance(i, bool) for i in kwargs[k])):
                 raise ConfigError(f"config field '{k}' = {kwargs[k]!r} is invalid: must be a list of 1-based layer numbers")
+        if kwargs.get("quantization_config") is not None and not isinstance(kwargs["quantization_config"], dict):
+            raise ConfigError(f"config field 'quantization_config' = {kwargs['quantization_config']!r} is invalid: "
+                              "must be a JSON object or null")
         # Types: JSON gives ints/floats; reject strings and other surprises with the field's name.
         for f in dataclasses.fields(cls):
             if f.name not in kwargs or kwargs[f.name] is None:
@@ -325,18 +333,77 @@ class K3Config:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "K3Config":
+    def load(cls, path: str | os.PathLike, strict: bool = False) -> "K3Config":
+        """Read a config.json (or a directory's); errors name the file. `strict`: see from_dict."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
             raise ConfigError(f"no config file at {path}")
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
+            with open(path, "rb") as f:
+                d = json.loads(f.read().decode("utf-8"))
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        try:
+            return cls.from_dict(d, strict=strict)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+# --- key checks of config files -----------------------------------------------------------------------------
+# The keys that fix the model's shape: a checkpoint's config.json must give them all (their defaults are the
+# 2.8T-parameter release, which a file missing them almost certainly is not).
+_REQUIRED_TEXT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+                  "intermediate_size", "num_experts", "num_experts_per_token", "moe_intermediate_size",
+                  "num_shared_experts", "routed_expert_hidden_size", "attn_res_block_size")
+# linear_attn_config key -> field (the official file nests the KDA settings there).
+_LAC_KEYS = {"kda_layers": "kda_layers", "full_attn_layers": "full_attn_layers", "num_heads": "kda_num_heads",
+             "head_dim": "kda_head_dim", "short_conv_kernel_size": "kda_short_conv_kernel_size",
+             "gate_lower_bound": "kda_gate_lower_bound", "use_full_rank_gate": "kda_use_full_rank_gate"}
+_REQUIRED_LAC = ("kda_layers", "full_attn_layers", "num_heads", "head_dim")
+_WRAPPER_KEYS = ("text_config", "vision_config", "media_placeholder_token_id", "ignore_index", "image_placeholder",
+                 "auto_map", "architectures", "model_type", "transformers_version", "linear_attn_config")
+# Generic fields transformers' PretrainedConfig serializes (unused here); never taken for misspellings.
+_GENERIC_KEYS = frozenset("""
+    return_dict output_hidden_states output_attentions torchscript torch_dtype use_bfloat16 tf_legacy_loss
+    pruned_heads chunk_size_feed_forward is_encoder_decoder is_decoder cross_attention_hidden_size
+    add_cross_attention tie_encoder_decoder max_length min_length do_sample early_stopping num_beams num_beam_groups
+    diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size
+    encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores return_dict_in_generate
+    forced_bos_token_id forced_eos_token_id remove_invalid_values exponential_decay_length_penalty suppress_tokens
+    begin_suppress_tokens finetuning_task id2label label2id tokenizer_class prefix sep_token_id
+    decoder_start_token_id task_specific_params problem_type _name_or_path use_cache rope_theta rope_scaling
+    head_dim attention_dropout attention_bias _attn_implementation_autoset""".split())
+
+
+def _check_keys(d: dict, text: dict, lac: dict, strict: bool) -> None:
+    import difflib
+
+    fields = [f.name for f in dataclasses.fields(K3Config)]
+    groups = [("text_config." if "text_config" in d else "", text, fields + list(_WRAPPER_KEYS)),
+              ("linear_attn_config.", lac, list(_LAC_KEYS))]
+    if "text_config" in d:
+        groups.append(("", d, fields + list(_WRAPPER_KEYS)))
+    for where, obj, known in groups:
+        for k in obj:
+            if k in known or k in _GENERIC_KEYS:
+                continue
+            near = difflib.get_close_matches(k, known, n=1, cutoff=0.85)
+            if near:
+                raise ConfigError(f"config key '{where}{k}' is unknown: did you mean '{near[0]}'?")
+    if strict:
+        missing = [f"text_config.{k}" if "text_config" in d else k for k in _REQUIRED_TEXT if k not in text]
+        missing += [f"linear_attn_config.{k}" for k in _REQUIRED_LAC if k not in lac and _LAC_KEYS[k] not in text]
+        if missing:
+            more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+            raise ConfigError(f"config lacks required keys {', '.join(missing[:6])}{more}: a checkpoint's config "
+                              "must give every size of the model")
 
 
 # --- presets ------------------------------------------------------------------------------------------

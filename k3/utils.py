@@ -7,10 +7,20 @@ import tempfile
 from typing import BinaryIO, Callable
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
-    """Call `write(f)` on a temporary file in the same directory, fsync, then rename over `path`.
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (files created, renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    A crash at any point leaves either the old file or the new one, never a torn write.
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Call `write(f)` on a temporary file in the same directory, fsync, rename over `path`, fsync the directory.
+
+    A crash at any point leaves either the old file or the new one, never a torn write; once this returns the
+    new one survives a power loss too (the rename itself is only durable once the directory is synced).
     """
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
@@ -26,6 +36,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(d)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -3,7 +3,8 @@
 `LLMEngine.step()` runs one scheduling step: plan the work (decode tokens and prefill chunks under the token
 budget), restore prefix-cache hits, run the model against the paged pool, persist KDA checkpoints at
 hash-aligned positions, sample, and apply stop rules. It is synchronous; the HTTP server drives it from a
-background thread.
+background thread. A request with `SamplingParams.prompt_logprobs` has its prompt scored in the same forwards that
+prefill it (the runner scores the chunk's positions, `PromptScore`), and so never takes a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from k3.serve.cache_pool import CachePool
 from k3.serve.cuda_graphs import decode_graphs_mode, prefill_graph_lengths
 from k3.serve.metrics import SampleWindow
 from k3.serve.prefix_cache import OutOfPages, PrefixCache
-from k3.serve.runner import ModelRunner, SeqSlots
+from k3.serve.runner import ModelRunner, PromptScore, SeqSlots
 from k3.serve.sampling import SamplingParams, sample_batch
 from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
@@ -54,6 +55,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)
+    # On a request's first output, when its params ask for prompt_logprobs: Sequence.prompt_logprobs.
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class EngineMetrics:
@@ -123,6 +126,8 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no logprob: nothing predicts it
         seq.generator = torch.Generator(device=self.runner.device)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") % 2**63
         seq.generator.manual_seed(seed)
@@ -150,7 +155,9 @@ class LLMEngine:
     # --- cache hooks used by the scheduler ----------------------------------------------------
     def _admit(self, seq: Sequence) -> bool:
         try:
-            adm = self.prefix.admit(seq.request_id, seq.tokens)
+            # A request that scores its prompt must compute every prompt position: no hit (its blocks are still
+            # registered as they are computed, for later requests).
+            adm = self.prefix.admit(seq.request_id, seq.tokens, lookup=not seq.scores_prompt)
         except OutOfPages:
             return False
         for op in adm.copies:  # copy-on-write of a partial page, checkpoint -> private state
@@ -204,13 +211,24 @@ class LLMEngine:
                 self.metrics.prompt_tokens_computed += max(0, min(w.end, len(w.seq.prompt_ids)) - w.start)
                 if w.end == w.seq.num_tokens:
                     due.append(w.seq)
-            outputs = []
+            outputs = [self._finish_scored(s) for s in due if s.params.max_tokens == 0]
+            due = [s for s in due if s.params.max_tokens > 0]
             if due:  # every request's next token in one batched sampling call: one read-back per step
                 rows = _rows_of(logits, due)
                 toks = sample_batch(rows, [s.params for s in due], [s.generator for s in due])
-                outputs = [self._sample(s, t, rows[i]) for i, (s, t) in enumerate(zip(due, toks))]
+                for i, (s, t) in enumerate(zip(due, toks)):
+                    first = s.first_token_at is None
+                    out = self._sample(s, t, rows[i])
+                    if first and s.params.prompt_logprobs is not None:
+                        out.prompt_logprobs = s.prompt_logprobs
+                    outputs.append(out)
             self.prefix.mark_landed()
             return outputs
+
+    def _finish_scored(self, seq: Sequence) -> RequestOutput:
+        """A request with max_tokens=0 (prompt logprobs only) ends once its prompt is computed: nothing sampled."""
+        self._finish(seq, "length")
+        return RequestOutput(seq.request_id, [], "", True, "length", prompt_logprobs=seq.prompt_logprobs)
 
     def _segments(self, w: Work) -> list[tuple[int, int]]:
         """A prefill chunk is split at the last hash-aligned position inside it, so the KDA state there can be
@@ -234,12 +252,35 @@ class LLMEngine:
                     a, b = segs[id(w)][r]
                     groups.setdefault(b - a == 1, []).append((w, a, b))
             for group in groups.values():
+                scores = [self._prompt_score(w.seq, a, b) for w, a, b in group]
                 out = self.runner.forward([w.seq.token_range(a, b) for w, a, b in group], [a for _, a, _ in group],
-                                          [self._slots(w.seq) for w, _, _ in group])
+                                          [self._slots(w.seq) for w, _, _ in group],
+                                          **({"scores": scores} if any(scores) else {}))
+                if any(scores):
+                    out, scored = out
+                    for (w, _, _), sc, res in zip(group, scores, scored):
+                        if sc is not None:
+                            w.seq.prompt_logprobs.extend(_score_entries(sc.targets, res))
                 for i, (w, a, b) in enumerate(group):
                     self._after_forward(w.seq, b)
                     logits[w.seq.request_id] = (out, i)
         return logits
+
+    @staticmethod
+    def _prompt_score(seq: Sequence, a: int, b: int) -> PromptScore | None:
+        """What to score of the forward over seq.tokens[a:b]: the logits at position j predict prompt token
+        j + 1, so the positions from the first prompt token not yet scored, up to the prompt's second-to-last
+        (after a preemption, positions already scored are not scored again)."""
+        if not seq.scores_prompt:
+            return None
+        known = len(seq.prompt_logprobs)
+        if a > known - 1:  # admission never gives such a request a hit, so no position can have been skipped
+            raise RuntimeError(f"request {seq.request_id}: forward starts at {a} but only {known} prompt tokens "
+                               f"are scored")
+        lo, hi = max(a, known - 1), min(b, len(seq.prompt_ids) - 1)
+        if lo >= hi:
+            return None
+        return PromptScore(lo - a, seq.prompt_ids[lo + 1:hi + 1], seq.params.prompt_logprobs)
 
     def _after_forward(self, seq: Sequence, end: int) -> None:
         seq.num_computed = end
@@ -340,6 +381,13 @@ def _held_back(text: str, stops: list[str]) -> int:
                 n = max(n, k)
                 break
     return n
+
+
+def _score_entries(targets: list[int], scored) -> list[dict]:
+    """The runner's (logprobs, top-k values, top-k ids) for `targets` as logprob entries, read back at once."""
+    lp, top_v, top_i = (t.tolist() for t in scored)
+    return [{"token": t, "logprob": v, "top": list(zip(ids, vals))}
+            for t, v, vals, ids in zip(targets, lp, top_v, top_i)]
 
 
 def _rows_of(logits: dict[str, tuple[torch.Tensor, int]], due: list) -> torch.Tensor:

@@ -3,6 +3,19 @@ imported when a server starts)."""
 
 from __future__ import annotations
 
+import argparse
+import math
+
+
+def _positive_mb(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v * 2**20 >= 1):
+        raise argparse.ArgumentTypeError(f"must be a positive number of MiB, got {text!r}")
+    return v
+
 
 def add_serve_arguments(parser) -> None:
     """The flags of `k3 serve`."""
@@ -22,5 +35,7 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--max-step-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="largest prefill chunk of one request per step (default 512)")
+    parser.add_argument("--max-request-mb", type=_positive_mb, default=None,
+                        help="largest request body in MiB; larger ones get HTTP 413 (default 8)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

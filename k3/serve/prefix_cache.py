@@ -229,9 +229,11 @@ class PrefixCache:
 
     # ---- the engine's API ----------------------------------------------------------------------------------------
 
-    def admit(self, seq_id: Hashable, prompt_tokens: Sequence[int]) -> Admission:
+    def admit(self, seq_id: Hashable, prompt_tokens: Sequence[int], lookup: bool = True) -> Admission:
         """Look up the longest cached prefix, pin every hit page, then allocate the private KDA pages and the CoW
-        page. Raises OutOfPages (with nothing changed but evictions) if those pages cannot be found."""
+        page. Raises OutOfPages (with nothing changed but evictions) if those pages cannot be found.
+        lookup=False admits with no hit (every prompt token is computed, e.g. to score the prompt); the request's
+        blocks still enter the index as they are computed."""
         if seq_id in self._reqs:
             raise ValueError(f"seq_id={seq_id!r} is already admitted")
         if not prompt_tokens:
@@ -239,7 +241,7 @@ class PrefixCache:
         G, K, hb = self.num_mla_groups, self.num_kda_groups, self.hash_block_tokens
         hashes: list[bytes] = []
         heads: list[int] = []
-        if self.enable:
+        if self.enable and lookup:
             self._extend_hashes(hashes, prompt_tokens, len(prompt_tokens) // hb)
             heads = self._lookup(hashes, len(prompt_tokens))
         n = len(heads)
@@ -272,7 +274,8 @@ class PrefixCache:
         if ckpt:
             req.ckpt, req.ckpt_pos = hashes[n - 1], n * hb
         self._reqs[seq_id] = req
-        self._counts.update(queries=1, query_tokens=len(prompt_tokens), hits=int(n > 0), hit_tokens=n * hb)
+        if lookup:  # an admission that skips the lookup is not a query: it must not lower the hit rate
+            self._counts.update(queries=1, query_tokens=len(prompt_tokens), hits=int(n > 0), hit_tokens=n * hb)
         return Admission(seq_id, n * hb, [list(t) for t in tables], list(kda_pages), copies)
 
     def ensure_capacity(self, seq_id: Hashable, total_tokens: int) -> list[list[int]]:

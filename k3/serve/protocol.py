@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
@@ -66,6 +68,91 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 # =====================================================================================================================
+# Request bodies as JSON: valid text, bounded nesting
+
+MAX_JSON_DEPTH = 64  # far more than any request needs; deeper bodies are refused before anything recurses into them
+_PLAIN_TYPES = {int, float, bool, type(None)}
+
+
+def _reject_constant(name: str):
+    raise APIError(400, f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json_body(body: bytes) -> Any:
+    """The JSON value of a request body. Raises json.JSONDecodeError for a syntax error, and APIError (400) for a
+    body that parses but that the endpoints must not see: invalid UTF-8, lone surrogates (from escapes like
+    "\\ud800"; the tokenizer cannot take them and no response could quote them), NaN/Infinity, numbers too long
+    for Python, nesting deeper than MAX_JSON_DEPTH."""
+    try:
+        text, invalid_utf8 = body.decode("utf-8-sig"), False
+    except UnicodeDecodeError:
+        # Invalid bytes become U+DC80..U+DCFF, so that the check below can name the field that holds them.
+        text, invalid_utf8 = body.decode("utf-8", "surrogateescape"), True
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise APIError(400, f"the request body nests arrays and objects too deeply (at most {MAX_JSON_DEPTH} "
+                            f"levels are allowed)") from None
+    except ValueError:  # an integer literal over Python's digit limit
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise APIError(400, f"the request body has a number with more than {limit} digits") from None
+    problem = check_json_text(value, invalid_utf8)
+    if problem is not None:
+        raise APIError(400, problem[0], param=problem[1])
+    return value
+
+
+def _text_problem(s: str, where: str, invalid_utf8: bool) -> str | None:
+    if s.isascii():
+        return None
+    try:
+        s.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        i, cp = e.start, ord(s[e.start])
+    if invalid_utf8 and 0xDC80 <= cp <= 0xDCFF:
+        return (f"{where} is not valid UTF-8: byte 0x{cp - 0xDC00:02X} at character {i}; the request body must be "
+                f"UTF-8")
+    return f"{where} contains a lone surrogate (U+{cp:04X}) at character {i}; text must be valid Unicode"
+
+
+def check_json_text(value: Any, invalid_utf8: bool = False) -> tuple[str, str | None] | None:
+    """(message, param) for the first string or key of a parsed body that is not valid Unicode, or for nesting
+    deeper than MAX_JSON_DEPTH; None when the body is fine. Iterative, so any depth is safe to walk. Messages name
+    the place (e.g. `messages[0].content`) but never quote the bad text, which could not be encoded."""
+    stack = [(value, "", 0, None)]
+    while stack:
+        v, path, depth, param = stack.pop()
+        if isinstance(v, str):
+            msg = _text_problem(v, path or "the request body", invalid_utf8)
+            if msg is not None:
+                return msg, param
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            shown = path if len(path) <= 60 else path[:60] + "..."
+            return (f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep "
+                    f"(at {shown or 'the top'})"), param
+        if isinstance(v, list):
+            if set(map(type, v)) <= _PLAIN_TYPES:  # e.g. token ids: nothing inside to check
+                continue
+            items = [(x, f"{path}[{i}]", depth + 1, param) for i, x in enumerate(v) if type(x) not in _PLAIN_TYPES]
+        else:
+            items = []
+            for k, x in v.items():
+                msg = _text_problem(k, f"a key of {path or 'the request body'}", invalid_utf8)
+                if msg is not None:
+                    return msg, param
+                shown = k if len(k) <= 40 else k[:40] + "..."
+                items.append((x, f"{path}.{shown}" if path else shown, depth + 1, param if path else k))
+        stack.extend(reversed(items))  # reversed: the first problem in document order is reported
+    return None
+
+
+# =====================================================================================================================
 # Request bodies
 
 Prob = Annotated[float, Field(strict=True, gt=0, le=1)]
@@ -113,6 +200,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Any
+    # 0 is allowed here (with echo: score the prompt, generate nothing); the endpoint rejects 0 without echo.
+    max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None
     logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[bool, Field(strict=True)] | None = False
     best_of: Annotated[int, Field(strict=True, ge=1)] | None = None

@@ -17,10 +17,19 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # return this many top alternatives per token
+    # Score the prompt too: per prompt token (after the first) its logprob and this many top alternatives,
+    # computed in the forwards that prefill it. Such a request never takes prefix-cache hits.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        plp = self.prompt_logprobs
+        if plp is not None and (not isinstance(plp, int) or plp < 0):
+            raise ValueError(f"prompt_logprobs must be None or a non-negative integer, got {self.prompt_logprobs!r}")
+        # 0 new tokens only makes sense when the prompt itself is scored.
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise ValueError(f"max_tokens must be a positive integer (0 only with prompt_logprobs), got "
+                             f"{self.max_tokens!r}")
         if not 0 <= self.temperature <= 100:
             raise ValueError(f"temperature must lie in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

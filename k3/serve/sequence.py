@@ -27,6 +27,9 @@ class Sequence:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token scored so far, None for the first (nothing predicts
+    # it), then {"token", "logprob", "top": [(id, logprob), ...]} as for generated tokens.
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV / state are in the cache
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
@@ -59,6 +62,11 @@ class Sequence:
     def token_view(self, end: int) -> "TokenView":
         """tokens[:end] without a copy (its length and slices), for readers that look at a few new blocks."""
         return TokenView(self, end)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet: its prompt must be run, not served from cache."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def pending(self) -> int:

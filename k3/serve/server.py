@@ -10,15 +10,22 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with server-sen
 GET /health, GET /metrics (Prometheus text). Errors use the OpenAI shape
 {"error": {"message", "type", "param", "code"}}. A client that goes away (mid-stream or while waiting for a
 non-streamed answer) has its request aborted, which frees its cache pages.
+
+Hostile input is stopped at the edge: bodies over the size limit get 413 before they are read in full
+(`_BodyGuardMiddleware`), bodies are parsed by `parse_json_body` (invalid UTF-8, lone surrogates, NaN and deep
+nesting get 400 naming the field), and a text too long for the context is refused before it is tokenized
+(`_Server.check_text_length`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hmac
 import json
 import logging
 import os
+import platform
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -26,6 +33,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, render_chat
@@ -33,13 +41,15 @@ from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
 from k3.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from k3.serve.metrics import MetricsExporter
 from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields,
-                               _validation_message, error_body, error_response)
+                               _validation_message, error_body, error_response, parse_json_body)
 from k3.serve.sampling import SamplingParams
 
 logger = logging.getLogger("k3.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # request bodies above this get 413 (`k3 serve --max-request-mb`)
+TRIM_AFTER_BYTES = 2**20  # after a request body this large, freed heap memory is handed back to the OS
 
 
 # =====================================================================================================================
@@ -91,9 +101,16 @@ class _Server:
         self.loop = EngineLoop(engine)
         self.exporter = MetricsExporter(engine)
         self.created = int(time.time())
-        self.vocab_size = int(engine.model.config.vocab_size)
+        # Ids a prompt may hold: the model must embed them and the tokenizer decode them (for echo, logprobs).
+        self.model_vocab_size = int(engine.model.config.vocab_size)
+        self.tokenizer_vocab_size = int(getattr(tokenizer, "vocab_size", None) or self.model_vocab_size)
+        self.vocab_size = min(self.model_vocab_size, self.tokenizer_vocab_size)
+        self.max_token_bytes = max_token_bytes(tokenizer)
         self.http_errors = 0
         self._tok_cache: dict[int, str] = {}
+
+    def count_error(self) -> None:
+        self.http_errors += 1
 
     # --- validation -----------------------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -112,18 +129,38 @@ class _Server:
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    async def encode(self, text: str) -> list[int]:
+    def check_text_length(self, text: str, param: str) -> None:
+        """Reject a text that cannot fit the context without tokenizing it. No token stands for more than
+        `max_token_bytes` bytes of text (see max_token_bytes), so a text of B UTF-8 bytes has at least B / that
+        many tokens; when that is more than the whole context, the token count cannot pass any context check.
+        A character is at least one byte, so len(text) is a lower bound of B that costs nothing to compute."""
+        per = self.max_token_bytes
+        if per is None:
+            return
+        ctx = int(self.engine.max_model_len)
+        n, unit = len(text), "characters"
+        if n <= ctx * per and not text.isascii():
+            n, unit = len(text.encode("utf-8")), "UTF-8 bytes"
+        if n > ctx * per:
+            raise APIError(400, f"the prompt is too long: its {n} {unit} make at least {-(-n // per)} tokens (a token "
+                                f"of this model's tokenizer covers at most {per} bytes), more than this model's "
+                                f"context of {ctx} tokens", param=param, code="context_length_exceeded")
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        self.check_text_length(text, param)
         if len(text) > 16384:  # long texts are tokenized off the event loop
             return await asyncio.to_thread(self.tokenizer.encode, text)
         return self.tokenizer.encode(text)
 
     def sampling_params(self, body: _SamplingFields, prompt_len: int, prompt_param: str, max_tokens: int | None,
                         default_max_tokens: int | None, extra_stop: list[str], logprobs: int | None,
-                        max_tokens_param: str = "max_tokens") -> SamplingParams:
+                        max_tokens_param: str = "max_tokens", prompt_logprobs: int | None = None) -> SamplingParams:
         ctx = int(self.engine.max_model_len)
-        if prompt_len >= ctx:
+        least_new = 0 if max_tokens == 0 else 1  # max_tokens=0 (echo: score the prompt only) generates nothing
+        if prompt_len + least_new > ctx:
             raise APIError(400, f"the prompt is too long: it has {prompt_len} tokens, and this model's context of "
-                                f"{ctx} tokens must hold the prompt and at least one generated token",
+                                f"{ctx} tokens must hold the prompt"
+                                f"{' and at least one generated token' if least_new else ''}",
                            param=prompt_param, code="context_length_exceeded")
         room = ctx - prompt_len
         if max_tokens is None:
@@ -137,7 +174,7 @@ class _Server:
         p = SamplingParams(max_tokens=int(max_tokens), temperature=float(1.0 if body.temperature is None
                                                                           else body.temperature),
                            top_k=int(top_k), top_p=float(1.0 if body.top_p is None else body.top_p),
-                           seed=body.seed, stop=stop, logprobs=logprobs)
+                           seed=body.seed, stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             p.validate()
         except ValueError as e:
@@ -163,6 +200,42 @@ class _Server:
             out["tokens"].append(s)
             out["token_logprobs"].append(e["logprob"])
             out["top_logprobs"].append({self.token_str(i): lp for i, lp in e.get("top", [])})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def top_with_token(self, e: dict) -> dict:
+        """An entry's top alternatives by token string, with the entry's own token in them (as vLLM answers echo
+        requests; lm-eval's is_greedy compares a token's logprob with the best of these). Ids that decode to the
+        same string keep the highest logprob."""
+        top: dict[str, float] = {}
+        for i, lp in [(e["token"], e["logprob"])] + list(e.get("top", [])):
+            s = self.token_str(i)
+            top[s] = max(lp, top.get(s, lp))
+        return top
+
+    def echo_logprobs(self, prompt_ids: list[int], prompt_entries: list, entries: list[dict],
+                      text_len: int | None) -> dict:
+        """OpenAI completions logprobs of an echo request: the prompt tokens (None for the first, which nothing
+        predicts), then the generated ones; text_offset counts the token strings from 0. Generated tokens starting
+        at or past `text_len` characters of generated text (cut by a stop string) are left out."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for tid, e in zip(prompt_ids, prompt_entries):
+            s = self.token_str(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(None if e is None else e["logprob"])
+            out["top_logprobs"].append(None if e is None else self.top_with_token(e))
+            out["text_offset"].append(offset)
+            offset += len(s)
+        start = offset
+        for e in entries:
+            if text_len is not None and offset - start >= text_len:
+                break
+            s = self.token_str(e["token"])
+            out["tokens"].append(s)
+            out["token_logprobs"].append(e["logprob"])
+            out["top_logprobs"].append(self.top_with_token(e))
             out["text_offset"].append(offset)
             offset += len(s)
         return out
@@ -199,7 +272,9 @@ class _Server:
                 pass
 
     async def run(self, request: Request, prompt_ids: list[int], params: SamplingParams, chat: bool,
-                  stream: bool, include_usage: bool, want_logprobs: bool) -> Response:
+                  stream: bool, include_usage: bool, want_logprobs: bool, echo: str | None = None) -> Response:
+        """`echo`: the prompt's text, returned before the generated text (completions, not streamed); its token
+        logprobs come from the engine when params.prompt_logprobs is set."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         h = self.loop.submit(prompt_ids, params, request_id=rid)
@@ -210,6 +285,7 @@ class _Server:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             lps: list[dict] = []
+            prompt_lps: list | None = None
             while True:
                 item = await self.next_item(h, request)
                 if item is None:  # the client left: free the request's pages
@@ -219,6 +295,8 @@ class _Server:
                     h.finished = True
                     return _failure_response(item)
                 lps.extend(item.logprobs)
+                if item.prompt_logprobs is not None:
+                    prompt_lps = item.prompt_logprobs
                 if item.finished:
                     h.finished = True
                     break
@@ -233,6 +311,15 @@ class _Server:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                       "logprobs": self.chat_logprobs(lps, 0, cut) if want_logprobs else None}
             body = {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(h)}
+        elif echo is not None:
+            # A stop token ends the text but keeps its logprob entry (as vLLM does): a client that drops the
+            # generated entries by count (lm-eval drops the last one of a max_tokens=1 request) stays aligned.
+            stop_token = reason == "stop" and len(lps) > len(h.seq.output_ids)
+            lp = None
+            if want_logprobs:
+                lp = self.echo_logprobs(h.prompt_ids, prompt_lps or [], lps, None if stop_token else cut)
+            choice = {"index": 0, "text": echo + text, "finish_reason": reason, "logprobs": lp}
+            body = {**base, "object": "text_completion", "choices": [choice], "usage": _usage(h)}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason,
                       "logprobs": self.completion_logprobs(lps, 0, cut) if want_logprobs else None}
@@ -290,6 +377,173 @@ class _Server:
 
 
 # =====================================================================================================================
+# Hostile input: body size and type, JSON text, prompt length, memory
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """The most bytes of text one token of `tokenizer` can stand for, or None when that cannot be bounded (then
+    every prompt is tokenized in full; the request size limit still bounds the work).
+
+    It is bounded for byte-level BPE (all of ours): no normalizer changes the text, the pre-tokenizer keeps every
+    byte (ByteLevel, or Split pieces that are not removed), and each token is the byte-level spelling of the bytes
+    it covers, one character per byte; added tokens match their own text. So a token covers at most the UTF-8
+    length of its vocabulary string (byte-level characters above U+007F take two bytes, so this can overestimate,
+    which only makes the length check of check_text_length looser)."""
+    raw = getattr(tokenizer, "tokenizer", None)  # the `tokenizers.Tokenizer` inside a K3Tokenizer
+    try:
+        spec = json.loads(raw.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        byte_level = (spec.get("normalizer") is None and (spec.get("decoder") or {}).get("type") == "ByteLevel"
+                      and any(p.get("type") == "ByteLevel" for p in steps)
+                      and all(p.get("type") == "ByteLevel" or (p.get("type") == "Split"
+                                                               and p.get("behavior") != "Removed") for p in steps))
+        if not byte_level:
+            return None
+        return max(1, max(len(t.encode("utf-8")) for t in raw.get_vocab(with_added_tokens=True)))
+    except Exception:  # not a `tokenizers` tokenizer (or an unexpected layout): no bound
+        return None
+
+
+_malloc_trim = None
+
+
+def release_free_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc only; elsewhere a no-op). glibc raises its mmap threshold to
+    the size of the largest block freed, so after one large request, later large buffers come from the heap, and
+    the heap's free pages are kept: RSS would stay at its peak. malloc_trim(0) returns them."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        fn = False
+        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+            except (OSError, AttributeError):
+                fn = False
+        _malloc_trim = fn
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+class _BodyError(StarletteHTTPException):
+    """An APIError found while FastAPI reads the body: FastAPI hands HTTPExceptions raised there on to the
+    exception handlers (anything else it turns into a generic 400)."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
+class _JSONRequest(Request):
+    async def json(self):
+        if not hasattr(self, "_json"):
+            try:
+                self._json = parse_json_body(await self.body())
+            except APIError as e:
+                raise _BodyError(e) from None
+        return self._json
+
+
+class _JSONRoute(APIRoute):
+    """Routes whose JSON bodies are parsed by `parse_json_body` (valid text, bounded nesting)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def run(request: Request):
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return run
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return v
+    return None
+
+
+class _BodyGuardMiddleware:
+    """Reads each request body before the app does, up to `max_bytes`: a larger body gets 413 without being read
+    (by its Content-Length) or as soon as its streamed (chunked) bytes pass the limit, before anything parses it.
+    POST /v1/* bodies must be JSON: another Content-Type gets 415, none is taken as JSON. After a large body
+    the freed memory is handed back to the OS (release_free_memory)."""
+
+    def __init__(self, app, max_bytes: int, on_error=None):
+        self.app, self.max_bytes, self.on_error = app, int(max_bytes), on_error or (lambda: None)
+
+    def _error(self, status: int, message: str, code: str | None = None) -> JSONResponse:
+        self.on_error()
+        return error_response(status, message, code=code)
+
+    def _too_large(self, size: str) -> JSONResponse:
+        mb = self.max_bytes / 2**20
+        return self._error(413, f"the request body{size} is larger than this server's limit of {self.max_bytes} "
+                                   f"bytes ({mb:g} MiB); send a smaller request, or start the server with a larger "
+                                   f"--max-request-mb", "request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        chunked = b"chunked" in (_header(scope, b"transfer-encoding") or b"").lower()
+        if length is not None:
+            try:
+                length = int(length)
+            except ValueError:
+                await self._error(400, "the Content-Length header is not a number")(scope, receive, send)
+                return
+        if not chunked and not length:  # no body (GET, or an empty POST: the endpoint says what is missing)
+            await self.app(scope, receive, send)
+            return
+        if length is not None and length > self.max_bytes:
+            await self._too_large(f" ({length} bytes)")(scope, receive, send)
+            return
+        if scope.get("method") == "POST" and scope["path"].startswith("/v1/"):
+            ctype = _header(scope, b"content-type")
+            if ctype is None:  # the /v1 endpoints only take JSON; FastAPI would not parse an untyped body
+                scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+            else:
+                mime = ctype.split(b";")[0].strip().lower()
+                if not (mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))):
+                    shown = ctype.decode("latin-1")[:100]
+                    await self._error(415, f"the request body must be JSON: its Content-Type is '{shown}'; send "
+                                           f"'Content-Type: application/json'",
+                                      "unsupported_media_type")(scope, receive, send)
+                    return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                chunks.clear()
+                await self._too_large(" (streamed)")(scope, receive, send)
+                if size >= TRIM_AFTER_BYTES:
+                    release_free_memory()
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        chunks.clear()
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            pending.clear()
+            if size >= TRIM_AFTER_BYTES:
+                release_free_memory()
+
+
+# =====================================================================================================================
 # The app
 
 
@@ -325,9 +579,12 @@ class _APIKeyMiddleware:
 
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
-               chat_template: ChatTemplate | None = None) -> FastAPI:
+               chat_template: ChatTemplate | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The OpenAI-compatible app over `engine`. Its engine loop starts with the app (lifespan) or at the first
-    request, and stops when the app shuts down."""
+    request, and stops when the app shuts down. Request bodies over `max_request_bytes` get 413."""
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     srv = _Server(engine, tokenizer, model_name, chat_template)
 
     @asynccontextmanager
@@ -342,7 +599,9 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
     app.state.server = srv
     app.state.engine = engine
     app.state.engine_loop = srv.loop
-    if api_key:
+    app.router.route_class = _JSONRoute
+    app.add_middleware(_BodyGuardMiddleware, max_bytes=max_request_bytes, on_error=srv.count_error)
+    if api_key:  # added last, so it runs first: a client without the key gets nothing else, not even a size check
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
     # --- errors ---------------------------------------------------------------------------------------------------
@@ -360,6 +619,9 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         srv.http_errors += 1
+        if isinstance(exc, _BodyError):
+            e = exc.error
+            return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
         if exc.status_code == 404:
             msg = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:
@@ -411,8 +673,13 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
     async def completions(body: CompletionRequest, request: Request):
         srv.check_model(body.model)
         srv.check_unsupported(body)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 is allowed only with echo=true (the prompt and its logprobs come back, "
+                                "nothing is generated); without echo max_tokens must be at least 1",
+                           param="max_tokens")
+        if body.echo and body.stream:
+            raise APIError(400, "echo is not supported with stream=true: send stream=false to get the prompt back "
+                                "(with its logprobs) in one response", param="echo")
         if body.best_of not in (None, 1):
             raise APIError(400, f"best_of={body.best_of} is not supported (only 1)", param="best_of")
         if body.suffix:
@@ -426,11 +693,15 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
             bad = next((x for x in ids if not 0 <= x < srv.vocab_size), None)
             if bad is not None:
                 raise APIError(400, f"prompt token id {bad} is out of range [0, {srv.vocab_size})", param="prompt")
+        # echo with logprobs scores the prompt in the forwards that prefill it (SamplingParams.prompt_logprobs).
         params = srv.sampling_params(body, len(ids), "prompt", body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, [],
-                                     body.logprobs)
+                                     body.logprobs, prompt_logprobs=body.logprobs if body.echo else None)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        echo = None
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else srv.tokenizer.decode(ids)
         return await srv.run(request, ids, params, chat=False, stream=bool(body.stream), include_usage=include_usage,
-                             want_logprobs=body.logprobs is not None)
+                             want_logprobs=body.logprobs is not None, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -448,7 +719,7 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
             text = render_chat(body.messages, srv.template)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = await srv.encode(text)
+        ids = await srv.encode(text, "messages")
         use_mct = body.max_completion_tokens is not None  # the newer name wins
         max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -468,9 +739,11 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
 def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_tokens: int | None = None,
                  hash_block_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
-                 max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True):
+                 max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True,
+                 verify: bool = True):
     """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template). `backends`
-    (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs."""
+    (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs.
+    `verify`: check the shards against the SHA-256 digests their index records."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
     from k3.serve.chat import load_chat_template
@@ -489,7 +762,7 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     ecfg.validate()  # before the (possibly slow) load
     tokenizer = load_any_tokenizer(ckpt_dir)
     template = load_chat_template(ckpt_dir)
-    model = from_pretrained(ckpt_dir, device=dev, backends=backends)
+    model = from_pretrained(ckpt_dir, device=dev, backends=backends, verify=verify)
     return LLMEngine(model, tokenizer, ecfg), tokenizer, template
 
 
@@ -497,14 +770,18 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
           cache_memory_mb: float | None = None, page_tokens: int | None = None, hash_block_tokens: int | None = None,
           max_num_seqs: int | None = None, max_step_tokens: int | None = None, prefill_chunk: int | None = None,
           device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
-          cuda_graphs: bool | str = True) -> None:
+          cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
-    as None take EngineConfig / SchedulerConfig defaults."""
+    as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
+    DEFAULT_MAX_REQUEST_BYTES."""
     import uvicorn
 
+    max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if max_request_mb is None else int(max_request_mb * 2**20)
+    if not max_request_bytes >= 1:  # checked before the (possibly slow) load
+        raise ValueError(f"--max-request-mb must be positive, got {max_request_mb!r}")
     engine, tokenizer, template = build_engine(ckpt_dir, cache_memory_mb, page_tokens, hash_block_tokens,
                                                max_num_seqs, max_step_tokens, prefill_chunk, device,
-                                               backends=backends, cuda_graphs=cuda_graphs)
+                                               backends=backends, cuda_graphs=cuda_graphs, verify=verify)
     if engine.runner.graphs is not None and engine.runner.graphs.capture:
         t0 = time.perf_counter()
         n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
@@ -512,7 +789,8 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
     name = model_name or os.path.basename(os.path.normpath(ckpt_dir)) or "k3"
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
-    app = create_app(engine, tokenizer, name, api_key=api_key, chat_template=template)
+    app = create_app(engine, tokenizer, name, api_key=api_key, chat_template=template,
+                     max_request_bytes=max_request_bytes)
     stats = engine.cache_stats()
     print(f"k3 serve: model '{name}' from {ckpt_dir}; context {engine.max_model_len} tokens; cache "
           f"{stats['num_pages']} pages x {stats['page_bytes']} bytes; http://{host}:{port}/v1", flush=True)
@@ -536,7 +814,8 @@ def cmd_serve(args) -> int:
               page_tokens=args.page_tokens, hash_block_tokens=args.hash_block_tokens, max_num_seqs=args.max_num_seqs,
               max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk, device=args.device,
               model_name=args.model_name, log_level=getattr(args, "log_level", "info"),
-              backends=getattr(args, "backends", None), cuda_graphs=getattr(args, "cuda_graphs", True))
+              backends=getattr(args, "backends", None), cuda_graphs=getattr(args, "cuda_graphs", True),
+              max_request_mb=getattr(args, "max_request_mb", None), verify=getattr(args, "verify", True))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -12,7 +11,8 @@ import torch
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.ops.registry import Backends
-from k3.train.trainer import Trainer, TrainConfig, TrainingError
+from k3.train.run_dir import clean_interrupted, holding_run_dir, latest_checkpoint
+from k3.train.trainer import Trainer, TrainConfig
 
 
 @dataclass
@@ -25,6 +25,7 @@ class RunOptions:
     device: str = "auto"
     max_corpus_mb: float | None = None
     backends: Backends | None = None  # which implementations run the ops (None: Backends(), `auto`)
+    verify: bool = True  # on --resume, check the checkpoint's shards against their recorded SHA-256
 
 
 # Defaults that make plain `k3 train` learn something on the machine at hand. The whole batch goes through
@@ -42,16 +43,6 @@ def pick_device(spec: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is available")
     return dev
-
-
-def latest_checkpoint(out: str) -> str | None:
-    p = os.path.join(out, "checkpoints", "latest.json")
-    if not os.path.exists(p):
-        return None
-    with open(p, encoding="utf-8") as f:
-        name = json.load(f)["checkpoint"]
-    path = os.path.join(out, "checkpoints", name)
-    return path if os.path.isdir(path) else None
 
 
 def load_corpus(data: list[str], max_corpus_mb: float | None, log=print):
@@ -83,6 +74,8 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
         tcfg.autocast_bf16 = True
     out = tcfg.out
     os.makedirs(out, exist_ok=True)
+    with holding_run_dir(out):  # before looking for the latest: a swap cut short is undone here
+        clean_interrupted(os.path.join(out, "checkpoints"), log=log)
     resume_from = latest_checkpoint(out) if opts.resume else None
     if opts.resume and resume_from is None:
         raise ValueError(f"--resume: no checkpoint found in {out}/checkpoints")
@@ -90,7 +83,9 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
     if resume_from is not None:
-        cfg = K3Config.load(resume_from)  # the trainer state itself is read by Trainer.load
+        from k3.checkpoint import load_config
+
+        cfg = load_config(resume_from)  # the trainer state itself is read by Trainer.load
     elif opts.config:
         cfg = K3Config.load(opts.config)
     else:
@@ -125,7 +120,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
     trainer = Trainer(model, tcfg, loader, eval_stream=eval_stream, eos_id=tok.eos_id, tokenizer_json=tok_json,
                       log=log)
     if resume_from is not None:
-        trainer.load(resume_from)
+        trainer.load(resume_from, verify=opts.verify)
         log(f"resumed from {resume_from} at step {trainer.step}")
     n = sum(p.numel() for p in model.parameters())
     log(f"model: {n / 1e6:.2f}M parameters ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
@@ -144,11 +139,12 @@ def _tokenizer_json_bytes(tok) -> bytes:
 
 
 def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True, log=print) -> dict:
-    trainer = build_run(opts, tcfg, log)
-    try:
+    tcfg.validate()
+    # One process per run directory for the whole run (two would interleave metrics.jsonl and checkpoints),
+    # taken before the corpus and tokenizer work so that a second run fails at once.
+    with holding_run_dir(tcfg.out):
+        trainer = build_run(opts, tcfg, log)
         summary = trainer.fit(progress_bar=progress_bar)
-    except TrainingError:
-        raise
     first, last = summary.get("first_val_loss"), summary.get("last_val_loss")
     msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
     if first is not None and last is not None:

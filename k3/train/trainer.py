@@ -26,6 +26,7 @@ from k3.ops.weight_cast import WeightCasts
 from k3.train.balance import ExpertBalancer, load_ratios
 from k3.train.muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
+from k3.train.run_dir import clean_interrupted, holding_run_dir, prune
 from k3.train.schedule import lr_multiplier
 from k3.train import state as state_io
 from k3.utils import atomic_write_text, to_device_async
@@ -90,6 +91,8 @@ class TrainConfig:
             bad("micro_batch_rows", "must be >= 1")
         if not isinstance(self.activation_checkpointing, bool):
             bad("activation_checkpointing", "must be True or False")
+        if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
+            bad("keep_checkpoints", "must be an integer >= 1")
 
     @property
     def rows_per_step(self) -> int:
@@ -136,6 +139,8 @@ class Trainer:
         self.bad_steps = 0
         self.history: list[dict] = []
         self._stop_requested = False
+        self._stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once a signal asked the run to stop
+        self._saved_step: int | None = None  # the step whose checkpoint is on disk (nothing changed since)
 
     # --- schedule ----------------------------------------------------------------------------
     def progress(self) -> float:
@@ -331,59 +336,79 @@ class Trainer:
     def save(self) -> str:
         ckdir = os.path.join(self.cfg.out, "checkpoints")
         name = f"step-{self.step:07d}"
+        path = os.path.join(ckdir, name)
+        if self._saved_step == self.step and os.path.isdir(path):
+            return path  # e.g. the final save right after a periodic one: rewriting it would only add risk
         t_bytes, j_bytes = state_io.dumps(self.trainer_state())
         extra = {"trainer_state.safetensors": t_bytes, "trainer_state.json": j_bytes}
         if self.tokenizer_json is not None:
             extra["tokenizer.json"] = self.tokenizer_json
-        self.model.save_pretrained(os.path.join(ckdir, name), extra_files=extra)
+        self.model.save_pretrained(path, extra_files=extra)
         atomic_write_text(os.path.join(ckdir, "latest.json"), json.dumps({"checkpoint": name, "step": self.step}))
+        self._saved_step = self.step
         self._prune(ckdir, keep=name)
-        return os.path.join(ckdir, name)
+        return path
 
     def _prune(self, ckdir: str, keep: str) -> None:
-        import shutil
+        prune(ckdir, keep, self.cfg.keep_checkpoints, log=self.log)
 
-        names = sorted(n for n in os.listdir(ckdir) if n.startswith("step-") and not n.endswith((".partial", ".old")))
-        for n in names[: max(0, len(names) - self.cfg.keep_checkpoints)]:
-            if n != keep:
-                shutil.rmtree(os.path.join(ckdir, n), ignore_errors=True)
-
-    def load(self, ckpt_dir: str) -> None:
+    def load(self, ckpt_dir: str, verify: bool = True) -> None:
+        """Restore model and trainer state from a checkpoint; `verify`: check the shards' SHA-256 digests."""
         from k3.checkpoint import load_state_into
 
-        load_state_into(self.model, ckpt_dir)
+        load_state_into(self.model, ckpt_dir, verify=verify)
         with open(os.path.join(ckpt_dir, "trainer_state.safetensors"), "rb") as f:
             t_bytes = f.read()
         with open(os.path.join(ckpt_dir, "trainer_state.json"), "rb") as f:
             j_bytes = f.read()
         try:
             st = state_io.loads(t_bytes, j_bytes)
+            self.step, self.elapsed, self.bad_steps = st["step"], st["elapsed"], st["bad_steps"]
+            self.optimizer.load_state_dict(st["optimizer"])
+            for b, s in zip(self.balancers, st["balancers"]):
+                b.load_state_dict(s)
+            self.loader.load_state_dict(st["loader"])
+            torch.set_rng_state(st["torch_rng"])
         except Exception as e:
-            raise TrainingError(f"trainer state in {ckpt_dir} is unreadable ({e}); the checkpoint is damaged") from None
-        self.step, self.elapsed, self.bad_steps = st["step"], st["elapsed"], st["bad_steps"]
-        self.optimizer.load_state_dict(st["optimizer"])
-        for b, s in zip(self.balancers, st["balancers"]):
-            b.load_state_dict(s)
-        self.loader.load_state_dict(st["loader"])
-        torch.set_rng_state(st["torch_rng"])
+            raise TrainingError(f"trainer state in {ckpt_dir} is unreadable ({type(e).__name__}: {e}); "
+                                "the checkpoint is damaged") from None
+        if os.path.abspath(ckpt_dir) == os.path.abspath(os.path.join(self.cfg.out, "checkpoints",
+                                                                     f"step-{self.step:07d}")):
+            self._saved_step = self.step  # resuming from this run's own checkpoint of this step
 
     # --- the loop ----------------------------------------------------------------------------------
     def fit(self, progress_bar: bool = True) -> dict:
+        """Train until done or stopped by a signal, then save. Holds the run directory's lock throughout: a
+        second process training in the same directory would interleave metrics.jsonl and checkpoints."""
+        with holding_run_dir(self.cfg.out):
+            return self._fit(progress_bar)
+
+    def _fit(self, progress_bar: bool) -> dict:
         c = self.cfg
         os.makedirs(c.out, exist_ok=True)
         metrics_path = os.path.join(c.out, "metrics.jsonl")
-        prev_handler = signal.getsignal(signal.SIGINT)
+        clean_interrupted(os.path.join(c.out, "checkpoints"), log=self.log)
+        # SIGTERM (timeout, docker stop, systemd, Kubernetes) is handled as Ctrl-C: finish the step, save, exit.
+        signals = (signal.SIGINT, signal.SIGTERM)
+        prev_handlers = {s: signal.getsignal(s) for s in signals}
 
-        def on_sigint(signum, frame):
-            if self._stop_requested:  # second Ctrl-C: stop now
-                signal.signal(signal.SIGINT, prev_handler)
-                raise KeyboardInterrupt
+        def on_signal(signum, frame):
+            if self._stop_requested:  # the second signal: stop now, without saving
+                for s, h in prev_handlers.items():
+                    signal.signal(s, h)
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise SystemExit(128 + signum)
             self._stop_requested = True
-            self.log("\ninterrupt: finishing this step, saving a checkpoint, then exiting (Ctrl-C again to abort)")
+            self._stop_signal = signal.Signals(signum).name
+            again = "Ctrl-C" if signum == signal.SIGINT else self._stop_signal
+            self.log(f"\n{self._stop_signal}: finishing this step, saving a checkpoint, then exiting "
+                     f"({again} again to abort)")
 
         in_main = _is_main_thread()
         if in_main:
-            signal.signal(signal.SIGINT, on_sigint)
+            for s in signals:
+                signal.signal(s, on_signal)
         bar = _progress_bar(c, self.step, enabled=progress_bar)
         summary = {"start_step": self.step}
         try:
@@ -411,11 +436,13 @@ class Trainer:
                         self.save()
                         last_save = time.monotonic()
                 path = self.save()
-                summary.update(step=self.step, checkpoint=path, interrupted=self._stop_requested)
+                summary.update(step=self.step, checkpoint=path, interrupted=self._stop_requested,
+                               signal=self._stop_signal)
         finally:
             bar.close()
             if in_main:
-                signal.signal(signal.SIGINT, prev_handler)
+                for s, h in prev_handlers.items():
+                    signal.signal(s, h)
         self._plot()
         return summary
 

@@ -274,6 +274,8 @@ def test_cli_flag_parses_and_resume_keeps_the_setting(tmp_path, monkeypatch):
     _, j = state.dumps({"train_config": {"max_steps": 1, "activation_checkpointing": True}})
     with open(os.path.join(ck, "trainer_state.json"), "wb") as f:
         f.write(j)
+    for name in ("config.json", "model.safetensors.index.json", "trainer_state.safetensors"):  # a complete checkpoint
+        open(os.path.join(ck, name), "wb").close()
     with open(os.path.join(out, "checkpoints", "latest.json"), "w") as f:
         json.dump({"checkpoint": "step-0000001", "step": 1}, f)
     assert cli.main(["train", "--out", out, "--device", "cpu", "--resume"]) == 0
