@@ -215,7 +215,8 @@ class ModelRunner:
         if lengths is not None:
             # the packed requests' record, built on the host: their documents and each one's last token
             info = BatchInfo.from_lengths(lengths, device=ids.device, logits_at_ends=True)
-            logits = self.model(ids, cache=cache, batch=info, check_ids=False).logits[0].float()
+            out = self.model(ids, cache=cache, batch=info, check_ids=False)
+            logits, hidden = out.logits[0].float(), out.hidden_states
         else:
             out = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False)
             logits, hidden = out.logits[:, -1].float(), out.hidden_states
