@@ -26,7 +26,7 @@ from safetensors.torch import save as st_save_bytes
 
 from k3.config import K3Config
 from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
-from k3.utils import fsync_dir
+from k3.utils import fsync_dir, read_json_file
 
 PREFIX = "language_model."
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
@@ -202,15 +202,7 @@ def _read_index(path: str) -> tuple[dict[str, list[str] | None], dict[str, str]]
         if os.path.exists(os.path.join(path, "model.safetensors")):
             return {"model.safetensors": None}, {}
         raise CheckpointError(f"no {INDEX} or model.safetensors in {path}")
-    try:
-        with open(index, "rb") as f:
-            d = json.loads(f.read().decode("utf-8"))
-    except OSError as e:
-        raise CheckpointError(f"cannot read {index}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{index} is not UTF-8 text ({e.reason} at byte {e.start}); it must be JSON") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{index} is not valid JSON ({e})") from None
+    d = read_json_file(index, CheckpointError)
 
     def bad(what: str, allowed: str):
         raise CheckpointError(f"{index} is not a valid safetensors index: {what}; {allowed}")

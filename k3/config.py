@@ -340,15 +340,9 @@ class K3Config:
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
             raise ConfigError(f"no config file at {path}")
-        try:
-            with open(path, "rb") as f:
-                d = json.loads(f.read().decode("utf-8"))
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        from k3.utils import read_json_file
+
+        d = read_json_file(path, ConfigError)
         try:
             return cls.from_dict(d, strict=strict)
         except ConfigError as e:

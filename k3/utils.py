@@ -85,3 +85,19 @@ class LastResult:
         self._value = build()
         self._key = sig
         return self._value
+
+
+def read_json_file(path: str, error: type[Exception]):
+    """The JSON value stored in `path`; `error(message naming the file)` when it cannot be read, is not UTF-8 text
+    or is not JSON (a damaged checkpoint or config file gets one clear line, never a traceback)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise error(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path} is not valid JSON: {e}") from None
