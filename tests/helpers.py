@@ -1,5 +1,7 @@
 """Shared test helpers."""
 
+import contextlib
+
 import torch
 
 
@@ -180,3 +182,31 @@ class InSituComparison:
         """The n largest errors as (error, site, quantity, call index)."""
         rows = [(e, site, q, i) for i, (site, errs) in enumerate(self.records) for q, e in errs.items()]
         return sorted(rows, key=lambda r: -r[0])[:n]
+
+
+@contextlib.contextmanager
+def uvicorn_in_thread(app, host: str = "127.0.0.1"):
+    """Serve `app` with uvicorn on a free port of `host` in a daemon thread; yields the port, and stops the server
+    (graceful shutdown, lifespan included) on exit."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert server.started, "uvicorn did not start"
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

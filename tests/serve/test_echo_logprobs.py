@@ -10,9 +10,6 @@ values. The model is random and unscaled (its logits are small), so fp32 roundin
 """
 
 import functools
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -20,7 +17,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from helpers import randomize_
+from helpers import randomize_, uvicorn_in_thread
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.serve.engine import EngineConfig, LLMEngine
@@ -187,7 +184,7 @@ HOST = "127.0.0.1"
 
 @pytest.fixture(scope="module")
 def server():
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from k3.data.tokenizer import K3Tokenizer
     from k3.serve.server import create_app
 
@@ -204,23 +201,9 @@ def server():
                         scheduler=SchedulerConfig(max_num_seqs=16, max_step_tokens=256, prefill_chunk=48))
     engine = LLMEngine(model, tok, ecfg)
     app = create_app(engine, tok, MODEL)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "uvicorn did not start"
-    try:
-        yield SimpleNamespace(base=f"http://{HOST}:{sock.getsockname()[1]}", engine=engine, model=model, tok=tok,
+    with uvicorn_in_thread(app, HOST) as port:
+        yield SimpleNamespace(base=f"http://{HOST}:{port}", engine=engine, model=model, tok=tok,
                               ecfg=ecfg)
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

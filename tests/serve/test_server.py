@@ -13,7 +13,6 @@ readable text, which the stop-string and streaming tests need. Tests use greedy 
 import argparse
 import asyncio
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,8 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+
+from helpers import uvicorn_in_thread
 import torch
 from openai import OpenAI
 
@@ -74,24 +75,9 @@ def server(tmp_path_factory):
 
     app.add_api_route("/v1/test-boom", boom, methods=["GET"])
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "uvicorn did not start"
-    try:
+    with uvicorn_in_thread(app, HOST) as port:
         yield SimpleNamespace(port=port, base=f"http://{HOST}:{port}", engine=engine, tok=tok, app=app,
                               template=load_chat_template(ckpt))
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

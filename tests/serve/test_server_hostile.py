@@ -10,13 +10,12 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
+
+from helpers import uvicorn_in_thread
 from fastapi.testclient import TestClient
 
 from k3.data.tokenizer import K3Tokenizer
@@ -70,24 +69,9 @@ def _build(ckpt, model=None, tokenizer=None, **app_kw):
 @pytest.fixture(scope="module")
 def live(ckpt):
     s = _build(ckpt, max_request_bytes=LIMIT)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(s.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    try:
+    with uvicorn_in_thread(s.app, HOST) as port:
         with httpx.Client(base_url=f"http://{HOST}:{port}", trust_env=False, timeout=60) as http:
             yield SimpleNamespace(http=http, **vars(s))
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def _client_addr(r: httpx.Response):
