@@ -1,6 +1,6 @@
 """One MLA decode step at k3-mini sizes (H = 8, R = 256, Dr = 64, Dn = Dv = 128, bf16 cache, 2048-token pages):
 the paged Triton kernel (k3.ops.mla_decode) vs the current serving path (gather the request's pages into a
-contiguous tensor, as k3.serve.runner._MLAView does, then k3.ops.mla.mla_absorbed), against the bandwidth
+contiguous tensor, as k3.serve.cache.views.PagedMLAView does, then k3.ops.mla.mla_absorbed), against the bandwidth
 roofline.
 
 Every request holds `context` tokens in pages scattered through a CachePool (shuffled page order). Per case
@@ -28,7 +28,7 @@ import torch
 
 from k3.config import K3Config
 from k3.ops.mla import mla_absorbed
-from k3.serve.cache_pool import CachePool
+from k3.serve.cache.pool import CachePool
 
 
 def bench(cfg: K3Config, B: int, ctx: int, page_tokens: int, num_splits: int | None, bw_tbs: float,
@@ -61,7 +61,7 @@ def bench(cfg: K3Config, B: int, ctx: int, page_tokens: int, num_splits: int | N
     def decode():
         return mla_decode_absorbed(q_nope, q_rope, kv, table, kv_len, w_kc, w_vc, scale, splits)
 
-    def gather():  # k3.serve.runner._MLAView.append's read, then the absorbed attention
+    def gather():  # k3.serve.cache.views.PagedMLAView.append's read, then the absorbed attention
         rows = pool.mla_pages(table.reshape(-1).long()).reshape(B, pages_per * page_tokens, -1)[:, :ctx]
         c, k_rope = rows[..., :R], rows[..., R:]
         return mla_absorbed(q_nope[:, None], q_rope[:, None], c, k_rope, w_kc, w_vc, scale, kv_len=kv_len)[:, 0]

@@ -158,7 +158,7 @@ def _range_hooks(model) -> list:
 
     from k3.model.kda import KimiDeltaAttention
     from k3.model.latent_moe import LatentMoE
-    from k3.model.mla import GatedMLA
+    from k3.model.gated_mla import GatedMLA
     from k3.model.mtp import MTPLayer
 
     kinds = {KimiDeltaAttention: "kda", GatedMLA: "mla", LatentMoE: "moe", MTPLayer: "mtp"}

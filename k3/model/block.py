@@ -25,9 +25,10 @@ from k3.config import K3Config
 from k3.model.attn_res import AttnResStream, site_query
 from k3.model.batch import BatchInfo
 from k3.model.common import RMSNorm, SituMLP
-from k3.model.kda import KDACache, KimiDeltaAttention
+from k3.model.cache import KDACache, MLACache
+from k3.model.gated_mla import GatedMLA
+from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import LatentMoE
-from k3.model.mla import GatedMLA, MLACache
 
 
 class DecoderLayer(nn.Module):

@@ -1,22 +1,115 @@
-"""The decode cache of a whole model: per layer, MLA latent KV (grows) or KDA state + conv tails (fixed)."""
+"""How the model reads its decode caches: one small typed protocol per layer kind, and the contiguous caches.
+
+A layer never inspects the cache object it is handed; it calls the protocol:
+
+* a KDA layer (`KDALayerCache`) reads its recurrent state and conv tails with `read()` and stores the new ones
+  with `update()`: the state is fixed-size, so every implementation is a place to keep two things;
+* a Gated MLA layer (`MLALayerCache`) hands the cache its new latent rows and queries with
+  `attend(attn, q, c, k_rope)`; the cache stores the rows wherever it keeps them and answers with the attention
+  output, computed by one of the forms the layer offers (`LatentAttention`: the expanded prefill form, the
+  absorbed form over a gathered latent cache, or the paged kernel that reads pages in place). Which form fits is
+  the cache's knowledge (where its rows live), the math stays in the layer.
+
+Two families implement the protocols: the contiguous caches below (`K3ForCausalLM.new_cache()`: one request,
+growing tensors, for generation and tests) and the serving engine's paged views (k3/serve/cache/views.py).
+"""
 
 from __future__ import annotations
 
-from k3.model.kda import KDACache
-from k3.model.mla import MLACache
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class LatentAttention(Protocol):
+    """What a Gated MLA layer offers the cache that answers its `attend`: q [B, T, H, dn + dr], c [., ., R] the
+    normalized latent rows, k_rope [., ., dr]; each returns the attention output [B, T, H, dv]."""
+
+    def expanded(self, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        """Prefill of rows with no cached context: keys and values expanded per head from the new latent rows."""
+
+    def absorbed(self, q: Tensor, c_all: Tensor, kr_all: Tensor, q_start, kv_len=None) -> Tensor:
+        """Attention against a latent cache (c_all [B, L, R], kr_all [B, L, dr]) in the absorbed form: query t of
+        row b sits at position q_start (+ b's offset) + t; `kv_len` the valid length of each row (None: all)."""
+
+    def paged(self, q: Tensor, pages: Tensor, tables: Tensor, lengths: Tensor, num_splits: int | None) -> Tensor:
+        """Attention straight from a page pool (k3.ops.mla_decode): every query row (B * T, request-major) reads
+        the pages of its block table up to its length; `num_splits` fixed (a CUDA-graph step) or None."""
+
+    def paged_kernel_used(self) -> bool:
+        """Whether `paged` runs on the paged kernel (else on the reference, which reads lengths back)."""
+
+
+class KDALayerCache(Protocol):
+    def read(self) -> tuple[Tensor | None, list[Tensor | None]]:
+        """(state [B, H, K, V] fp32 or None, the q/k/v conv tails [B, P, W-1] or None each)."""
+
+    def update(self, state: Tensor, conv: list[Tensor]) -> None:
+        """Keep the state and conv tails after this forward's tokens."""
+
+
+class MLALayerCache(Protocol):
+    def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        """Store the new latent rows (c [B, T, R], k_rope [B, T, dr]) and return the attention of q [B, T, H, ·]
+        over everything cached up to each query's position [B, T, H, dv]."""
+
+
+class KDACache:
+    """One KDA layer's contiguous decode state: the fp32 recurrent state and the q/k/v short-conv tails."""
+
+    def __init__(self) -> None:
+        self.state: Tensor | None = None  # [B, H, K, V] fp32
+        self.conv: list[Tensor | None] = [None, None, None]  # q, k, v tails [B, P, W-1]
+
+    def read(self) -> tuple[Tensor | None, list[Tensor | None]]:
+        return self.state, self.conv
+
+    def update(self, state: Tensor, conv: list[Tensor]) -> None:
+        self.state, self.conv = state, list(conv)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.state, *self.conv] if t is not None)
+
+
+class MLACache:
+    """One MLA layer's contiguous decode cache: the normalized latent c and the shared extra key dims, per token,
+    of a batch of rows that all hold the same number of tokens."""
+
+    def __init__(self) -> None:
+        self.c: Tensor | None = None  # [B, L, kv_lora_rank]
+        self.k_rope: Tensor | None = None  # [B, L, qk_rope_head_dim]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.c is None else self.c.shape[1]
+
+    def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        past = self.length
+        if self.c is None:
+            self.c, self.k_rope = c, k_rope
+            return attn.expanded(q, c, k_rope)  # nothing cached before: the prefill form
+        self.c = torch.cat([self.c, c], dim=1)
+        self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
+        return attn.absorbed(q, self.c, self.k_rope, q_start=past)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.c, self.k_rope) if t is not None)
 
 
 class K3Cache:
-    def __init__(self, layer_caches: list[KDACache | MLACache]):
+    """The decode cache of a whole model: per layer, a KDA or MLA layer cache (either family of the protocols).
+    `packed`: the forward's new tokens are several requests' tokens one after another in a single row (segment
+    ids tell them apart); only the serving engine's views support it."""
+
+    def __init__(self, layer_caches: list[KDALayerCache | MLALayerCache], packed: bool = False):
         self.layers = layer_caches
+        self.packed = packed
         self.seq_len = 0  # tokens processed so far
 
     def __getitem__(self, i: int):
         return self.layers[i]
 
     def nbytes(self) -> int:
-        total = 0
-        for c in self.layers:
-            tensors = [c.state, *c.conv] if isinstance(c, KDACache) else [c.c, c.k_rope]
-            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        return total
+        """Bytes held by a cache of the contiguous family."""
+        return sum(c.nbytes() for c in self.layers)

@@ -7,19 +7,12 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.batch import BatchInfo
+from k3.model.cache import KDALayerCache
 from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
 from k3.ops.registry import Backends
-
-
-class KDACache:
-    """One KDA layer's decode state: the fp32 recurrent state and the q/k/v short-conv tails."""
-
-    def __init__(self) -> None:
-        self.state: torch.Tensor | None = None  # [B, H, K, V] fp32
-        self.conv: list[torch.Tensor | None] = [None, None, None]  # q, k, v tails [B, P, W-1]
 
 
 class KimiDeltaAttention(nn.Module):
@@ -48,9 +41,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(K, eps=cfg.rms_norm_eps)
         self.o_proj = Linear(P, D, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None, batch: BatchInfo | None = None):
+    def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None, batch: BatchInfo | None = None):
         """x [B, T, D] -> [B, T, D]. `batch`: the batch's record; with segment ids, the documents (offsets
-        `batch.cu_seqlens`) run as separate sequences of one row, state and conv reset at each start."""
+        `batch.cu_seqlens`) run as separate sequences of one row, state and conv reset at each start. `cache`: a
+        decode cache (k3.model.cache protocol) the state and conv tails are read from and stored back into."""
         shape = x.shape
         cu_seqlens = cu_seqlens_cpu = None
         if batch is not None and batch.segment_ids is not None:
@@ -71,21 +65,22 @@ class KimiDeltaAttention(nn.Module):
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
             q, k, v = short_conv(qkv, w, None, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                  output_state=False, backends=self.backends)[0].split(P, dim=-1)
+            state = None
         else:
+            state, conv = cache.read()
             q, k, v, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj,
                                                              self.f_a_proj, self.b_proj, self.g_proj)
-            q, cq = short_conv(q, self.q_conv1d.weight, cache.conv[0], cu_seqlens=cu_seqlens, backends=self.backends)
-            k, ck = short_conv(k, self.k_conv1d.weight, cache.conv[1], cu_seqlens=cu_seqlens, backends=self.backends)
-            v, cv = short_conv(v, self.v_conv1d.weight, cache.conv[2], cu_seqlens=cu_seqlens, backends=self.backends)
+            q, cq = short_conv(q, self.q_conv1d.weight, conv[0], cu_seqlens=cu_seqlens, backends=self.backends)
+            k, ck = short_conv(k, self.k_conv1d.weight, conv[1], cu_seqlens=cu_seqlens, backends=self.backends)
+            v, cv = short_conv(v, self.v_conv1d.weight, conv[2], cu_seqlens=cu_seqlens, backends=self.backends)
         z = self.f_b_proj(f_a).view(B, T, H, K)
-        state = cache.state if cache is not None else None
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
         o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z,
                                beta_logits.contiguous(), self.A_log, self.dt_bias, self.lower_bound,
                                initial_state=state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                backends=self.backends)
         if cache is not None:
-            cache.state, cache.conv = new_state, [cq, ck, cv]
+            cache.update(new_state, [cq, ck, cv])
         # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)
         o = gate_norm(o, gate.view(B, T, H, K), self.o_norm.weight, self.o_norm.eps, backends=self.backends)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype)).view(shape)

@@ -103,8 +103,7 @@ class K3Model(nn.Module):
         if batch is not None:
             batch.check(h.shape[0], h.shape[1])
             segment_ids = batch.segment_ids
-        if segment_ids is not None and cache is not None \
-                and (segment_ids.shape[0] != 1 or not getattr(cache, "packed", False)):
+        if segment_ids is not None and cache is not None and (segment_ids.shape[0] != 1 or not cache.packed):
             raise ValueError("segment_ids with a cache need a packed cache (one row of several requests' "
                              "tokens, as the serving runner builds) and a batch of one row")
         found = ForwardStats(asked=want) if want else None
@@ -281,13 +280,17 @@ class K3ForCausalLM(nn.Module):
             h = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
             if positions is not None:
                 h = hidden[:, positions]
-            logits = self.lm_head(self.model.norm(h))
+            logits = self.head(h)
         out = CausalLMOutput(logits=logits, hidden_states=hidden, stats=found)
         if labels is not None:
             out.loss = _shifted_ce(logits, labels, 1) if return_logits else self.head_loss(hidden, labels)
             if len(self.mtp) and input_ids is not None:
                 out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, batch, found=found)
         return out
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head: output-site hidden states [..., D] (before the final norm) -> logits [..., V]."""
+        return self.lm_head(self.model.norm(hidden))
 
     def mtp_loss(self, hidden, input_ids, labels, batch: BatchInfo | None = None,
                  found: ForwardStats | None = None) -> torch.Tensor:

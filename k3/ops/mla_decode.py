@@ -14,7 +14,7 @@ online (running max and sum per head, rescaled as blocks arrive). All heads of a
 of both matrix products (q [H, R] x c^T [R, BLOCK_N], p [H, BLOCK_N] x c [BLOCK_N, R]), so the cache is read
 once per request, not once per head.
 
-Why paged. The serving cache (:class:`k3.serve.cache_pool.CachePool`) keeps tokens in fixed-size pages
+Why paged. The serving cache (:class:`k3.serve.cache.pool.CachePool`) keeps tokens in fixed-size pages
 scattered through one pool; token t of a request lives in page ``block_table[b, t // page_tokens]`` at row
 ``t % page_tokens``. Gathering a request's pages into a contiguous tensor (and upcasting it) every step, as
 the eager path does, costs a copy of the whole context per layer per step; here each block of BLOCK_N tokens

@@ -53,6 +53,7 @@ import torch
 from k3.ops.mla_decode import default_num_splits, paged_kernel_used
 from k3.ops.moe import grouped_used
 from k3.ops.registry import notice
+from k3.serve.cache.views import StaticMLAView
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
 # ... and contexts up to this long: every query row of such a step reads its request's whole latent cache, which
@@ -216,8 +217,6 @@ class DecodeGraphs:
     # --- internals -----------------------------------------------------------------------------------------------
     def _step(self, b: _Bucket) -> torch.Tensor:
         """The step that is captured: device work only, every input from b's buffers."""
-        from k3.serve.runner import StaticMLAView
-
         self.pool.pages[self.scratch].zero_()
         views = [StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
                  for g in range(len(self.runner.mla_layers))]

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3.serve.cache_pool import CachePool
-from k3.serve.cuda_graphs import decode_graphs_mode, prefill_graph_lengths
+from k3.serve.cache.manager import CacheManager
+from k3.serve.cuda_graphs import DecodeGraphs, decode_graphs_mode, prefill_graph_lengths
 from k3.serve.metrics import SampleWindow
-from k3.serve.prefix_cache import OutOfPages, PrefixCache
-from k3.serve.runner import ModelRunner, PromptScore, SeqSlots
+from k3.serve.runner import ModelRunner, PromptScore
 from k3.serve.sampling import SamplingParams, sample_batch
 from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
@@ -82,31 +81,30 @@ class LLMEngine:
         mcfg = model.config
         device = next(model.parameters()).device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        probe = CachePool(mcfg, 1, self.cfg.page_tokens, dtype=dtype, device="meta")
         graphs = decode_graphs_mode(model, self.cfg.cuda_graphs)
-        scratch = int(graphs is not None)  # the last page of the pool: padding rows of graph steps use it
-        num_pages = int(self.cfg.cache_memory_mb * 2**20) // probe.page_bytes - scratch
         n_kda = sum(1 for l in model.model.layers if l.is_kda)
-        n_mla = len(model.model.layers) - n_kda
-        if num_pages < n_kda + n_mla:
-            raise ValueError(f"cache_memory_mb={self.cfg.cache_memory_mb} holds {num_pages} pages of "
-                             f"{probe.page_bytes} bytes; one request needs at least {n_kda + n_mla}")
-        self.pool = CachePool(mcfg, num_pages + scratch, self.cfg.page_tokens, dtype=dtype, device=device)
-        self.prefix = PrefixCache(num_pages, n_mla, n_kda, page_tokens=self.cfg.page_tokens,
-                                  hash_block_tokens=self.cfg.hash_block_tokens, enable=self.cfg.enable_prefix_cache)
-        self.runner = ModelRunner(model, self.pool)
-        self.scheduler = Scheduler(self.cfg.scheduler)
+        cache = CacheManager(mcfg, len(model.model.layers) - n_kda, n_kda, self.cfg.cache_memory_mb,
+                             self.cfg.page_tokens, self.cfg.hash_block_tokens, self.cfg.enable_prefix_cache,
+                             dtype=dtype, device=device, scratch_page=graphs is not None)
+        self.scheduler = Scheduler(self.cfg.scheduler, cache)  # owns the cache manager
+        self.scheduler.on_admit = self._on_admit
         self.scheduler.on_preempt = self._on_preempt
+        self.runner = ModelRunner(model, cache.pool)
         self.max_model_len = self.cfg.max_model_len or mcfg.max_position_embeddings
         if graphs is not None:
-            self.runner.use_decode_graphs(self.cfg.scheduler.max_num_seqs, self.max_model_len, scratch_page=num_pages,
-                                          capture=graphs == "capture",
-                                          prefill_lengths=prefill_graph_lengths(model, graphs,
-                                                                                self.cfg.hash_block_tokens))
+            self.runner.graphs = DecodeGraphs(self.runner, self.cfg.scheduler.max_num_seqs, self.max_model_len,
+                                              scratch_page=cache.scratch_page, capture=graphs == "capture",
+                                              prefill_lengths=prefill_graph_lengths(model, graphs,
+                                                                                    self.cfg.hash_block_tokens))
         self.eos_id = mcfg.eos_token_id
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}
         self.lock = threading.RLock()
+
+    @property
+    def cache(self) -> CacheManager:
+        """The serving cache (page pool and prefix index), owned by the scheduler."""
+        return self.scheduler.cache
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -116,11 +114,10 @@ class LLMEngine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context length {self.max_model_len}")
-        n_tok = len(prompt_ids) + params.max_tokens
-        need = self.prefix.num_mla_groups * (-(-n_tok // self.cfg.page_tokens) + 1) + self.prefix.num_kda_groups
-        if need > self.prefix.num_pages:
+        need = self.cache.pages_needed(len(prompt_ids) + params.max_tokens)
+        if need > self.cache.num_pages:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs up to {need} "
-                             f"cache pages but the pool has {self.prefix.num_pages}; lower max_tokens or give the "
+                             f"cache pages but the pool has {self.cache.num_pages}; lower max_tokens or give the "
                              f"server more cache memory")
         vocab = self.model.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
@@ -144,63 +141,27 @@ class LLMEngine:
             seq = self.seqs.pop(request_id, None)
             if seq is None or seq.status == Status.FINISHED:
                 return
-            if seq.status == Status.RUNNING:
-                self.prefix.abort(seq.request_id)
-            self.scheduler.remove(seq)
+            self.scheduler.abort(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running) or self.scheduler.num_waiting > 0
 
-    # --- cache hooks used by the scheduler ----------------------------------------------------
-    def _admit(self, seq: Sequence) -> bool:
-        try:
-            # A request that scores its prompt must compute every prompt position: no hit (its blocks are still
-            # registered as they are computed, for later requests).
-            adm = self.prefix.admit(seq.request_id, seq.tokens, lookup=not seq.scores_prompt)
-        except OutOfPages:
-            return False
-        for op in adm.copies:  # copy-on-write of a partial page, checkpoint -> private state
-            self.pool.copy_page(op.src, op.dst, op.tokens)
-        if adm.hit_tokens == 0:  # fresh pages still hold their previous owner's bytes
-            self._zero_kda(adm.kda_pages)
-        seq.num_computed = adm.hit_tokens
+    # --- the scheduler's notices (metrics) --------------------------------------------------------------------
+    def _on_admit(self, seq: Sequence, hit_tokens: int) -> None:
         if seq.admitted_at is None:
             seq.admitted_at = time.monotonic()
-            seq.cached_tokens = adm.hit_tokens
+            seq.cached_tokens = hit_tokens
             self.metrics.queue_time.append(seq.admitted_at - seq.arrival)
-            self.metrics.prompt_tokens_cached += adm.hit_tokens
-        return True
-
-    def _zero_kda(self, pages: list[int]) -> None:
-        if not pages:
-            return
-        dev = self.pool.pages.device
-        ids = torch.tensor(pages, device=dev)
-        n = len(pages)
-        self.pool.write_kda(ids, torch.zeros(n, *self.pool.kda_state_shape, device=dev),
-                            torch.zeros(n, *self.pool.kda_conv_shape, device=dev))
-
-    def _grow(self, seq: Sequence, total: int) -> bool:
-        try:
-            self.prefix.ensure_capacity(seq.request_id, total)
-            return True
-        except OutOfPages:
-            return False
+            self.metrics.prompt_tokens_cached += hit_tokens
 
     def _on_preempt(self, seq: Sequence) -> None:
-        self.prefix.abort(seq.request_id)
-        seq.num_computed = 0
         self.metrics.preemptions += 1
-
-    def _slots(self, seq: Sequence) -> SeqSlots:
-        tables, kda_pages = self.prefix.running_pages(seq.request_id)
-        return SeqSlots(tables, kda_pages)
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self.lock:
-            work = self.scheduler.plan(self._admit, self._grow)
+            work = self.scheduler.plan()
             if not work:
                 if self.scheduler.running or self.scheduler.num_waiting:
                     return self._fail_unschedulable()
@@ -222,7 +183,7 @@ class LLMEngine:
                     if first and s.params.prompt_logprobs is not None:
                         out.prompt_logprobs = s.prompt_logprobs
                     outputs.append(out)
-            self.prefix.mark_landed()
+            self.cache.mark_landed()
             return outputs
 
     def _finish_scored(self, seq: Sequence) -> RequestOutput:
@@ -254,7 +215,7 @@ class LLMEngine:
             for group in groups.values():
                 scores = [self._prompt_score(w.seq, a, b) for w, a, b in group]
                 out = self.runner.forward([w.seq.token_range(a, b) for w, a, b in group], [a for _, a, _ in group],
-                                          [self._slots(w.seq) for w, _, _ in group],
+                                          [self.cache.slots(w.seq) for w, _, _ in group],
                                           **({"scores": scores} if any(scores) else {}))
                 if any(scores):
                     out, scored = out
@@ -284,14 +245,7 @@ class LLMEngine:
 
     def _after_forward(self, seq: Sequence, end: int) -> None:
         seq.num_computed = end
-        if not self.cfg.enable_prefix_cache:
-            return
-        self.prefix.register_tokens(seq.request_id, seq.token_view(end))
-        if end % self.cfg.hash_block_tokens == 0:
-            pages = self.prefix.checkpoint_slots(seq.request_id, end)
-            if pages:
-                for src, dst in zip(self.prefix.running_pages(seq.request_id)[1], pages):
-                    self.pool.copy_page(src, dst)
+        self.cache.computed(seq, end)
 
     def _sample(self, seq: Sequence, tok: int, logits: torch.Tensor) -> RequestOutput:
         """Take the sampled token `tok` (drawn from `logits`): logprobs, timing metrics, stop rules, text."""
@@ -340,8 +294,7 @@ class LLMEngine:
         seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.monotonic()
         if self.tokenizer is not None and reason != "stop":
             seq.text = self.tokenizer.decode(seq.output_ids)
-        self.prefix.finish(seq.request_id)
-        self.scheduler.remove(seq)
+        self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         self.metrics.requests_finished += 1
 
@@ -366,10 +319,7 @@ class LLMEngine:
         return seqs
 
     def cache_stats(self) -> dict:
-        st = dict(self.prefix.stats())
-        st["pool_bytes"] = self.pool.nbytes
-        st["page_bytes"] = self.pool.page_bytes
-        return st
+        return self.cache.stats()
 
 
 def _held_back(text: str, stops: list[str]) -> int:

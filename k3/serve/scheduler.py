@@ -5,6 +5,9 @@ goes to prefill chunks. Requests whose prompt is at least `long_prompt_tokens` a
 request is waiting or prefilling, long ones together get at most `long_share` of the prefill budget, so a
 burst of long-context requests cannot starve short ones (report §5.4.3). When the cache runs out of pages
 the most recently admitted request is preempted: its pages are released and it is recomputed later.
+
+The scheduler owns the cache manager (k3.serve.cache.manager): admission, growth, preemption, abort and finish
+all go through it, so no request changes state without its pages changing with it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from k3.serve.cache.manager import CacheManager
 from k3.serve.sequence import Sequence, Status
 
 
@@ -40,9 +44,9 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig):
+    def __init__(self, cfg: SchedulerConfig, cache: CacheManager):
         cfg.validate()
-        self.cfg = cfg
+        self.cfg, self.cache = cfg, cache
         self.waiting: dict[str, deque[Sequence]] = {"short": deque(), "long": deque()}
         self.running: list[Sequence] = []
 
@@ -57,6 +61,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting.values())
 
+    def finish(self, seq: Sequence) -> None:
+        """A request is done: its pages go back to the cache (its blocks stay indexed) and it leaves the queues."""
+        self.cache.finish(seq)
+        self.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is (running: its pages are released)."""
+        if seq.status == Status.RUNNING:
+            self.cache.release(seq)
+        self.remove(seq)
+
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
@@ -64,10 +79,10 @@ class Scheduler:
             if seq in q:
                 q.remove(seq)
 
-    def plan(self, admit, grow) -> list[Work]:
-        """One step's work. `admit(seq) -> bool` admits a waiting request into the cache (False: no room);
-        `grow(seq, total_tokens) -> bool` makes room for a request's tokens (False: out of pages)."""
-        c = self.cfg
+    def plan(self) -> list[Work]:
+        """One step's work: decode tokens of running requests, their prefill chunks, then new admissions, each
+        given its pages by the cache manager (a request that cannot get them waits, or a victim is preempted)."""
+        c, grow = self.cfg, self.cache.grow
         work: list[Work] = []
         budget = c.max_step_tokens
         # 1. Decode: one token for every running request past its prompt.
@@ -105,8 +120,11 @@ class Scheduler:
             q = self.waiting[kind]
             while q and len(self.running) < c.max_num_seqs and room(kind) > 0:
                 seq = q[0]
-                if not admit(seq):
+                hit = self.cache.admit(seq)
+                if hit is None:
                     break
+                seq.num_computed = hit
+                self.on_admit(seq, hit)
                 q.popleft()
                 seq.status = Status.RUNNING
                 self.running.append(seq)
@@ -120,6 +138,8 @@ class Scheduler:
         for seq in reversed(self.running):
             if id(seq) not in busy:
                 self.running.remove(seq)
+                self.cache.release(seq)
+                seq.num_computed = 0
                 self.on_preempt(seq)
                 seq.status = Status.WAITING
                 seq.preemptions += 1
@@ -127,5 +147,8 @@ class Scheduler:
                 return True
         return False
 
-    def on_preempt(self, seq: Sequence) -> None:  # the engine releases the request's cache
-        raise NotImplementedError
+    def on_admit(self, seq: Sequence, hit_tokens: int) -> None:
+        """Called when a request is admitted with `hit_tokens` from the prefix cache (the engine's metrics)."""
+
+    def on_preempt(self, seq: Sequence) -> None:
+        """Called when a request was preempted, after its pages were released (the engine's metrics)."""

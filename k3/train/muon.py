@@ -40,7 +40,7 @@ from torch import nn
 
 from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts, MoEGate
-from k3.model.mla import GatedMLA
+from k3.model.gated_mla import GatedMLA
 from k3.ops import muon_update
 from k3.ops.registry import Backends
 

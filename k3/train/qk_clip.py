@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3.model.mla import GatedMLA
+from k3.model.gated_mla import GatedMLA
 from k3.model.stats import ForwardStats
 
 __all__ = ["MaxLogitTracker", "qk_clip_", "apply_qk_clip_", "mla_layers"]

@@ -109,7 +109,7 @@ def test_loss_gradients_and_recorded_stats_match(tiny_cfg, monkeypatch):
 def test_statistics_are_the_forwards_and_the_recompute_leaves_them_alone(tiny_cfg, monkeypatch):
     # The layers return their statistics from the checkpointed function: the recompute in backward runs the layers
     # again, but what the forward returned is neither replaced nor modified.
-    from k3.model.mla import GatedMLA
+    from k3.model.gated_mla import GatedMLA
 
     cfg = tiny_cfg.replace(num_nextn_predict_layers=1)
     ids, seg, labels = packed_batch(cfg, seed=1)

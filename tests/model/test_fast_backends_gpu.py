@@ -9,7 +9,7 @@ from k3.model.attn_res import AttnResStream
 from k3.model.common import RMSNorm, SituMLP
 from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts
-from k3.model.mla import GatedMLA
+from k3.model.gated_mla import GatedMLA
 from k3.model.model import K3ForCausalLM
 from k3.ops.registry import Backends, ops
 

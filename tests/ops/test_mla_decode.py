@@ -29,7 +29,7 @@ from k3.ops.mla_decode import (
     mla_decode_paged_reference,
     mla_decode_paged_triton,
 )
-from k3.serve.cache_pool import CachePool
+from k3.serve.cache.pool import CachePool
 
 H, DN, DV = 5, 12, 10
 SCALE = 0.25

@@ -16,7 +16,7 @@ from k3.ops.registry import Backends
 from k3.serve.cuda_graphs import DecodeGraphs, decode_buckets
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.generate import generate_tokens
-from k3.serve.runner import SeqSlots
+from k3.serve.cache.views import SeqSlots
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 
@@ -94,7 +94,7 @@ def test_static_decode_steps_with_padding_match_the_reference(static_mode, monke
     assert isinstance(graphs, DecodeGraphs) and not graphs.capture
     scratch = graphs.scratch
     # The scratch page is the pool's last page, outside the prefix cache's (the allocator's) pages.
-    assert scratch == eng.pool.num_pages - 1 == eng.prefix.num_pages
+    assert scratch == eng.cache.pool.num_pages - 1 == eng.cache.prefix.num_pages
     seen = []
     orig = graphs.run
 
@@ -118,7 +118,7 @@ def test_static_decode_steps_with_padding_match_the_reference(static_mode, monke
     seqs = [eng.add_request(p, GREEDY) for p in prompts]
     while eng.has_work():
         eng.step()
-        eng.prefix.check_invariants()
+        eng.cache.prefix.check_invariants()
     for s, p in zip(seqs, prompts):
         assert s.output_ids == reference(tuple(p))
     assert seen == [(1, 1), (3, 4), (3, 4), (4, 4), (3, 4), (1, 1), (1, 1)], seen
@@ -144,7 +144,7 @@ def test_hash_block_prefill_chunks_run_on_the_static_buffers(static_mode, decode
     seqs = [eng.add_request(base, GREEDY)]
     while eng.has_work():
         eng.step()
-        eng.prefix.check_invariants()
+        eng.cache.prefix.check_invariants()
     assert seqs[0].cached_tokens == 4 * HB
     assert seqs[0].output_ids == reference(tuple(base))
     assert (1, HB) in calls and (1, HB) in graphs._static
@@ -162,13 +162,13 @@ def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode
         assert (eng.runner.graphs is not None) == static
         seqs = [eng.add_request(p, GREEDY) for p in prompts]
         for s in seqs:
-            assert eng._admit(s) and eng._grow(s, len(s.prompt_ids) + 1)
-        slots = [eng._slots(s) for s in seqs]
+            assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
+        slots = [eng.cache.slots(s) for s in seqs]
         for p, sl in zip(prompts, slots):
             eng.runner.forward([p[:-T]], [0], [sl])  # prefill of the rest (never HB tokens: eager)
-        before = eng.pool.pages.clone()
+        before = eng.cache.pool.pages.clone()
         out = eng.runner.forward([p[-T:] for p in prompts], [len(p) - T for p in prompts], slots)
-        changed = set(torch.nonzero((eng.pool.pages != before).any(1)).flatten().tolist())
+        changed = set(torch.nonzero((eng.cache.pool.pages != before).any(1)).flatten().tolist())
         mine = {pg for sl in slots for pg in sl.kda_pages} | {pg for sl in slots for t in sl.mla_tables for pg in t}
         runs.append((out, changed, mine, eng))
     (out_s, changed_s, mine_s, eng_s), (out_e, changed_e, mine_e, _) = runs
@@ -212,7 +212,7 @@ def test_graphs_are_not_used_off_cuda_or_on_uncapturable_backends(monkeypatch, c
     use_backends(Backends(per_op=GRAPH_OPS))
     eng, err = _notice_after(monkeypatch, capsys, cuda_graphs=True)
     assert eng.runner.graphs is None and "without CUDA graphs" in err and "not a CUDA device" in err
-    assert eng.pool.num_pages == eng.prefix.num_pages  # no scratch page
+    assert eng.cache.pool.num_pages == eng.cache.prefix.num_pages  # no scratch page
 
     # eager: past the device check, the backends decide
     use_backends(Backends(per_op={**GRAPH_OPS, "moe": "torch"}))
@@ -286,11 +286,11 @@ def test_gpu_captured_decode_equals_the_eager_engine():
     for capture in (True, False):
         eng = _engine(model)
         if not capture:
-            eng.runner.use_decode_graphs(4, eng.max_model_len, eng.runner.graphs.scratch, capture=False)
+            eng.runner.graphs = DecodeGraphs(eng.runner, 4, eng.max_model_len, eng.runner.graphs.scratch, capture=False)
         seqs = [eng.add_request(p, GREEDY) for p in prompts[:3]]
         for s in seqs:
-            assert eng._admit(s) and eng._grow(s, len(s.prompt_ids) + 1)
-        slots = [eng._slots(s) for s in seqs]
+            assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
+        slots = [eng.cache.slots(s) for s in seqs]
         for p, sl in zip(prompts, slots):
             eng.runner.forward([p[:-1]], [0], [sl])
         out = eng.runner.forward([p[-1:] for p in prompts[:3]], [len(p) - 1 for p in prompts[:3]], slots)

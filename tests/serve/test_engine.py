@@ -96,7 +96,7 @@ def test_preemption_and_eviction_under_memory_pressure():
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 512, (int(n),), generator=g).tolist() for n in torch.randint(20, 110, (8,), generator=g)]
     eng = _engine(mb=0.75, chunk=32, step_tokens=64)  # ~20 pages: not enough for all 8 at once
-    assert eng.pool.num_pages < 30
+    assert eng.cache.pool.num_pages < 30
     seqs = _run(eng, [prompts[:4], prompts[4:]])
     for s, p in zip(seqs, prompts):
         assert s.output_ids == reference(tuple(p))
@@ -256,8 +256,8 @@ def test_packed_runner_forward_equals_separate_forwards():
         eng = _engine(mb=8, enable=False)
         seqs = [eng.add_request(p, GREEDY) for p in prompts]
         for s in seqs:  # give each request its pages directly (no scheduler step)
-            assert eng._admit(s) and eng._grow(s, len(s.prompt_ids))
-        slots = [eng._slots(s) for s in seqs]
+            assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids))
+        slots = [eng.cache.slots(s) for s in seqs]
         first = torch.cat([eng.runner.forward([p[:10]], [0], [sl]) for p, sl in zip(prompts, slots)])
         rest = [p[10:] for p in prompts]
         if packed:
@@ -273,15 +273,15 @@ def test_packed_runner_forward_equals_separate_forwards():
 def test_decode_through_the_paged_kernel_matches_the_reference(monkeypatch, interpret):
     # Decode steps attend straight from the page pool (k3.ops.mla_decode): with its gather-based reference on CPU,
     # and with the Triton kernel itself in Triton's CPU interpreter. Greedy outputs equal the cache-free run.
-    from k3.ops import mla_decode
+    from k3.model import gated_mla
     from k3.ops.registry import Backends
 
     if interpret:
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
-    orig = mla_decode.mla_decode_absorbed
-    monkeypatch.setattr(mla_decode, "mla_decode_absorbed", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = gated_mla.mla_decode_absorbed
+    monkeypatch.setattr(gated_mla, "mla_decode_absorbed", lambda *a, **k: calls.append(1) or orig(*a, **k))
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 60)]
     _model().set_backends(Backends(per_op={"mla_decode": "triton"}))

@@ -9,7 +9,7 @@ from helpers import randomize_, rel_err
 from k3.config import K3Config
 from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts
-from k3.model.mla import GatedMLA
+from k3.model.gated_mla import GatedMLA
 from k3.model.model import K3ForCausalLM
 from k3.ops.registry import Backends
 from k3.train.muon import (MUON_RMS_SCALE, PerHeadMuon, describe_param_groups, muon_param_groups,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.serve.cache_pool import CachePool
+from k3.serve.cache.pool import CachePool
 
 
 @pytest.mark.parametrize("kda_heads", [2, 1], ids=["kda-pages-larger", "mla-pages-larger"])

@@ -1,4 +1,4 @@
-"""KDA-aware prefix cache bookkeeping (k3.serve.prefix_cache; report §5.4.1).
+"""KDA-aware prefix cache bookkeeping (k3.serve.cache.prefix; report §5.4.1).
 
 The property tests drive the cache from a simulated engine over a fake page pool: an MLA page holds
 {row: (group, position, token)}, a KDA page holds (group, token prefix the state summarizes). Fresh pages keep
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.serve.prefix_cache import CopyOp, OutOfPages, PrefixCache, chain_hash
+from k3.serve.cache.prefix import CopyOp, OutOfPages, PrefixCache, chain_hash
 
 
 # ---- the simulated engine ----------------------------------------------------------------------------------------
@@ -591,7 +591,7 @@ def test_validation_names_the_bad_value():
 
 
 def test_chain_hash_is_deterministic_across_processes():
-    code = "from k3.serve.prefix_cache import chain_hash as h; print(h(h(b'', [1, 2, 3]), [2**40, 0]).hex())"
+    code = "from k3.serve.cache.prefix import chain_hash as h; print(h(h(b'', [1, 2, 3]), [2**40, 0]).hex())"
     here = chain_hash(chain_hash(b"", [1, 2, 3]), [2**40, 0]).hex()
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -1,0 +1,97 @@
+"""Gated MLA with no positional encoding (report §2.1.2), parameter names as in the official checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.batch import BatchInfo
+from k3.model.cache import MLALayerCache
+from k3.model.common import Linear, RMSNorm, stacked_linear
+from k3.ops.mla import mla_absorbed, mla_attention, mla_attention_any, split_kv_b
+from k3.ops.mla_decode import mla_decode_absorbed, paged_kernel_used
+from k3.ops.registry import Backends
+
+
+class GatedMLA(nn.Module):
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
+    def __init__(self, cfg: K3Config, layer_idx: int):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.scale = (self.dn + self.dr) ** -0.5
+        self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)  # the release builds these two with eps 1e-6
+        self.q_b_proj = Linear(cfg.q_lora_rank, H * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
+        self.g_proj = Linear(D, H * self.dv, bias=False)
+        self.o_proj = Linear(H * self.dv, D, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: MLALayerCache | None = None, batch: BatchInfo | None = None,
+                return_max_logit: bool = False):
+        """x [B, T, D] -> [B, T, D]. `batch`: the batch's record (its segment ids keep each query in its own
+        document). `cache`: a decode cache (k3.model.cache protocol), which stores the new latent rows and
+        answers with the attention through one of this layer's forms (`expanded`, `absorbed`, `paged`). With
+        `return_max_logit` (a forward without a cache), (output, each head's largest scaled pre-softmax logit [H]
+        fp32, detached): QK-Clip's signal."""
+        if return_max_logit and cache is not None:
+            raise ValueError("return_max_logit is a training statistic: ask for it in a forward without a cache")
+        B, T, _ = x.shape
+        H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
+        q_a, kv_a, gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)  # one GEMM
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, dn + dr)
+        c, k_rope = kv_a.split([self.kv_rank, dr], dim=-1)
+        c = self.kv_a_layernorm(c)
+        if cache is not None:
+            return self._gated_out(x, gate, cache.attend(self, q, c, k_rope))
+        # Training and evaluation forwards: expand the latent into per-head keys and values (compiled
+        # flex_attention on GPU), documents kept apart by the batch's block mask, built once per batch.
+        segment_ids = batch.segment_ids if batch is not None else None
+        k, v = self._expand(c, k_rope)
+        mask = batch.flex_block_mask if segment_ids is not None else None
+        o = mla_attention_any(q, k, v, self.scale, segment_ids, return_max_logit=return_max_logit,
+                              backends=self.backends, make_block_mask=mask)
+        if return_max_logit:
+            o, top = o
+            return self._gated_out(x, gate, o), top.detach()
+        return self._gated_out(x, gate, o)
+
+    # --- the attention forms a cache picks from (k3.model.cache.LatentAttention) -------------------------------
+    def _expand(self, c: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows -> per-head keys [B, T, H, dn + dr] and values [B, T, H, dv] (kv_b_proj)."""
+        B, T, _ = c.shape
+        H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
+        k_nope, v = self.kv_b_proj(c).view(B, T, H, dn + dv).split([dn, dv], dim=-1)
+        return torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, dr)], dim=-1), v
+
+    def expanded(self, q: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        k, v = self._expand(c, k_rope)
+        return mla_attention(q, k, v, self.scale)
+
+    def absorbed(self, q: torch.Tensor, c_all: torch.Tensor, kr_all: torch.Tensor, q_start, kv_len=None):
+        w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.dn, self.dv)
+        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        return mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=q_start, kv_len=kv_len)
+
+    def paged(self, q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+              num_splits: int | None = None) -> torch.Tensor:
+        B, T = q.shape[:2]
+        w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.dn, self.dv)
+        q_nope, q_rope = q.reshape(B * T, self.num_heads, -1).split([self.dn, self.dr], dim=-1)
+        o = mla_decode_absorbed(q_nope, q_rope, pages, tables, lengths, w_kc, w_vc, self.scale, num_splits=num_splits)
+        return o.view(B, T, self.num_heads, self.dv)
+
+    def paged_kernel_used(self) -> bool:
+        return paged_kernel_used(self.kv_b_proj.weight.device, self.backends)
+
+    def _gated_out(self, x: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Output gate and projection: o_proj(sigmoid(gate) * o), gate = g_proj x, o of any shape [B, T, ...]."""
+        B, T, _ = x.shape
+        o = o.reshape(B, T, -1)
+        return self.o_proj((torch.sigmoid(gate.float()) * o.float()).to(x.dtype))

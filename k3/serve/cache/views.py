@@ -1,0 +1,147 @@
+"""The views the model reads the page pool through: per-layer caches of one forward that implement the model's
+cache protocol (k3.model.cache) over pool pages.
+
+* `KDAPageView`: a KDA layer's states and conv tails of the forward's requests, read from their running-state
+  pages before the forward; the runner writes them back after it.
+* `PagedMLAView`: an MLA layer's block tables for an eager forward. Rows of one length (a [B, T] batch) either
+  attend straight from the pages (single-token steps on the paged kernel) or through a gathered copy of each
+  request's context; a packed row (`lengths` given: the requests' tokens of different lengths one after another)
+  attends each request's own context.
+* `StaticMLAView`: an MLA layer's cache for a step over static buffers (a CUDA graph's inputs): block tables and
+  positions are device tensors refilled before every replay and the paged kernel runs with a fixed split count,
+  so the step reads nothing back from the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from k3.model.cache import LatentAttention
+from k3.serve.cache.pool import CachePool
+
+
+@dataclass
+class SeqSlots:
+    """Where one request's cache lives: a block table per MLA layer, a running-state page per KDA layer."""
+    mla_tables: list[list[int]]
+    kda_pages: list[int]
+
+
+class KDAPageView:
+    """One KDA layer's states [B, H, K, V] and conv tails [B, 3, P, W-1] for the forward's requests (copies read
+    from their pages); `update` keeps the new ones for the runner to write back."""
+
+    def __init__(self, state: Tensor, conv: Tensor):
+        self.state = state
+        self.conv = [conv[:, 0], conv[:, 1], conv[:, 2]]
+
+    def read(self) -> tuple[Tensor, list[Tensor]]:
+        return self.state, self.conv
+
+    def update(self, state: Tensor, conv: list[Tensor]) -> None:
+        self.state, self.conv = state, list(conv)
+
+    def conv_stacked(self) -> Tensor:
+        return torch.stack(self.conv, 1)
+
+
+def append_paged(pool: CachePool, tables: Tensor, pos: Tensor, c: Tensor, k_rope: Tensor):
+    """Write each request's T new latent rows (c [B, T, R], k_rope [B, T, Dr]; request b's first at position
+    pos[b], its pages in tables[b]) and return, per query row (B * T of them, request-major), what the paged
+    attention kernel reads: (the pool's MLA view, block tables [B * T, W], lengths [B * T]). Query t of request b
+    sees the cache up to its own position, pos[b] + t: causal. Device ops only: nothing is read back."""
+    pt = pool.page_tokens
+    B, T = c.shape[0], c.shape[1]
+    p = pos[:, None] + torch.arange(T, device=pos.device)  # [B, T] positions of the new rows
+    pool.write_mla(tables.gather(1, p // pt).reshape(-1), (p % pt).reshape(-1),
+                   torch.cat([c, k_rope], -1).reshape(B * T, -1))
+    if T == 1:
+        return pool.mla_view(), tables, pos + 1
+    return pool.mla_view(), tables.repeat_interleave(T, dim=0), (p + 1).reshape(-1)
+
+
+class PagedMLAView:
+    """One MLA layer's paged cache for an eager forward of several requests (block tables and start positions
+    on the host). Batched mode: every request adds the same number of tokens (rows of a [B, T] batch). Packed
+    mode (`lengths` given): the requests' tokens of different lengths sit one after another in a single row."""
+
+    def __init__(self, pool: CachePool, tables: list[list[int]], starts: list[int], device,
+                 lengths: list[int] | None = None):
+        self.pool, self.tables, self.starts, self.device = pool, tables, starts, device
+        self.lengths = lengths
+        self._tables_t: Tensor | None = None
+
+    def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        if self.lengths is not None:
+            return torch.cat([attn.absorbed(q[:, a:b], c_i, kr_i, q_start=p_i)
+                              for a, b, c_i, kr_i, p_i in self._append_packed(c, k_rope)], dim=1)
+        if q.shape[1] == 1 and attn.paged_kernel_used():
+            # single-token steps attend straight from the pool: no gathered copy of the cache
+            return attn.paged(q, *append_paged(self.pool, self._table_tensor(),
+                                               torch.tensor(self.starts, device=self.device), c, k_rope), None)
+        self._write(c, k_rope)
+        B, T = c.shape[:2]
+        if B == 1 and self.starts[0] == 0:
+            return attn.expanded(q, c, k_rope)  # one request with no context yet: the prefill form
+        c_all, kr_all = self._gather(max(self.starts) + T, c.dtype)
+        if B == 1:
+            return attn.absorbed(q, c_all, kr_all, q_start=self.starts[0])
+        # host lists: checked without reading the device
+        return attn.absorbed(q, c_all, kr_all, q_start=list(self.starts), kv_len=[s + T for s in self.starts])
+
+    def _append_packed(self, c: Tensor, k_rope: Tensor):
+        """Packed mode: write each request's new rows into its pages, then yield, per request, (first, end) of its
+        tokens in the row, its whole context c [1, L, R] and k_rope [1, L, Dr], and its first new token's
+        position."""
+        pool, pt, R = self.pool, self.pool.page_tokens, c.shape[-1]
+        rows = torch.cat([c, k_rope], -1)[0]  # [total, R + Dr]
+        first = 0
+        for table, start, n in zip(self.tables, self.starts, self.lengths):
+            pos = start + torch.arange(n, device=self.device)
+            tab = torch.tensor(table, device=self.device)
+            pool.write_mla(tab[pos // pt], pos % pt, rows[first:first + n])
+            end = start + n
+            kv = pool.mla_pages(tab[: -(-end // pt)]).reshape(1, -1, rows.shape[-1])[:, :end].to(c.dtype)
+            yield first, first + n, kv[..., :R], kv[..., R:], start
+            first += n
+
+    def _table_tensor(self) -> Tensor:
+        """The block tables as one [B, max pages] tensor (short tables padded with page 0, never read); built once."""
+        if self._tables_t is None:
+            width = max(map(len, self.tables))
+            self._tables_t = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.device)
+        return self._tables_t
+
+    def _write(self, c: Tensor, k_rope: Tensor) -> None:
+        """Write the batch's new rows (c [B, T, R], k_rope [B, T, Dr]) at each request's positions."""
+        pt = self.pool.page_tokens
+        B, T, _ = c.shape
+        pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(T, device=self.device)[None]
+        page = self._table_tensor().gather(1, pos // pt)
+        self.pool.write_mla(page.reshape(-1), (pos % pt).reshape(-1), torch.cat([c, k_rope], -1).reshape(B * T, -1))
+
+    def _gather(self, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Every request's cache up to position `end` as (c_all [B, end, R], k_rope_all [B, end, Dr]) in `dtype`."""
+        pt, R = self.pool.page_tokens, self.pool.cfg.kv_lora_rank
+        B, n_pages = len(self.tables), -(-end // pt)
+        kv = self.pool.mla_pages(self._table_tensor()[:, :n_pages].reshape(-1)).reshape(B, n_pages * pt, -1)
+        kv = kv[:, :end].to(dtype)
+        return kv[..., :R], kv[..., R:]
+
+
+class StaticMLAView:
+    """One MLA layer's cache for a step over static buffers: block tables [B, max_pages] and positions [B] are
+    device tensors refilled before every replay; steps of T > 1 new tokens per request run every query as its own
+    row of the paged kernel."""
+
+    def __init__(self, pool: CachePool, tables: Tensor, positions: Tensor, num_splits: int):
+        self.pool, self.tables, self.positions, self.num_splits = pool, tables, positions, num_splits
+
+    def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        if not attn.paged_kernel_used():
+            raise RuntimeError("a static-buffer decode step needs the paged MLA decode (op mla_decode on 'triton' "
+                               "under the model's Backends)")
+        return attn.paged(q, *append_paged(self.pool, self.tables, self.positions, c, k_rope), self.num_splits)
