@@ -1,0 +1,1 @@
+"""Distributed-training building blocks: expert-parallel planning (report §5.2)."""
