@@ -69,7 +69,7 @@ def main() -> int:
     from k3.serve.chat import load_chat_template
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
-    from k3.serve.server import create_app
+    from k3.serve.app import create_app
 
     tmp = None
     ckpt = args.ckpt

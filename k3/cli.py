@@ -41,7 +41,7 @@ _CUDA_GRAPHS = {"auto": True, "on": True, "1": True, "off": False, "0": False, "
 
 
 def _cmd_serve(args) -> int:
-    from k3.serve.server import cmd_serve
+    from k3.serve.cli import cmd_serve
     from k3.train.run import pick_device
 
     args.backends = _backends(args.backend, pick_device(args.device))

@@ -66,10 +66,10 @@ def test_serve_parses_backend_and_rejects_unknown_values(capsys):
 
 def test_serve_passes_the_backends_and_takes_the_api_key_from_the_environment(clean_env):
     # The engine's model gets the Backends the command line built; K3_API_KEY is --api-key's default.
-    from k3.serve import server
+    from k3.serve import cli as serve_cli
 
     seen = []
-    clean_env.setattr(server, "cmd_serve", lambda a: seen.append(a) or 0)
+    clean_env.setattr(serve_cli, "cmd_serve", lambda a: seen.append(a) or 0)
     clean_env.setenv("K3_MOE_BACKEND", "torch")
     clean_env.setenv("K3_API_KEY", "from-env")
     parse = cli.build_parser().parse_args

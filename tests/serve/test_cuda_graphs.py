@@ -235,14 +235,14 @@ def test_graphs_are_not_used_off_cuda_or_on_uncapturable_backends(monkeypatch, c
 def test_serve_flag_turns_graphs_off(monkeypatch):
     # The command line fills EngineConfig.cuda_graphs: --no-cuda-graphs, else K3_CUDA_GRAPHS (auto, off, eager).
     from k3 import cli
-    from k3.serve import server
+    from k3.serve import cli as serve_cli
 
     monkeypatch.delenv("K3_CUDA_GRAPHS", raising=False)
     parse = cli.build_parser().parse_args
     args = parse(["serve", "--ckpt", "x"])
     assert args.cuda_graphs is True
     seen = []
-    monkeypatch.setattr(server, "cmd_serve", lambda a: seen.append(a.cuda_graphs) or 0)
+    monkeypatch.setattr(serve_cli, "cmd_serve", lambda a: seen.append(a.cuda_graphs) or 0)
     assert args.fn(args) == 0 and seen == [True]
     args = parse(["serve", "--ckpt", "x", "--no-cuda-graphs"])
     assert args.fn(args) == 0 and seen[-1] is False

@@ -186,7 +186,7 @@ HOST = "127.0.0.1"
 def server():
     pytest.importorskip("uvicorn")
     from k3.data.tokenizer import K3Tokenizer
-    from k3.serve.server import create_app
+    from k3.serve.app import create_app
 
     cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=VOCAB, eos_token_id=0)
     model = randomize_(K3ForCausalLM(cfg), seed=5).eval()

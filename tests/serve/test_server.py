@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (k3.serve.server), the chat template (k3.serve.chat) and /metrics (k3.serve.metrics).
+"""The OpenAI-compatible server (k3.serve.app), the chat template (k3.serve.chat) and /metrics (k3.serve.metrics).
 
 A real uvicorn server runs in a background thread on 127.0.0.1 (a free port) over a random tiny checkpoint written by
 `k3 init --tokenizer bytes` (the byte tokenizer: the prompts below are sized in bytes); it is driven with the official
@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     from k3.data.tokenizer import load_any_tokenizer
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
-    from k3.serve.server import create_app
+    from k3.serve.app import create_app
 
     ckpt = tmp_path_factory.mktemp("serve") / "tiny"
     # the byte tokenizer (k3 init's default is a BPE), for which the prompts below are sized
@@ -221,7 +221,7 @@ class _FakeEngine:
 
 
 def test_engine_loop_survives_a_failing_step():
-    from k3.serve.server import EngineLoop, Failure
+    from k3.serve.engine_loop import EngineLoop, Failure
 
     fake = _FakeEngine()
     loop = EngineLoop(fake, idle_wait_s=5.0)  # a long idle wait: submissions must wake the thread

@@ -55,7 +55,7 @@ def _build(ckpt, model=None, tokenizer=None, **app_kw):
     from k3.serve.chat import load_chat_template
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
-    from k3.serve.server import create_app
+    from k3.serve.app import create_app
 
     model = model if model is not None else from_pretrained(ckpt)
     tok = tokenizer or load_any_tokenizer(ckpt)
@@ -253,7 +253,7 @@ def test_body_limit_by_content_length_and_streamed_bytes(ckpt, model):
 
 
 def test_body_over_the_content_length_limit_is_never_read():
-    from k3.serve.server import _BodyGuardMiddleware
+    from k3.serve.guard import BodyGuardMiddleware
 
     calls, payload = [], [b"x" * 2000]
 
@@ -269,7 +269,7 @@ def test_body_over_the_content_length_limit_is_never_read():
     async def send(message):
         sent.append(message)
 
-    guard = _BodyGuardMiddleware(app, max_bytes=1000)
+    guard = BodyGuardMiddleware(app, max_bytes=1000)
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
              "headers": [(b"content-length", b"2000"), (b"content-type", b"application/json")]}
     asyncio.run(guard(scope, receive, send))
@@ -282,12 +282,13 @@ def test_body_over_the_content_length_limit_is_never_read():
     async def app2(scope, receive, send):
         got.append(await receive())
 
-    asyncio.run(_BodyGuardMiddleware(app2, max_bytes=1000)(scope, receive, send))
+    asyncio.run(BodyGuardMiddleware(app2, max_bytes=1000)(scope, receive, send))
     assert got[0] == {"type": "http.request", "body": b"y" * 20, "more_body": False} and calls == ["receive"]
 
 
 def test_max_request_mb_flag_reaches_the_app(ckpt, model, monkeypatch):
-    import k3.serve.server as server
+    import k3.serve.cli as serve_cli
+    from k3.serve.guard import DEFAULT_MAX_REQUEST_BYTES
     from k3.serve.options import add_serve_arguments
 
     p = argparse.ArgumentParser()
@@ -300,19 +301,19 @@ def test_max_request_mb_flag_reaches_the_app(ckpt, model, monkeypatch):
 
     s = _build(ckpt, model)
     seen = {}
-    real_create_app = server.create_app
+    real_create_app = serve_cli.create_app
 
     def spy(*a, **kw):
         seen.update(kw)
         return real_create_app(*a, **kw)
 
-    monkeypatch.setattr(server, "build_engine", lambda *a, **kw: (s.engine, s.tok, None))
-    monkeypatch.setattr(server, "create_app", spy)
+    monkeypatch.setattr(serve_cli, "build_engine", lambda *a, **kw: (s.engine, s.tok, None))
+    monkeypatch.setattr(serve_cli, "create_app", spy)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("app", app))
-    assert server.cmd_serve(p.parse_args(["--ckpt", str(ckpt), "--max-request-mb", "3"])) == 0
+    assert serve_cli.cmd_serve(p.parse_args(["--ckpt", str(ckpt), "--max-request-mb", "3"])) == 0
     assert seen["max_request_bytes"] == 3 * 2**20 and seen["app"] is not None
-    assert server.cmd_serve(p.parse_args(["--ckpt", str(ckpt)])) == 0
-    assert seen["max_request_bytes"] == server.DEFAULT_MAX_REQUEST_BYTES == 8 * 2**20
+    assert serve_cli.cmd_serve(p.parse_args(["--ckpt", str(ckpt)])) == 0
+    assert seen["max_request_bytes"] == DEFAULT_MAX_REQUEST_BYTES == 8 * 2**20
 
 
 # ---- prompt length bound before tokenizing --------------------------------------------------------------------------
@@ -330,7 +331,7 @@ def test_max_token_bytes_bounds_every_token(ckpt):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.serve.server import max_token_bytes
+    from k3.serve.guard import max_token_bytes
 
     tok = load_any_tokenizer(ckpt)
     per = max_token_bytes(tok)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (`k3 serve`).
+"""The OpenAI-compatible HTTP app (`k3 serve`).
 
 One background thread (`EngineLoop`) owns the engine: it adds submitted requests, applies aborts, and runs
 `engine.step()` while there is work, sleeping on a threading.Event otherwise. Each HTTP handler submits its request
@@ -11,21 +11,15 @@ GET /health, GET /metrics (Prometheus text). Errors use the OpenAI shape
 {"error": {"message", "type", "param", "code"}}. A client that goes away (mid-stream or while waiting for a
 non-streamed answer) has its request aborted, which frees its cache pages.
 
-Hostile input is stopped at the edge: bodies over the size limit get 413 before they are read in full
-(`_BodyGuardMiddleware`), bodies are parsed by `parse_json_body` (invalid UTF-8, lone surrogates, NaN and deep
-nesting get 400 naming the field), and a text too long for the context is refused before it is tokenized
-(`_Server.check_text_length`).
+Hostile input is stopped at the edge by the guards of k3.serve.guard (body size, type and JSON text, the API
+key); a text too long for the context is refused before it is tokenized (`_Server.check_text_length`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import hmac
 import json
 import logging
-import os
-import platform
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -33,23 +27,22 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, render_chat
 from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
+from k3.serve.guard import (DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyError, BodyGuardMiddleware,
+                            JSONRoute, max_token_bytes)
 from k3.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from k3.serve.metrics import MetricsExporter
 from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields,
-                               _validation_message, error_body, error_response, parse_json_body)
+                               _validation_message, error_body, error_response)
 from k3.serve.sampling import SamplingParams
 
 logger = logging.getLogger("k3.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # request bodies above this get 413 (`k3 serve --max-request-mb`)
-TRIM_AFTER_BYTES = 2**20  # after a request body this large, freed heap memory is handed back to the OS
 
 
 # =====================================================================================================================
@@ -377,205 +370,7 @@ class _Server:
 
 
 # =====================================================================================================================
-# Hostile input: body size and type, JSON text, prompt length, memory
-
-
-def max_token_bytes(tokenizer) -> int | None:
-    """The most bytes of text one token of `tokenizer` can stand for, or None when that cannot be bounded (then
-    every prompt is tokenized in full; the request size limit still bounds the work).
-
-    It is bounded for byte-level BPE (all of ours): no normalizer changes the text, the pre-tokenizer keeps every
-    byte (ByteLevel, or Split pieces that are not removed), and each token is the byte-level spelling of the bytes
-    it covers, one character per byte; added tokens match their own text. So a token covers at most the UTF-8
-    length of its vocabulary string (byte-level characters above U+007F take two bytes, so this can overestimate,
-    which only makes the length check of check_text_length looser)."""
-    raw = getattr(tokenizer, "tokenizer", None)  # the `tokenizers.Tokenizer` inside a K3Tokenizer
-    try:
-        spec = json.loads(raw.to_str())
-        pre = spec.get("pre_tokenizer") or {}
-        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-        byte_level = (spec.get("normalizer") is None and (spec.get("decoder") or {}).get("type") == "ByteLevel"
-                      and any(p.get("type") == "ByteLevel" for p in steps)
-                      and all(p.get("type") == "ByteLevel" or (p.get("type") == "Split"
-                                                               and p.get("behavior") != "Removed") for p in steps))
-        if not byte_level:
-            return None
-        return max(1, max(len(t.encode("utf-8")) for t in raw.get_vocab(with_added_tokens=True)))
-    except Exception:  # not a `tokenizers` tokenizer (or an unexpected layout): no bound
-        return None
-
-
-_malloc_trim = None
-
-
-def release_free_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc only; elsewhere a no-op). glibc raises its mmap threshold to
-    the size of the largest block freed, so after one large request, later large buffers come from the heap, and
-    the heap's free pages are kept: RSS would stay at its peak. malloc_trim(0) returns them."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        fn = False
-        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-            try:
-                fn = ctypes.CDLL(None).malloc_trim
-                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-            except (OSError, AttributeError):
-                fn = False
-        _malloc_trim = fn
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-class _BodyError(StarletteHTTPException):
-    """An APIError found while FastAPI reads the body: FastAPI hands HTTPExceptions raised there on to the
-    exception handlers (anything else it turns into a generic 400)."""
-
-    def __init__(self, error: APIError):
-        super().__init__(error.status, error.message)
-        self.error = error
-
-
-class _JSONRequest(Request):
-    async def json(self):
-        if not hasattr(self, "_json"):
-            try:
-                self._json = parse_json_body(await self.body())
-            except APIError as e:
-                raise _BodyError(e) from None
-        return self._json
-
-
-class _JSONRoute(APIRoute):
-    """Routes whose JSON bodies are parsed by `parse_json_body` (valid text, bounded nesting)."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def run(request: Request):
-            return await handler(_JSONRequest(request.scope, request.receive))
-
-        return run
-
-
-def _header(scope, name: bytes) -> bytes | None:
-    for k, v in scope.get("headers", ()):
-        if k == name:
-            return v
-    return None
-
-
-class _BodyGuardMiddleware:
-    """Reads each request body before the app does, up to `max_bytes`: a larger body gets 413 without being read
-    (by its Content-Length) or as soon as its streamed (chunked) bytes pass the limit, before anything parses it.
-    POST /v1/* bodies must be JSON: another Content-Type gets 415, none is taken as JSON. After a large body
-    the freed memory is handed back to the OS (release_free_memory)."""
-
-    def __init__(self, app, max_bytes: int, on_error=None):
-        self.app, self.max_bytes, self.on_error = app, int(max_bytes), on_error or (lambda: None)
-
-    def _error(self, status: int, message: str, code: str | None = None) -> JSONResponse:
-        self.on_error()
-        return error_response(status, message, code=code)
-
-    def _too_large(self, size: str) -> JSONResponse:
-        mb = self.max_bytes / 2**20
-        return self._error(413, f"the request body{size} is larger than this server's limit of {self.max_bytes} "
-                                   f"bytes ({mb:g} MiB); send a smaller request, or start the server with a larger "
-                                   f"--max-request-mb", "request_too_large")
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = _header(scope, b"content-length")
-        chunked = b"chunked" in (_header(scope, b"transfer-encoding") or b"").lower()
-        if length is not None:
-            try:
-                length = int(length)
-            except ValueError:
-                await self._error(400, "the Content-Length header is not a number")(scope, receive, send)
-                return
-        if not chunked and not length:  # no body (GET, or an empty POST: the endpoint says what is missing)
-            await self.app(scope, receive, send)
-            return
-        if length is not None and length > self.max_bytes:
-            await self._too_large(f" ({length} bytes)")(scope, receive, send)
-            return
-        if scope.get("method") == "POST" and scope["path"].startswith("/v1/"):
-            ctype = _header(scope, b"content-type")
-            if ctype is None:  # the /v1 endpoints only take JSON; FastAPI would not parse an untyped body
-                scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
-            else:
-                mime = ctype.split(b";")[0].strip().lower()
-                if not (mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))):
-                    shown = ctype.decode("latin-1")[:100]
-                    await self._error(415, f"the request body must be JSON: its Content-Type is '{shown}'; send "
-                                           f"'Content-Type: application/json'",
-                                      "unsupported_media_type")(scope, receive, send)
-                    return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                chunks.clear()
-                await self._too_large(" (streamed)")(scope, receive, send)
-                if size >= TRIM_AFTER_BYTES:
-                    release_free_memory()
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-        chunks.clear()
-
-        async def replay():
-            return pending.pop() if pending else await receive()
-
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            pending.clear()
-            if size >= TRIM_AFTER_BYTES:
-                release_free_memory()
-
-
-# =====================================================================================================================
 # The app
-
-
-class _APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1/* (before the body is read, so a client without the key learns
-    nothing else). /health and /metrics stay open."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.key = app, api_key.encode("utf-8")
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
-            auth = ""
-            for k, v in scope.get("headers", ()):
-                if k == b"authorization":
-                    auth = v.decode("latin-1")
-                    break
-            scheme, _, token = auth.strip().partition(" ")
-            if not auth:
-                msg = "missing API key: send it as the header 'Authorization: Bearer <key>'"
-            elif scheme.lower() != "bearer":
-                msg = "the Authorization header must be 'Bearer <key>'"
-            elif not hmac.compare_digest(token.strip().encode("utf-8"), self.key):
-                msg = "invalid API key"
-            else:
-                msg = None
-            if msg is not None:
-                resp = error_response(401, msg, "authentication_error", None, "invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
@@ -599,10 +394,10 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
     app.state.server = srv
     app.state.engine = engine
     app.state.engine_loop = srv.loop
-    app.router.route_class = _JSONRoute
-    app.add_middleware(_BodyGuardMiddleware, max_bytes=max_request_bytes, on_error=srv.count_error)
+    app.router.route_class = JSONRoute
+    app.add_middleware(BodyGuardMiddleware, max_bytes=max_request_bytes, on_error=srv.count_error)
     if api_key:  # added last, so it runs first: a client without the key gets nothing else, not even a size check
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     # --- errors ---------------------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -619,7 +414,7 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         srv.http_errors += 1
-        if isinstance(exc, _BodyError):
+        if isinstance(exc, BodyError):
             e = exc.error
             return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
         if exc.status_code == 404:
@@ -730,93 +525,3 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
                              want_logprobs=bool(body.logprobs))
 
     return app
-
-
-# =====================================================================================================================
-# `k3 serve`
-
-
-def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_tokens: int | None = None,
-                 hash_block_tokens: int | None = None, max_num_seqs: int | None = None,
-                 max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
-                 max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True,
-                 verify: bool = True):
-    """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template). `backends`
-    (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs.
-    `verify`: check the shards against the SHA-256 digests their index records."""
-    from k3.checkpoint import from_pretrained
-    from k3.data.tokenizer import load_any_tokenizer
-    from k3.serve.chat import load_chat_template
-    from k3.serve.engine import EngineConfig, LLMEngine
-    from k3.serve.scheduler import SchedulerConfig
-    from k3.train.run import pick_device
-
-    if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
-    dev = pick_device(device)
-    sched = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_step_tokens", max_step_tokens),
-                                                 ("prefill_chunk", prefill_chunk)) if v is not None})
-    ecfg = EngineConfig(scheduler=sched, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
-                        **{k: v for k, v in (("cache_memory_mb", cache_memory_mb), ("page_tokens", page_tokens),
-                                             ("hash_block_tokens", hash_block_tokens)) if v is not None})
-    ecfg.validate()  # before the (possibly slow) load
-    tokenizer = load_any_tokenizer(ckpt_dir)
-    template = load_chat_template(ckpt_dir)
-    model = from_pretrained(ckpt_dir, device=dev, backends=backends, verify=verify)
-    return LLMEngine(model, tokenizer, ecfg), tokenizer, template
-
-
-def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          cache_memory_mb: float | None = None, page_tokens: int | None = None, hash_block_tokens: int | None = None,
-          max_num_seqs: int | None = None, max_step_tokens: int | None = None, prefill_chunk: int | None = None,
-          device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
-          cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True) -> None:
-    """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
-    as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
-    DEFAULT_MAX_REQUEST_BYTES."""
-    import uvicorn
-
-    max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if max_request_mb is None else int(max_request_mb * 2**20)
-    if not max_request_bytes >= 1:  # checked before the (possibly slow) load
-        raise ValueError(f"--max-request-mb must be positive, got {max_request_mb!r}")
-    engine, tokenizer, template = build_engine(ckpt_dir, cache_memory_mb, page_tokens, hash_block_tokens,
-                                               max_num_seqs, max_step_tokens, prefill_chunk, device,
-                                               backends=backends, cuda_graphs=cuda_graphs, verify=verify)
-    if engine.runner.graphs is not None and engine.runner.graphs.capture:
-        t0 = time.perf_counter()
-        n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
-        print(f"k3 serve: {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
-    name = model_name or os.path.basename(os.path.normpath(ckpt_dir)) or "k3"
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
-    app = create_app(engine, tokenizer, name, api_key=api_key, chat_template=template,
-                     max_request_bytes=max_request_bytes)
-    stats = engine.cache_stats()
-    print(f"k3 serve: model '{name}' from {ckpt_dir}; context {engine.max_model_len} tokens; cache "
-          f"{stats['num_pages']} pages x {stats['page_bytes']} bytes; http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
-
-
-def cmd_serve(args) -> int:
-    import sys
-
-    from k3.checkpoint import CheckpointError
-    from k3.train.run import latest_checkpoint
-
-    ckpt = args.ckpt
-    if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, "config.json")):
-        ckpt = latest_checkpoint(ckpt) or ckpt  # a training run directory
-    if not 0 <= args.port <= 65535:
-        print(f"k3 serve: --port {args.port} is not a port number", file=sys.stderr)
-        return 2
-    try:
-        serve(ckpt, host=args.host, port=args.port, api_key=args.api_key, cache_memory_mb=args.cache_memory_mb,
-              page_tokens=args.page_tokens, hash_block_tokens=args.hash_block_tokens, max_num_seqs=args.max_num_seqs,
-              max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk, device=args.device,
-              model_name=args.model_name, log_level=getattr(args, "log_level", "info"),
-              backends=getattr(args, "backends", None), cuda_graphs=getattr(args, "cuda_graphs", True),
-              max_request_mb=getattr(args, "max_request_mb", None), verify=getattr(args, "verify", True))
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"k3 serve: {e}", file=sys.stderr)
-        return 2
-    return 0

@@ -1,0 +1,35 @@
+"""The serving engine of a checkpoint: its model, tokenizer and chat template (`k3 serve`)."""
+
+from __future__ import annotations
+
+import os
+
+
+def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_tokens: int | None = None,
+                 hash_block_tokens: int | None = None, max_num_seqs: int | None = None,
+                 max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
+                 max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True,
+                 verify: bool = True):
+    """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template). `backends`
+    (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs.
+    `verify`: check the shards against the SHA-256 digests their index records."""
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.serve.chat import load_chat_template
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+    from k3.train.run import pick_device
+
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
+    dev = pick_device(device)
+    sched = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_step_tokens", max_step_tokens),
+                                                 ("prefill_chunk", prefill_chunk)) if v is not None})
+    ecfg = EngineConfig(scheduler=sched, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
+                        **{k: v for k, v in (("cache_memory_mb", cache_memory_mb), ("page_tokens", page_tokens),
+                                             ("hash_block_tokens", hash_block_tokens)) if v is not None})
+    ecfg.validate()  # before the (possibly slow) load
+    tokenizer = load_any_tokenizer(ckpt_dir)
+    template = load_chat_template(ckpt_dir)
+    model = from_pretrained(ckpt_dir, device=dev, backends=backends, verify=verify)
+    return LLMEngine(model, tokenizer, ecfg), tokenizer, template

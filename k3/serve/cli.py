@@ -1,0 +1,70 @@
+"""`k3 serve`: load a checkpoint and serve its OpenAI-compatible app with uvicorn. The flags are in
+k3.serve.options, apart from the HTTP stack."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from k3.serve.app import create_app
+from k3.serve.build import build_engine
+from k3.serve.guard import DEFAULT_MAX_REQUEST_BYTES
+
+logger = logging.getLogger("k3.serve")
+
+
+def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          cache_memory_mb: float | None = None, page_tokens: int | None = None, hash_block_tokens: int | None = None,
+          max_num_seqs: int | None = None, max_step_tokens: int | None = None, prefill_chunk: int | None = None,
+          device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
+          cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True) -> None:
+    """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
+    as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
+    DEFAULT_MAX_REQUEST_BYTES."""
+    import uvicorn
+
+    max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if max_request_mb is None else int(max_request_mb * 2**20)
+    if not max_request_bytes >= 1:  # checked before the (possibly slow) load
+        raise ValueError(f"--max-request-mb must be positive, got {max_request_mb!r}")
+    engine, tokenizer, template = build_engine(ckpt_dir, cache_memory_mb, page_tokens, hash_block_tokens,
+                                               max_num_seqs, max_step_tokens, prefill_chunk, device,
+                                               backends=backends, cuda_graphs=cuda_graphs, verify=verify)
+    if engine.runner.graphs is not None and engine.runner.graphs.capture:
+        t0 = time.perf_counter()
+        n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
+        print(f"k3 serve: {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
+    name = model_name or os.path.basename(os.path.normpath(ckpt_dir)) or "k3"
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
+    app = create_app(engine, tokenizer, name, api_key=api_key, chat_template=template,
+                     max_request_bytes=max_request_bytes)
+    stats = engine.cache_stats()
+    print(f"k3 serve: model '{name}' from {ckpt_dir}; context {engine.max_model_len} tokens; cache "
+          f"{stats['num_pages']} pages x {stats['page_bytes']} bytes; http://{host}:{port}/v1", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+
+
+def cmd_serve(args) -> int:
+    import sys
+
+    from k3.checkpoint import CheckpointError
+    from k3.train.run import latest_checkpoint
+
+    ckpt = args.ckpt
+    if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, "config.json")):
+        ckpt = latest_checkpoint(ckpt) or ckpt  # a training run directory
+    if not 0 <= args.port <= 65535:
+        print(f"k3 serve: --port {args.port} is not a port number", file=sys.stderr)
+        return 2
+    try:
+        serve(ckpt, host=args.host, port=args.port, api_key=args.api_key, cache_memory_mb=args.cache_memory_mb,
+              page_tokens=args.page_tokens, hash_block_tokens=args.hash_block_tokens, max_num_seqs=args.max_num_seqs,
+              max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk, device=args.device,
+              model_name=args.model_name, log_level=getattr(args, "log_level", "info"),
+              backends=getattr(args, "backends", None), cuda_graphs=getattr(args, "cuda_graphs", True),
+              max_request_mb=getattr(args, "max_request_mb", None), verify=getattr(args, "verify", True))
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        print(f"k3 serve: {e}", file=sys.stderr)
+        return 2
+    return 0
