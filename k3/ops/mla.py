@@ -14,6 +14,10 @@ Two equivalent forms:
 * ``mla_absorbed`` - the decode form: ``w_kc`` is folded into the query and ``w_vc``
   into the output, so attention runs directly against the cached latent ``c`` [B, L, R]
   and the cache never has to be expanded per head.
+
+The training forward reaches attention through op ``mla`` (``mla_attention_any``), whose reference is
+``mla_attention`` with ``max_logit`` (QK-Clip's signal) and whose fast implementation is flex_attention
+(k3.ops.mla_flex: it imports nothing from here, and its public names can be imported from here too).
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from k3.ops.registry import Backends, Fast, Op, Target, dispatch, notice, register
-from k3.utils import LastResult
+from k3.ops import mla_flex
+from k3.ops.mla_flex import causal_block_mask, compiled_flex, flex_available, flex_kernel_options, mla_attention_flex
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
-__all__ = ["mla_attention", "mla_attention_any", "mla_attention_flex", "mla_absorbed", "max_logit", "split_kv_b",
-           "causal_block_mask"]
+__all__ = ["mla_attention", "mla_attention_any", "mla_absorbed", "max_logit", "split_kv_b",
+           # the flex_attention implementation (k3.ops.mla_flex), for callers that import it from here
+           "causal_block_mask", "compiled_flex", "flex_available", "flex_kernel_options", "mla_attention_flex"]
 
 
 def _as_positions(name: str, value, batch: int, device: torch.device) -> Tensor:
@@ -300,154 +306,7 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch
     return best
 
 
-# --- flex_attention backend ----------------------------------------------------------------------------------
-
-_FLEX_BLOCK = 128
-_compiled_flex: dict[bool, object] = {}  # autotune? -> torch.compile'd flex_attention
-
-
-# flex_attention's kernel options measured best at Gated MLA's head dims (queries/keys 192, values 128) in bf16, by
-# GPU compute capability: torch's own tables have no entry for this shape on sm90 and fall back to 64 x 64 tiles
-# with 4 warps for the backward. benchmarks/flex_tune.py measures the candidates (BENCHMARKS.md).
-_FLEX_TUNED: dict[tuple[int, int], dict] = {
-    (9, 0): dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=3, fwd_num_warps=8,
-                 bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=2,
-                 bwd_num_warps=8),
-}
-# The keys Backends.flex_kernel_options may set.
-FLEX_OPTION_KEYS = frozenset(f"{p}{k}" for p in ("fwd_", "bwd_")
-                             for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
-                                       "num_stages", "num_warps"))
-
-
-def flex_kernel_options(q: Tensor, v: Tensor, backends: Backends | None = None) -> dict | None:
-    """kernel_options for flex_attention on q's device: ``Backends.flex_kernel_options`` (``fwd_*`` / ``bwd_*`` block
-    sizes, stages and warps; ``{}`` for torch's defaults) when set, else the measured table for this GPU at Gated
-    MLA's bf16 192/128 shape, else None (torch's defaults)."""
-    opts = None if backends is None else backends.flex_kernel_options
-    if opts is not None:
-        return dict(opts) or None
-    if not q.is_cuda or q.dtype != torch.bfloat16 or q.shape[-1] != 192 or v.shape[-1] != 128:
-        return None
-    return _FLEX_TUNED.get(torch.cuda.get_device_capability(q.device))
-
-
-def compiled_flex(autotune: bool = False):
-    """flex_attention under torch.compile (static shapes), one compiled function per autotune setting. `autotune`:
-    inductor's max-autotune, which benchmarks the forward and backward kernels' block sizes and stages for each
-    shape (minutes more compilation on first use) instead of taking fixed ones."""
-    from torch.nn.attention import flex_attention as fa
-
-    if autotune not in _compiled_flex:
-        notice("compiling the flex_attention MLA kernels (once per shape; the first call takes a while"
-               + (", longer with flex_autotune)" if autotune else ")"))
-        mode = "max-autotune-no-cudagraphs" if autotune else None
-        _compiled_flex[autotune] = torch.compile(fa.flex_attention, dynamic=False, mode=mode)
-    return _compiled_flex[autotune]
-
-
-def flex_available(target: Target) -> tuple[bool, str]:
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except Exception as e:
-        return False, f"torch {torch.__version__} has no usable flex_attention ({type(e).__name__}: {e})"
-    return True, ""
-
-
-def _flex_max_scores_supported() -> bool:
-    from torch.nn.attention import flex_attention as fa
-
-    return hasattr(fa, "AuxRequest") and "max_scores" in getattr(fa.AuxRequest, "_fields", ())
-
-
-# Every Gated MLA layer of one forward (and the recomputation of activation checkpointing) asks for the same mask,
-# so it is built once per batch, not per layer.
-_last_mask = LastResult()
-
-
-def causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None = None):
-    """flex_attention BlockMask for causal attention, restricted to each packed document when `segment_ids`
-    [B, T] is given. Built from per-block document ranges in O((T/128)^2) memory per row, never O(T^2):
-    a (query block, key block) tile is skipped when their documents cannot meet, taken whole when both
-    blocks lie in one document and the key block is strictly earlier, and masked per element otherwise.
-
-    The mask of the previous call is returned again when T, the device and `segment_ids` (the same tensor
-    object, not modified since) are the same."""
-    return _last_mask.get((T, torch.device(device), segment_ids),
-                          lambda: _build_causal_block_mask(T, device, segment_ids))
-
-
-def _build_causal_block_mask(T: int, device: torch.device, segment_ids: Tensor | None = None):
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n = -(-T // _FLEX_BLOCK)
-    idx = torch.arange(n, device=device)
-    lower = idx[None, :] <= idx[:, None]  # [n, n] key block j <= query block i
-    strict = idx[None, :] < idx[:, None]
-    if segment_ids is None:
-        B = 1
-        partial = torch.eye(n, dtype=torch.bool, device=device)[None]
-        full = strict[None]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx
-    else:
-        B = segment_ids.shape[0]
-        seg = segment_ids.to(device=device, dtype=torch.int64)
-        pad = n * _FLEX_BLOCK - T
-        padded = torch.cat([seg, seg[:, -1:].expand(B, pad)], dim=1) if pad else seg
-        blocks = padded.view(B, n, _FLEX_BLOCK)
-        lo, hi = blocks.amin(-1), blocks.amax(-1)  # [B, n] document range of each block
-        meet = (lo[:, None, :] <= hi[:, :, None]) & (hi[:, None, :] >= lo[:, :, None])  # [B, i, j]
-        single = lo == hi
-        same = single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
-        full = strict[None] & same
-        partial = lower[None] & meet & ~full
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (seg[b, q_idx] == seg[b, kv_idx])
-
-    def as_blocks(m: Tensor) -> tuple[Tensor, Tensor]:
-        counts = m.sum(-1, dtype=torch.int32)  # [B, n]
-        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # listed blocks first
-        return counts[:, None], order[:, None]
-
-    kv_num, kv_idx = as_blocks(partial)
-    full_num, full_idx = as_blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_FLEX_BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(T, T))
-
-
-def mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
-                       block_mask=None, return_max_logit: bool = False, compiled: bool = True,
-                       autotune: bool | None = None, backends: Backends | None = None):
-    """``mla_attention`` (q_start = 0, Tq = Tk) on flex_attention: fused causal/document-masked attention with
-    the 192/128 head dims, no T x T matrix in memory, fully masked tiles skipped.
-
-    Returns o [B, T, H, Dv], or (o, max_logit [H] fp32) with ``return_max_logit``: the largest scaled
-    pre-softmax logit of each head over the visible pairs (QK-Clip's signal), taken from the kernel's
-    running maxima when this torch provides them, else computed blockwise. ``autotune`` (default:
-    ``backends.flex_autotune``) compiles with inductor's max-autotune (see :func:`compiled_flex`); otherwise the
-    kernels take :func:`flex_kernel_options`."""
-    from torch.nn.attention import flex_attention as fa
-
-    B, T, H, _ = q.shape
-    if block_mask is None:
-        block_mask = causal_block_mask(T, q.device, segment_ids)
-    if autotune is None:
-        autotune = backends is not None and backends.flex_autotune
-    fn = compiled_flex(autotune) if compiled else fa.flex_attention
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    # max-autotune picks its own tiles; eager flex (compiled=False) is the unfused reference and takes no tiles
-    opts = flex_kernel_options(q, v, backends) if compiled and not autotune else None
-    if return_max_logit and _flex_max_scores_supported() and q.is_cuda:
-        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=opts,
-                    return_aux=fa.AuxRequest(max_scores=True))
-        return o.transpose(1, 2), aux.max_scores.detach().float().amax(dim=(0, 2))
-    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=opts).transpose(1, 2)
-    if return_max_logit:
-        return o, max_logit(q, k, scale, segment_ids)
-    return o
+# --- op mla -----------------------------------------------------------------------------------------------
 
 
 def _mla_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
@@ -459,16 +318,9 @@ def _mla_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, segm
     return (o, max_logit(q, k, scale, segment_ids)) if return_max_logit else o
 
 
-def _mla_attention_flex(q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
-                        return_max_logit: bool = False, backends: Backends | None = None, make_block_mask=None):
-    mask = make_block_mask(q.device) if make_block_mask is not None and segment_ids is not None else None
-    return mla_attention_flex(q, k, v, scale, segment_ids, block_mask=mask, return_max_logit=return_max_logit,
-                              backends=backends)
-
-
 register(Op(
     "mla", reference=_mla_attention_reference,
-    fast=(Fast("flex", _mla_attention_flex, flex_available, validated=True),),
+    fast=(Fast("flex", mla_flex.mla_attention_flex_op, mla_flex.flex_available, validated=True),),
     tolerance="fp32 (eager flex): 1e-5; compiled bf16 against the fp32 reference: output and gradients 2e-2, the max "
               "logit 1e-2 (bf16 rounding of q.k)",
     options=("flex_autotune", "flex_kernel_options")))

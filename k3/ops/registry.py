@@ -35,8 +35,8 @@ from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["DEFAULT", "Backends", "Fast", "Impl", "Op", "Target", "backends_from_env", "dispatch", "importable",
-           "notice", "ops", "register", "runs_on"]
+__all__ = ["DEFAULT", "FLEX_OPTION_KEYS", "Backends", "Fast", "Impl", "Op", "Target", "backends_from_env", "dispatch",
+           "importable", "notice", "ops", "register", "runs_on"]
 
 REFERENCE = "torch"  # how Backends names the reference of every op
 MODES = ("auto", "torch", "fast")
@@ -136,6 +136,11 @@ def _op(name: str) -> Op:
 # --- the choice --------------------------------------------------------------------------------------------------
 
 _FLAGS = ("flex_autotune", "situ_autotune")
+# The keys Backends.flex_kernel_options may set: flex_attention's block sizes, stages and warps for the forward and
+# backward kernels (op mla, k3.ops.mla_flex). Plain data here, so that checking a Backends needs no op file.
+FLEX_OPTION_KEYS = frozenset(f"{p}{k}" for p in ("fwd_", "bwd_")
+                             for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
+                                       "num_stages", "num_warps"))
 
 
 @dataclass(frozen=True)
@@ -149,8 +154,8 @@ class Backends:
         False: fla builds the lists on the device. Read only where fla runs (ops kda and short_conv).
     flex_autotune: compile the flex MLA kernels with inductor's max-autotune (minutes more on first use of a
         shape) instead of fixed block sizes (op mla).
-    flex_kernel_options: the flex MLA kernels' block sizes, stages and warps (``fwd_*`` / ``bwd_*`` keys, positive
-        ints; ``{}`` for torch's defaults); None: the table measured for this GPU (op mla).
+    flex_kernel_options: the flex MLA kernels' block sizes, stages and warps (keys among `FLEX_OPTION_KEYS`,
+        positive ints; ``{}`` for torch's defaults); None: k3.ops.mla_flex's table for this GPU (op mla).
     situ_autotune: the SiTU-GLU kernel picks its tile and warp count by measurement per shape class on GPU; False
         keeps a fixed tile (op situ).
 
@@ -185,8 +190,6 @@ class Backends:
                 raise ValueError(f"Backends.{flag}={getattr(self, flag)!r} is invalid: use True or False")
         opts = self.flex_kernel_options
         if opts is not None:
-            from k3.ops.mla import FLEX_OPTION_KEYS
-
             if not isinstance(opts, Mapping) or any(
                     k not in FLEX_OPTION_KEYS or isinstance(v, bool) or not isinstance(v, int) or v <= 0
                     for k, v in opts.items()):
@@ -300,7 +303,7 @@ def backends_from_env(environ: Mapping[str, str], default: str = "auto") -> Back
         K3_<OP>_BACKEND=auto|torch|<fast name>   pins one op (auto or unset: `default` decides), e.g. K3_MOE_BACKEND
         K3_KDA_HOST_OFFSETS=0|1                  kda_host_offsets (unset: on)
         K3_FLEX_AUTOTUNE=0|1                     flex_autotune (unset: off)
-        K3_FLEX_KERNEL_OPTIONS='{"bwd_num_warps": 8, ...}'   flex_kernel_options (JSON; unset: the measured table)
+        K3_FLEX_KERNEL_OPTIONS='{"bwd_num_warps": 8, ...}'   flex_kernel_options (JSON; unset: the table for this GPU)
         K3_SITU_AUTOTUNE=0|1                     situ_autotune (unset: on)
 
     A bad value, or a K3_*_BACKEND variable that names no op, is a ValueError naming the variable."""

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from helpers import rel_err
-from k3.ops.mla import causal_block_mask, flex_available, max_logit, mla_attention, mla_attention_flex
-from k3.ops.registry import Backends, Target, backends_from_env
+from k3.ops import mla, mla_flex
+from k3.ops.mla import max_logit, mla_attention
+from k3.ops.mla_flex import causal_block_mask, flex_available, flex_kernel_options, mla_attention_flex
+from k3.ops.registry import FLEX_OPTION_KEYS, Backends, Target, backends_from_env
 
 pytestmark = pytest.mark.skipif(not flex_available(Target(torch.device("cpu")))[0],
                                 reason="this torch has no flex_attention")
@@ -105,8 +107,6 @@ def test_flex_autotune_setting_is_checked():
 
 def test_flex_kernel_options_come_from_the_table_or_the_backends():
     # The compiled GPU test above runs with the table's tiles on the GPUs it lists (the H200's sm90 entry).
-    from k3.ops.mla import flex_kernel_options
-
     q, _, v = _qkv(1, 8, 1)
     env = backends_from_env
     assert flex_kernel_options(q, v) is None  # CPU tensors: torch's defaults
@@ -121,3 +121,24 @@ def test_flex_kernel_options_come_from_the_table_or_the_backends():
             env({"K3_FLEX_KERNEL_OPTIONS": bad})
     with pytest.raises(ValueError, match="keys among"):
         Backends(flex_kernel_options={"BLOCK_M": 64})
+
+
+def test_tuned_tables_use_the_keys_backends_accepts():
+    # The per-GPU table and Backends.flex_kernel_options name the same flex_attention options (the registry holds
+    # the key set, so that it checks a Backends without importing this op's files).
+    for cap, opts in mla_flex._FLEX_TUNED.items():
+        assert set(opts) <= FLEX_OPTION_KEYS, cap
+        assert Backends(flex_kernel_options=opts).flex_kernel_options == opts
+
+
+def test_max_logit_from_the_kernel_only_on_cuda():
+    # flex_attention keeps no running maxima off CUDA: asking for them there is an error naming the reference's
+    # blockwise max_logit (the op never sends CPU tensors to flex).
+    q, k, v = _qkv(1, 8, 1)
+    with pytest.raises(ValueError, match="CUDA only.*max_logit"):
+        mla_attention_flex(q, k, v, 0.1, return_max_logit=True, compiled=False)
+
+
+def test_flex_names_stay_importable_from_mla():
+    for name in ("causal_block_mask", "compiled_flex", "flex_available", "flex_kernel_options", "mla_attention_flex"):
+        assert getattr(mla, name) is getattr(mla_flex, name)
