@@ -323,12 +323,6 @@ class K3ForCausalLM(nn.Module):
                                          backends=self.backends)
         return total / (target != -100).sum()
 
-    # --- checkpoints -----------------------------------------------------------------------------
-    def save_pretrained(self, path, **kwargs) -> None:
-        from k3.checkpoint import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
-
 
 def _shifted_ce(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:
     V = logits.shape[-1]
