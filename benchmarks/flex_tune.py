@@ -10,7 +10,7 @@ and the achieved TFLOP/s against the measured bf16 peak (803 TFLOP/s), counting 
 (causal, same-document) query/key pairs. A configuration that does not fit (shared memory, registers) is reported
 with its error and skipped. ``--autotune`` adds inductor's max-autotune choice for comparison (minutes).
 
-The winning options go into ``k3/ops/mla.py``'s table (``_FLEX_TUNED``), or per run into the environment variable
+The winning options go into ``k3/ops/mla_flex.py``'s table (``_FLEX_TUNED``), or per run into the environment variable
 ``K3_FLEX_KERNEL_OPTIONS`` as a JSON object.
 """
 

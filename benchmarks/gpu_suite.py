@@ -35,7 +35,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_mla_decode.py",
     "tests/serve/test_cuda_graphs.py",
     "tests/ops/test_mla_flex.py",
-    "tests/train/test_muon.py",
+    "tests/train/test_per_head_muon.py",
     "tests/ops/test_muon_update.py",
     "tests/ops/test_gate_norm.py",
     "tests/ops/test_linear_ce.py",

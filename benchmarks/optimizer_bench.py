@@ -26,7 +26,7 @@ PEAK_BF16 = 803e12
 
 def ns_flops(model, steps: int = 5) -> tuple[float, dict]:
     """Newton-Schulz FLOPs of one Muon step, and {"rows x cols": blocks} (rows <= cols after transposing)."""
-    from k3.train.muon import _blocks, muon_param_groups
+    from k3.train.per_head_muon import _blocks, muon_param_groups
 
     flops, shapes = 0.0, {}
     for g in muon_param_groups(model):
@@ -52,7 +52,7 @@ def main() -> None:
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
     from k3.ops.registry import Backends
-    from k3.train.muon import PerHeadMuon, muon_param_groups
+    from k3.train.per_head_muon import PerHeadMuon, muon_param_groups
 
     backends = Backends(default=args.backend)
 

@@ -4,7 +4,8 @@ from k3.config import ConfigError, K3Config, PRESETS
 
 __version__ = "0.1.0"
 
-__all__ = ["K3Config", "ConfigError", "PRESETS", "K3ForCausalLM", "from_pretrained", "CheckpointError"]
+__all__ = ["K3Config", "ConfigError", "PRESETS", "K3ForCausalLM", "from_pretrained", "save_pretrained",
+           "CheckpointError"]
 
 
 def __getattr__(name):
@@ -13,7 +14,7 @@ def __getattr__(name):
         from k3.model.model import K3ForCausalLM
 
         return K3ForCausalLM
-    if name in ("from_pretrained", "CheckpointError"):
+    if name in ("from_pretrained", "save_pretrained", "CheckpointError"):
         import k3.checkpoint as ck
 
         return getattr(ck, name)

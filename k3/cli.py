@@ -41,8 +41,8 @@ _CUDA_GRAPHS = {"auto": True, "on": True, "1": True, "off": False, "0": False, "
 
 
 def _cmd_serve(args) -> int:
+    from k3.devices import pick_device
     from k3.serve.cli import cmd_serve
-    from k3.train.run import pick_device
 
     args.backends = _backends(args.backend, pick_device(args.device))
     # EngineConfig.cuda_graphs: --no-cuda-graphs, else K3_CUDA_GRAPHS (auto, off, or eager: no capture, for debugging)
@@ -66,6 +66,7 @@ def cmd_info(args) -> int:
 def cmd_init(args) -> int:
     import torch
 
+    from k3.checkpoint import save_pretrained
     from k3.config import K3Config
     from k3.info import model_info
     from k3.model.model import K3ForCausalLM
@@ -80,7 +81,7 @@ def cmd_init(args) -> int:
     cfg = cfg.replace(eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, bos_token_id=None)
     torch.manual_seed(args.seed)
     model = K3ForCausalLM(cfg).init_weights(seed=args.seed).set_dtype(cfg.torch_dtype)
-    model.save_pretrained(args.out, extra_files={"tokenizer.json": tok.to_str().encode("utf-8")})
+    save_pretrained(model, args.out, extra_files={"tokenizer.json": tok.to_str().encode("utf-8")})
     from k3.serve.chat import save_chat_template
 
     save_chat_template(args.out)
@@ -136,7 +137,9 @@ def _saved_train_config(ck: str) -> dict:
 
 
 def cmd_train(args) -> int:
-    from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, latest_checkpoint, pick_device, run_training
+    from k3.devices import pick_device
+    from k3.run_dir import latest_checkpoint
+    from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, run_training
     from k3.train.trainer import TrainConfig, TrainingError
 
     device = pick_device(args.device)
@@ -171,7 +174,7 @@ def cmd_train(args) -> int:
 def _load_for_inference(ckpt: str, device: str, verify: bool = True):
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.train.run import pick_device
+    from k3.devices import pick_device
 
     dev = pick_device(device)
     model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev), verify=verify)
@@ -183,7 +186,7 @@ def _load_for_inference(ckpt: str, device: str, verify: bool = True):
 
 
 def _resolve_ckpt(path: str) -> str:
-    from k3.train.run import latest_checkpoint
+    from k3.run_dir import latest_checkpoint
 
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         ck = latest_checkpoint(path)
@@ -197,7 +200,7 @@ def cmd_eval(args) -> int:
 
     from k3.data.packing import tokenize_documents
     from k3.train.run import load_corpus
-    from k3.train.trainer import evaluate_loss
+    from k3.train.evaluate import evaluate_loss
 
     ckpt = _resolve_ckpt(args.ckpt)
     model, tok, dev = _load_for_inference(ckpt, args.device, verify=args.verify)

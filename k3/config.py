@@ -1,4 +1,5 @@
-"""K3Config: every field of the K3 architecture (report §2), its presets, and the official config.json.
+"""K3Config: every field of the K3 architecture (report §2), its presets, and the official config.json;
+VisionConfig: its `vision_config`, the MoonViT-V2 encoder's (report §2.4).
 
 Field names follow the release's `text_config` keys (see checkpoint-layout.md §3). The nested
 `linear_attn_config` of the official file is flattened here with a `kda_` prefix; `to_dict`/`from_dict`
@@ -212,8 +213,6 @@ class K3Config:
         if self.dtype not in ("bfloat16", "float16", "float32"):
             bad("dtype", self.dtype, "must be one of 'bfloat16', 'float16', 'float32'")
         if self.vision_config is not None:
-            from k3.model.vision import VisionConfig  # late import: vision.py imports ConfigError from here
-
             vc = VisionConfig.from_dict(self.vision_config)
             if self.media_placeholder_token_id is None:
                 bad("media_placeholder_token_id", None, "a model with vision_config needs the image placeholder token id")
@@ -400,11 +399,167 @@ def _check_keys(d: dict, text: dict, lac: dict, strict: bool) -> None:
                               "must give every size of the model")
 
 
+# --- the vision encoder (report §2.4; the modules are k3/model/vision.py) ------------------------------------
+# What k3.model.vision implements of `activation_func` / `projector_hidden_act` and `pos_emb_interpolation_mode`.
+VISION_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "gelu_tanh")
+VISION_INTERP_MODES = ("bilinear", "bicubic")
+
+
+@dataclass
+class VisionConfig:
+    """The release's `vision_config` (checkpoint-layout.md §3); field names are the official keys."""
+
+    vt_hidden_size: int = 1024
+    qkv_hidden_size: int = 1536
+    vt_intermediate_size: int = 4096
+    vt_num_attention_heads: int = 12
+    vt_num_hidden_layers: int = 27
+    patch_size: int = 14
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    merge_type: str = "sd2_tpool"
+    mm_projector_type: str = "patchmergerv2"
+    mm_hidden_size: int = 1024
+    text_hidden_size: int = 7168
+    norm_type: str = "rmsnorm"
+    activation_func: str = "gelu_pytorch_tanh"
+    projector_hidden_act: str = "gelu"
+    projector_ln_eps: float = 1e-5
+    pos_emb_type: str = "divided_fixed"
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 4
+    pos_emb_interpolation_mode: str = "bilinear"
+
+    def __post_init__(self) -> None:
+        mk = self.merge_kernel_size
+        if isinstance(mk, (list, tuple)):
+            self.merge_kernel_size = tuple(mk)
+        self.validate()
+
+    # --- presets --------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "VisionConfig":
+        """A small encoder for tests: width 64, 2 layers, 2 heads of 32, MLP 128, LM width 128, 8x8 table."""
+        kw: dict[str, Any] = dict(
+            vt_hidden_size=64, qkv_hidden_size=64, vt_intermediate_size=128, vt_num_attention_heads=2,
+            vt_num_hidden_layers=2, mm_hidden_size=64, text_hidden_size=128,
+            init_pos_emb_height=8, init_pos_emb_width=8,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def replace(self, **changes: Any) -> "VisionConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- derived quantities -----------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merge_area(self) -> int:
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @property
+    def projector_input_size(self) -> int:
+        """Width of one pixel-shuffled token: mm_hidden_size x (kh * kw) = 4096 for the release."""
+        return self.mm_hidden_size * self.merge_area
+
+    @property
+    def pixel_multiple(self) -> tuple[int, int]:
+        """Image height/width must be multiples of these (patch x merge kernel = 28 for the release)."""
+        kh, kw = self.merge_kernel_size
+        return self.patch_size * kh, self.patch_size * kw
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        """LM tokens (placeholders) one height x width image becomes: (H/28) * (W/28) for the release."""
+        mh, mw = self.pixel_multiple
+        if height <= 0 or width <= 0 or height % mh or width % mw:
+            raise ValueError(f"image size {height}x{width} must be a positive multiple of {mh}x{mw} pixels "
+                             f"(patch_size {self.patch_size} x merge_kernel_size {list(self.merge_kernel_size)})")
+        return (height // mh) * (width // mw)
+
+    # --- validation -----------------------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(name: str, value: Any, allowed: str) -> None:
+            raise ConfigError(f"vision_config field '{name}' = {value!r} is invalid: {allowed}")
+
+        positive = [
+            "vt_hidden_size", "qkv_hidden_size", "vt_intermediate_size", "vt_num_attention_heads",
+            "vt_num_hidden_layers", "patch_size", "mm_hidden_size", "text_hidden_size",
+            "init_pos_emb_height", "init_pos_emb_width", "init_pos_emb_time",
+        ]
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(name, v, "must be a positive integer")
+        mk = self.merge_kernel_size
+        if not (isinstance(mk, tuple) and len(mk) == 2
+                and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in mk)):
+            bad("merge_kernel_size", mk, "must be two positive integers [kh, kw]")
+        if self.qkv_hidden_size % self.vt_num_attention_heads:
+            bad("qkv_hidden_size", self.qkv_hidden_size,
+                f"must be divisible by vt_num_attention_heads ({self.vt_num_attention_heads})")
+        if self.mm_hidden_size != self.vt_hidden_size:
+            bad("mm_hidden_size", self.mm_hidden_size,
+                f"the projector reads the ViT output: must equal vt_hidden_size ({self.vt_hidden_size})")
+        fixed = {
+            "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm",
+            "pos_emb_type": "divided_fixed",
+        }
+        for name, want in fixed.items():
+            if getattr(self, name) != want:
+                bad(name, getattr(self, name), f"only {want!r} is implemented")
+        for name in ("activation_func", "projector_hidden_act"):
+            if getattr(self, name) not in VISION_ACTIVATIONS:
+                bad(name, getattr(self, name), f"must be one of {sorted(VISION_ACTIVATIONS)}")
+        if self.pos_emb_interpolation_mode not in VISION_INTERP_MODES:
+            bad("pos_emb_interpolation_mode", self.pos_emb_interpolation_mode,
+                f"must be one of {list(VISION_INTERP_MODES)}")
+        eps = self.projector_ln_eps
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1):
+            bad("projector_ln_eps", eps, "must be a number in (0, 1)")
+
+    # --- (de)serialization --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The official `vision_config` object (merge_kernel_size as a JSON list)."""
+        d = dataclasses.asdict(self)
+        d["merge_kernel_size"] = list(self.merge_kernel_size)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
+        """Accepts a `vision_config` object or the whole official config.json (reads its `vision_config`).
+        Unknown keys are ignored; missing keys take the release values."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"vision_config must be a JSON object, got {type(d).__name__}")
+        if "vision_config" in d:
+            d = d["vision_config"]
+            if not isinstance(d, dict):
+                raise ConfigError("config field 'vision_config' must be a JSON object")
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d or d[f.name] is None:
+                continue
+            v, t = d[f.name], str(f.type)
+            if f.name == "merge_kernel_size":
+                if not isinstance(v, (list, tuple)):
+                    raise ConfigError(f"vision_config field 'merge_kernel_size' = {v!r} is invalid: "
+                                      "must be two positive integers [kh, kw]")
+                v = tuple(v)
+            elif t.startswith("int") and not (isinstance(v, int) and not isinstance(v, bool)):
+                raise ConfigError(f"vision_config field '{f.name}' = {v!r} is invalid: must be an integer")
+            elif t.startswith("float") and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                raise ConfigError(f"vision_config field '{f.name}' = {v!r} is invalid: must be a number")
+            elif t.startswith("str") and not isinstance(v, str):
+                raise ConfigError(f"vision_config field '{f.name}' = {v!r} is invalid: must be a string")
+            kwargs[f.name] = v
+        return cls(**kwargs)
+
+
 # --- presets ------------------------------------------------------------------------------------------
 def _k3() -> K3Config:
     """The release configuration (checkpoint-layout.md §3), exactly."""
-    from k3.model.vision import VisionConfig
-
     return K3Config(
         vision_config=VisionConfig().to_dict(),
         media_placeholder_token_id=163605,

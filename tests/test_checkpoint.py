@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import k3
 from helpers import randomize_
-from k3.checkpoint import CheckpointError, from_pretrained
+from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from k3.cli import main as cli_main
 from k3.model.model import K3ForCausalLM
 from k3.ops.mx import mxfp4_fake_quantize
@@ -16,7 +16,7 @@ from k3.ops.mx import mxfp4_fake_quantize
 
 def _save(cfg, path, seed=0):
     model = randomize_(K3ForCausalLM(cfg), seed=seed).eval()
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     return model
 
 
@@ -62,7 +62,7 @@ def test_official_names_and_quirks_on_disk(tiny_cfg, tmp_path):
 
 def test_bf16_checkpoint_keeps_the_fp32_set(tiny_cfg, tmp_path):
     model = randomize_(K3ForCausalLM(tiny_cfg.replace(dtype="bfloat16"))).set_dtype(torch.bfloat16)
-    model.save_pretrained(tmp_path / "ck")
+    save_pretrained(model, tmp_path / "ck")
     _, sd = _disk(tmp_path / "ck")
     P = "language_model.model.layers."
     fp32 = {k for k, v in sd.items() if v.dtype == torch.float32}
@@ -87,7 +87,7 @@ def test_mxfp4_experts_round_trip(tiny_cfg, tmp_path):
     w = model.model.layers[1].block_sparse_moe.experts.w1[3]
     assert torch.equal(loaded.model.layers[1].block_sparse_moe.experts.w1[3], mxfp4_fake_quantize(w))
     # Values that are already MXFP4-exact (as the release's QAT weights are) decode bit-exactly.
-    loaded.save_pretrained(tmp_path / "ck2")
+    save_pretrained(loaded, tmp_path / "ck2")
     again = from_pretrained(tmp_path / "ck2")
     for a, b in zip(loaded.parameters(), again.parameters()):
         assert torch.equal(a, b)
@@ -166,7 +166,7 @@ def test_failed_save_keeps_the_last_good_checkpoint(tiny_cfg, tmp_path, monkeypa
     monkeypatch.setattr(ck, "st_save_bytes", boom)
     other = randomize_(K3ForCausalLM(tiny_cfg), seed=9)
     with pytest.raises(OSError):
-        other.save_pretrained(tmp_path / "ck")
+        save_pretrained(other, tmp_path / "ck")
     monkeypatch.undo()
     loaded = from_pretrained(tmp_path / "ck")
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
@@ -195,9 +195,9 @@ def test_cli_init_and_info(tmp_path, capsys):
 def test_config_dtype_records_the_stored_dtype(tmp_path):
     cfg = k3.K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, dtype="bfloat16")
     model = randomize_(K3ForCausalLM(cfg))  # fp32 master weights, as training keeps them
-    model.save_pretrained(tmp_path / "a")
+    save_pretrained(model, tmp_path / "a")
     assert json.load(open(tmp_path / "a" / "config.json"))["dtype"] == "float32"
     assert from_pretrained(tmp_path / "a").lm_head.weight.dtype == torch.float32
-    model.save_pretrained(tmp_path / "b", dtype=torch.bfloat16)
+    save_pretrained(model, tmp_path / "b", dtype=torch.bfloat16)
     assert json.load(open(tmp_path / "b" / "config.json"))["dtype"] == "bfloat16"
     assert from_pretrained(tmp_path / "b").lm_head.weight.dtype == torch.bfloat16

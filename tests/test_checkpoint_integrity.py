@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from k3.checkpoint import CheckpointError, from_pretrained
+from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from k3.cli import main
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
@@ -28,7 +28,7 @@ def _save(path, max_shard_bytes=4 << 30, seed=0):
 
     model = K3ForCausalLM(_cfg()).init_weights(seed=seed)
     tok = byte_level_tokenizer(512).to_str().encode("utf-8")
-    model.save_pretrained(path, max_shard_bytes=max_shard_bytes, extra_files={"tokenizer.json": tok})
+    save_pretrained(model, path, max_shard_bytes=max_shard_bytes, extra_files={"tokenizer.json": tok})
     return model
 
 
@@ -193,7 +193,7 @@ def test_every_file_and_the_directories_are_synced_around_the_rename(tmp_path, m
     model = K3ForCausalLM(_cfg()).init_weights(seed=0)
     events = _record_sync(monkeypatch)
     dst = str(tmp_path / "ck")
-    model.save_pretrained(dst, max_shard_bytes=4 << 20, extra_files={"tokenizer.json": b"{}", "x.json": b"{}"})
+    save_pretrained(model, dst, max_shard_bytes=4 << 20, extra_files={"tokenizer.json": b"{}", "x.json": b"{}"})
     renames = [i for i, e in enumerate(events) if e == ("replace", dst + ".partial", dst)]
     assert len(renames) == 1
     before = {e[1] for e in events[: renames[0]] if e[0] == "fsync"}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from k3.config import K3Config
+from k3.config import K3Config, VisionConfig
 from k3.model.attn_res import AttnResStream, site_query
 from k3.model.batch import BatchInfo, packed_cu_seqlens  # noqa: F401  (packed_cu_seqlens: re-exported)
 from k3.model.block import DecoderLayer
@@ -151,7 +151,7 @@ class K3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.vision = None
         if cfg.vision_config is not None:
-            from k3.model.vision import VisionConfig, VisionEncoder
+            from k3.model.vision import VisionEncoder
 
             self.vision = VisionEncoder(VisionConfig.from_dict(cfg.vision_config))
         self.set_backends(backends)
@@ -325,12 +325,6 @@ class K3ForCausalLM(nn.Module):
             total = linear_cross_entropy(h, self.lm_head.weight, target, chunk_tokens=chunk_tokens,
                                          backends=self.backends)
         return total / (target != -100).sum()
-
-    # --- checkpoints -----------------------------------------------------------------------------
-    def save_pretrained(self, path, **kwargs) -> None:
-        from k3.checkpoint import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
 
 
 def _shifted_ce(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:

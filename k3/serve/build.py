@@ -15,10 +15,10 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     `verify`: check the shards against the SHA-256 digests their index records."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
+    from k3.devices import pick_device
     from k3.serve.chat import load_chat_template
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
-    from k3.train.run import pick_device
 
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")

@@ -49,7 +49,7 @@ def cmd_serve(args) -> int:
     import sys
 
     from k3.checkpoint import CheckpointError
-    from k3.train.run import latest_checkpoint
+    from k3.run_dir import latest_checkpoint
 
     ckpt = args.ckpt
     if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, "config.json")):

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.config import K3Config
+from k3.devices import pick_device
 from k3.model.model import K3ForCausalLM
 from k3.ops.registry import Backends
-from k3.train.run_dir import clean_interrupted, holding_run_dir, latest_checkpoint
+from k3.run_dir import clean_interrupted, holding_run_dir, latest_checkpoint
 from k3.train.trainer import Trainer, TrainConfig
 
 
@@ -34,15 +35,6 @@ class RunOptions:
 CPU_DEFAULTS = dict(preset="tiny", seq_len=256, batch_tokens=8192, micro_batch_rows=None, lr=3e-3, vocab_size=4096)
 GPU_DEFAULTS = dict(preset="k3-mini", seq_len=4096, batch_tokens=32768, micro_batch_rows=None, lr=2e-3,
                     vocab_size=32768)
-
-
-def pick_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA device is available")
-    return dev
 
 
 def load_corpus(data: list[str], max_corpus_mb: float | None, log=print):

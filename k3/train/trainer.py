@@ -1,5 +1,6 @@
 """The training loop: data -> model -> Per-Head Muon step -> QK-Clip -> Quantile Balancing, with metrics,
-atomic checkpoints and exact resume.
+atomic checkpoints and exact resume (checkpoints: k3.train.checkpointing; held-out loss: k3.train.evaluate;
+metrics.jsonl, loss.png and the progress bar: k3.train.reporting).
 
 The loop is single-device code. Everything a distributed wrapper needs to change is a constructor argument
 (the model, the process group for balancing) or a method to override (`_all_reduce_grads`); there is no
@@ -8,14 +9,12 @@ global state.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -23,13 +22,16 @@ from k3.model.batch import BatchInfo
 from k3.model.latent_moe import LatentMoE
 from k3.model.model import K3ForCausalLM, check_token_ids
 from k3.ops.weight_cast import WeightCasts
-from k3.train.balance import ExpertBalancer, load_ratios
-from k3.train.muon import PerHeadMuon, muon_param_groups
-from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
-from k3.train.run_dir import clean_interrupted, holding_run_dir, prune
-from k3.train.schedule import lr_multiplier
+from k3.run_dir import clean_interrupted, holding_run_dir
 from k3.train import state as state_io
-from k3.utils import atomic_write_text, to_device_async
+from k3.train.checkpointing import checkpoint_path, load_checkpoint, save_checkpoint
+from k3.train.evaluate import evaluate_loss
+from k3.train.per_head_muon import PerHeadMuon, muon_param_groups
+from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
+from k3.train.quantile_balance import ExpertBalancer, load_ratios
+from k3.train.reporting import MetricsLog, ProgressBar
+from k3.train.schedule import lr_multiplier
+from k3.utils import to_device_async
 
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -312,18 +314,16 @@ class Trainer:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""
 
     # --- evaluation ----------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> float | None:
         if self.eval_stream is None:
             return None
-        from k3.data.packing import eval_batches
-
         return evaluate_loss(self.model, self.eval_stream, self.cfg.seq_len, self.eos_id, self.cfg.eval_batches,
                              rows=max(1, min(self.cfg.rows_per_step, 16)), device=self.device,
-                             autocast_bf16=self.cfg.autocast_bf16, batches_fn=eval_batches)
+                             autocast_bf16=self.cfg.autocast_bf16)
 
-    # --- checkpoints -----------------------------------------------------------------------------
-    def trainer_state(self) -> dict:
+    # --- checkpoints (k3.train.checkpointing writes and reads them) ----------------------------------
+    def state_dict(self) -> dict:
+        """Everything besides the weights that exact resume needs."""
         return {
             "step": self.step, "elapsed": self.elapsed, "bad_steps": self.bad_steps,
             "optimizer": self.optimizer.state_dict(),
@@ -333,47 +333,33 @@ class Trainer:
             "train_config": asdict(self.cfg),
         }
 
+    def load_state_dict(self, st: dict) -> None:
+        self.step, self.elapsed, self.bad_steps = st["step"], st["elapsed"], st["bad_steps"]
+        self.optimizer.load_state_dict(st["optimizer"])
+        for b, s in zip(self.balancers, st["balancers"]):
+            b.load_state_dict(s)
+        self.loader.load_state_dict(st["loader"])
+        torch.set_rng_state(st["torch_rng"])
+
     def save(self) -> str:
-        ckdir = os.path.join(self.cfg.out, "checkpoints")
-        name = f"step-{self.step:07d}"
-        path = os.path.join(ckdir, name)
+        path = checkpoint_path(self.cfg.out, self.step)
         if self._saved_step == self.step and os.path.isdir(path):
             return path  # e.g. the final save right after a periodic one: rewriting it would only add risk
-        t_bytes, j_bytes = state_io.dumps(self.trainer_state())
-        extra = {"trainer_state.safetensors": t_bytes, "trainer_state.json": j_bytes}
-        if self.tokenizer_json is not None:
-            extra["tokenizer.json"] = self.tokenizer_json
-        self.model.save_pretrained(path, extra_files=extra)
-        atomic_write_text(os.path.join(ckdir, "latest.json"), json.dumps({"checkpoint": name, "step": self.step}))
+        state = state_io.dumps(self.state_dict())
+        save_checkpoint(self.model, self.cfg.out, self.step, state, tokenizer_json=self.tokenizer_json,
+                        keep=self.cfg.keep_checkpoints, log=self.log)
         self._saved_step = self.step
-        self._prune(ckdir, keep=name)
         return path
-
-    def _prune(self, ckdir: str, keep: str) -> None:
-        prune(ckdir, keep, self.cfg.keep_checkpoints, log=self.log)
 
     def load(self, ckpt_dir: str, verify: bool = True) -> None:
         """Restore model and trainer state from a checkpoint; `verify`: check the shards' SHA-256 digests."""
-        from k3.checkpoint import load_state_into
-
-        load_state_into(self.model, ckpt_dir, verify=verify)
-        with open(os.path.join(ckpt_dir, "trainer_state.safetensors"), "rb") as f:
-            t_bytes = f.read()
-        with open(os.path.join(ckpt_dir, "trainer_state.json"), "rb") as f:
-            j_bytes = f.read()
+        stored = load_checkpoint(self.model, ckpt_dir, verify=verify)
         try:
-            st = state_io.loads(t_bytes, j_bytes)
-            self.step, self.elapsed, self.bad_steps = st["step"], st["elapsed"], st["bad_steps"]
-            self.optimizer.load_state_dict(st["optimizer"])
-            for b, s in zip(self.balancers, st["balancers"]):
-                b.load_state_dict(s)
-            self.loader.load_state_dict(st["loader"])
-            torch.set_rng_state(st["torch_rng"])
+            self.load_state_dict(state_io.loads(*stored))
         except Exception as e:
             raise TrainingError(f"trainer state in {ckpt_dir} is unreadable ({type(e).__name__}: {e}); "
                                 "the checkpoint is damaged") from None
-        if os.path.abspath(ckpt_dir) == os.path.abspath(os.path.join(self.cfg.out, "checkpoints",
-                                                                     f"step-{self.step:07d}")):
+        if os.path.abspath(ckpt_dir) == os.path.abspath(checkpoint_path(self.cfg.out, self.step)):
             self._saved_step = self.step  # resuming from this run's own checkpoint of this step
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -386,7 +372,6 @@ class Trainer:
     def _fit(self, progress_bar: bool) -> dict:
         c = self.cfg
         os.makedirs(c.out, exist_ok=True)
-        metrics_path = os.path.join(c.out, "metrics.jsonl")
         clean_interrupted(os.path.join(c.out, "checkpoints"), log=self.log)
         # SIGTERM (timeout, docker stop, systemd, Kubernetes) is handled as Ctrl-C: finish the step, save, exit.
         signals = (signal.SIGINT, signal.SIGTERM)
@@ -409,14 +394,15 @@ class Trainer:
         if in_main:
             for s in signals:
                 signal.signal(s, on_signal)
-        bar = _progress_bar(c, self.step, enabled=progress_bar)
+        bar = ProgressBar(c.max_steps, c.max_minutes, self.step, enabled=progress_bar)
+        metrics = MetricsLog(c.out, self.history, log=self.log)
         summary = {"start_step": self.step}
         try:
-            with open(metrics_path, "a", encoding="utf-8") as mf:
+            with metrics:
                 if self.step == 0:
                     val = self.evaluate()
                     if val is not None:
-                        self._record(mf, {"step": 0, "val_loss": val, "elapsed_s": 0.0})
+                        metrics.record({"step": 0, "val_loss": val, "elapsed_s": 0.0})
                         summary["first_val_loss"] = val
                 last_save = time.monotonic()
                 while not self.done() and not self._stop_requested:
@@ -429,9 +415,9 @@ class Trainer:
                             summary.setdefault("first_val_loss", val)
                             summary["last_val_loss"] = val
                     if self.step % c.log_every == 0 or "val_loss" in rec or self.done():
-                        self._record(mf, rec)
+                        metrics.record(rec)
                     summary["last_loss"] = m.loss
-                    bar.update(self, m)
+                    bar.update(m, self.elapsed)
                     if time.monotonic() - last_save > 60 * c.save_every_minutes:
                         self.save()
                         last_save = time.monotonic()
@@ -443,103 +429,11 @@ class Trainer:
             if in_main:
                 for s, h in prev_handlers.items():
                     signal.signal(s, h)
-        self._plot()
+        metrics.plot()
         return summary
-
-    def _record(self, f, rec: dict) -> None:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        self.history.append(rec)
-        if "val_loss" in rec:
-            self._plot()
-
-    def _plot(self) -> None:
-        try:
-            plot_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), os.path.join(self.cfg.out, "loss.png"))
-        except Exception as e:  # a plot must never stop training
-            self.log(f"(could not update loss.png: {e})")
-
-
-@torch.no_grad()
-def evaluate_loss(model, stream: np.ndarray, seq_len: int, eos_id: int, max_batches: int | None, rows: int,
-                  device, autocast_bf16: bool = False, batches_fn=None) -> float:
-    """Mean next-token loss over held-out windows (token-weighted)."""
-    if batches_fn is None:
-        from k3.data.packing import eval_batches as batches_fn
-    model.eval()
-    total, count = 0.0, 0
-    for batch in batches_fn(stream, seq_len, rows, eos_id, max_batches=max_batches):
-        b = {k: v.to(device) for k, v in batch.items() if k != "segment_ids"}
-        info = BatchInfo.from_segment_ids(batch["segment_ids"]).to(device)  # offsets from the host copy
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            out = model(b["input_ids"], labels=b["labels"], batch=info, return_logits=False)
-        n = int((b["labels"][:, 1:] != -100).sum())
-        total += float(out.loss) * n
-        count += n
-    if count == 0:
-        raise ValueError("the held-out data has no complete window: use a shorter --seq-len or more data")
-    return total / count
-
-
-def plot_metrics(metrics_path: str, png_path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, losses, vsteps, vlosses = [], [], [], []
-    with open(metrics_path, encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if "loss" in r:
-                steps.append(r["step"])
-                losses.append(r["loss"])
-            if "val_loss" in r:
-                vsteps.append(r["step"])
-                vlosses.append(r["val_loss"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if steps:
-        ax.plot(steps, losses, lw=0.8, label="train")
-    if vsteps:
-        ax.plot(vsteps, vlosses, "o-", label="held-out")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, png_path)
 
 
 def _is_main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-class _progress_bar:
-    """tqdm bar showing step, loss, tokens/s, lr and the remaining time (by steps or by the time budget)."""
-
-    def __init__(self, c: TrainConfig, start: int, enabled: bool):
-        self.c = c
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            total = c.max_steps if c.max_steps is not None else None
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=True)
-
-    def update(self, tr: Trainer, m: StepMetrics) -> None:
-        if self.bar is None:
-            return
-        post = {"loss": f"{m.loss:.3f}", "tok/s": f"{m.tokens_per_s:,.0f}", "lr": f"{m.lr:.2e}"}
-        if self.c.max_steps is None and self.c.max_minutes is not None:
-            post["left"] = f"{max(0.0, 60 * self.c.max_minutes - tr.elapsed) / 60:.1f}min"
-        self.bar.set_postfix(post, refresh=False)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import randomize_, rel_err
-from k3.checkpoint import from_pretrained
+from k3.checkpoint import from_pretrained, save_pretrained
 from k3.model.model import K3ForCausalLM
 
 
@@ -129,7 +129,7 @@ def reference_logits(ckpt_dir, ids):
 @torch.no_grad()
 def test_model_matches_independent_reference(tiny_cfg, tmp_path):
     model = randomize_(K3ForCausalLM(tiny_cfg), seed=11)
-    model.save_pretrained(tmp_path / "ck")
+    save_pretrained(model, tmp_path / "ck")
     loaded = from_pretrained(tmp_path / "ck")
     ids = torch.randint(0, tiny_cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(0))
     ours = loaded(ids).logits[0]

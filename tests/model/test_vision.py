@@ -4,10 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.config import ConfigError
-from k3.model.vision import (
-    MoonViT, PatchMergerProjector, VisionConfig, VisionEncoder, merge_image_embeddings, pixel_shuffle,
-)
+from k3.config import VISION_ACTIVATIONS, ConfigError, VisionConfig
+from k3.model import vision
+from k3.model.vision import MoonViT, PatchMergerProjector, VisionEncoder, merge_image_embeddings, pixel_shuffle
 
 RELEASE_TOTAL = 447_358_976
 RELEASE_VIT = 401_214_464  # conv 602,112 + table 4,194,304 + 27 x 14,682,112 + final norm 1,024
@@ -123,6 +122,14 @@ def test_config_from_dict_type_errors():
         VisionConfig.from_dict({"vt_hidden_size": "1024"})
     with pytest.raises(ConfigError, match="merge_kernel_size"):
         VisionConfig.from_dict({"merge_kernel_size": 2})
+
+
+def test_config_accepts_exactly_the_activations_the_encoder_implements():
+    assert sorted(vision._ACTIVATIONS) == sorted(VISION_ACTIVATIONS)
+    for name in VISION_ACTIVATIONS:
+        VisionConfig(activation_func=name, projector_hidden_act=name)
+    with pytest.raises(ConfigError, match="activation_func"):
+        VisionConfig(activation_func="relu")
 
 
 # --- forward -------------------------------------------------------------------------------------------
@@ -336,7 +343,7 @@ def _vl_cfg():
 def test_language_model_with_images_round_trips_in_release_layout(tmp_path):
     import json
 
-    from k3.checkpoint import from_pretrained
+    from k3.checkpoint import from_pretrained, save_pretrained
     from k3.model.model import K3ForCausalLM
 
     cfg = _vl_cfg()
@@ -347,7 +354,7 @@ def test_language_model_with_images_round_trips_in_release_layout(tmp_path):
     out = model(ids, pixel_values=image).logits
     text_only = model(ids).logits
     assert out.shape == text_only.shape and not torch.allclose(out, text_only)
-    model.save_pretrained(tmp_path / "ck")
+    save_pretrained(model, tmp_path / "ck")
     wm = json.load(open(tmp_path / "ck" / "model.safetensors.index.json"))["weight_map"]
     assert "vision_tower.encoder.blocks.0.wqkv.weight" in wm and "mm_projector.post_norm.weight" in wm
     d = json.load(open(tmp_path / "ck" / "config.json"))

@@ -95,7 +95,7 @@ def test_asking_for_the_kernels_on_cpu_without_the_interpreter_is_an_error(monke
     # through the optimizer: muon=triton with CPU parameters and no interpreter names the problem
     pytest.importorskip("triton")
     from k3.ops.registry import Backends
-    from k3.train.muon import PerHeadMuon, muon_param_groups
+    from k3.train.per_head_muon import PerHeadMuon, muon_param_groups
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     lin = torch.nn.Linear(8, 8, bias=False)

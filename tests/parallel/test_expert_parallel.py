@@ -182,7 +182,7 @@ def train_loss(model, ids):
 def model_worker(rank: int, R: int, store: str, out: str):
     init(rank, R, store)
     try:
-        from k3.train.muon import describe_param_groups
+        from k3.train.per_head_muon import describe_param_groups
 
         ids = model_batch(R)[rank * B:(rank + 1) * B]
         res = {}

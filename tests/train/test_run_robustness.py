@@ -16,7 +16,7 @@ import torch
 from k3.cli import main
 from k3.data.packing import PackedLoader
 from k3.model.model import K3ForCausalLM
-from k3.train.run_dir import COMPLETE_FILES, RunLockedError, clean_interrupted, latest_checkpoint, lock_run_dir, prune
+from k3.run_dir import COMPLETE_FILES, RunLockedError, clean_interrupted, latest_checkpoint, lock_run_dir, prune
 from k3.train.trainer import Trainer, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +43,7 @@ def _trainer(out, max_steps, log=None, **kw):
 
 
 def _complete(out) -> list[int]:
-    from k3.train.run_dir import complete_checkpoints
+    from k3.run_dir import complete_checkpoints
 
     return [s for s, _ in complete_checkpoints(os.path.join(out, "checkpoints"))]
 
@@ -84,7 +84,7 @@ def test_a_second_lock_fails_naming_the_holder_and_closing_releases(tmp_path):
 
 _HOLD = """
 import sys
-from k3.train.run_dir import lock_run_dir
+from k3.run_dir import lock_run_dir
 f = lock_run_dir(sys.argv[1])
 print("locked", flush=True)
 sys.stdin.read()
@@ -222,7 +222,7 @@ def test_prune_keeps_exactly_the_newest_up_to_the_current_one(tmp_path):
 
 
 def test_crash_between_rename_and_latest_json_resumes_from_the_newest(tmp_path, monkeypatch):
-    import k3.train.trainer as trainer_mod
+    import k3.train.checkpointing as checkpointing_mod
 
     tr = _trainer(tmp_path, 100, keep_checkpoints=2)
     for _ in range(3):
@@ -233,7 +233,7 @@ def test_crash_between_rename_and_latest_json_resumes_from_the_newest(tmp_path, 
     def killed(*a, **k):
         raise OSError("killed")
 
-    monkeypatch.setattr(trainer_mod, "atomic_write_text", killed)  # step-4 renamed into place, then the crash
+    monkeypatch.setattr(checkpointing_mod, "atomic_write_text", killed)  # step-4 renamed into place, then the crash
     tr.train_step()
     with pytest.raises(OSError, match="killed"):
         tr.save()

@@ -1,4 +1,4 @@
-"""Quantile Balancing and the sign baseline (k3.train.balance; report §2.3.3, appendices C and D)."""
+"""Quantile Balancing and the sign baseline (k3.train.quantile_balance; report §2.3.3, appendices C and D)."""
 
 import io
 import math
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k3.ops.moe import Routing, expert_load, route
-from k3.train.balance import ExpertBalancer, histogram_quantile, load_stats_of, quantile_bias_exact
+from k3.train.quantile_balance import ExpertBalancer, histogram_quantile, load_stats_of, quantile_bias_exact
 
 QB_METHODS = ("histogram", "exact")
 ALL_METHODS = ("histogram", "exact", "sign")

@@ -12,7 +12,7 @@ from k3.model.latent_moe import GroupedExperts
 from k3.model.gated_mla import GatedMLA
 from k3.model.model import K3ForCausalLM
 from k3.ops.registry import Backends
-from k3.train.muon import (MUON_RMS_SCALE, PerHeadMuon, describe_param_groups, muon_param_groups,
+from k3.train.per_head_muon import (MUON_RMS_SCALE, PerHeadMuon, describe_param_groups, muon_param_groups,
                            newton_schulz)
 
 
@@ -307,7 +307,7 @@ def test_weight_decay_with_zero_grad():
 # --- (g) the batched step equals the per-parameter definition --------------------------------------------
 def _per_parameter_step(model, grads, bufs, lr, wd, mu=0.95):
     """The Muon update written one parameter at a time (the docstring's definition), for comparison."""
-    from k3.train.muon import _blocks
+    from k3.train.per_head_muon import _blocks
 
     with torch.no_grad():
         for g in muon_param_groups(model, weight_decay=wd):
@@ -327,7 +327,7 @@ def test_batched_muon_step_matches_the_per_parameter_definition(tiny_cfg, monkey
     # All blocks of one shape, across parameters, run as one Newton-Schulz batch (or chunks of it): three steps
     # on random gradients land every Muon parameter where the one-at-a-time definition puts it (1e-5 relative).
     # Also with the momentum and update passes as Triton kernels (k3.ops.muon_update, in the interpreter here).
-    import k3.train.muon as muon
+    import k3.train.per_head_muon as muon
 
     if backend == "triton":
         pytest.importorskip("triton")

@@ -1,0 +1,56 @@
+"""A training run's checkpoints: `OUT/checkpoints/step-NNNNNNN/` holds the model in the official layout plus
+`trainer_state.safetensors` + `trainer_state.json` (the trainer state as k3.train.state stores it: optimizer,
+balancing state, data position, RNG) and the tokenizer; `latest.json` names the newest, and only the newest
+`keep` stay.
+
+The directory is written by k3.checkpoint.save_pretrained as `step-N.partial/`, every file and the directory
+fsynced, then renamed into place: a crash never leaves a half-written `step-N`. Which checkpoints are complete,
+retention, and the clean-up after a crash are k3.run_dir's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from k3.checkpoint import load_state_into, save_pretrained
+from k3.run_dir import prune
+from k3.utils import atomic_write_text
+
+TRAINER_STATE_FILES = ("trainer_state.safetensors", "trainer_state.json")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def checkpoint_path(out: str, step: int) -> str:
+    """Where the run in `out` keeps its checkpoint of `step`."""
+    return os.path.join(out, "checkpoints", checkpoint_name(step))
+
+
+def save_checkpoint(model, out: str, step: int, trainer_state: tuple[bytes, bytes], tokenizer_json: bytes | None,
+                    keep: int, log=print) -> str:
+    """Write the checkpoint of `step` (the model, `trainer_state` as k3.train.state.dumps gives it, the tokenizer),
+    then `latest.json`, then prune to the `keep` newest. Returns its path."""
+    ckdir = os.path.join(out, "checkpoints")
+    name = checkpoint_name(step)
+    path = os.path.join(ckdir, name)
+    extra = dict(zip(TRAINER_STATE_FILES, trainer_state))
+    if tokenizer_json is not None:
+        extra["tokenizer.json"] = tokenizer_json
+    save_pretrained(model, path, extra_files=extra)
+    atomic_write_text(os.path.join(ckdir, "latest.json"), json.dumps({"checkpoint": name, "step": step}))
+    prune(ckdir, name, keep, log=log)
+    return path
+
+
+def load_checkpoint(model, ckpt_dir: str, verify: bool = True) -> tuple[bytes, bytes]:
+    """Load the checkpoint's weights into `model` (`verify`: check the shards' SHA-256 digests) and return its
+    trainer state as stored (for k3.train.state.loads)."""
+    load_state_into(model, ckpt_dir, verify=verify)
+    blobs = []
+    for fname in TRAINER_STATE_FILES:
+        with open(os.path.join(ckpt_dir, fname), "rb") as f:
+            blobs.append(f.read())
+    return blobs[0], blobs[1]

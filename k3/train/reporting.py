@@ -1,0 +1,99 @@
+"""What a training run shows while it runs: `metrics.jsonl` (one JSON line per logged step and evaluation),
+`loss.png` (training and held-out loss, redrawn at every evaluation) and the progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class MetricsLog:
+    """Appends records to `OUT/metrics.jsonl`, each flushed at once (a killed run keeps every line written), and
+    to `history`; redraws `OUT/loss.png` whenever a record carries a held-out loss. The file is open inside
+    `with`."""
+
+    def __init__(self, out: str, history: list[dict], log=print):
+        self.path = os.path.join(out, "metrics.jsonl")
+        self.png_path = os.path.join(out, "loss.png")
+        self.history, self.log = history, log
+        self._f = None
+
+    def __enter__(self) -> "MetricsLog":
+        self._f = open(self.path, "a", encoding="utf-8")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+        self._f = None
+
+    def record(self, rec: dict) -> None:
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        self.history.append(rec)
+        if "val_loss" in rec:
+            self.plot()
+
+    def plot(self) -> None:
+        try:
+            plot_metrics(self.path, self.png_path)
+        except Exception as e:  # a plot must never stop training
+            self.log(f"(could not update loss.png: {e})")
+
+
+def plot_metrics(metrics_path: str, png_path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses, vsteps, vlosses = [], [], [], []
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if "loss" in r:
+                steps.append(r["step"])
+                losses.append(r["loss"])
+            if "val_loss" in r:
+                vsteps.append(r["step"])
+                vlosses.append(r["val_loss"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if steps:
+        ax.plot(steps, losses, lw=0.8, label="train")
+    if vsteps:
+        ax.plot(vsteps, vlosses, "o-", label="held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+
+
+class ProgressBar:
+    """tqdm bar showing step, loss, tokens/s, lr and the remaining time (by steps, or by the time budget when the
+    run has no step limit)."""
+
+    def __init__(self, max_steps: int | None, max_minutes: float | None, start: int, enabled: bool):
+        self.max_steps, self.max_minutes = max_steps, max_minutes
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start, unit="step", dynamic_ncols=True, leave=True)
+
+    def update(self, m, elapsed: float) -> None:
+        """One step done: `m` is its k3.train.trainer.StepMetrics, `elapsed` the run's training seconds so far."""
+        if self.bar is None:
+            return
+        post = {"loss": f"{m.loss:.3f}", "tok/s": f"{m.tokens_per_s:,.0f}", "lr": f"{m.lr:.2e}"}
+        if self.max_steps is None and self.max_minutes is not None:
+            post["left"] = f"{max(0.0, 60 * self.max_minutes - elapsed) / 60:.1f}min"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
