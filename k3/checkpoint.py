@@ -26,7 +26,7 @@ from safetensors.torch import save as st_save_bytes
 
 from k3.config import K3Config
 from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
-from k3.utils import fsync_dir, read_json_file
+from k3.files import fsync_dir, read_json_file
 
 PREFIX = "language_model."
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")

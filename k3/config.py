@@ -327,7 +327,7 @@ class K3Config:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write config.json atomically (a crash never leaves a half-written file)."""
-        from k3.utils import atomic_write_text
+        from k3.files import atomic_write_text
 
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
@@ -339,7 +339,7 @@ class K3Config:
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
             raise ConfigError(f"no config file at {path}")
-        from k3.utils import read_json_file
+        from k3.files import read_json_file
 
         d = read_json_file(path, ConfigError)
         try:

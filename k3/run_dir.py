@@ -19,7 +19,7 @@ import socket
 from typing import IO, Callable
 
 from k3.checkpoint import INDEX
-from k3.utils import fsync_dir
+from k3.files import fsync_dir
 
 _STEP = re.compile(r"^step-(\d+)$")
 # What a save writes; a directory holding all of them was renamed into place complete (save_pretrained).
@@ -152,7 +152,7 @@ def clean_interrupted(ckdir: str, log: Callable[[str], object] = print) -> list[
         if n.endswith(".partial") and os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(n)
-        elif n.startswith(".tmp-") and os.path.isfile(p):  # k3.utils.atomic_write's temporary files
+        elif n.startswith(".tmp-") and os.path.isfile(p):  # k3.files.atomic_write's temporary files
             os.unlink(p)
             removed.append(n)
     if removed or restored:

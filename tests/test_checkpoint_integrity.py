@@ -209,7 +209,7 @@ def test_every_file_and_the_directories_are_synced_around_the_rename(tmp_path, m
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="maps descriptors to paths through /proc")
 def test_atomic_write_syncs_the_file_then_the_directory_after_the_rename(tmp_path, monkeypatch):
-    from k3.utils import atomic_write_text
+    from k3.files import atomic_write_text
 
     events = _record_sync(monkeypatch)
     atomic_write_text(tmp_path / "latest.json", "{}")

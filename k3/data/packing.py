@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from k3.data.corpus import Document
-from k3.utils import atomic_write
+from k3.files import atomic_write
 
 IGNORE_INDEX = -100
 _CACHE_FORMAT = 1

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from k3.utils import atomic_write_text
+from k3.files import atomic_write_text
 
 EOS = "<|endoftext|>"
 

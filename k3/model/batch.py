@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from k3.utils import to_device_async
+from k3.tensors import to_device_async
 
 __all__ = ["BatchInfo", "packed_cu_seqlens"]
 

@@ -12,7 +12,7 @@ import torch
 
 from k3.ops import kda as ref
 from k3.ops.registry import DEFAULT, Backends, Fast, Op, dispatch, importable, register
-from k3.utils import LastResult, to_device_async
+from k3.tensors import LastResult, to_device_async
 
 
 # fla's varlen kernels walk each document in chunks of this many tokens (chunk_kda's and causal_conv1d's default)

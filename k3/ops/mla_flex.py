@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from k3.ops.registry import Backends, Target, notice
-from k3.utils import LastResult
+from k3.tensors import LastResult
 
 __all__ = ["causal_block_mask", "compiled_flex", "flex_available", "flex_kernel_options", "mla_attention_flex"]
 

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from k3.utils import atomic_write_text
+from k3.files import atomic_write_text
 
 CHAT_TEMPLATE_FILE = "chat_template.json"
 ROLES = ("system", "user", "assistant", "tool")

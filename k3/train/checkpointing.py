@@ -15,7 +15,7 @@ import os
 
 from k3.checkpoint import load_state_into, save_pretrained
 from k3.run_dir import prune
-from k3.utils import atomic_write_text
+from k3.files import atomic_write_text
 
 TRAINER_STATE_FILES = ("trainer_state.safetensors", "trainer_state.json")
 

@@ -31,7 +31,7 @@ from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
 from k3.train.quantile_balance import ExpertBalancer, load_ratios
 from k3.train.reporting import MetricsLog, ProgressBar
 from k3.train.schedule import lr_multiplier
-from k3.utils import to_device_async
+from k3.tensors import to_device_async
 
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)

@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes."""
+"""Files written atomically and durably, and JSON files read with errors that name the file."""
 
 from __future__ import annotations
 
@@ -45,46 +45,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def to_device_async(t, device):
-    """A host tensor on `device`. To CUDA through pinned memory without waiting: a copy from pageable memory
-    synchronizes the host with the device, so the host could not queue work ahead of the device."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-class LastResult:
-    """The value built for the last key, returned again while the key stays the same: for work that many callers
-    repeat on the same input (every layer of one forward). Tensors in the key match by identity and version (the
-    same tensor, not modified in place since), other items by equality. Holds one entry and its key's tensors."""
-
-    def __init__(self):
-        self._key: tuple | None = None
-        self._value = None
-
-    @staticmethod
-    def _signature(key: tuple) -> tuple:
-        import torch
-
-        return tuple((k, k._version if torch.is_tensor(k) else None) for k in key)
-
-    def get(self, key: tuple, build: Callable[[], object]):
-        import torch
-
-        sig = self._signature(key)
-        old = self._key
-        if old is not None and len(old) == len(sig) and all(
-                (a is b if torch.is_tensor(a) or torch.is_tensor(b) else a == b) and va == vb
-                for (a, va), (b, vb) in zip(sig, old)):
-            return self._value
-        self._value = build()
-        self._key = sig
-        return self._value
 
 
 def read_json_file(path: str, error: type[Exception]):
