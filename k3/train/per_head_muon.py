@@ -37,6 +37,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from k3.model.kda import KimiDeltaAttention
 from k3.model.latent_moe import GroupedExperts, MoEGate
@@ -58,6 +59,7 @@ MUON_RMS_SCALE = 0.2
 # iterate add about 3x that while it runs).
 NS_CHUNK_BYTES = 1 << 30
 NS_EPS = 1e-7  # added to each block's Frobenius norm before dividing by it
+_SHARDED = "sharded"  # bucket entry of a DTensor parameter (its u gathered whole, see PerHeadMuon._gathered_input)
 
 DEFAULT_LR = 2e-3
 DEFAULT_WEIGHT_DECAY = 0.1
@@ -254,6 +256,11 @@ class PerHeadMuon(torch.optim.Optimizer):
     groups stay at 0) and is the default for groups that carry neither. `ns_dtype=None` runs Newton-Schulz in bf16 on CUDA and fp32 elsewhere.
     `backends` picks the momentum and update passes (op ``muon``: k3.ops.muon_update's kernels or the PyTorch
     passes; None: ``Backends()``).
+    Sharded parameters (FSDP2 DTensors, sharded along dim 0) get the same blocks and scale as on one device:
+    the momentum stays on the local shard, the Newton-Schulz input is all-gathered whole, every rank
+    orthogonalizes all of its blocks, and each rank applies its own rows of the update to its shard (as
+    Moonlight's Distributed Muon does). The next step is an owner-rank split: each block orthogonalized on one
+    rank only and the updates scattered back. AdamW is elementwise and runs on DTensors as is.
     Optimizer state lives in the parameter's dtype, so state_dict()/load_state_dict() round-trips exactly
     and a resumed run continues bit-for-bit.
     """
@@ -325,6 +332,12 @@ class PerHeadMuon(torch.optim.Optimizer):
         fused_on: dict[torch.device, bool] = {}
         for group in groups:
             params = [p for p in group["params"] if p.grad is not None]
+            sharded = [p for p in params if isinstance(p, DTensor)]
+            params = [p for p in params if not isinstance(p, DTensor)]
+            for p in sharded:
+                gb = _blocks(self._gathered_input(p, group), group["split"], group["num_blocks"])
+                key = (p.device, *gb.shape[-2:], group["ns_steps"])
+                buckets.setdefault(key, []).append((p, group, gb, None, _SHARDED))
             if not params:
                 continue
             for p in params:
@@ -356,7 +369,9 @@ class PerHeadMuon(torch.optim.Optimizer):
                 off = 0
                 for p, group, gb, bb, f in chunk:  # u = g + mu * buf (Nesterov) or buf, rounded once into x
                     dst = x[off:off + gb.shape[0]]
-                    if f:  # momentum and u in one pass
+                    if f is _SHARDED:  # u gathered whole already
+                        dst.copy_(gb)
+                    elif f:  # momentum and u in one pass
                         muon_update.momentum_(gb, bb, dst, group["momentum"], group["nesterov"])
                     else:  # momentum done above (multi-tensor)
                         muon_update.newton_schulz_input_torch(gb, bb, dst, group["momentum"], group["nesterov"])
@@ -367,11 +382,25 @@ class PerHeadMuon(torch.optim.Optimizer):
                     n = gb.shape[0]
                     lr, wd = group["lr"], group["weight_decay"]
                     scale = group["rms_scale"] * math.sqrt(max(rows, cols))
-                    if f:  # on the parameter's blocks [n, rows, cols] (p is contiguous when f)
+                    if f is _SHARDED:  # this rank's rows of the whole update, into its shard
+                        decay_add_torch_local(p, o[off:off + n], 1 - lr * wd, -lr * scale)
+                    elif f:  # on the parameter's blocks [n, rows, cols] (p is contiguous when f)
                         muon_update.decay_add_(p.view(gb.shape), o[off:off + n], 1 - lr * wd, -lr * scale)
                     else:
                         muon_update.decay_add_torch(p, o[off:off + n], 1 - lr * wd, -lr * scale)
                     off += n
+
+    def _gathered_input(self, p: DTensor, group: dict) -> torch.Tensor:
+        """The Newton-Schulz input u of a sharded parameter, whole: momentum on this rank's shard, u formed
+        locally in the Newton-Schulz dtype (rounded once, as for a local parameter), then all-gathered."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        g, buf = p.grad.to_local(), state["momentum_buffer"].to_local()
+        buf.mul_(group["momentum"]).add_(g)
+        u = torch.empty(buf.shape, dtype=self._ns_dtype(p.device), device=buf.device)
+        muon_update.newton_schulz_input_torch(g, buf, u, group["momentum"], group["nesterov"])
+        return DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
 
     def _adamw_step(self, group: dict) -> None:
         """Bias-corrected Adam with decoupled weight decay, as multi-tensor kernels over the group."""
@@ -402,6 +431,15 @@ class PerHeadMuon(torch.optim.Optimizer):
             torch._foreach_div_(denom, math.sqrt(1 - beta2 ** t))
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - beta1 ** t))
+
+
+def decay_add_torch_local(p: DTensor, o: torch.Tensor, decay: float, alpha: float) -> None:
+    """p <- decay * p + alpha * o for a sharded parameter p and the whole update o (p's global shape, any
+    strides, the same on every rank): each rank keeps its slice of o (a Replicate -> p.placements
+    redistribution, which communicates nothing) and updates its local shard."""
+    mesh = p.device_mesh
+    whole = DTensor.from_local(o.reshape(p.shape), mesh, [Replicate()] * mesh.ndim)
+    muon_update.decay_add_torch(p.to_local(), whole.redistribute(mesh, p.placements).to_local(), decay, alpha)
 
 
 def _chunks(items: list, size, limit: int) -> list[list]:
