@@ -142,7 +142,13 @@ def cmd_train(args) -> int:
     from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, run_training
     from k3.train.trainer import TrainConfig, TrainingError
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK
+    from k3.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.from_flags(world, args.dp_shard, args.ep, args.cp)  # refuses sizes that do not fit
     device = pick_device(args.device)
+    if world > 1 and device.type == "cuda":
+        device = torch_device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     backends = _backends(args.backend, device)
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     fields = {"out": args.out}
@@ -159,16 +165,51 @@ def cmd_train(args) -> int:
         fields["max_minutes"] = 10.0
     tcfg = TrainConfig(**fields)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
-                      resume=args.resume, device=args.device, max_corpus_mb=args.max_corpus_mb, backends=backends,
+                      resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
                       verify=args.verify)
     try:
-        summary = run_training(opts, tcfg, progress_bar=not args.no_progress)
+        if world > 1:
+            summary = _train_distributed(opts, tcfg, dims, device, not args.no_progress)
+        else:
+            summary = run_training(opts, tcfg, progress_bar=not args.no_progress)
     except TrainingError as e:
         print(f"k3 train: {e}", file=sys.stderr)
         return 3
     if summary.get("signal") == "SIGTERM":
         return 143  # 128 + SIGTERM, what a process killed by the signal reports: supervisors expect it
     return 130 if summary.get("interrupted") else 0
+
+
+def torch_device_for_rank(local_rank: int):
+    """This process's GPU under torchrun (one per process, by LOCAL_RANK), made the current device."""
+    import torch
+
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _train_distributed(opts, tcfg, dims, device, progress_bar: bool) -> dict:
+    """`k3 train` as one rank of a torchrun launch: the process group (gloo on CPU, NCCL on CUDA) from torchrun's
+    environment, the ("dp", "ep", "cp") mesh passed to the run; an error names the rank; the group is destroyed
+    on the way out."""
+    import torch.distributed as dist
+
+    from k3.parallel.mesh import backend_for
+    from k3.train.run import run_training
+    from k3.train.trainer import TrainingError
+
+    dist.init_process_group(backend_for(device), init_method="env://",
+                            device_id=device if device.type == "cuda" else None)
+    rank = dist.get_rank()
+    try:
+        opts.mesh = dims.build_mesh(device.type)
+        return run_training(opts, tcfg, progress_bar=progress_bar)
+    except (TrainingError, ValueError) as e:
+        raise type(e)(f"rank {rank}: {e}") from e
+    except Exception as e:
+        raise RuntimeError(f"rank {rank}: {type(e).__name__}: {e}") from e
+    finally:
+        dist.destroy_process_group()
 
 
 def _load_for_inference(ckpt: str, device: str, verify: bool = True):
@@ -286,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
     s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--dp-shard", type=_positive_int, help="data-parallel (FSDP2) ranks under torchrun "
+                   "(default: the world size / (--ep x --cp))")
+    s.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel ranks under torchrun (default 1)")
+    s.add_argument("--cp", type=_positive_int, default=1, help="context-parallel ranks (not wired into training yet)")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_train)
 

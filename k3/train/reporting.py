@@ -12,28 +12,35 @@ class MetricsLog:
     to `history`; redraws `OUT/loss.png` whenever a record carries a held-out loss. The file is open inside
     `with`."""
 
-    def __init__(self, out: str, history: list[dict], log=print):
+    def __init__(self, out: str, history: list[dict], log=print, enabled: bool = True):
+        self.enabled = enabled  # False: records go to `history` only (the non-writing ranks of a distributed run)
         self.path = os.path.join(out, "metrics.jsonl")
         self.png_path = os.path.join(out, "loss.png")
         self.history, self.log = history, log
         self._f = None
 
     def __enter__(self) -> "MetricsLog":
-        self._f = open(self.path, "a", encoding="utf-8")
+        if self.enabled:
+            self._f = open(self.path, "a", encoding="utf-8")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
         self._f = None
 
     def record(self, rec: dict) -> None:
+        self.history.append(rec)
+        if not self.enabled:
+            return
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
-        self.history.append(rec)
         if "val_loss" in rec:
             self.plot()
 
     def plot(self) -> None:
+        if not self.enabled:
+            return
         try:
             plot_metrics(self.path, self.png_path)
         except Exception as e:  # a plot must never stop training

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +29,9 @@ class RunOptions:
     max_corpus_mb: float | None = None
     backends: Backends | None = None  # which implementations run the ops (None: Backends(), `auto`)
     verify: bool = True  # on --resume, check the checkpoint's shards against their recorded SHA-256
+    # A distributed run's DeviceMesh (k3.parallel.mesh; the process group is initialized): the model is sharded
+    # over it and every rank trains on its slice of each batch (k3.train.distributed). None: one process.
+    mesh: Any = None
 
 
 # Defaults that make plain `k3 train` learn something on the machine at hand. The whole batch goes through
@@ -66,8 +71,14 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
         tcfg.autocast_bf16 = True
     out = tcfg.out
     os.makedirs(out, exist_ok=True)
-    with holding_run_dir(out):  # before looking for the latest: a swap cut short is undone here
-        clean_interrupted(os.path.join(out, "checkpoints"), log=log)
+    mesh = opts.mesh
+    rank = 0 if mesh is None else torch.distributed.get_rank()
+    if mesh is not None and opts.resume:
+        raise ValueError("--resume is not supported under torchrun yet (distributed checkpoints are being added); "
+                         "resume the run in a single process")
+    if rank == 0:
+        with holding_run_dir(out):  # before looking for the latest: a swap cut short is undone here
+            clean_interrupted(os.path.join(out, "checkpoints"), log=log)
     resume_from = latest_checkpoint(out) if opts.resume else None
     if opts.resume and resume_from is None:
         raise ValueError(f"--resume: no checkpoint found in {out}/checkpoints")
@@ -83,6 +94,10 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
     else:
         cfg = K3Config.from_preset(opts.preset or (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)["preset"])
 
+    # Under torchrun rank 0 trains the tokenizer and tokenizes first (writing the caches in the run directory);
+    # the other ranks then read the same caches.
+    if rank > 0:
+        torch.distributed.barrier()
     train_docs, heldout_docs = load_corpus(opts.data, opts.max_corpus_mb, log)
     vocab = opts.vocab_size or (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)["vocab_size"]
     if resume_from is not None:
@@ -101,6 +116,8 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
     train_stream = tokenize_documents(tok, train_docs, cache_path=os.path.join(out, "train_tokens.npy"))
     eval_stream = tokenize_documents(tok, heldout_docs, cache_path=os.path.join(out, "heldout_tokens.npy"))
     log(f"tokens: {len(train_stream):,} train, {len(eval_stream):,} held out ({time.perf_counter() - t0:.1f}s)")
+    if mesh is not None and rank == 0:
+        torch.distributed.barrier()
     if len(train_stream) < tcfg.batch_tokens:
         raise ValueError(f"the training data has {len(train_stream):,} tokens, fewer than one batch "
                          f"(--batch-tokens {tcfg.batch_tokens}); add data or lower --batch-tokens")
@@ -109,16 +126,30 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
     model = K3ForCausalLM(cfg, backends=opts.backends).init_weights(seed=tcfg.seed).to(device)
     loader = PackedLoader(train_stream, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed)
     tok_json = _tokenizer_json_bytes(tok)
-    trainer = Trainer(model, tcfg, loader, eval_stream=eval_stream, eos_id=tok.eos_id, tokenizer_json=tok_json,
-                      log=log)
+    n = sum(p.numel() for p in model.parameters())
+    if mesh is None:
+        trainer = Trainer(model, tcfg, loader, eval_stream=eval_stream, eos_id=tok.eos_id, tokenizer_json=tok_json,
+                          log=log)
+    else:
+        from k3.parallel.parallelize import ParallelizeOptions, default_param_dtype, parallelize
+        from k3.train.distributed import DistributedTrainer
+
+        tcfg.autocast_bf16 = False  # FSDP2's mixed-precision policy casts instead (bf16 on CUDA)
+        parallelize(model, mesh, ParallelizeOptions(param_dtype=default_param_dtype(device)))
+        trainer = DistributedTrainer(model, tcfg, loader, mesh, eval_stream=eval_stream, eos_id=tok.eos_id,
+                                     tokenizer_json=tok_json, log=log)
     if resume_from is not None:
         trainer.load(resume_from, verify=opts.verify)
         log(f"resumed from {resume_from} at step {trainer.step}")
-    n = sum(p.numel() for p in model.parameters())
     log(f"model: {n / 1e6:.2f}M parameters ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {device}"
-        f"{', activation checkpointing' if tcfg.activation_checkpointing else ''}")
+        f"{', activation checkpointing' if tcfg.activation_checkpointing else ''}"
+        f"{'' if mesh is None else f', sharded over {mesh.size()} ranks (mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))})'}")
     return trainer
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The log of a distributed run's ranks other than 0."""
 
 
 def _tokenizer_json_bytes(tok) -> bytes:
@@ -134,7 +165,9 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
     tcfg.validate()
     # One process per run directory for the whole run (two would interleave metrics.jsonl and checkpoints),
     # taken before the corpus and tokenizer work so that a second run fails at once.
-    with holding_run_dir(tcfg.out):
+    first_rank = opts.mesh is None or torch.distributed.get_rank() == 0
+    log = log if first_rank else _quiet
+    with holding_run_dir(tcfg.out) if first_rank else contextlib.nullcontext():
         trainer = build_run(opts, tcfg, log)
         summary = trainer.fit(progress_bar=progress_bar)
     first, last = summary.get("first_val_loss"), summary.get("last_val_loss")

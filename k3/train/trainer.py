@@ -143,6 +143,7 @@ class Trainer:
         self._stop_requested = False
         self._stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once a signal asked the run to stop
         self._saved_step: int | None = None  # the step whose checkpoint is on disk (nothing changed since)
+        self.writes_files = True  # metrics.jsonl, loss.png, the progress bar (one process of a distributed run)
 
     # --- schedule ----------------------------------------------------------------------------
     def progress(self) -> float:
@@ -169,7 +170,7 @@ class Trainer:
         mult = lr_multiplier(self.progress(), c.warmup_frac, c.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * mult
-        batch = self.loader.next_batch()
+        batch = self._next_batch()
         rows = batch["input_ids"].shape[0]
         n_tokens = int((batch["labels"][:, 1:] != -100).sum())
         bias_now = [m.gate.e_score_correction_bias.clone() for m in self.moe_layers]
@@ -198,8 +199,9 @@ class Trainer:
             self.log(f"step {self.step + 1}: out of memory with {mb}-row micro-batches; "
                      f"retrying with {c.micro_batch_rows} rows (kept for the rest of the run)")
         self._all_reduce_grads()
+        loss_sum, mtp_sum = self._reduce_losses(loss_sum, mtp_sum)
         with record_function("k3.train.grad_clip"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+            grad_norm = self._clip_grad_norm()
         clip_on = self.max_logits is not None
         maxima = self.max_logits.consume() if clip_on else []
         # One read from the device per step: the losses, the gradient norm, the expert loads and the MLA maxima
@@ -228,7 +230,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
             if clip_on:
                 with record_function("k3.train.qk_clip"):
-                    clip = apply_qk_clip_(model, maxima, c.qk_clip_tau)
+                    clip = self._apply_qk_clip(maxima)
                 metrics.max_logit, metrics.clipped_heads = clip["max_logit"], clip["clipped_heads"]
             # Quantile Balancing: the bias computed from this step's routing applies from the next step on.
             with torch.no_grad(), record_function("k3.train.balance"):
@@ -313,6 +315,26 @@ class Trainer:
     def _all_reduce_grads(self) -> None:
         """Hook for data-parallel wrappers; a single process has nothing to reduce."""
 
+    def _next_batch(self) -> dict:
+        """This process's rows of the next global batch (a single process: all of them)."""
+        return self.loader.next_batch()
+
+    def _reduce_losses(self, loss: torch.Tensor, mtp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (loss, MTP loss) over all processes, for reporting (a single process: its own)."""
+        return loss, mtp
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clip the gradients to `grad_clip` in total norm; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+
+    def _apply_qk_clip(self, maxima: list) -> dict:
+        """QK-Clip with the step's per-head maxima (already all-reduced by MaxLogitTracker.consume)."""
+        return apply_qk_clip_(self.model, maxima, self.cfg.qk_clip_tau)
+
+    def _agree(self, flag: bool) -> bool:
+        """A loop decision every process must take together (stop, save): a single process's own."""
+        return flag
+
     # --- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> float | None:
         if self.eval_stream is None:
@@ -371,8 +393,9 @@ class Trainer:
 
     def _fit(self, progress_bar: bool) -> dict:
         c = self.cfg
-        os.makedirs(c.out, exist_ok=True)
-        clean_interrupted(os.path.join(c.out, "checkpoints"), log=self.log)
+        if self.writes_files:
+            os.makedirs(c.out, exist_ok=True)
+            clean_interrupted(os.path.join(c.out, "checkpoints"), log=self.log)
         # SIGTERM (timeout, docker stop, systemd, Kubernetes) is handled as Ctrl-C: finish the step, save, exit.
         signals = (signal.SIGINT, signal.SIGTERM)
         prev_handlers = {s: signal.getsignal(s) for s in signals}
@@ -394,8 +417,8 @@ class Trainer:
         if in_main:
             for s in signals:
                 signal.signal(s, on_signal)
-        bar = ProgressBar(c.max_steps, c.max_minutes, self.step, enabled=progress_bar)
-        metrics = MetricsLog(c.out, self.history, log=self.log)
+        bar = ProgressBar(c.max_steps, c.max_minutes, self.step, enabled=progress_bar and self.writes_files)
+        metrics = MetricsLog(c.out, self.history, log=self.log, enabled=self.writes_files)
         summary = {"start_step": self.step}
         try:
             with metrics:
@@ -405,7 +428,7 @@ class Trainer:
                         metrics.record({"step": 0, "val_loss": val, "elapsed_s": 0.0})
                         summary["first_val_loss"] = val
                 last_save = time.monotonic()
-                while not self.done() and not self._stop_requested:
+                while not self._agree(self.done() or self._stop_requested):
                     m = self.train_step()
                     rec = {k: v for k, v in asdict(m).items() if v is not None}
                     if self.step % c.eval_every == 0 or self.done():
@@ -418,7 +441,7 @@ class Trainer:
                         metrics.record(rec)
                     summary["last_loss"] = m.loss
                     bar.update(m, self.elapsed)
-                    if time.monotonic() - last_save > 60 * c.save_every_minutes:
+                    if self._agree(time.monotonic() - last_save > 60 * c.save_every_minutes):
                         self.save()
                         last_save = time.monotonic()
                 path = self.save()

@@ -1,0 +1,207 @@
+"""The training loop on several processes (torch.distributed): `DistributedTrainer` is the single-process
+`Trainer` with its distributed hooks filled in, on a model already sharded by k3.parallel.parallelize.
+
+* data: each data rank trains on its contiguous rows [r R/n, (r + 1) R/n) of every global batch of R rows, so the
+  ranks together see exactly the single-process batch; FSDP2 averages the gradients over the ranks in backward;
+* the optimizer is built on the sharded parameters (Per-Head Muon gathers each block whole, see
+  k3.train.per_head_muon); WeightCasts is off (FSDP2's MixedPrecisionPolicy casts);
+* reported losses are averaged over the ranks; Quantile Balancing's routing counts (ExpertBalancer.update) and
+  QK-Clip's per-head maxima (MaxLogitTracker.consume) are all-reduced there, so every rank keeps the same router
+  bias and clips the same heads; QK-Clip scales each rank's rows of the sharded weights;
+* the gradient norm is the norm over all ranks' shards; loop decisions taken from the clock or a signal (stop,
+  save) are all-reduced so that every rank takes them together;
+* rank 0 alone writes metrics.jsonl, loss.png, the progress bar and the checkpoints; a checkpoint is the full
+  model gathered to rank 0 and written in the official layout (`k3 eval` / `k3 serve` load it). Its trainer state
+  carries no optimizer state: resuming a distributed run is not supported yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from k3.model.gated_mla import GatedMLA
+from k3.parallel.mesh import data_rank
+from k3.run_dir import holding_run_dir
+from k3.train import state as state_io
+from k3.train.checkpointing import checkpoint_path, save_checkpoint
+from k3.train.qk_clip import apply_qk_clip_, mla_layers
+from k3.train.trainer import Trainer, TrainConfig, TrainingError
+
+__all__ = ["DistributedTrainer"]
+
+
+class DistributedTrainer(Trainer):
+    """`Trainer` over the ranks of `mesh` (dims "dp", "ep", "cp"); `model` is already parallelized over it and
+    every rank's loader yields the same global batches (same data, same seed)."""
+
+    def __init__(self, model, tcfg: TrainConfig, train_loader, mesh: DeviceMesh, eval_stream=None, eos_id: int = 0,
+                 tokenizer_json: bytes | None = None, log=print):
+        self.mesh = mesh
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.data_index, self.data_ranks = data_rank(mesh)
+        rows = tcfg.rows_per_step
+        if rows % self.data_ranks:
+            raise ValueError(f"the global batch has {rows} rows (--batch-tokens {tcfg.batch_tokens} / --seq-len "
+                             f"{tcfg.seq_len}), which does not divide by the {self.data_ranks} data ranks")
+        super().__init__(model, tcfg, train_loader, eval_stream=eval_stream, eos_id=eos_id,
+                         tokenizer_json=tokenizer_json, log=log if self.rank == 0 else _quiet)
+        self.writes_files = self.rank == 0
+
+    # --- hooks of the single-process loop ------------------------------------------------------------
+    def _next_batch(self) -> dict:
+        batch = self.loader.next_batch()
+        rows = batch["input_ids"].shape[0]
+        if rows % self.data_ranks:
+            raise ValueError(f"a batch of {rows} rows does not divide by the {self.data_ranks} data ranks")
+        n = rows // self.data_ranks
+        lo = self.data_index * n
+        return {k: v[lo:lo + n] for k, v in batch.items()}
+
+    def _weight_casts(self):
+        return None  # FSDP2 casts the parameters for each unit's forward and reduces through autograd's hooks
+
+    def _reduce_losses(self, loss: torch.Tensor, mtp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.stack([loss, mtp])
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        both /= self.world
+        return both[0], both[1]
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """The total norm over every rank's gradient shards (dense parameters sharded over all ranks, experts over
+        their ("dp", "cp") ranks: every element lives on exactly one rank), then the single-process clip."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        dev = local[0].device if local else self.device
+        sq = torch.zeros((), dtype=torch.float32, device=dev)
+        for g in local:
+            if g.numel():
+                sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        total = sq.sqrt()
+        coef = torch.clamp(self.cfg.grad_clip / (total + 1e-6), max=1.0)
+        nonempty = [g for g in local if g.numel()]
+        if nonempty:
+            torch._foreach_mul_(nonempty, coef.to(nonempty[0].device))
+        return total
+
+    @torch.no_grad()
+    def _apply_qk_clip(self, maxima: list) -> dict:
+        """QK-Clip on the sharded weights: the single-device clip on plain ones-columns gives each weight row's
+        scale, and every rank applies its own rows of it to its shard."""
+        layers = mla_layers(self.model)
+        stand_ins = [_RowScales(m) for m in layers]
+        result = apply_qk_clip_(_Layers(stand_ins), maxima, self.cfg.qk_clip_tau)
+        if result["clipped_heads"]:
+            for m, s in zip(layers, stand_ins):
+                for lin, rows in ((m.q_b_proj, s.q_b_proj.weight), (m.kv_b_proj, s.kv_b_proj.weight)):
+                    _scale_rows_(lin.weight, rows[:, 0])
+        return result
+
+    def _agree(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    # --- files ------------------------------------------------------------------------------------
+    def fit(self, progress_bar: bool = True) -> dict:
+        if self.rank == 0:
+            with holding_run_dir(self.cfg.out):
+                return self._fit(progress_bar)
+        return self._fit(progress_bar)
+
+    def save(self) -> str:
+        """Gather the full model to rank 0 and write it there as a regular checkpoint (collective: every rank
+        calls it). Returns the checkpoint's path."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from k3.model.model import K3ForCausalLM
+        from k3.parallel.expert_parallel import ExpertParallelExperts
+
+        path = checkpoint_path(self.cfg.out, self.step)
+        if self._saved_step == self.step:
+            return path
+        experts = {}  # EP: the full expert tables, gathered over the ep ranks (each holds E / ep of them)
+        for name, m in self.model.named_modules():
+            if isinstance(m, ExpertParallelExperts):
+                for w in ("w1", "w3", "w2"):
+                    p = getattr(m, w)
+                    whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                    parts = [torch.empty_like(whole) for _ in range(m.ep_size)]
+                    dist.all_gather(parts, whole.contiguous(), group=m.group)
+                    experts[f"{name}.{w}"] = torch.cat(parts).cpu()
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            sd.update(experts)
+            plain = K3ForCausalLM(self.model.config)
+            plain.load_state_dict(sd, strict=True)
+            state = state_io.dumps(self.state_dict())
+            save_checkpoint(plain, self.cfg.out, self.step, state, tokenizer_json=self.tokenizer_json,
+                            keep=self.cfg.keep_checkpoints, log=self.log)
+        dist.barrier()
+        self._saved_step = self.step
+        return path
+
+    def state_dict(self) -> dict:
+        """The single-process trainer state without the (sharded) optimizer state."""
+        return {
+            "step": self.step, "elapsed": self.elapsed, "bad_steps": self.bad_steps,
+            "optimizer": None,
+            "balancers": [b.state_dict() for b in self.balancers],
+            "loader": self.loader.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "train_config": asdict(self.cfg),
+            "world_size": self.world,
+        }
+
+    def load(self, ckpt_dir: str, verify: bool = True) -> None:
+        raise TrainingError("resuming under torchrun is not supported yet (distributed checkpoints are being "
+                            "added); resume this run in a single process")
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The log of ranks other than 0."""
+
+
+class _Layers(torch.nn.Module):
+    """A module holding the stand-ins, so that mla_layers finds them in the model's order."""
+
+    def __init__(self, layers: list):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+
+class _RowScales(GatedMLA):
+    """A Gated MLA layer's head geometry with [rows, 1] ones-weights in place of q_b_proj / kv_b_proj: QK-Clip
+    applied to it leaves each weight row's scale in these columns."""
+
+    def __init__(self, m: GatedMLA):
+        torch.nn.Module.__init__(self)
+        self.layer_idx, self.num_heads, self.dn, self.dr, self.dv = m.layer_idx, m.num_heads, m.dn, m.dr, m.dv
+        dev = m.q_b_proj.weight.device
+        self.q_b_proj = _Ones(m.q_b_proj.weight.shape[0], dev)
+        self.kv_b_proj = _Ones(m.kv_b_proj.weight.shape[0], dev)
+
+
+class _Ones(torch.nn.Module):
+    def __init__(self, rows: int, device: torch.device):
+        super().__init__()
+        self.weight = torch.ones(rows, 1, dtype=torch.float64, device=device)
+
+
+def _scale_rows_(w: torch.Tensor, scale: torch.Tensor) -> None:
+    """w[i, :] *= scale[i] (fp64 product, rounded once, as QK-Clip does), on this rank's rows of a sharded w."""
+    if isinstance(w, DTensor):
+        mesh = w.device_mesh
+        rows = DTensor.from_local(scale, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, w.placements)
+        local, scale = w.to_local(), rows.to_local()
+    else:
+        local = w.data
+    if local.numel():
+        local.copy_((local.double() * scale.to(local.device)[:, None]).to(local.dtype))
