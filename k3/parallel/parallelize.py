@@ -8,6 +8,7 @@ model (same seed or the same checkpoint) when `parallelize` runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, options: ParallelizeOptions 
 
         ParallelDims(mesh["dp"].size(), mesh["ep"].size(), mesh["cp"].size()).check_model(model.config.num_experts)
         apply_expert_parallel(model, mesh["ep"], moon_ep=opts.moon_ep)
-        shard_experts(model, mesh["dp", "cp"]._flatten("dp_cp"), param_dtype=opts.param_dtype,
-                      reshard_after_forward=opts.reshard_after_forward, gradient_divide_factor=float(world))
+        expert_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+        # FSDP2 (torch 2.13) applies a custom divide factor on both sides of a one-rank "reduction" (pre- and
+        # post-divide, each by the factor), so there the factor that divides by the world size is its root;
+        # tests/parallel/test_train_distributed.py (--ep 2 on 2 ranks) checks this case against one process.
+        factor = float(world) if expert_mesh.size() > 1 else math.sqrt(world)
+        shard_experts(model, expert_mesh, param_dtype=opts.param_dtype,
+                      reshard_after_forward=opts.reshard_after_forward, gradient_divide_factor=factor)
     flat = mesh._flatten("dp_ep_cp")
     return apply_fsdp(model, flat, param_dtype=opts.param_dtype, reshard_after_forward=opts.reshard_after_forward)
