@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -47,6 +48,9 @@ METADATA_FILE = ".metadata"  # DCP's
 SHARDED_COMPLETE_FILES = (METADATA_FILE, STATE_FILE, "config.json")
 FORMAT = "k3-sharded-1"
 _TENSOR = "__tensor__"
+
+# DCP warns on every single-process save and load, which this module asks for explicitly (no_dist).
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 
 # --- process-group helpers -------------------------------------------------------------------------------
@@ -178,7 +182,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
                              "extra": extra, "state": doc})
     config_text = json.dumps(model.config.to_dict(), indent=2) + "\n"
     _on_rank0(f"creating {tmp}", prepare)
-    dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not dist.is_initialized())
 
     def finish() -> None:
         _write_synced(os.path.join(tmp, STATE_FILE), state_text)
@@ -269,7 +273,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module,
     if unexpected:
         raise CheckpointError(f"sharded checkpoint {path} has {len(unexpected)} tensors the model/optimizer "
                               f"lacks: {_show(unexpected)}")
-    dcp.load(tensors, storage_reader=FileSystemReader(path))  # in place, each rank its slices
+    dcp.load(tensors, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())  # in place
     doc = saved["state"]
     if optimizer is None:
         doc = {"__dict__": [[n, v] for n, v in doc["__dict__"] if n == "model"]}
