@@ -114,6 +114,22 @@ def _pair_matrix(counts: Tensor, n: int, plan: MoonEPPlan | None) -> Tensor:
     return (torch.minimum(b + counts[:, :, None], lo + a[None]) - torch.maximum(b, lo)).clamp_min(0)
 
 
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g * ctx.scale, None
+
+
+def _scale_grad(x: Tensor, scale: float) -> Tensor:
+    """x, whose gradient is multiplied by `scale` (x itself when scale is 1)."""
+    return x if scale == 1.0 else _GradScale.apply(x, scale)
+
+
 class ExpertParallelExperts(GroupedExperts):
     """This EP rank's slice of the routed experts (report §5.2.1), computing every routed pair of the group's
     tokens that lands on it: the module docstring has the steps. A GroupedExperts (parameters `w1`, `w3`, `w2`
@@ -138,6 +154,10 @@ class ExpertParallelExperts(GroupedExperts):
             src = getattr(experts, name)
             setattr(self, name, nn.Parameter(src.detach()[r * n:(r + 1) * n].clone(), requires_grad=src.requires_grad))
         self.beta1, self.beta2 = experts.beta1, experts.beta2
+        # Multiplies the experts' gradients (identity forward): an EP rank's expert gradient sums the
+        # contributions of every EP rank's tokens, so a data-parallel average over the other mesh dimensions
+        # leaves it ep times the gradient of the mean loss; k3.parallel.parallelize sets 1 / ep.
+        self.grad_scale = 1.0
         self.backends = experts.backends
         self.group, self.num_experts, self.ep_size, self.ep_rank, self.moon_ep = group, E, R, r, moon_ep
         self.computed_pairs: list[int] | None = None
@@ -174,7 +194,7 @@ class ExpertParallelExperts(GroupedExperts):
         _all_gather(out, local, group=self.group)
         return out.view(self.ep_size, self.num_experts).cpu()
 
-    def _copies(self, plan: MoonEPPlan) -> list[Tensor] | None:
+    def _copies(self, plan: MoonEPPlan, ws: tuple[Tensor, Tensor, Tensor]) -> list[Tensor] | None:
         """The weights (w1, w3, w2 rows) of the copies `plan.redundant[r]` this rank hosts, fetched from their home
         ranks by one autograd-aware all-to-all (backward: their gradients reduced into the home experts'); None
         when no rank hosts a copy (the same on every rank, so all skip the collective)."""
@@ -185,7 +205,6 @@ class ExpertParallelExperts(GroupedExperts):
         send = [[e - me * n for e in row if e >= 0 and e // n == me] for row in red.tolist()]
         mine = red[me][red[me] >= 0]
         recv = torch.bincount(mine // n, minlength=self.ep_size).tolist()
-        ws = (self.w1, self.w3, self.w2)
         idx = torch.tensor([i for row in send for i in row], dtype=torch.long, device=self.w1.device)
         packed = torch.cat([w.reshape(n, -1)[idx] for w in ws], dim=1)
         got = all_to_all_autograd(packed, recv, [len(row) for row in send], self.group)  # rows in `mine` order
@@ -209,7 +228,9 @@ class ExpertParallelExperts(GroupedExperts):
         R, E, n, me = self.ep_size, self.num_experts, self.experts_per_rank, self.ep_rank
         indices = routing.indices
         counts = self._counts(indices)
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        # the weights as this forward uses them, their gradient scaled by `grad_scale` (copies fetched for MoonEP
+        # included, so their gradients come home scaled too)
+        w1, w3, w2 = (_scale_grad(w, self.grad_scale) for w in (self.w1, self.w3, self.w2))
         slot_of = torch.full((E,), -1, dtype=torch.long)  # global expert -> row of this rank's weight table
         slot_of[me * n:(me + 1) * n] = torch.arange(n)
         if self.moon_ep:
@@ -220,7 +241,7 @@ class ExpertParallelExperts(GroupedExperts):
             plan = plan_moon_ep(counts.sum(0), R, N * K)
             rank, row = pair_slots(_plan_to(plan, z.device), indices, rank_offsets(counts)[me].to(z.device))
             key = (rank * (N * K) + row).reshape(-1)  # by computing rank, then row there (expert-grouped)
-            copies = self._copies(plan)
+            copies = self._copies(plan, (w1, w3, w2))
             if copies is not None:
                 mine = plan.redundant[me][plan.redundant[me] >= 0]
                 slot_of[mine] = n + torch.arange(len(mine))

@@ -8,14 +8,13 @@ model (same seed or the same checkpoint) when `parallelize` runs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from k3.parallel.expert_parallel import apply_expert_parallel, shard_experts
+from k3.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel, shard_experts
 from k3.parallel.fsdp import apply_fsdp
 
 __all__ = ["ParallelizeOptions", "parallelize", "default_param_dtype"]
@@ -45,18 +44,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, options: ParallelizeOptions 
     if mesh["cp"].size() > 1:
         raise ValueError("--cp is not wired into the trainer yet (context parallelism is available as "
                          "k3.parallel.context_parallel, but the model does not use it); use --cp 1")
-    world = mesh.size()
     if mesh["ep"].size() > 1:
         from k3.parallel.mesh import ParallelDims
 
         ParallelDims(mesh["dp"].size(), mesh["ep"].size(), mesh["cp"].size()).check_model(model.config.num_experts)
         apply_expert_parallel(model, mesh["ep"], moon_ep=opts.moon_ep)
         expert_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-        # FSDP2 (torch 2.13) applies a custom divide factor on both sides of a one-rank "reduction" (pre- and
-        # post-divide, each by the factor), so there the factor that divides by the world size is its root;
-        # tests/parallel/test_train_distributed.py (--ep 2 on 2 ranks) checks this case against one process.
-        factor = float(world) if expert_mesh.size() > 1 else math.sqrt(world)
+        # FSDP2 averages each expert's gradient over the ("dp", "cp") ranks that hold it; that gradient already sums
+        # every EP rank's tokens, so 1 / ep more makes it the gradient of the mean loss over all ranks, as the
+        # dense parameters' is (an autograd scale in the expert module: the same on every collective backend).
+        for m in model.modules():
+            if isinstance(m, ExpertParallelExperts):
+                m.grad_scale = 1.0 / mesh["ep"].size()
         shard_experts(model, expert_mesh, param_dtype=opts.param_dtype,
-                      reshard_after_forward=opts.reshard_after_forward, gradient_divide_factor=factor)
+                      reshard_after_forward=opts.reshard_after_forward)
     flat = mesh._flatten("dp_ep_cp")
     return apply_fsdp(model, flat, param_dtype=opts.param_dtype, reshard_after_forward=opts.reshard_after_forward)
