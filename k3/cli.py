@@ -146,6 +146,8 @@ def cmd_train(args) -> int:
     from k3.parallel.mesh import ParallelDims
 
     dims = ParallelDims.from_flags(world, args.dp_shard, args.ep, args.cp)  # refuses sizes that do not fit
+    if args.moon_ep and dims.ep < 2:
+        raise SystemExit(f"k3 train: --moon-ep balances expert parallelism; it needs --ep of 2 or more (got --ep {dims.ep})")
     device = pick_device(args.device)
     if world > 1 and device.type == "cuda":
         device = torch_device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
@@ -166,7 +168,7 @@ def cmd_train(args) -> int:
     tcfg = TrainConfig(**fields)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
-                      verify=args.verify)
+                      verify=args.verify, moon_ep=args.moon_ep)
     try:
         if world > 1:
             summary = _train_distributed(opts, tcfg, dims, device, not args.no_progress)
@@ -331,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the world size / (--ep x --cp))")
     s.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel ranks under torchrun (default 1)")
     s.add_argument("--cp", type=_positive_int, default=1, help="context-parallel ranks (not wired into training yet)")
+    s.add_argument("--moon-ep", action="store_true", help="with --ep > 1: MoonEP's balanced expert parallelism, every "
+                   "rank computing the same number of token-expert pairs with redundant experts planned per layer "
+                   "(report §5.2.1)")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_train)
 

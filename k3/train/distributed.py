@@ -53,6 +53,7 @@ class DistributedTrainer(Trainer):
         super().__init__(model, tcfg, train_loader, eval_stream=eval_stream, eos_id=eos_id,
                          tokenizer_json=tokenizer_json, log=log if self.rank == 0 else _quiet)
         self.writes_files = self.rank == 0
+        self.retries_oom = False
 
     # --- hooks of the single-process loop ------------------------------------------------------------
     def _next_batch(self) -> dict:

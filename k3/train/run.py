@@ -32,6 +32,7 @@ class RunOptions:
     # A distributed run's DeviceMesh (k3.parallel.mesh; the process group is initialized): the model is sharded
     # over it and every rank trains on its slice of each batch (k3.train.distributed). None: one process.
     mesh: Any = None
+    moon_ep: bool = False  # MoonEP's balanced expert parallelism (with an "ep" mesh dimension of 2 or more)
 
 
 # Defaults that make plain `k3 train` learn something on the machine at hand. The whole batch goes through
@@ -135,7 +136,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
         from k3.train.distributed import DistributedTrainer
 
         tcfg.autocast_bf16 = False  # FSDP2's mixed-precision policy casts instead (bf16 on CUDA)
-        parallelize(model, mesh, ParallelizeOptions(param_dtype=default_param_dtype(device)))
+        parallelize(model, mesh, ParallelizeOptions(param_dtype=default_param_dtype(device), moon_ep=opts.moon_ep))
         trainer = DistributedTrainer(model, tcfg, loader, mesh, eval_stream=eval_stream, eos_id=tok.eos_id,
                                      tokenizer_json=tok_json, log=log)
     if resume_from is not None:

@@ -144,6 +144,7 @@ class Trainer:
         self._stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once a signal asked the run to stop
         self._saved_step: int | None = None  # the step whose checkpoint is on disk (nothing changed since)
         self.writes_files = True  # metrics.jsonl, loss.png, the progress bar (one process of a distributed run)
+        self.retries_oom = True  # out of memory: halve the micro-batch and retry (not on one rank of many)
 
     # --- schedule ----------------------------------------------------------------------------
     def progress(self) -> float:
@@ -191,6 +192,11 @@ class Trainer:
                 self.max_logits.discard()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            if not self.retries_oom:
+                raise TrainingError(
+                    f"out of {self.device.type} memory with {mb}-row micro-batches on one rank of a distributed run, "
+                    "where one rank cannot retry alone (the others wait in its collectives); rerun with a smaller "
+                    "--micro-batch-rows or --activation-checkpointing (the last checkpoint is intact)")
             if mb == 1:
                 raise TrainingError(
                     f"out of {self.device.type} memory even with 1-row micro-batches of {c.seq_len} tokens; "

@@ -203,6 +203,20 @@ def test_oom_halves_the_micro_batch_and_the_step_equals_a_run_with_that_size(tmp
         assert torch.allclose(a.gate.e_score_correction_bias, b.gate.e_score_correction_bias, atol=1e-6)
 
 
+def test_oom_on_one_rank_of_a_distributed_run_stops_instead_of_retrying_alone(tmp_path):
+    # A rank that halved its micro-batch alone would issue a different number of collectives than the others: the
+    # distributed trainer (retries_oom False) stops with a message naming the way out, the parameters untouched.
+    tr = _trainer(tmp_path, 3)
+    tr.log = lambda *a: None
+    tr.retries_oom = False
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    _oom_above(tr, 2)
+    with pytest.raises(TrainingError, match="one rank of a distributed run.*--micro-batch-rows"):
+        tr.train_step()
+    assert all(torch.equal(a, p) for a, p in zip(before, tr.model.parameters()))
+    assert tr.cfg.micro_batch_rows is None or tr.cfg.micro_batch_rows > 2
+
+
 def test_oom_with_one_row_stops_with_a_clear_message(tmp_path):
     tr = _trainer(tmp_path, 3)
     tr.log = lambda *a: None
