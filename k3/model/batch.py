@@ -9,15 +9,16 @@ lists without a device read). Its inputs are checked once, here, without reading
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from k3.tensors import to_device_async
 
-__all__ = ["BatchInfo", "packed_cu_seqlens"]
+__all__ = ["BatchInfo", "ContextParallel", "packed_cu_seqlens"]
 
 
 def packed_cu_seqlens(segment_ids: Tensor) -> Tensor:
@@ -40,6 +41,35 @@ def _describe(x) -> str:
     return f"a {type(x).__name__}"
 
 
+class ContextParallel(Protocol):
+    """What a forward over one rank's segment of a packed row needs from context parallelism (report §5.1.2): the
+    layers call these in place of their single-device ops when the batch record carries one (`BatchInfo.context`).
+    The record's segment ids and offsets are then the segment's own (offsets local, ids global); labels are aligned
+    with the positions (the target of position t at t), since the next token of a segment's last position lives on
+    the next rank. Implemented by k3.parallel.context_parallel.ContextParallelRecord; the model imports no parallel
+    code."""
+
+    def kda(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, A_log: Tensor, dt_bias: Tensor,
+            lower_bound: float, cu_seqlens: Tensor) -> Tensor:
+        """k3.ops.kda_backend.kda's math (raw logits, [1, T_i, ...]) for this segment, its incoming state from the
+        earlier segments: the output o [1, T_i, H, V]."""
+        ...
+
+    def conv_halo(self, x: Tensor, width: int, cu_seqlens: Tensor) -> Tensor:
+        """The short conv's carried inputs [N_i, C, width - 1] for this segment's pre-conv rows x [1, T_i, C]."""
+        ...
+
+    def mla(self, q: Tensor, c: Tensor, k_rope: Tensor, kv_up: Callable[[Tensor], Tensor], scale: float,
+            segment_ids: Tensor) -> Tensor:
+        """Gated MLA's attention core for this segment's queries over the keys of this and every earlier
+        segment: o [1, T_i, H, Dv]."""
+        ...
+
+    def token_count(self, n: Tensor) -> Tensor:
+        """The whole row's count from this segment's count `n` (summed over the group; no gradient)."""
+        ...
+
+
 @dataclass(frozen=True, eq=False)
 class BatchInfo:
     """What the layers need to know about one batch besides its tokens.
@@ -53,6 +83,8 @@ class BatchInfo:
         on the host, so a forward never waits for the device.
     logit_positions: [n] integer positions along the token axis whose logits are wanted (the same for every row;
         the serving runner asks for each packed request's last token), or None for every position.
+    context: under context parallelism, the segment's ContextParallel (its layers' collective forms), with the
+        other fields describing this rank's segment of one packed row; None otherwise.
 
     Build it with :meth:`from_segment_ids` or :meth:`from_lengths` (the constructor takes the fields as they are,
     checked but not derived from one another); :meth:`to` moves it to the model's device."""
@@ -61,6 +93,7 @@ class BatchInfo:
     cu_seqlens: Tensor | None = None
     cu_seqlens_cpu: Tensor | None = None
     logit_positions: Tensor | None = None
+    context: ContextParallel | None = None
     # Per-batch values built on first use and reused by every layer (and by the recompute of activation
     # checkpointing): the flex block mask.
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -95,6 +128,9 @@ class BatchInfo:
             if cu.numel() != cu_cpu.numel():
                 raise ValueError(f"cu_seqlens ({cu.numel()} entries) and cu_seqlens_cpu ({cu_cpu.numel()} entries) "
                                  "must be the same offsets")
+        if self.context is not None and (seg is None or seg.shape[0] != 1 or cu is None):
+            raise ValueError("a context-parallel record describes one rank's segment of one packed row: give its "
+                             "segment ids [1, T_i] and offsets (BatchInfo.from_segment_ids(..., context=...))")
         pos = self.logit_positions
         if pos is not None and (not isinstance(pos, Tensor) or pos.ndim != 1 or not _integer(pos)):
             raise ValueError(f"logit_positions must be a 1-D integer tensor of token positions, got {_describe(pos)}")
@@ -102,7 +138,8 @@ class BatchInfo:
     # --- construction ----------------------------------------------------------------------------------------
     @classmethod
     def from_segment_ids(cls, segment_ids: Tensor, cu_seqlens_cpu: Tensor | None = None,
-                         logit_positions: Tensor | None = None) -> "BatchInfo":
+                         logit_positions: Tensor | None = None,
+                         context: ContextParallel | None = None) -> "BatchInfo":
         """The record of a [B, T] batch of packed documents. The offsets are computed where `segment_ids` lie:
         on the host for a host tensor (then `.to(device)` moves the record without any device read: the trainer's
         way), on the device otherwise (which reads their count back). `cu_seqlens_cpu`, when the caller has
@@ -119,7 +156,8 @@ class BatchInfo:
                                  f"got {_describe(cu_seqlens_cpu)}")
             cu_cpu = cu_seqlens_cpu.to(torch.int64)
             cu = to_device_async(cu_cpu, segment_ids.device)
-        return cls(segment_ids=segment_ids, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, logit_positions=logit_positions)
+        return cls(segment_ids=segment_ids, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, logit_positions=logit_positions,
+                   context=context)
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int] | Sequence[Sequence[int]], device=None,

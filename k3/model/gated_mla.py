@@ -50,6 +50,11 @@ class GatedMLA(nn.Module):
         c = self.kv_a_layernorm(c)
         if cache is not None:
             return self._gated_out(x, gate, cache.attend(self, q, c, k_rope))
+        context = batch.context if batch is not None else None
+        if context is not None:  # this segment's queries over the latent gathered from the earlier segments
+            if return_max_logit:
+                raise ValueError("the max-logit statistic (QK-Clip) is not computed under context parallelism")
+            return self._gated_out(x, gate, context.mla(q, c, k_rope, self.kv_b_proj, self.scale, batch.segment_ids))
         # Training and evaluation forwards: expand the latent into per-head keys and values (compiled
         # flex_attention on GPU), documents kept apart by the batch's block mask, built once per batch.
         segment_ids = batch.segment_ids if batch is not None else None

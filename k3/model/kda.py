@@ -53,6 +53,10 @@ class KimiDeltaAttention(nn.Module):
                                  "BatchInfo.from_segment_ids or BatchInfo.from_lengths")
             cu_seqlens, cu_seqlens_cpu = batch.cu_seqlens, batch.cu_seqlens_cpu
             x = x.reshape(1, -1, shape[-1])  # the batch's documents as the sequences of one row
+        context = batch.context if batch is not None else None
+        if context is not None and cache is not None:
+            raise ValueError("context parallelism is a training forward: give no cache with it")
+        local_cu = None if context is None else (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         P = H * K
@@ -63,7 +67,9 @@ class KimiDeltaAttention(nn.Module):
             qkv, f_a, beta_logits, gate = stacked_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_a_proj,
                                                          self.b_proj, self.g_proj)
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
-            q, k, v = short_conv(qkv, w, None, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            # under context parallelism a continued first document's conv reads the previous segment's last inputs
+            halo = None if context is None else context.conv_halo(qkv, w.shape[-1], local_cu)
+            q, k, v = short_conv(qkv, w, halo, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                  output_state=False, backends=self.backends)[0].split(P, dim=-1)
             state = None
         else:
@@ -75,10 +81,14 @@ class KimiDeltaAttention(nn.Module):
             v, cv = short_conv(v, self.v_conv1d.weight, conv[2], cu_seqlens=cu_seqlens, backends=self.backends)
         z = self.f_b_proj(f_a).view(B, T, H, K)
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
-        o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z,
-                               beta_logits.contiguous(), self.A_log, self.dt_bias, self.lower_bound,
-                               initial_state=state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                               backends=self.backends)
+        if context is not None:  # KCP: this segment's incoming state from the earlier segments
+            o = context.kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z, beta_logits.contiguous(),
+                            self.A_log, self.dt_bias, self.lower_bound, local_cu)
+        else:
+            o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z,
+                                   beta_logits.contiguous(), self.A_log, self.dt_bias, self.lower_bound,
+                                   initial_state=state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                   backends=self.backends)
         if cache is not None:
             cache.update(new_state, [cq, ck, cv])
         # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)

@@ -282,11 +282,32 @@ class K3ForCausalLM(nn.Module):
                 h = hidden[:, positions]
             logits = self.head(h)
         out = CausalLMOutput(logits=logits, hidden_states=hidden, stats=found)
-        if labels is not None:
+        if labels is not None and batch is not None and batch.context is not None:
+            out.loss = self._context_loss(hidden, logits, labels, batch.context)
+        elif labels is not None:
             out.loss = _shifted_ce(logits, labels, 1) if return_logits else self.head_loss(hidden, labels)
             if len(self.mtp) and input_ids is not None:
                 out.mtp_loss = self.mtp_loss(hidden, input_ids, labels, batch, found=found)
         return out
+
+    def _context_loss(self, hidden, logits, labels, context) -> torch.Tensor:
+        """This segment's share of the row's mean next-token cross-entropy under context parallelism: `labels` are
+        aligned with the positions (the target of position t at t, shifted before the row was split), the sum over
+        this segment's tokens divided by the row's count of labelled tokens, so the segments' losses sum to the
+        single-process loss (and their gradients to its gradient)."""
+        if len(self.mtp):
+            raise ValueError("multi-token prediction is not supported under context parallelism: use a config with "
+                             "num_nextn_predict_layers=0 (or --cp 1)")
+        target = labels.reshape(-1)
+        if logits is not None:
+            total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target, ignore_index=-100,
+                                    reduction="sum")
+        else:
+            D = hidden.shape[-1]
+            with record_function("k3.head_loss"):
+                total = linear_cross_entropy(self.model.norm(hidden.reshape(-1, D)), self.lm_head.weight, target,
+                                             backends=self.backends)
+        return total / context.token_count((target != -100).sum())
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head: output-site hidden states [..., D] (before the final norm) -> logits [..., V]."""

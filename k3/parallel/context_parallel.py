@@ -26,14 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from k3.model.batch import packed_cu_seqlens
+from k3.model.batch import BatchInfo, packed_cu_seqlens
 from k3.ops.kda import kda_chunk, kda_gate, l2norm
 from k3.ops.mla import mla_attention
 from k3.ops.precision import fp32_math
 
 __all__ = ["CPSegment", "CPBatch", "even_split_points", "cp_plan", "split_rows", "merge_rows", "split_packed_batch",
            "segment_fragments", "compose_incoming", "kcp_reference", "all_gather_autograd", "kda_context_parallel",
-           "kda_cp", "all_gather_rows", "mla_context_parallel", "conv_halo"]
+           "kda_cp", "all_gather_rows", "mla_context_parallel", "conv_halo", "ContextParallelRecord",
+           "aligned_labels", "cp_batch_info"]
 
 # kda_chunk's contract: (q, k, v, g, beta, scale=, initial_state=, cu_seqlens=) -> (o, final_state [N, H, K, V]).
 KDAFn = Callable[..., tuple[Tensor, Tensor]]
@@ -361,3 +362,47 @@ def conv_halo(x: Tensor, width: int, cu_seqlens_local: Tensor, group: dist.Proce
     gathered = all_gather_autograd(tail, group)  # [P, D, C]
     halo = _tied(gathered[rank - 1] if continued else torch.zeros_like(tail), gathered[rank])
     return torch.cat([halo.t()[None], x.new_zeros(len(cu) - 2, C, D)])
+
+
+# --------------------------------------------------------------------------------------------
+# The model's hook: k3.model.batch.ContextParallel
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ContextParallelRecord:
+    """k3.model.batch.ContextParallel for one rank's segment: the CP group, whether its first document began on an
+    earlier rank, and every segment's length. Put it on the segment's BatchInfo (`cp_batch_info`), and the model's
+    KDA, short conv and Gated MLA layers run their collective forms (kda_cp, conv_halo, mla_context_parallel)."""
+
+    group: dist.ProcessGroup | None
+    continued: bool
+    lengths: tuple[int, ...]
+
+    def kda(self, q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens):
+        return kda_cp(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens, self.group,
+                      self.continued)[0]
+
+    def conv_halo(self, x, width, cu_seqlens):
+        return conv_halo(x, width, cu_seqlens, self.group, self.continued)
+
+    def mla(self, q, c, k_rope, kv_up, scale, segment_ids):
+        return mla_context_parallel(q, c, k_rope, kv_up, scale, segment_ids, self.group, self.lengths)
+
+    def token_count(self, n: Tensor) -> Tensor:
+        n = n.detach().clone()
+        dist.all_reduce(n, group=self.group)
+        return n
+
+
+def aligned_labels(labels: Tensor) -> Tensor:
+    """Labels as the model takes them (aligned with input_ids, shifted inside) -> the target of position t at t
+    (-100 at the row's last position), which split_packed_batch and a context-parallel forward expect."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+
+
+def cp_batch_info(part: CPBatch, group: dist.ProcessGroup | None):
+    """The BatchInfo of one rank's segment (host tensors; `.to(device)` moves it), with its ContextParallelRecord."""
+    s = part.segment
+    return BatchInfo.from_segment_ids(part.segment_ids, cu_seqlens_cpu=s.cu_seqlens,
+                                      context=ContextParallelRecord(group, s.continued, s.lengths))
