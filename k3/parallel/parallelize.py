@@ -41,9 +41,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, options: ParallelizeOptions 
     over "ep" when it has more than one rank (each expert's parameters sharded over ("dp", "cp"), their gradients
     divided by the world size like the dense ones'), then FSDP2 over the whole mesh."""
     opts = options or ParallelizeOptions()
-    if mesh["cp"].size() > 1:
-        raise ValueError("--cp is not wired into the trainer yet (context parallelism is available as "
-                         "k3.parallel.context_parallel, but the model does not use it); use --cp 1")
     if mesh["ep"].size() > 1:
         from k3.parallel.mesh import ParallelDims
 

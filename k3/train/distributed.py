@@ -54,6 +54,23 @@ class DistributedTrainer(Trainer):
                          tokenizer_json=tokenizer_json, log=log if self.rank == 0 else _quiet)
         self.writes_files = self.rank == 0
         self.retries_oom = False
+        self.cp = mesh["cp"].size()
+        if self.cp > 1:
+            self._check_context_parallel(tcfg)
+
+    def _check_context_parallel(self, tcfg: TrainConfig) -> None:
+        """Context parallelism splits one packed row per forward over the "cp" ranks (report §5.1.2)."""
+        if len(self.model.mtp):
+            raise ValueError("--cp needs a model without multi-token prediction layers (a config with "
+                             "num_nextn_predict_layers 0): MTP does not run under context parallelism yet")
+        if self.max_logits is not None:
+            raise ValueError("--cp needs --qk-clip-tau 0: the max logits of MLA under context parallelism are not "
+                             "computed yet")
+        if tcfg.micro_batch_rows not in (None, 1):
+            raise ValueError(f"--cp runs one packed row per forward; --micro-batch-rows {tcfg.micro_batch_rows} "
+                             f"cannot apply")
+        tcfg.micro_batch_rows = 1
+        self.cp_rank, self.cp_group = self.mesh["cp"].get_local_rank(), self.mesh["cp"].get_group()
 
     # --- hooks of the single-process loop ------------------------------------------------------------
     def _next_batch(self) -> dict:
@@ -65,13 +82,31 @@ class DistributedTrainer(Trainer):
         lo = self.data_index * n
         return {k: v[lo:lo + n] for k, v in batch.items()}
 
+    def _micro_batch(self, host: dict):
+        """Under context parallelism: this rank's segment of the micro-batch's one packed row (labels aligned with
+        the positions first, as the split needs), its record carrying the cp group (k3.parallel.context_parallel).
+        Each rank's loss is its segment's share of the row's mean, so the cp ranks' losses sum to it: scaled by
+        cp in backward, FSDP2's average over all ranks becomes the sum over cp and the mean over data ranks."""
+        if self.cp == 1:
+            return super()._micro_batch(host)
+        from k3.parallel.context_parallel import aligned_labels, cp_batch_info, split_packed_batch
+        from k3.tensors import to_device_async
+
+        parts = split_packed_batch(host["input_ids"], host["segment_ids"], self.cp,
+                                   labels=aligned_labels(host["labels"]))
+        mine = parts[self.cp_rank]
+        info = cp_batch_info(mine, self.cp_group).to(self.device)
+        ids = {"input_ids": to_device_async(mine.input_ids, self.device),
+               "labels": to_device_async(mine.labels, self.device)}
+        return info, ids, float(self.cp)
+
     def _weight_casts(self):
         return None  # FSDP2 casts the parameters for each unit's forward and reduces through autograd's hooks
 
     def _reduce_losses(self, loss: torch.Tensor, mtp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.stack([loss, mtp])
         dist.all_reduce(both, op=dist.ReduceOp.SUM)
-        both /= self.world
+        both /= self.world // self.cp  # the cp ranks' losses are shares of one row's: summed, not averaged
         return both[0], both[1]
 
     def _clip_grad_norm(self) -> torch.Tensor:

@@ -287,18 +287,15 @@ class Trainer:
         with model.use_weight_casts(self._weight_casts()):
             for s in range(0, rows, mb):
                 host = {k: v[s:s + mb] for k, v in batch.items()}
-                # The micro-batch's record, its documents' offsets computed from the host copy: the forward then
-                # never waits for the device.
-                info = BatchInfo.from_segment_ids(host["segment_ids"]).to(self.device)
-                part = {k: to_device_async(host[k], self.device) for k in ("input_ids", "labels")}  # no host wait
-                w = part["input_ids"].shape[0] / rows
+                info, part, scale = self._micro_batch(host)
+                w = host["input_ids"].shape[0] / rows
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                         record_function("k3.train.forward"):
                     out = model(part["input_ids"], labels=part["labels"], batch=info, return_logits=False,
                                 check_ids=False, stats=self.forward_stats)
                     loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
                 with record_function("k3.train.backward"):
-                    (loss * w).backward()
+                    (loss * (w * scale)).backward()
                 losses.append(out.loss.detach().double() * w)
                 if out.mtp_loss is not None:
                     mtps.append(out.mtp_loss.detach().double() * w)
@@ -310,6 +307,13 @@ class Trainer:
                         bal.observe(routing, b)
         zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
         return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else zero)
+
+    def _micro_batch(self, host: dict) -> tuple[BatchInfo, dict, float]:
+        """(the micro-batch's record, its token ids and labels on the device, the factor its loss is scaled by in
+        backward). The record's document offsets are computed from the host copy, so the forward never waits for
+        the device; the copies do not wait either."""
+        info = BatchInfo.from_segment_ids(host["segment_ids"]).to(self.device)
+        return info, {k: to_device_async(host[k], self.device) for k in ("input_ids", "labels")}, 1.0
 
     def _weight_casts(self) -> WeightCasts | None:
         """The weight casts of one step's micro-batches (k3.ops.weight_cast): a fresh `WeightCasts` under bf16
