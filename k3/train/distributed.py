@@ -14,7 +14,7 @@
 * a checkpoint `step-N/` is the full model gathered to rank 0 and written in the official layout (`k3 eval` /
   `k3 serve` load it; its trainer_state files carry the settings and positions, no optimizer state), with the
   sharded training state in `step-N/sharded/` (k3.parallel.checkpoint.save_sharded, every rank its shards of the
-  model and optimizer; `extra` the rest of the trainer state as JSON). `--resume` loads that folder into the
+  model and optimizer; `extra` the rest of the trainer state as JSON). `load` restores that folder into the
   parallelized model and optimizer at any world size (k3.parallel.checkpoint.load_sharded). Expert-parallel runs
   (--ep > 1) save the official layout only and cannot resume yet.
 """
