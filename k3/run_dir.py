@@ -24,6 +24,13 @@ from k3.files import fsync_dir
 _STEP = re.compile(r"^step-(\d+)$")
 # What a save writes; a directory holding all of them was renamed into place complete (save_pretrained).
 COMPLETE_FILES = ("config.json", INDEX, "trainer_state.json", "trainer_state.safetensors")
+# A distributed run's checkpoint is the official layout above (gathered on rank 0, for `k3 eval` / `k3 serve` and
+# the settings --resume reads) with its sharded training state (k3.parallel.checkpoint: model and optimizer
+# shards, trainer state) in the subfolder `sharded/`. All ranks write it first as `step-N.sharded/` next to the
+# checkpoint; rank 0 moves it in once `step-N/` is in place. clean_interrupted finishes a move cut short.
+SHARDED_DIR = "sharded"
+_STAGED = ".sharded"
+SHARDED_FILES = (".metadata", "sharded_state.json", "config.json")  # k3.parallel.checkpoint.SHARDED_COMPLETE_FILES
 
 
 class RunLockedError(ValueError):
@@ -97,6 +104,12 @@ def is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in COMPLETE_FILES)
 
 
+def sharded_state(path: str) -> str | None:
+    """The complete sharded training state of the checkpoint `path` (a distributed run's), or None."""
+    sub = os.path.join(path, SHARDED_DIR)
+    return sub if is_complete(path) and all(os.path.isfile(os.path.join(sub, f)) for f in SHARDED_FILES) else None
+
+
 def complete_checkpoints(ckdir: str) -> list[tuple[int, str]]:
     """(step, path) of every complete `step-N` checkpoint, oldest first."""
     if not os.path.isdir(ckdir):
@@ -149,7 +162,30 @@ def clean_interrupted(ckdir: str, log: Callable[[str], object] = print) -> list[
             removed.append(n)
     for n in names:
         p = os.path.join(ckdir, n)
-        if n.endswith(".partial") and os.path.isdir(p):
+        if n.endswith(_STAGED) and os.path.isdir(p):
+            # A distributed save's sharded state, not yet moved into its checkpoint: moved in when that
+            # checkpoint is complete and lacks it (the save was killed between the two), removed otherwise.
+            base = p[: -len(_STAGED)]
+            if (step_of(os.path.basename(base)) is not None and is_complete(base)
+                    and not os.path.exists(os.path.join(base, SHARDED_DIR))
+                    and all(os.path.isfile(os.path.join(p, f)) for f in SHARDED_FILES)):
+                os.replace(p, os.path.join(base, SHARDED_DIR))
+                fsync_dir(base)
+                restored.append(n)
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(n)
+    for n in names:
+        p = os.path.join(ckdir, n)
+        if step_of(n) is not None and os.path.isdir(p):  # a re-save's swap of sharded/ cut short
+            for sub in (SHARDED_DIR + ".old", SHARDED_DIR + ".partial"):
+                if os.path.isdir(os.path.join(p, sub)):
+                    shutil.rmtree(os.path.join(p, sub), ignore_errors=True)
+                    removed.append(f"{n}/{sub}")
+        if n.endswith(_STAGED + ".partial") and os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(n)
+        elif n.endswith(".partial") and os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(n)
         elif n.startswith(".tmp-") and os.path.isfile(p):  # k3.files.atomic_write's temporary files
@@ -158,7 +194,7 @@ def clean_interrupted(ckdir: str, log: Callable[[str], object] = print) -> list[
     if removed or restored:
         fsync_dir(ckdir)
     if restored:
-        log(f"checkpoints: restored {', '.join(restored)} (its replacement was interrupted)")
+        log(f"checkpoints: restored {', '.join(restored)} (its replacement or move was interrupted)")
     if removed:
         log(f"checkpoints: removed {', '.join(sorted(removed))} left by an interrupted save")
     return sorted(removed)

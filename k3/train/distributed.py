@@ -10,16 +10,24 @@
   bias and clips the same heads; QK-Clip scales each rank's rows of the sharded weights;
 * the gradient norm is the norm over all ranks' shards; loop decisions taken from the clock or a signal (stop,
   save) are all-reduced so that every rank takes them together;
-* rank 0 alone writes metrics.jsonl, loss.png, the progress bar and the checkpoints; a checkpoint is the full
-  model gathered to rank 0 and written in the official layout (`k3 eval` / `k3 serve` load it). Its trainer state
-  carries no optimizer state: resuming a distributed run is not supported yet.
+* rank 0 alone writes metrics.jsonl, loss.png and the progress bar;
+* a checkpoint `step-N/` is the full model gathered to rank 0 and written in the official layout (`k3 eval` /
+  `k3 serve` load it; its trainer_state files carry the settings and positions, no optimizer state), with the
+  sharded training state in `step-N/sharded/` (k3.parallel.checkpoint.save_sharded, every rank its shards of the
+  model and optimizer; `extra` the rest of the trainer state as JSON). `load` restores that folder into the
+  parallelized model and optimizer at any world size (k3.parallel.checkpoint.load_sharded). Expert-parallel runs
+  (--ep > 1) save the official layout only and cannot resume yet.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import os
+import shutil
 from dataclasses import asdict
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -28,7 +36,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from k3.model.gated_mla import GatedMLA
 from k3.parallel.mesh import data_rank
-from k3.run_dir import holding_run_dir
+from k3.files import fsync_dir
+from k3.run_dir import SHARDED_DIR, holding_run_dir, sharded_state
 from k3.train import state as state_io
 from k3.train.checkpointing import checkpoint_path, save_checkpoint
 from k3.train.qk_clip import apply_qk_clip_, mla_layers
@@ -152,17 +161,45 @@ class DistributedTrainer(Trainer):
                 return self._fit(progress_bar)
         return self._fit(progress_bar)
 
+    def _expert_parallel(self) -> bool:
+        from k3.parallel.expert_parallel import ExpertParallelExperts
+
+        return any(isinstance(m, ExpertParallelExperts) and m.ep_size > 1 for m in self.model.modules())
+
     def save(self) -> str:
-        """Gather the full model to rank 0 and write it there as a regular checkpoint (collective: every rank
-        calls it). Returns the checkpoint's path."""
+        """Write the checkpoint of this step (collective: every rank calls it): the sharded training state as
+        `step-N.sharded/` (all ranks), then the full model gathered to rank 0 as the official-layout `step-N/`,
+        then rank 0 moves the sharded state in as `step-N/sharded/`. Returns the checkpoint's path."""
+        from k3.parallel.checkpoint import _on_rank0, save_sharded
+
+        path = checkpoint_path(self.cfg.out, self.step)
+        if self._saved_step == self.step:
+            return path
+        sharded = not self._expert_parallel()
+        staged = path + ".sharded"
+        if sharded:
+            save_sharded(staged, self.model, self.optimizer, self.sharded_extra())
+        self._save_gathered()
+        if sharded:
+            def move() -> None:
+                dest = os.path.join(path, SHARDED_DIR)
+                if os.path.exists(dest):  # re-saving a step: the new state replaces the old one
+                    os.replace(dest, dest + ".old")
+                    shutil.rmtree(dest + ".old")
+                os.replace(staged, dest)
+                fsync_dir(path)
+
+            _on_rank0(f"moving {staged} into {path}", move)
+        self._saved_step = self.step
+        return path
+
+    def _save_gathered(self) -> None:
+        """Gather the full model to rank 0 and write it there as a regular checkpoint (collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from k3.model.model import K3ForCausalLM
         from k3.parallel.expert_parallel import ExpertParallelExperts
 
-        path = checkpoint_path(self.cfg.out, self.step)
-        if self._saved_step == self.step:
-            return path
         experts = {}  # EP: the full expert tables, gathered over the ep ranks (each holds E / ep of them)
         for name, m in self.model.named_modules():
             if isinstance(m, ExpertParallelExperts):
@@ -181,8 +218,6 @@ class DistributedTrainer(Trainer):
             save_checkpoint(plain, self.cfg.out, self.step, state, tokenizer_json=self.tokenizer_json,
                             keep=self.cfg.keep_checkpoints, log=self.log)
         dist.barrier()
-        self._saved_step = self.step
-        return path
 
     def state_dict(self) -> dict:
         """The single-process trainer state without the (sharded) optimizer state."""
@@ -196,9 +231,70 @@ class DistributedTrainer(Trainer):
             "world_size": self.world,
         }
 
+    def sharded_extra(self) -> dict:
+        """The trainer state besides the model's and optimizer's tensors, as JSON values (save_sharded's
+        `extra`): the same on every rank (the loader yields the global batches; balancer state and RNG are kept
+        identical by the all-reduces and the common seed), so rank 0's copy serves any world size."""
+        return {
+            "step": self.step, "elapsed": self.elapsed, "bad_steps": self.bad_steps,
+            "balancers": [{k: _tensor_to_json(v) if isinstance(v, torch.Tensor) else v
+                           for k, v in b.state_dict().items()} for b in self.balancers],
+            "loader": self.loader.state_dict(),
+            "torch_rng": _tensor_to_json(torch.get_rng_state()),
+            "train_config": asdict(self.cfg),
+            "world_size": self.world,
+        }
+
+    def load_sharded_extra(self, st: dict) -> None:
+        self.step, self.elapsed, self.bad_steps = int(st["step"]), float(st["elapsed"]), int(st["bad_steps"])
+        if len(st["balancers"]) != len(self.balancers):
+            raise TrainingError(f"the checkpoint holds {len(st['balancers'])} balancer states, the model has "
+                                f"{len(self.balancers)} balanced layers")
+        for b, s in zip(self.balancers, st["balancers"]):
+            b.load_state_dict({k: _tensor_from_json(v) if _is_json_tensor(v) else v for k, v in s.items()})
+        self.loader.load_state_dict(st["loader"])
+        torch.set_rng_state(_tensor_from_json(st["torch_rng"]))
+
     def load(self, ckpt_dir: str, verify: bool = True) -> None:
-        raise TrainingError("resuming under torchrun is not supported yet (distributed checkpoints are being "
-                            "added); resume this run in a single process")
+        """Restore the model, optimizer and trainer state from the sharded state of the checkpoint `ckpt_dir`
+        (`step-N/sharded/`; collective), whatever world size wrote it. `verify` is for the single-process
+        checkpoint's digests; DCP checks its files' sizes against its metadata."""
+        from k3.parallel.checkpoint import load_sharded
+
+        if self._expert_parallel():
+            raise TrainingError("resuming an expert-parallel run (--ep > 1) under torchrun is not supported yet")
+        sub = sharded_state(ckpt_dir)
+        if sub is None:
+            raise TrainingError(f"{ckpt_dir} holds no sharded training state ({os.path.join(ckpt_dir, SHARDED_DIR)}"
+                                "): it was saved by a single process or an expert-parallel run; resume it in a "
+                                "single process")
+        extra = load_sharded(sub, self.model, self.optimizer)
+        try:
+            self.load_sharded_extra(extra)
+        except (KeyError, TypeError, ValueError) as e:
+            raise TrainingError(f"trainer state in {sub} is unreadable ({type(e).__name__}: {e}); "
+                                "the checkpoint is damaged") from None
+        if os.path.abspath(ckpt_dir) == os.path.abspath(checkpoint_path(self.cfg.out, self.step)):
+            self._saved_step = self.step  # resuming from this run's own checkpoint of this step
+
+
+_JSON_TENSOR = "__tensor_b64__"
+
+
+def _tensor_to_json(t: torch.Tensor) -> dict:
+    """A small CPU-copyable tensor as JSON: its dtype, shape and raw bytes in base64."""
+    a = t.detach().cpu().contiguous().numpy()
+    return {_JSON_TENSOR: base64.b64encode(a.tobytes()).decode("ascii"), "dtype": str(a.dtype),
+            "shape": list(a.shape)}
+
+
+def _is_json_tensor(v) -> bool:
+    return isinstance(v, dict) and _JSON_TENSOR in v
+
+
+def _tensor_from_json(d: dict) -> torch.Tensor:
+    a = np.frombuffer(base64.b64decode(d[_JSON_TENSOR]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+    return torch.from_numpy(a.copy())
 
 
 def _quiet(*args, **kwargs) -> None:

@@ -352,3 +352,21 @@ def test_malformed_config_on_resume_is_one_line(tmp_path, capsys):
     assert main(_cli_train(tmp_path, out) + ["--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("k3 train: ") and os.path.join(ck, "config.json") in err[0], err
+
+
+def test_clean_interrupted_moves_a_staged_sharded_state_into_its_checkpoint(tmp_path):
+    from k3.run_dir import SHARDED_FILES, sharded_state
+
+    ckdir = tmp_path / "checkpoints"
+    done, orphan = ckdir / "step-0000002", ckdir / "step-0000003.sharded"
+    done.mkdir(parents=True)
+    for f in COMPLETE_FILES:
+        (done / f).write_text("{}")
+    for staged in (ckdir / "step-0000002.sharded", orphan):  # killed before the move / before step-3 existed
+        staged.mkdir()
+        for f in SHARDED_FILES:
+            (staged / f).write_text("{}")
+    assert sharded_state(str(done)) is None
+    clean_interrupted(str(ckdir), log=lambda *a: None)
+    assert sharded_state(str(done)) == str(done / "sharded")
+    assert sorted(p.name for p in ckdir.iterdir()) == ["step-0000002"]
