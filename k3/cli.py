@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dp-shard", type=_positive_int, help="data-parallel (FSDP2) ranks under torchrun "
                    "(default: the world size / (--ep x --cp))")
     s.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel ranks under torchrun (default 1)")
-    s.add_argument("--cp", type=_positive_int, default=1, help="context-parallel ranks (not wired into training yet)")
+    s.add_argument("--cp", type=_positive_int, default=1, help="context-parallel ranks under torchrun: each packed row "
+                   "split along the sequence (KDA context parallelism; default 1)")
     s.add_argument("--moon-ep", action="store_true", help="with --ep > 1: MoonEP's balanced expert parallelism, every "
                    "rank computing the same number of token-expert pairs with redundant experts planned per layer "
                    "(report §5.2.1)")

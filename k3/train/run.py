@@ -74,12 +74,11 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
     os.makedirs(out, exist_ok=True)
     mesh = opts.mesh
     rank = 0 if mesh is None else torch.distributed.get_rank()
-    if mesh is not None and opts.resume:
-        raise ValueError("--resume is not supported under torchrun yet (distributed checkpoints are being added); "
-                         "resume the run in a single process")
     if rank == 0:
         with holding_run_dir(out):  # before looking for the latest: a swap cut short is undone here
             clean_interrupted(os.path.join(out, "checkpoints"), log=log)
+    if mesh is not None:
+        torch.distributed.barrier()  # every rank looks for the latest checkpoint after rank 0's clean-up
     resume_from = latest_checkpoint(out) if opts.resume else None
     if opts.resume and resume_from is None:
         raise ValueError(f"--resume: no checkpoint found in {out}/checkpoints")

@@ -70,3 +70,25 @@ def test_moon_ep_needs_expert_parallelism():
         assert "--moon-ep" in str(e) and "--ep" in str(e)
     else:
         raise AssertionError("--moon-ep without --ep 2 or more was accepted")
+
+
+def test_torchrun_resume_continues_the_run(tmp_path):
+    # A run of 2 steps on two processes, resumed under torchrun to 3: the resumed ranks load the sharded training
+    # state (k3.parallel.checkpoint) of the latest checkpoint and go on from step 3 (the trainer-level resume at the
+    # same and at another world size is compared number by number in test_train_distributed.py).
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"m{i}.py").write_text("".join(f"def g{j}(y):\n    return y - {j} * {i}\n\n" for j in range(300)))
+    run = str(tmp_path / "run")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    common = ["train", "--data", str(data), "--seq-len", "64", "--batch-tokens", "512", "--vocab-size", "300",
+              "--eval-every", "100", "--no-progress", "--device", "cpu", "--out", run]
+    for extra in (["--max-steps", "2"], ["--max-steps", "3", "--resume"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), "-m", "k3"] + common + extra
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line).get("step") for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [s for s in steps if s] == [1, 2, 3]
+    assert "resumed from" in done.stdout + done.stderr
