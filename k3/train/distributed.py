@@ -10,6 +10,9 @@
   bias and clips the same heads; QK-Clip scales each rank's rows of the sharded weights;
 * the gradient norm is the norm over all ranks' shards; loop decisions taken from the clock or a signal (stop,
   save) are all-reduced so that every rank takes them together;
+* context parallelism (a "cp" dimension of 2 or more): each forward is one packed row, split along the sequence
+  over the cp ranks (k3.parallel.context_parallel); each rank's loss is its segment's share of the row's mean, so
+  it is scaled by cp in backward and the reported loss sums the cp ranks' shares;
 * rank 0 alone writes metrics.jsonl, loss.png and the progress bar;
 * a checkpoint `step-N/` is the full model gathered to rank 0 and written in the official layout (`k3 eval` /
   `k3 serve` load it; its trainer_state files carry the settings and positions, no optimizer state), with the
