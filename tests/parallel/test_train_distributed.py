@@ -97,7 +97,7 @@ def test_per_head_muon_on_fsdp_shards(tmp_path):
 STEPS, SEQ, ROWS = 5, 32, 4  # global batch of 4 rows; 2 data ranks of 2 rows each
 
 
-def train_setup(cp: int = 1):
+def train_setup(cp: int = 1, quarters: bool = False):
     import numpy as np
 
     from k3.data.packing import PackedLoader
@@ -108,20 +108,22 @@ def train_setup(cp: int = 1):
     # micro-batches of the per-rank rows: the single-process gradient weights each half as the ranks do
     tcfg = TrainConfig(max_steps=STEPS, seq_len=SEQ, batch_tokens=ROWS * SEQ, micro_batch_rows=ROWS // 2,
                        eval_every=10**6, lr=1e-2)
+    if quarters:  # four data ranks: micro-batches of a quarter of the rows
+        tcfg.micro_batch_rows = ROWS // 4
     if cp > 1:  # one row per forward, split over the cp ranks; no MTP, no QK-Clip (not under context parallel yet)
         tcfg.micro_batch_rows, tcfg.qk_clip_tau = 1, 0.0
         return tiny_model(mtp=False), loader, tcfg
     return tiny_model(), loader, tcfg
 
 
-def trainer_worker(rank: int, world: int, store: str, ep: int, out: str, cp: int = 1) -> None:
+def trainer_worker(rank: int, world: int, store: str, ep: int, out: str, cp: int = 1, quarters: bool = False) -> None:
     from k3.parallel.mesh import ParallelDims
     from k3.parallel.parallelize import ParallelizeOptions, parallelize
     from k3.train.distributed import DistributedTrainer
 
     init(rank, world, store)
     try:
-        model, loader, tcfg = train_setup(cp)
+        model, loader, tcfg = train_setup(cp, quarters)
         tcfg.out = out
         mesh = ParallelDims.from_flags(world, None, ep=ep, cp=cp).build_mesh("cpu")
         parallelize(model, mesh, ParallelizeOptions())
@@ -155,10 +157,10 @@ def first_gradients(trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
-def single_process_run(cp: int = 1) -> tuple[list[float], K3ForCausalLM]:
+def single_process_run(cp: int = 1, quarters: bool = False) -> tuple[list[float], K3ForCausalLM]:
     from k3.train.trainer import Trainer
 
-    model, loader, tcfg = train_setup(cp)
+    model, loader, tcfg = train_setup(cp, quarters)
     trainer = Trainer(model, tcfg, loader)
     if cp > 1:
         single_process_run.grads = first_gradients(trainer)
@@ -192,6 +194,28 @@ def test_trainer_matches_single_process(tmp_path, reference, ep):
     for n, t in got.state_dict().items():
         err = rel_err(t.float(), ref_sd[n].float())
         assert err <= param_tol, f"{n} differs from the single-process run by {err:.2e}"
+
+
+def test_trainer_on_two_fsdp_groups_of_two_expert_ranks_matches_single_process(tmp_path):
+    # 4 ranks, --dp-shard 2 x --ep 2: each expert sharded over the 2 dp ranks of its ep rank, its gradient summing
+    # both ep ranks' tokens and averaged over dp (the 1 / ep scale makes it the mean over all 4 ranks). The 4 data
+    # ranks take a quarter of the rows each, as the single process's 4 micro-batches do.
+    from k3.checkpoint import from_pretrained
+    from k3.train.checkpointing import checkpoint_path
+
+    torch.set_num_threads(1)
+    ref_losses, ref_model = single_process_run(quarters=True)
+    out = str(tmp_path / "run")
+    mp.start_processes(trainer_worker, args=(4, str(tmp_path / "store"), 2, out, 1, True), nprocs=4,
+                       start_method="fork")
+    losses = torch.load(f"{out}/losses.pt")
+    for s, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= TOL * abs(b), f"step {s + 1}: loss {a} vs single-process {b}"
+    got = from_pretrained(checkpoint_path(out, STEPS))
+    ref_sd = ref_model.state_dict()
+    for n, t in got.state_dict().items():  # as for --ep 2 on 2 ranks (see test_trainer_matches_single_process)
+        err = rel_err(t.float(), ref_sd[n].float())
+        assert err <= 1e-4, f"{n} differs from the single-process run by {err:.2e}"
 
 
 def test_trainer_with_context_parallel_matches_single_process(tmp_path):
