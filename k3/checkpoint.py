@@ -26,7 +26,7 @@ from safetensors.torch import save as st_save_bytes
 
 from k3.config import K3Config
 from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
-from k3.files import fsync_dir, read_json_file
+from k3.files import read_json_file, replace_dir, write_synced
 
 PREFIX = "language_model."
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
@@ -145,43 +145,23 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
             fname = f"model-{i:05d}-of-{n:06d}.safetensors"  # the release's 5-digit/6-digit mix
             data = st_save_bytes(shard, metadata={"format": "pt"})
             sums[fname] = hashlib.sha256(data).hexdigest()
-            _write_synced(os.path.join(tmp, fname), data)
+            write_synced(os.path.join(tmp, fname), data)
             del data
             for k, t in shard.items():
                 weight_map[k] = fname
                 total += t.numel() * t.element_size()
         index = {"metadata": {"total_size": total, CHECKSUM_KEY: sums}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_synced(os.path.join(tmp, INDEX), json.dumps(index, indent=2).encode("utf-8"))
+        write_synced(os.path.join(tmp, INDEX), json.dumps(index, indent=2).encode("utf-8"))
         # The config records the dtype the tensors are stored in (fp32 master weights save as float32).
         stored = dtype if dtype is not None else model.lm_head.weight.dtype
         save_cfg = cfg.replace(dtype=_dtype_name(stored))
-        _write_synced(os.path.join(tmp, "config.json"), (json.dumps(save_cfg.to_dict(), indent=2) + "\n").encode("utf-8"))
+        write_synced(os.path.join(tmp, "config.json"), (json.dumps(save_cfg.to_dict(), indent=2) + "\n").encode("utf-8"))
         for fname, data in (extra_files or {}).items():
-            _write_synced(os.path.join(tmp, fname), data)
-        fsync_dir(tmp)  # the directory's entries, so the renamed directory is never missing a file
-        _replace_dir(tmp, path)
+            write_synced(os.path.join(tmp, fname), data)
+        replace_dir(tmp, path)  # syncs the directory's entries first: the renamed one never misses a file
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _replace_dir(new: str, path: str) -> None:
-    """Swap a finished directory into place; the old one is removed only after the new one is in place."""
-    old = path + ".old"
-    if os.path.exists(old):
-        shutil.rmtree(old)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(new, path)
-    fsync_dir(os.path.dirname(path))
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

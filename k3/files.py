@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import BinaryIO, Callable
 
@@ -14,6 +15,28 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_synced(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` and fsync it (a file inside a directory that is renamed into place afterwards)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_dir(new: str, path: str) -> None:
+    """Swap the finished directory `new` into place as `path`: the previous `path` is kept as `path.old` until the
+    new one is there (a crash in between leaves one of the two), and the rename is made durable."""
+    fsync_dir(new)
+    old = path + ".old"
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(new, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:

@@ -152,7 +152,7 @@ def clean_interrupted(ckdir: str, log: Callable[[str], object] = print) -> list[
         p = os.path.join(ckdir, n)
         if n.endswith(".old") and os.path.isdir(p):
             base = p[: -len(".old")]
-            # Killed while swapping a re-saved step into place (checkpoint._replace_dir): the previous version
+            # Killed while swapping a re-saved step into place (k3.files.replace_dir): the previous version
             # is the one still known to be whole.
             if not os.path.exists(base) and os.path.isdir(base + ".partial") and is_complete(p):
                 os.replace(p, base)

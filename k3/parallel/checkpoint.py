@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from k3.checkpoint import CheckpointError, save_pretrained
-from k3.files import fsync_dir, read_json_file
+from k3.files import read_json_file, replace_dir, write_synced
 
 STATE_FILE = "sharded_state.json"
 METADATA_FILE = ".metadata"  # DCP's
@@ -139,27 +139,6 @@ def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 
 
 # --- saving -------------------------------------------------------------------------------------------------
-def _write_synced(path: str, text: str) -> None:
-    with open(path, "wb") as f:
-        f.write(text.encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _publish(tmp: str, path: str) -> None:
-    """Swap the finished `tmp` directory into place as `path` (a previous `path` goes only once the new one is
-    there) and make the rename durable."""
-    fsync_dir(tmp)
-    old = path + ".old"
-    if os.path.exists(old):
-        shutil.rmtree(old)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  extra: dict[str, Any]) -> None:
     """Save `model`'s and `optimizer`'s state (each rank its shards) and `extra` (JSON values, rank 0's copy) as
@@ -185,9 +164,9 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not dist.is_initialized())
 
     def finish() -> None:
-        _write_synced(os.path.join(tmp, STATE_FILE), state_text)
-        _write_synced(os.path.join(tmp, "config.json"), config_text)
-        _publish(tmp, path)
+        write_synced(os.path.join(tmp, STATE_FILE), state_text.encode("utf-8"))
+        write_synced(os.path.join(tmp, "config.json"), config_text.encode("utf-8"))
+        replace_dir(tmp, path)
 
     _on_rank0(f"finishing {path}", finish)  # also the barrier: no rank returns before the rename
 

@@ -35,15 +35,6 @@ TOL, GRAD_TOL = 1e-5, 5e-5
 H, K, V = 2, 16, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matrices gain nothing from intra-op threads, and on a busy machine a thread pool can stall.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def kda_inputs(T: int, seed: int = 0):
     """Leaf fp32 KDA inputs [1, T, ...]: unit-norm q/k, log-decay in (-5, 0) (kda_gate's range), beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)

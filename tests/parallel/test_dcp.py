@@ -44,14 +44,6 @@ STEPS, MORE = 1, 2  # steps before the save, steps after it
 ROWS, T = 4, 16  # global batch: rows x tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg() -> K3Config:
     return K3Config.from_preset("tiny")  # fp32, one MTP layer
 
@@ -181,7 +173,7 @@ def test_unfinished_or_broken_checkpoints_are_refused(runs, tmp_path, monkeypatc
     model = make_model(1)
     opt = make_optimizer(model)
     # a save interrupted before the rename (a rank died, or rank 0 before publishing): only `.partial` exists
-    monkeypatch.setattr(pc, "_publish", lambda tmp, path: (_ for _ in ()).throw(OSError("killed")))
+    monkeypatch.setattr(pc, "replace_dir", lambda tmp, path: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError, match="killed"):
         pc.save_sharded(tmp_path / "cut", model, opt, {"step": 1})
     monkeypatch.undo()

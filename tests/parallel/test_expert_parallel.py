@@ -38,14 +38,6 @@ CASES = {"spread": 0.0, "skewed": 0.25, "one_rank": 2.0}  # router bias added to
 EXPERT_PARAMS = ("experts.w1", "experts.w3", "experts.w2")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg() -> K3Config:
     return K3Config.from_preset("tiny")  # 8 routed experts, top-2, fp32
 

@@ -60,14 +60,6 @@ def worker(rank: int, P: int, store: str, out: str):
         dist.destroy_process_group()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_model_forward_backward_over_two_ranks_matches_single_process(tmp_path):
     mp.start_processes(worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
     got = torch.load(tmp_path / "cp.pt")

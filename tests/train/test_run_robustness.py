@@ -262,7 +262,7 @@ for _ in range(2):
     tr.save()
 tr.train_step()
 # SIGKILL at the moment the finished step-3.partial would be renamed into place: no cleanup code runs
-k3.checkpoint._replace_dir = lambda new, path: os.kill(os.getpid(), signal.SIGKILL)
+k3.checkpoint.replace_dir = lambda new, path: os.kill(os.getpid(), signal.SIGKILL)
 tr.save()
 """
 
@@ -293,7 +293,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_nothing_behind_after_the_next_st
 
 
 def test_a_swap_killed_halfway_restores_the_previous_version(tmp_path):
-    # checkpoint._replace_dir re-saving step 2: step-2 moved to step-2.old, the kill before step-2.partial moved in
+    # k3.files.replace_dir re-saving step 2: step-2 moved to step-2.old, the kill before step-2.partial moved in
     ckdir = str(tmp_path)
     _fake_checkpoint(os.path.join(ckdir, "step-0000002.old"))
     _fake_checkpoint(os.path.join(ckdir, "step-0000002.partial"))
