@@ -143,13 +143,16 @@ def cmd_train(args) -> int:
     from k3.train.trainer import TrainConfig, TrainingError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK
+    # Launched by torchrun (which also sets TORCHELASTIC_RUN_ID): the distributed trainer, even on one process, so
+    # that a one-process launch runs the code path (FSDP2, sharded checkpoints) of the many-process one.
+    launched = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ
     from k3.parallel.mesh import ParallelDims
 
     dims = ParallelDims.from_flags(world, args.dp_shard, args.ep, args.cp)  # refuses sizes that do not fit
     if args.moon_ep and dims.ep < 2:
         raise SystemExit(f"k3 train: --moon-ep balances expert parallelism; it needs --ep of 2 or more (got --ep {dims.ep})")
     device = pick_device(args.device)
-    if world > 1 and device.type == "cuda":
+    if launched and device.type == "cuda":
         device = torch_device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     backends = _backends(args.backend, device)
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
@@ -170,7 +173,7 @@ def cmd_train(args) -> int:
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
                       verify=args.verify, moon_ep=args.moon_ep)
     try:
-        if world > 1:
+        if launched:
             summary = _train_distributed(opts, tcfg, dims, device, not args.no_progress)
         else:
             summary = run_training(opts, tcfg, progress_bar=not args.no_progress)

@@ -27,10 +27,15 @@ An expert's gradient is therefore the gradient of the sum of the EP ranks' losse
 over its tokens, dividing it by the world size (FSDP2: `set_gradient_divide_factor`, see `shard_experts`) gives
 the gradient of the global mean, as the dense parameters' average over all ranks does.
 
-Host syncs per layer and forward (and again in an activation-checkpointing recompute): the read of the gathered
-[R, E] counts. MoonEP adds the host-side planner on those counts, the copy of the plan to the device, and the two
-checks `pair_slots` reads back. The backward does not sync: its split sizes are the forward's host ints. Shapes are
-dynamic (the rows a rank receives follow the routing); MoonEP's compute is T rows on every rank.
+Host syncs per layer and forward (and again in an activation-checkpointing recompute): one, the read of the
+gathered [R, E] counts. Every host-made tensor (the plan, the bases, the weight-fetch indices, the received rows'
+expert slots) goes to the device asynchronously from pinned memory, and `pair_slots` runs without its validation
+reads. The backward does not sync: its split sizes are the forward's host ints. Under MoonEP every rank computes
+exactly T = N K rows, so the expert GEMMs' total shape is static; the rows a rank receives from each source still
+vary, and `all_to_all_single` takes those split sizes as host ints, which is what the one read is for. Removing it
+needs an all-to-all whose splits live on the device (NVSHMEM-style device-initiated transfers, as MoonEP's and
+DeepEP's kernels do); with torch.distributed's collectives the read stays. Plain EP's compute shapes follow the
+routing.
 """
 
 from __future__ import annotations
@@ -91,8 +96,16 @@ def ep_group(ep: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
     return ep
 
 
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without waiting for the device: on CUDA through pinned memory, asynchronously
+    (the caching host allocator keeps the pinned block until the copy has run)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _plan_to(plan: MoonEPPlan, device: torch.device) -> MoonEPPlan:
-    return dataclasses.replace(plan, **{f.name: getattr(plan, f.name).to(device, non_blocking=True)
+    return dataclasses.replace(plan, **{f.name: _to_device(getattr(plan, f.name), device)
                                         for f in dataclasses.fields(plan) if isinstance(getattr(plan, f.name), Tensor)})
 
 
@@ -187,9 +200,9 @@ class ExpertParallelExperts(GroupedExperts):
 
     def _counts(self, indices: Tensor) -> Tensor:
         """[R, E] router counts of every EP rank, on the host (the layer's device-to-host read)."""
-        local = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
-        if local.numel() != self.num_experts:
-            raise ValueError(f"routing indices must be global expert ids in [0, {self.num_experts})")
+        flat = indices.reshape(-1)
+        local = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        local.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))  # bincount on CUDA reads its max back
         out = local.new_empty(self.ep_size * self.num_experts)
         _all_gather(out, local, group=self.group)
         return out.view(self.ep_size, self.num_experts).cpu()
@@ -205,7 +218,7 @@ class ExpertParallelExperts(GroupedExperts):
         send = [[e - me * n for e in row if e >= 0 and e // n == me] for row in red.tolist()]
         mine = red[me][red[me] >= 0]
         recv = torch.bincount(mine // n, minlength=self.ep_size).tolist()
-        idx = torch.tensor([i for row in send for i in row], dtype=torch.long, device=self.w1.device)
+        idx = _to_device(torch.tensor([i for row in send for i in row], dtype=torch.long), self.w1.device)
         packed = torch.cat([w.reshape(n, -1)[idx] for w in ws], dim=1)
         got = all_to_all_autograd(packed, recv, [len(row) for row in send], self.group)  # rows in `mine` order
         sizes = [w[0].numel() for w in ws]
@@ -239,7 +252,9 @@ class ExpertParallelExperts(GroupedExperts):
                 raise ValueError(f"MoonEP needs the same number of tokens on every EP rank; the ranks route "
                                  f"{(totals // K).tolist()} tokens")
             plan = plan_moon_ep(counts.sum(0), R, N * K)
-            rank, row = pair_slots(_plan_to(plan, z.device), indices, rank_offsets(counts)[me].to(z.device))
+            # the ids come from the router and the bases from the counts the plan was made of: no checks to read back
+            rank, row = pair_slots(_plan_to(plan, z.device), indices, _to_device(rank_offsets(counts)[me], z.device),
+                                   check=False)
             key = (rank * (N * K) + row).reshape(-1)  # by computing rank, then row there (expert-grouped)
             copies = self._copies(plan, (w1, w3, w2))
             if copies is not None:
@@ -253,7 +268,7 @@ class ExpertParallelExperts(GroupedExperts):
         send, recv = pairs[me].sum(0).tolist(), pairs[:, :, me].sum(1).tolist()
         self.computed_pairs = pairs.sum((0, 1)).tolist()
         # what arrives from source j is its pairs for this rank, by expert (and, within one, in its stable order)
-        slot = slot_of[torch.arange(E).repeat(R).repeat_interleave(pairs[:, :, me].reshape(-1))].to(z.device)
+        slot = _to_device(slot_of[torch.arange(E).repeat(R).repeat_interleave(pairs[:, :, me].reshape(-1))], z.device)
 
         order = torch.argsort(key, stable=True)
         inverse = torch.empty_like(order)

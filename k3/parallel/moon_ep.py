@@ -253,24 +253,27 @@ def rank_offsets(counts: Tensor) -> Tensor:
     return counts.cumsum(0) - counts
 
 
-def _locate(plan: MoonEPPlan, expert_ids: Tensor, base: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(computing rank, receive-buffer row) of each pair of ``expert_ids``, flattened row-major."""
+def _locate(plan: MoonEPPlan, expert_ids: Tensor, base: Tensor | None, check: bool = True) -> tuple[Tensor, Tensor]:
+    """(computing rank, receive-buffer row) of each pair of ``expert_ids``, flattened row-major. `check` validates
+    the ids and `base` against the plan (two device-to-host reads); the expert-parallel layer, whose ids come from
+    the router and whose bases from the same counts as the plan, passes False."""
     if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
         raise ValueError(f"expert_ids must be an integer tensor, got dtype {expert_ids.dtype}")
     E = plan.num_experts
     dev = plan.assign.device
     flat = expert_ids.reshape(-1).long().to(dev)
-    if flat.numel() and bool(((flat < 0) | (flat >= E)).any()):
+    if check and flat.numel() and bool(((flat < 0) | (flat >= E)).any()):
         raise ValueError(f"expert_ids must lie in [0, {E}), got min {int(flat.min())} max {int(flat.max())}")
     if base is None:
         base = torch.zeros(E, dtype=torch.int64, device=dev)
     elif base.shape != (E,):
         raise ValueError(f"base must be a [E={E}] tensor, got shape {tuple(base.shape)}")
     base = base.long().to(dev)
-    counts = torch.bincount(flat, minlength=E)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # not bincount: on CUDA it reads the ids' max back
     loads = plan.loads
-    bad = (base < 0) | (base + counts > loads)
-    if bool(bad.any()):
+    bad = (base < 0) | (base + counts > loads) if check else None
+    if check and bool(bad.any()):
         e = int(bad.nonzero()[0])
         raise ValueError(f"expert {e}: base {int(base[e])} + {int(counts[e])} routed pairs do not fit the "
                          f"plan's load {int(loads[e])}")
@@ -299,13 +302,15 @@ def pair_destinations(plan: MoonEPPlan, expert_ids: Tensor, base: Tensor | None 
     return _locate(plan, expert_ids, base)[0].reshape(expert_ids.shape)
 
 
-def pair_slots(plan: MoonEPPlan, expert_ids: Tensor, base: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def pair_slots(plan: MoonEPPlan, expert_ids: Tensor, base: Tensor | None = None,
+               check: bool = True) -> tuple[Tensor, Tensor]:
     """(rank, row) of each pair: its computing rank and its row in that rank's [T] expert-grouped receive buffer.
 
-    Arguments as for ``pair_destinations``. Over the whole group, the (rank, row) pairs are a bijection onto
+    Arguments as for ``pair_destinations``; ``check=False`` skips validating the ids and ``base`` against the plan
+    (each check reads a flag back to the host). Over the whole group, the (rank, row) pairs are a bijection onto
     [R] x [T].
     """
-    rank, row = _locate(plan, expert_ids, base)
+    rank, row = _locate(plan, expert_ids, base, check)
     return rank.reshape(expert_ids.shape), row.reshape(expert_ids.shape)
 
 

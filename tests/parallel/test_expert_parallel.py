@@ -269,3 +269,36 @@ def test_fsdp2_with_expert_parallel(tmp_path):
     got = {n: (torch.cat([by_ep[e]["grads"][n] for e in range(2)]) if n.endswith(EXPERT_PARAMS)
                else runs[0]["grads"][n]) for n in grads}
     check_model(runs[0]["loss"], got, loss, grads)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts device-to-host synchronizations on CUDA")
+def test_moon_ep_layer_reads_the_host_once_per_forward(tmp_path):
+    # The expert-parallel layer's one device-to-host read per forward is the gathered router counts (the host-int
+    # split sizes of the all-to-alls); the plan, bases and slots go to the device asynchronously and nothing else
+    # reads back. One process (an NCCL group of one GPU) runs the same code path as R ranks, without copies.
+    import warnings
+
+    from k3.ops.moe import grouped_used
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        dev = torch.device("cuda")
+        layer = apply_expert_parallel(make_layer(1, "spread"), None, moon_ep=True).to(dev, torch.bfloat16)
+        if not grouped_used(dev, torch.bfloat16):
+            pytest.skip("the routed experts run on the reference loop here, which reads counts back by design")
+        x = torch.randn(4 * S, cfg().hidden_size, device=dev, dtype=torch.bfloat16)
+        routing = layer.gate(x)
+        z = layer.routed_expert_down_proj(x)
+        layer.experts(z, routing)  # warm-up (pinned-memory pool, kernels)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                layer.experts(z, routing)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, [str(w.message) for w in syncs]
+    finally:
+        dist.destroy_process_group()
