@@ -44,6 +44,7 @@ from k3.model.latent_moe import GroupedExperts, MoEGate
 from k3.model.gated_mla import GatedMLA
 from k3.ops import muon_update
 from k3.ops.registry import Backends
+from k3.train.sharded_muon import OwnerExchange, ns_cost, owner_split_applies
 
 __all__ = ["newton_schulz", "muon_param_groups", "describe_param_groups", "PerHeadMuon",
            "NS_COEFFS", "MUON_RMS_SCALE"]
@@ -59,7 +60,9 @@ MUON_RMS_SCALE = 0.2
 # iterate add about 3x that while it runs).
 NS_CHUNK_BYTES = 1 << 30
 NS_EPS = 1e-7  # added to each block's Frobenius norm before dividing by it
-_SHARDED = "sharded"  # bucket entry of a DTensor parameter (its u gathered whole, see PerHeadMuon._gathered_input)
+# Bucket entries of DTensor parameters: owned here (u gathered from the shards by k3.train.sharded_muon), or
+# gathered whole on every rank (the fallback for layouts other than Shard(0) on a 1-D mesh)
+_OWNED, _GATHERED = "owned", "gathered"
 
 DEFAULT_LR = 2e-3
 DEFAULT_WEIGHT_DECAY = 0.1
@@ -117,6 +120,11 @@ def _blocks(t: torch.Tensor, split: str, num_blocks: int | None) -> torch.Tensor
     if split == "none":
         return t.reshape(1, t.shape[0], -1)
     raise ValueError(f"unknown Muon split {split!r} (expected 'heads', 'experts' or 'none')")
+
+
+def _block_dims(shape: torch.Size, group: dict) -> torch.Size:
+    """(blocks, rows, cols) of a Muon parameter of this (global) shape in this group, without its data."""
+    return _blocks(torch.empty(shape, device="meta"), group["split"], group["num_blocks"]).shape
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,11 +264,20 @@ class PerHeadMuon(torch.optim.Optimizer):
     groups stay at 0) and is the default for groups that carry neither. `ns_dtype=None` runs Newton-Schulz in bf16 on CUDA and fp32 elsewhere.
     `backends` picks the momentum and update passes (op ``muon``: k3.ops.muon_update's kernels or the PyTorch
     passes; None: ``Backends()``).
-    Sharded parameters (FSDP2 DTensors, sharded along dim 0) get the same blocks and scale as on one device:
-    the momentum stays on the local shard, the Newton-Schulz input is all-gathered whole, every rank
-    orthogonalizes all of its blocks, and each rank applies its own rows of the update to its shard (as
-    Moonlight's Distributed Muon does). The next step is an owner-rank split: each block orthogonalized on one
-    rank only and the updates scattered back. AdamW is elementwise and runs on DTensors as is.
+    Sharded parameters (FSDP2 DTensors, Shard(0) on a 1-D mesh, uneven or empty shards included) get the same
+    blocks, scale and rounding as on one device, with each parameter orthogonalized by one owner rank
+    (k3.train.sharded_muon): the momentum and the Newton-Schulz input u stay on the local shard (u rounded once
+    into the Newton-Schulz dtype); per mesh, every parameter is given an owner (greedy by Newton-Schulz cost, the
+    same on every rank); one all-to-all sends every rank's rows of u to the owner, which orthogonalizes its
+    parameters' blocks batched with its local ones of the same shape; a second all-to-all sends every rank its
+    rows of the (unscaled) update back, which it applies to its shard as ``p <- (1 - lr wd) p - lr scale o``.
+    With N elements of sharded Muon parameters on a mesh of W ranks and ownership balanced, a rank sends its
+    shards (N / W elements) once and receives its owned inputs (~N / W), and the scatter does the reverse:
+    2 N (W - 1) / W elements move over the mesh in all, 2 / W of what one all-gather of u moves ((W - 1) N),
+    in the Newton-Schulz dtype, and each rank runs 1 / W of the Newton-Schulz work. DTensors on other layouts
+    (a 2-D mesh, a Replicate or Shard(1) placement) keep the simple path: u all-gathered whole, every rank
+    orthogonalizing all of its blocks and applying its own rows. `last_ns_blocks` counts the blocks this rank
+    orthogonalized in the last step. AdamW is elementwise and runs on DTensors as is.
     Optimizer state lives in the parameter's dtype, so state_dict()/load_state_dict() round-trips exactly
     and a resumed run continues bit-for-bit.
     """
@@ -303,6 +320,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.ns_dtype = ns_dtype
         self.backends = backends
+        self.last_ns_blocks = 0
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
         if self.ns_dtype is not None:
@@ -327,17 +345,31 @@ class PerHeadMuon(torch.optim.Optimizer):
         NS_CHUNK_BYTES), orthogonalized with three batched GEMMs per step, and added back into their
         parameters. A k3-mini step has ~220 Muon matrices but 12 block shapes (4,992 blocks of 512 x 768).
         With the ``muon`` fast backend (k3.ops.muon_update) the momentum, the Newton-Schulz input and the
-        decayed update are one pass each per parameter instead of PyTorch's separate passes."""
+        decayed update are one pass each per parameter instead of PyTorch's separate passes. Sharded parameters
+        join the buckets of their owner rank only (gathered before the buckets run, scattered after); no collective
+        runs inside the bucket loop, so the ranks' buckets may differ."""
         buckets: dict[tuple, list] = {}
         fused_on: dict[torch.device, bool] = {}
+        exchanges: dict[tuple, OwnerExchange] = {}  # one per 1-D mesh (device type, ranks), in order of appearance
         for group in groups:
             params = [p for p in group["params"] if p.grad is not None]
             sharded = [p for p in params if isinstance(p, DTensor)]
             params = [p for p in params if not isinstance(p, DTensor)]
             for p in sharded:
-                gb = _blocks(self._gathered_input(p, group), group["split"], group["num_blocks"])
+                u = self._local_input(p, group)
+                if owner_split_applies(p):  # its blocks orthogonalized by their owner rank
+                    mesh = p.device_mesh
+                    key = (mesh.device_type, tuple(mesh.mesh.tolist()))
+                    if key not in exchanges:
+                        exchanges[key] = OwnerExchange(mesh)
+                    n, rows, cols = _block_dims(p.shape, group)
+                    exchanges[key].add((p, group), u, p.shape, ns_cost(n, rows, cols, group["ns_steps"]))
+                    continue
+                # Another layout (a 2-D mesh, Replicate, Shard(1)): u gathered whole, all blocks orthogonalized here
+                whole = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                gb = _blocks(whole.full_tensor(), group["split"], group["num_blocks"])
                 key = (p.device, *gb.shape[-2:], group["ns_steps"])
-                buckets.setdefault(key, []).append((p, group, gb, None, _SHARDED))
+                buckets.setdefault(key, []).append((p, group, gb, None, _GATHERED))
             if not params:
                 continue
             for p in params:
@@ -361,6 +393,12 @@ class PerHeadMuon(torch.optim.Optimizer):
                 gb = _blocks(g, group["split"], group["num_blocks"])
                 key = (p.device, *gb.shape[-2:], group["ns_steps"])
                 buckets.setdefault(key, []).append((p, group, gb, _blocks(buf, group["split"], group["num_blocks"]), f))
+        for ex in exchanges.values():  # the whole inputs of the parameters this rank owns join the shape buckets
+            for i, ((p, group), u) in enumerate(ex.gather()):
+                gb = _blocks(u, group["split"], group["num_blocks"])
+                key = (p.device, *gb.shape[-2:], group["ns_steps"])
+                buckets.setdefault(key, []).append((p, group, gb, (ex, i), _OWNED))
+        self.last_ns_blocks = 0
         for (device, rows, cols, steps), items in buckets.items():
             dtype = self._ns_dtype(device)
             max_blocks = max(1, NS_CHUNK_BYTES // (rows * cols * dtype.itemsize))
@@ -369,7 +407,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                 off = 0
                 for p, group, gb, bb, f in chunk:  # u = g + mu * buf (Nesterov) or buf, rounded once into x
                     dst = x[off:off + gb.shape[0]]
-                    if f is _SHARDED:  # u gathered whole already
+                    if f is _OWNED or f is _GATHERED:  # u whole already
                         dst.copy_(gb)
                     elif f:  # momentum and u in one pass
                         muon_update.momentum_(gb, bb, dst, group["momentum"], group["nesterov"])
@@ -377,22 +415,32 @@ class PerHeadMuon(torch.optim.Optimizer):
                         muon_update.newton_schulz_input_torch(gb, bb, dst, group["momentum"], group["nesterov"])
                     off += gb.shape[0]
                 o = _orthogonalize_(x, steps, NS_EPS)
+                self.last_ns_blocks += x.shape[0]
                 off = 0
-                for p, group, gb, _, f in chunk:
+                for p, group, gb, bb, f in chunk:
                     n = gb.shape[0]
                     lr, wd = group["lr"], group["weight_decay"]
                     scale = group["rms_scale"] * math.sqrt(max(rows, cols))
-                    if f is _SHARDED:  # this rank's rows of the whole update, into its shard
+                    if f is _OWNED:  # sent back to the shards' ranks by the scatter below
+                        ex, i = bb
+                        ex.put(i, o[off:off + n])
+                    elif f is _GATHERED:  # this rank's rows of the whole update, into its shard
                         decay_add_torch_local(p, o[off:off + n], 1 - lr * wd, -lr * scale)
                     elif f:  # on the parameter's blocks [n, rows, cols] (p is contiguous when f)
                         muon_update.decay_add_(p.view(gb.shape), o[off:off + n], 1 - lr * wd, -lr * scale)
                     else:
                         muon_update.decay_add_torch(p, o[off:off + n], 1 - lr * wd, -lr * scale)
                     off += n
+        for ex in exchanges.values():  # every rank's rows of the owners' updates, into its shards
+            for (p, group), o in ex.scatter():
+                _, rows, cols = _block_dims(p.shape, group)
+                lr, wd = group["lr"], group["weight_decay"]
+                scale = group["rms_scale"] * math.sqrt(max(rows, cols))
+                muon_update.decay_add_torch(p.to_local(), o, 1 - lr * wd, -lr * scale)
 
-    def _gathered_input(self, p: DTensor, group: dict) -> torch.Tensor:
-        """The Newton-Schulz input u of a sharded parameter, whole: momentum on this rank's shard, u formed
-        locally in the Newton-Schulz dtype (rounded once, as for a local parameter), then all-gathered."""
+    def _local_input(self, p: DTensor, group: dict) -> torch.Tensor:
+        """This rank's rows of the Newton-Schulz input u of a sharded parameter: momentum on the local shard, u
+        formed in the Newton-Schulz dtype (rounded once, as for a local parameter)."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
@@ -400,7 +448,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         buf.mul_(group["momentum"]).add_(g)
         u = torch.empty(buf.shape, dtype=self._ns_dtype(p.device), device=buf.device)
         muon_update.newton_schulz_input_torch(g, buf, u, group["momentum"], group["nesterov"])
-        return DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        return u
 
     def _adamw_step(self, group: dict) -> None:
         """Bias-corrected Adam with decoupled weight decay, as multi-tensor kernels over the group."""

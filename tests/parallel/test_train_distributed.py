@@ -2,9 +2,9 @@
 torch.distributed (FSDP2, FSDP2 + expert parallel) against the single-process run.
 
 fp32 throughout: the sharded runs differ from the single-process one only in summation order (gradient
-reduce-scatter, gathered Newton-Schulz inputs), so parameters and losses agree to a few fp32 ulps per step;
-1e-5 relative leaves room for that over a few steps and is far below what a wrong shard, offset or gradient
-weighting would give.
+reduce-scatter; Per-Head Muon's owner split is exact, see MUON_TOL), so parameters and losses agree to a few fp32
+ulps per step; 1e-5 relative leaves room for that over a few steps and is far below what a wrong shard, offset or
+gradient weighting would give.
 """
 
 from __future__ import annotations
@@ -47,6 +47,52 @@ def full(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # Per-Head Muon on DTensor parameters
 # ---------------------------------------------------------------------------------------------------------
+# The owner split (k3.train.sharded_muon) gives each sharded parameter's Newton-Schulz the same fp32 inputs as the
+# single-device step (momentum and u are elementwise on the shards, the whole u is reassembled exactly) and applies
+# the same elementwise update to each shard. Only the batches differ (a rank's buckets hold its own blocks only), and
+# CPU bmm computes each matrix of a batch on its own, so the parameters are bitwise equal: MUON_TOL = 0 (relative).
+MUON_TOL = 0.0
+MUON_STEPS = 3  # the second and third steps read the momentum
+
+
+def _blocks_of(p, group) -> int:
+    return group["num_blocks"] if group["split"] in ("heads", "experts") else 1
+
+
+def expected_ns_blocks(opt, rank_of_param) -> int:
+    """Blocks this rank should orthogonalize: all of its local and fallback parameters' blocks, and those of the
+    sharded parameters it owns (assign_owners over each mesh's parameters in the optimizer's order)."""
+    from torch.distributed.tensor import DTensor
+
+    from k3.train.per_head_muon import _block_dims
+    from k3.train.sharded_muon import assign_owners, ns_cost, owner_split_applies
+
+    by_mesh, total = {}, 0
+    for group in opt.param_groups:
+        if not group["use_muon"]:
+            continue
+        for p in group["params"]:
+            if isinstance(p, DTensor) and owner_split_applies(p):
+                key = tuple(p.device_mesh.mesh.tolist())
+                by_mesh.setdefault(key, []).append((p, group))
+            else:
+                total += _blocks_of(p, group)
+    for key, items in by_mesh.items():
+        costs = [ns_cost(*_block_dims(p.shape, g), g["ns_steps"]) for p, g in items]
+        owners = assign_owners(costs, len(key))
+        me = rank_of_param(items[0][0])
+        total += sum(_blocks_of(p, g) for (p, g), o in zip(items, owners) if o == me)
+    return total
+
+
+def check_ns_blocks(opt, opt_ref, world: int) -> list[int]:
+    """Each rank orthogonalized exactly what it owns (plus its unsharded blocks); returns every rank's count."""
+    counts = [None] * world
+    dist.all_gather_object(counts, opt.last_ns_blocks)
+    assert opt.last_ns_blocks == expected_ns_blocks(opt, lambda p: p.device_mesh.get_local_rank())
+    return counts
+
+
 def muon_worker(rank: int, world: int, store: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
@@ -60,27 +106,113 @@ def muon_worker(rank: int, world: int, store: str) -> None:
         model = copy.deepcopy(ref)
         names = [n for n, _ in ref.named_parameters()]
         gen = torch.Generator().manual_seed(1)
-        grads = [[torch.randn(p.shape, generator=gen) for p in ref.parameters()] for _ in range(2)]
+        grads = [[torch.randn(p.shape, generator=gen) for p in ref.parameters()] for _ in range(MUON_STEPS)]
         opt_ref = PerHeadMuon(muon_param_groups(ref), lr=1e-2)
         apply_fsdp(model, init_device_mesh("cpu", (world,)))
         opt = PerHeadMuon(muon_param_groups(model), lr=1e-2)
         assert [n for n, _ in model.named_parameters()] == names
-        for step_grads in grads:  # two steps: the second one reads the momentum
+        if world == 3:  # 64 rows as 22 + 22 + 20, the router's 2 rows as 1 + 1 + 0 (an empty shard)
+            rows = [p.to_local().shape[0] for p in model.parameters()]
+            assert any(p.shape[0] % 3 for p in model.parameters()) and (0 in rows or rank < 2)
+        for step_grads in grads:
             for p, g in zip(ref.parameters(), step_grads):
                 p.grad = g.clone()
             for p, g in zip(model.parameters(), step_grads):
                 p.grad = distribute_tensor(g.clone(), p.device_mesh, p.placements)
             opt_ref.step()
             opt.step()
+            counts = check_ns_blocks(opt, opt_ref, world)
+            # every block orthogonalized once over the ranks, and every rank owning a share
+            assert sum(counts) == opt_ref.last_ns_blocks and min(counts) > 0, (counts, opt_ref.last_ns_blocks)
         for n, p, q in zip(names, model.parameters(), ref.parameters()):
             err = rel_err(full(p.detach()), q.detach())
-            assert err <= TOL, f"rank {rank}: {n} differs from the single-device step by {err:.2e}"
+            assert err <= MUON_TOL, f"rank {rank}: {n} differs from the single-device step by {err:.2e}"
     finally:
         dist.destroy_process_group()
 
 
-def test_per_head_muon_on_fsdp_shards(tmp_path):
-    mp.start_processes(muon_worker, args=(2, str(tmp_path / "store")), nprocs=2, start_method="fork")
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_head_muon_on_fsdp_shards(tmp_path, world):
+    mp.start_processes(muon_worker, args=(world, str(tmp_path / "store")), nprocs=world, start_method="fork")
+
+
+# Parameters on two meshes, as dense and expert parameters are under FSDP x EP: a flat mesh of 4 ranks, and the "b"
+# rows of a 2 x 2 mesh (two groups of 2 ranks with their own values). (global shape, split, blocks, layout): layout
+# "flat" / "sub" is Shard(0) on that mesh (owner split), "2d" (Shard(0), Replicate) on the 2 x 2 mesh and "rep"
+# Replicate on the flat mesh take the whole-gather path, "local" is a plain tensor.
+TWO_MESH_PARAMS = [
+    ((15, 6), "heads", 3, "flat"),      # 4 + 4 + 4 + 3 rows: heads cut across ranks
+    ((5, 7), "none", None, "flat"),     # 2 + 2 + 1 + 0
+    ((5, 7), "none", None, "flat"),     # same shape, batched with the other where they share an owner
+    ((3, 9), "none", None, "flat"),     # smaller than the mesh: 1 + 1 + 1 + 0
+    ((20, 3), "none", None, "flat"),    # tall (Newton-Schulz on the transpose)
+    ((3, 4, 6), "experts", 3, "flat"),
+    ((3, 6, 4), "experts", 3, "sub"),   # 2 + 1 experts
+    ((1, 5, 4), "experts", 1, "sub"),   # 1 + 0
+    ((6, 5), "heads", 2, "sub"),
+    ((5, 7), "none", None, "sub"),
+    ((6, 4), "none", None, "2d"),
+    ((4, 4), "none", None, "rep"),
+    ((4, 6), "none", None, "local"),
+]
+
+
+def two_mesh_worker(rank: int, world: int, store: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from k3.train.per_head_muon import PerHeadMuon
+
+    init(rank, world, store)
+    try:
+        flat = init_device_mesh("cpu", (4,))
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        sub, team = grid["b"], grid.get_local_rank("a")  # this rank's 2-rank mesh and which of the two it is
+        layouts = {"flat": (flat, [Shard(0)]), "sub": (sub, [Shard(0)]), "2d": (grid, [Shard(0), Replicate()]),
+                   "rep": (flat, [Replicate()])}
+        gens = {"sub": torch.Generator().manual_seed(100 + team)}  # each 2-rank group its own values
+        shared = torch.Generator().manual_seed(0)
+
+        def draw(shape, layout):
+            return torch.randn(shape, generator=gens.get(layout, shared))
+
+        ref_params = [draw(shape, layout) for shape, _, _, layout in TWO_MESH_PARAMS]
+        params = []
+        for t, (_, _, _, layout) in zip(ref_params, TWO_MESH_PARAMS):
+            if layout == "local":
+                params.append(torch.nn.Parameter(t.clone()))
+            else:
+                mesh, placements = layouts[layout]
+                params.append(torch.nn.Parameter(distribute_tensor(t.clone(), mesh, placements)))
+        ref_params = [torch.nn.Parameter(t) for t in ref_params]
+
+        def groups(ps):  # one group per split (meshes mixed within a group), in TWO_MESH_PARAMS order
+            out = {}
+            for p, (_, split, n, _) in zip(ps, TWO_MESH_PARAMS):
+                out.setdefault((split, n), {"params": [], "use_muon": True, "split": split, "num_blocks": n})
+                out[(split, n)]["params"].append(p)
+            return list(out.values())
+
+        opt_ref = PerHeadMuon(groups(ref_params), lr=1e-2)
+        opt = PerHeadMuon(groups(params), lr=1e-2)
+        for _ in range(MUON_STEPS):
+            for q, p, (shape, _, _, layout) in zip(ref_params, params, TWO_MESH_PARAMS):
+                g = draw(shape, layout)
+                q.grad = g.clone()
+                p.grad = g.clone() if layout == "local" else distribute_tensor(g, p.device_mesh, p.placements)
+            opt_ref.step()
+            opt.step()
+            assert opt.last_ns_blocks == expected_ns_blocks(opt, lambda p: p.device_mesh.get_local_rank())
+            assert opt.last_ns_blocks < opt_ref.last_ns_blocks
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            err = rel_err(full(p.detach()), q.detach())
+            assert err <= MUON_TOL, f"rank {rank}: parameter {i} {TWO_MESH_PARAMS[i]} differs by {err:.2e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_head_muon_owner_split_on_two_meshes(tmp_path):
+    mp.start_processes(two_mesh_worker, args=(4, str(tmp_path / "store")), nprocs=4, start_method="fork")
 
 
 # ---------------------------------------------------------------------------------------------------------
