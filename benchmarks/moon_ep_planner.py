@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from k3.parallel.expert_parallel import _plan_to
 from k3.parallel.moon_ep import pair_slots, plan_moon_ep, rank_offsets
 
 
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the planner is host code)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skews", nargs="+", default=["balanced", "lognormal", "zipf", "hot_rank", "theorem2"])
+    ap.add_argument("--device", default="cpu", help="where the routing lives: on cuda the timed plan includes the "
+                    "read of the [E] loads to the host and the plan's asynchronous copy back, and pair_slots runs "
+                    "on the device (synchronized)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -104,17 +108,30 @@ def main() -> None:
                                     minlength=R * E).reshape(R, E)
             r = R // 2
             base = rank_offsets(counts)[r]
+            dev = torch.device(args.device)
+            cuda = dev.type == "cuda"
+            loads_dev, ids_r, base_dev = loads.to(dev), ids[r].to(dev), base.to(dev)
             plan_times, slot_times = [], []
-            for _ in range(args.runs):
+            for _ in range(args.runs + (1 if cuda else 0)):  # on cuda one untimed warm-up
+                if cuda:
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                plan = plan_moon_ep(loads, R, T)
-                plan_times.append(time.perf_counter() - t0)
+                plan = plan_moon_ep(loads_dev.cpu(), R, T)  # the layer's one device-to-host read, then the host
+                if cuda:
+                    plan = _plan_to(plan, dev)
+                plan_t = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                pair_slots(plan, ids[r], base)
-                slot_times.append(time.perf_counter() - t0)
+                pair_slots(plan, ids_r, base_dev, check=not cuda)
+                if cuda:
+                    torch.cuda.synchronize()
+                slot_t = time.perf_counter() - t0
+                plan_times.append(plan_t)
+                slot_times.append(slot_t)
+            if cuda:
+                plan_times, slot_times = plan_times[1:], slot_times[1:]
             n = E // R
             print(json.dumps({
-                "bench": "moon_ep_planner", "device": "cpu", "threads": args.threads,
+                "bench": "moon_ep_planner", "device": args.device, "threads": args.threads,
                 "E": E, "K": K, "R": R, "S": S, "skew": skew,
                 "plan_ms_median": round(1e3 * statistics.median(plan_times), 2),
                 "plan_ms_min": round(1e3 * min(plan_times), 2),
