@@ -9,6 +9,15 @@ A sharded checkpoint is one directory:
     and the non-tensor leaves of the optimizer state (param groups' hyperparameters and parameter names);
   - `config.json`: the model's config, so that a run can rebuild the model before loading (load_config).
 
+Expert parallelism (--ep > 1): each ep rank holds another slice [E/R, ...] of every routed-expert table under the
+same name (k3.parallel.expert_parallel), FSDP2-sharded again over the ranks that hold the same experts. What DCP
+writes and reads presents each such table, and every optimizer state tensor of its shape (momentum, Adam moments),
+as one DTensor of the global shape [E, ...] over this rank's own storage, split over an ("ep", "shard") mesh, so
+the files hold each expert at its global id and a load at another ep size, FSDP2 layout or world size reads each
+rank's rows from there into the live tensors. torch's state-dict helpers (get_state_dict, set_state_dict) see the
+parameters as they are; only the flat tensors handed to DCP are rewritten (_with_global_experts). The optimizer's
+per-expert blocks stay the loading run's E / ep (PerHeadMuon.load_state_dict keeps its groups' block layout).
+
 Only tensors go through DCP: DCP stores any other value with a full pickle and reads it back with
 `torch.load(weights_only=False)`, so every non-tensor leaf is split off into the JSON file instead. What remains
 pickled is DCP's own format: the tensors (read with `torch.load(weights_only=True)`) and `.metadata`, which
@@ -37,7 +46,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from k3.checkpoint import CheckpointError, save_pretrained
 from k3.files import read_json_file, replace_dir, write_synced
@@ -82,13 +93,114 @@ def _on_rank0(what: str, fn) -> None:
         raise RuntimeError(f"rank 0 failed while {what}; see its log")
 
 
-def _check_no_expert_parallel(model: nn.Module) -> None:
-    """EP ranks hold different experts under the same parameter names, which DCP would take for one tensor."""
+# --- expert-parallel experts as the global tables ----------------------------------------------------------
+def _expert_tables(model: nn.Module) -> dict[str, Any]:
+    """{parameter name: its ExpertParallelExperts} of every routed-expert table split over two or more ep ranks
+    (`w1`, `w3`, `w2`: the same names on every ep rank, each holding another slice of the experts)."""
     from k3.parallel.expert_parallel import ExpertParallelExperts
 
-    if any(isinstance(m, ExpertParallelExperts) and m.ep_size > 1 for m in model.modules()):
-        raise NotImplementedError("sharded checkpoints of expert-parallel models (--ep > 1) are not supported: "
-                                  "the ep ranks' experts share parameter names")
+    return {f"{name}.{w}": m for name, m in model.named_modules()
+            if isinstance(m, ExpertParallelExperts) and m.ep_size > 1 for w in ("w1", "w3", "w2")}
+
+
+def _table_layout(m, p: torch.Tensor, meshes: dict) -> tuple[DeviceMesh, tuple]:
+    """The mesh and placements over which the global [E, ...] table of `m` is split, `p` being this rank's slice
+    [E/R, ...]: dimension "ep" over the ep ranks (rank r holds experts [r E/R, (r + 1) E/R), `expert_range`), and,
+    when FSDP2 sharded the slice (a DTensor Shard(0) over the ranks holding the same experts), dimension "shard"
+    over those ranks. DTensor splits the ep slice again over the second dimension as torch.chunk does, which is
+    FSDP2's split, so [Shard(0), Shard(0)] places every local row at its global expert id (checked in
+    _global_table). `meshes` caches the meshes across the tables of one save or load (all share their groups)."""
+    if not isinstance(p, DTensor):
+        key = (id(m.group), p.device.type)
+        if key not in meshes:
+            meshes[key] = DeviceMesh.from_group(m.group, p.device.type, mesh_dim_names=("ep",))
+        return meshes[key], (Shard(0),)
+    inner = p.device_mesh
+    if inner.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise NotImplementedError(f"sharded checkpoints of expert-parallel experts need them sharded by FSDP2 "
+                                  f"along the experts over one mesh dimension; got placements {p.placements} on a "
+                                  f"{inner.ndim}-D mesh")
+    key = (id(m.group), id(inner))
+    if key not in meshes:
+        # The global ranks of the ep x shard grid: each ep rank contributes the ranks of its shard mesh (in
+        # ep-rank order: that is the group's rank order).
+        mine = inner.mesh.reshape(-1).to(device=p.to_local().device, dtype=torch.int64)
+        grid = mine.new_empty(m.ep_size * mine.numel())
+        dist.all_gather_into_tensor(grid, mine, group=m.group)
+        meshes[key] = DeviceMesh.from_group([m.group, inner.get_group()], inner.device_type,
+                                            mesh=grid.view(m.ep_size, -1).cpu(), mesh_dim_names=("ep", "shard"))
+    return meshes[key], (Shard(0), Shard(0))
+
+
+def _global_table(m, p: torch.Tensor, t: torch.Tensor, meshes: dict) -> DTensor:
+    """`t` (the parameter `p` of `m` or a state tensor of its shape and sharding) as a DTensor of the global table
+    [E, ...] on the ep x shard mesh, sharing this rank's storage (a load writes into it)."""
+    if isinstance(t, DTensor) != isinstance(p, DTensor) or (
+            isinstance(t, DTensor) and (t.device_mesh != p.device_mesh or t.placements != p.placements)):
+        raise NotImplementedError(f"a state tensor of expert table {tuple(p.shape)} is laid out unlike the table")
+    mesh, placements = _table_layout(m, p, meshes)
+    local = t.to_local() if isinstance(t, DTensor) else t
+    shape = torch.Size((m.num_experts, *p.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    with torch.no_grad():
+        out = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    if local.numel():  # the rows' global ids: the ep slice's first expert plus FSDP2's offset within the slice
+        (chunk,) = out.__create_chunk_list__()
+        within = t.__create_chunk_list__()[0].offsets[0] if isinstance(t, DTensor) else 0
+        if chunk.offsets[0] != m.expert_range[0] + within or tuple(chunk.sizes) != tuple(local.shape):
+            raise RuntimeError(f"expert rows [{chunk.offsets[0]}, +{chunk.sizes[0]}) of the global table disagree "
+                               f"with this rank's experts from {m.expert_range[0] + within} ({local.shape[0]} rows)")
+    return out
+
+
+def _with_global_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (_split's flat keys) with every expert-parallel table, the parameter ("model/<name>") and its
+    optimizer state of its shape ("optim/state/<name>/<key>": momentum, Adam moments), replaced by the global
+    [E, ...] DTensor over its own storage (_global_table): DCP then writes and reads each expert's rows at its
+    global id, so a checkpoint loads at any ep size. Other tensors (a step count) pass unchanged."""
+    tables = _expert_tables(model)
+    if not tables:
+        return tensors
+    params = dict(model.named_parameters())
+    meshes: dict = {}
+    out = dict(tensors)
+    for key, t in tensors.items():
+        parts = key.split("/")
+        name = parts[1] if parts[0] == "model" and len(parts) == 2 else (
+            parts[2] if parts[:2] == ["optim", "state"] and len(parts) == 4 else None)
+        if name in tables and t.shape == params[name].shape:
+            out[key] = _global_table(tables[name], params[name], t, meshes)
+    return out
+
+
+def _copy_back(loaded: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """After dcp.load into the global views: each view's rows into its live tensor where they do not share
+    storage (from_local keeps the local tensor, so normally nothing is copied)."""
+    for key, t in tensors.items():
+        g = loaded[key]
+        if g is t:
+            continue
+        src, dst = g.to_local(), t.to_local() if isinstance(t, DTensor) else t
+        if src.data_ptr() != dst.data_ptr():
+            with torch.no_grad():
+                dst.copy_(src)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of the parallelized `model` on rank 0's CPU (an empty dict on the other
+    ranks), expert-parallel tables whole [E, ...] (gathered over the ep and FSDP ranks). Collective."""
+    tables = _expert_tables(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if tables:
+        params, meshes = dict(model.named_parameters()), {}
+        for name, m in tables.items():
+            p = params[name]
+            with torch.no_grad():
+                whole = _global_table(m, p, p.detach(), meshes).full_tensor()
+            if _rank() == 0:
+                full[name] = whole.cpu()
+            del whole
+    return full if _rank() == 0 else {}
 
 
 # --- tensors for DCP, everything else for JSON ------------------------------------------------------------
@@ -144,8 +256,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     """Save `model`'s and `optimizer`'s state (each rank its shards) and `extra` (JSON values, rank 0's copy) as
     the checkpoint directory `path`, atomically. Every rank calls it with the same `path` on a file system they
     share. On failure `path` is untouched (the previous checkpoint of that name, if any, survives) and a
-    `<path>.partial` may remain."""
-    _check_no_expert_parallel(model)
+    `<path>.partial` may remain. Expert-parallel tables are stored whole, each expert at its global id."""
     path = os.path.abspath(os.fspath(path))
     tmp = path + ".partial"
 
@@ -160,6 +271,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     state_text = json.dumps({"format": FORMAT, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                              "extra": extra, "state": doc})
     config_text = json.dumps(model.config.to_dict(), indent=2) + "\n"
+    tensors = _with_global_experts(model, tensors)
     _on_rank0(f"creating {tmp}", prepare)
     dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not dist.is_initialized())
 
@@ -223,10 +335,10 @@ def _show(names, limit: int = 6) -> str:
 def load_sharded(path: str | os.PathLike, model: nn.Module,
                  optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Load the sharded checkpoint `path` into the already parallelized `model` and its `optimizer` (None: the
-    weights only), at any world size and sharding (DCP reads each rank's slices of every tensor), and return the
-    `extra` it was saved with. Every rank calls it. CheckpointError naming the file when `path` is not a
-    complete sharded checkpoint or does not hold what the model and optimizer have."""
-    _check_no_expert_parallel(model)
+    weights only), at any world size and sharding, expert parallelism of any ep size included (DCP reads each
+    rank's slices of every tensor, an expert's rows from its global id), and return the `extra` it was saved
+    with. Every rank calls it. CheckpointError naming the file when `path` is not a complete sharded checkpoint
+    or does not hold what the model and optimizer have."""
     path = os.path.abspath(os.fspath(path))
     meta = _check_complete(path)
     saved = read_json_file(os.path.join(path, STATE_FILE), CheckpointError)
@@ -252,14 +364,14 @@ def load_sharded(path: str | os.PathLike, model: nn.Module,
     if unexpected:
         raise CheckpointError(f"sharded checkpoint {path} has {len(unexpected)} tensors the model/optimizer "
                               f"lacks: {_show(unexpected)}")
-    dcp.load(tensors, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())  # in place
+    views = _with_global_experts(model, tensors)
+    dcp.load(views, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())  # in place
+    _copy_back(views, tensors)
     doc = saved["state"]
     if optimizer is None:
         doc = {"__dict__": [[n, v] for n, v in doc["__dict__"] if n == "model"]}
     state = _join(doc, tensors)
     if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         set_model_state_dict(model, state["model"])
     else:
         # strict=False: parameters without optimizer state (never a gradient) are allowed; the model's keys were
@@ -272,12 +384,11 @@ def load_sharded(path: str | os.PathLike, model: nn.Module,
 # --- export -------------------------------------------------------------------------------------------------
 def export_pretrained(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
                       max_shard_bytes: int = 4 << 30, extra_files: dict[str, bytes] | None = None) -> None:
-    """Write the (FSDP-sharded) `model` as an official-layout checkpoint at `path` (k3.checkpoint.save_pretrained,
-    so k3.from_pretrained and `k3 serve` load it): the full state dict is gathered to rank 0's CPU, loaded into a
-    plain K3ForCausalLM of the same config there and saved; the other ranks wait. Every rank calls it. `dtype`,
-    `max_shard_bytes`, `extra_files` as for save_pretrained."""
-    _check_no_expert_parallel(model)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Write the (FSDP-sharded, perhaps expert-parallel) `model` as an official-layout checkpoint at `path`
+    (k3.checkpoint.save_pretrained, so k3.from_pretrained and `k3 serve` load it): the full state dict is gathered
+    to rank 0's CPU (full_state_dict), loaded into a plain K3ForCausalLM of the same config there and saved; the
+    other ranks wait. Every rank calls it. `dtype`, `max_shard_bytes`, `extra_files` as for save_pretrained."""
+    full = full_state_dict(model)
 
     def write() -> None:
         from k3.model.model import K3ForCausalLM

@@ -18,8 +18,9 @@
   `k3 serve` load it; its trainer_state files carry the settings and positions, no optimizer state), with the
   sharded training state in `step-N/sharded/` (k3.parallel.checkpoint.save_sharded, every rank its shards of the
   model and optimizer; `extra` the rest of the trainer state as JSON). `load` restores that folder into the
-  parallelized model and optimizer at any world size (k3.parallel.checkpoint.load_sharded). Expert-parallel runs
-  (--ep > 1) save the official layout only and cannot resume yet.
+  parallelized model and optimizer at any world size and mesh (k3.parallel.checkpoint.load_sharded): expert-parallel
+  runs (--ep > 1) included, their experts stored as the global tables, so a run saved at one --ep resumes at another
+  that divides the expert count.
 """
 
 from __future__ import annotations
@@ -164,57 +165,40 @@ class DistributedTrainer(Trainer):
                 return self._fit(progress_bar)
         return self._fit(progress_bar)
 
-    def _expert_parallel(self) -> bool:
-        from k3.parallel.expert_parallel import ExpertParallelExperts
-
-        return any(isinstance(m, ExpertParallelExperts) and m.ep_size > 1 for m in self.model.modules())
-
     def save(self) -> str:
         """Write the checkpoint of this step (collective: every rank calls it): the sharded training state as
-        `step-N.sharded/` (all ranks), then the full model gathered to rank 0 as the official-layout `step-N/`,
-        then rank 0 moves the sharded state in as `step-N/sharded/`. Returns the checkpoint's path."""
+        `step-N.sharded/` (all ranks; expert-parallel tables as their global [E, ...] tensors, see
+        k3.parallel.checkpoint), then the full model gathered to rank 0 as the official-layout `step-N/`, then
+        rank 0 moves the sharded state in as `step-N/sharded/`. Returns the checkpoint's path."""
         from k3.parallel.checkpoint import _on_rank0, save_sharded
 
         path = checkpoint_path(self.cfg.out, self.step)
         if self._saved_step == self.step:
             return path
-        sharded = not self._expert_parallel()
         staged = path + ".sharded"
-        if sharded:
-            save_sharded(staged, self.model, self.optimizer, self.sharded_extra())
+        save_sharded(staged, self.model, self.optimizer, self.sharded_extra())
         self._save_gathered()
-        if sharded:
-            def move() -> None:
-                dest = os.path.join(path, SHARDED_DIR)
-                if os.path.exists(dest):  # re-saving a step: the new state replaces the old one
-                    os.replace(dest, dest + ".old")
-                    shutil.rmtree(dest + ".old")
-                os.replace(staged, dest)
-                fsync_dir(path)
 
-            _on_rank0(f"moving {staged} into {path}", move)
+        def move() -> None:
+            dest = os.path.join(path, SHARDED_DIR)
+            if os.path.exists(dest):  # re-saving a step: the new state replaces the old one
+                os.replace(dest, dest + ".old")
+                shutil.rmtree(dest + ".old")
+            os.replace(staged, dest)
+            fsync_dir(path)
+
+        _on_rank0(f"moving {staged} into {path}", move)
         self._saved_step = self.step
         return path
 
     def _save_gathered(self) -> None:
-        """Gather the full model to rank 0 and write it there as a regular checkpoint (collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+        """Gather the full model to rank 0 (expert-parallel tables whole) and write it there as a regular
+        checkpoint (collective)."""
         from k3.model.model import K3ForCausalLM
-        from k3.parallel.expert_parallel import ExpertParallelExperts
+        from k3.parallel.checkpoint import full_state_dict
 
-        experts = {}  # EP: the full expert tables, gathered over the ep ranks (each holds E / ep of them)
-        for name, m in self.model.named_modules():
-            if isinstance(m, ExpertParallelExperts):
-                for w in ("w1", "w3", "w2"):
-                    p = getattr(m, w)
-                    whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-                    parts = [torch.empty_like(whole) for _ in range(m.ep_size)]
-                    dist.all_gather(parts, whole.contiguous(), group=m.group)
-                    experts[f"{name}.{w}"] = torch.cat(parts).cpu()
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = full_state_dict(self.model)
         if self.rank == 0:
-            sd.update(experts)
             plain = K3ForCausalLM(self.model.config)
             plain.load_state_dict(sd, strict=True)
             state = state_io.dumps(self.state_dict())
@@ -260,17 +244,17 @@ class DistributedTrainer(Trainer):
 
     def load(self, ckpt_dir: str, verify: bool = True) -> None:
         """Restore the model, optimizer and trainer state from the sharded state of the checkpoint `ckpt_dir`
-        (`step-N/sharded/`; collective), whatever world size wrote it. `verify` is for the single-process
+        (`step-N/sharded/`; collective), whatever world size and mesh wrote it: another --dp-shard, --ep or --cp
+        (each expert's rows are read from its global id, so any ep size that divides the experts will do; the
+        optimizer's expert groups keep this run's E / ep blocks). `verify` is for the single-process
         checkpoint's digests; DCP checks its files' sizes against its metadata."""
         from k3.parallel.checkpoint import load_sharded
 
-        if self._expert_parallel():
-            raise TrainingError("resuming an expert-parallel run (--ep > 1) under torchrun is not supported yet")
         sub = sharded_state(ckpt_dir)
         if sub is None:
             raise TrainingError(f"{ckpt_dir} holds no sharded training state ({os.path.join(ckpt_dir, SHARDED_DIR)}"
-                                "): it was saved by a single process or an expert-parallel run; resume it in a "
-                                "single process")
+                                "): it was saved by a single process (or by an expert-parallel run of an older "
+                                "version, which wrote the gathered model only); resume it in a single process")
         extra = load_sharded(sub, self.model, self.optimizer)
         try:
             self.load_sharded_extra(extra)

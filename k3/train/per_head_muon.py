@@ -322,6 +322,24 @@ class PerHeadMuon(torch.optim.Optimizer):
         self.backends = backends
         self.last_ns_blocks = 0
 
+    # A group's block layout follows the parameters it holds, not the run that saved the state: the expert groups
+    # of an expert-parallel run have E / ep blocks, so a resume at another ep size keeps its own.
+    LAYOUT_KEYS = ("name", "use_muon", "split", "num_blocks")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load (the per-parameter state and the saved groups' hyperparameters), every group keeping its
+        own LAYOUT_KEYS. ValueError naming the group when a saved group updates its parameters another way
+        (Muon or AdamW, the split): the state of another model."""
+        live = [{k: g[k] for k in self.LAYOUT_KEYS if k in g} for g in self.param_groups]
+        for i, (saved, mine) in enumerate(zip(state_dict.get("param_groups", []), live)):
+            for k in ("use_muon", "split"):
+                if k in saved and saved[k] != mine.get(k):
+                    raise ValueError(f"optimizer state: param group {i} ({mine.get('name')}) has {k}={mine.get(k)!r}"
+                                     f", the saved one {saved[k]!r}")
+        super().load_state_dict(state_dict)
+        for g, keep in zip(self.param_groups, live):
+            g.update(keep)
+
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
         if self.ns_dtype is not None:
             return self.ns_dtype

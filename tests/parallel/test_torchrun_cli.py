@@ -73,9 +73,10 @@ def test_moon_ep_needs_expert_parallelism():
 
 
 def test_torchrun_resume_continues_the_run(tmp_path):
-    # A run of 2 steps on two processes, resumed under torchrun to 3: the resumed ranks load the sharded training
-    # state (k3.parallel.checkpoint) of the latest checkpoint and go on from step 3 (the trainer-level resume at the
-    # same and at another world size is compared number by number in test_train_distributed.py).
+    # A run of 2 steps on two expert-parallel processes (--ep 2), resumed under torchrun to 3: the resumed ranks load
+    # the sharded training state (k3.parallel.checkpoint) of the latest checkpoint and go on from step 3 (the
+    # trainer-level resume at the same and at another world size or --ep is compared number by number in
+    # test_train_distributed.py).
     data = tmp_path / "data"
     data.mkdir()
     for i in range(6):
@@ -83,7 +84,7 @@ def test_torchrun_resume_continues_the_run(tmp_path):
     run = str(tmp_path / "run")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = ["train", "--data", str(data), "--seq-len", "64", "--batch-tokens", "512", "--vocab-size", "300",
-              "--eval-every", "100", "--no-progress", "--device", "cpu", "--out", run]
+              "--eval-every", "100", "--no-progress", "--device", "cpu", "--out", run, "--ep", "2"]
     for extra in (["--max-steps", "2"], ["--max-steps", "3", "--resume"]):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(_free_port()), "-m", "k3"] + common + extra

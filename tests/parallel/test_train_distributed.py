@@ -1,5 +1,7 @@
 """Training on several ranks (gloo on CPU): Per-Head Muon on FSDP2-sharded parameters, and the trainer under
-torch.distributed (FSDP2, FSDP2 + expert parallel) against the single-process run.
+torch.distributed (FSDP2, FSDP2 + expert parallel) against the single-process run; resume from the sharded
+checkpoint, of an expert-parallel run too (at the same mesh, on more ranks, at another --ep), against the
+uninterrupted run.
 
 fp32 throughout: the sharded runs differ from the single-process one only in summation order (gradient
 reduce-scatter; Per-Head Muon's owner split is exact, see MUON_TOL), so parameters and losses agree to a few fp32
@@ -433,3 +435,76 @@ def test_resume_from_sharded_checkpoint(tmp_path, reference, world):
     for n, t in got.state_dict().items():
         err = rel_err(t.float(), ref_sd[n].float())
         assert err <= TOL, f"{n} differs from the single-process run by {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resume of an expert-parallel run: at the same mesh, on twice the ranks, and without expert parallelism
+# ---------------------------------------------------------------------------------------------------------
+def ep_run_worker(rank: int, world: int, store: str, out: str, ep: int, resume_from: str | None) -> None:
+    """resume_from None: the uninterrupted run (--ep `ep`), saving after FIRST steps and after STEPS. Otherwise a
+    run of another seed that loads `resume_from` (a step-FIRST checkpoint) and trains the remaining steps."""
+    from k3.parallel.mesh import ParallelDims
+    from k3.parallel.parallelize import ParallelizeOptions, parallelize
+    from k3.train.distributed import DistributedTrainer
+
+    init(rank, world, store)
+    try:
+        model, loader, tcfg = train_setup(quarters=world == 4)
+        tcfg.out = out
+        if resume_from is not None:
+            torch.manual_seed(123)
+            model = tiny_model(seed=7)
+        mesh = ParallelDims.from_flags(world, None, ep=ep).build_mesh("cpu")
+        parallelize(model, mesh, ParallelizeOptions())
+        trainer = DistributedTrainer(model, tcfg, loader, mesh)
+        losses = []
+        if resume_from is None:
+            losses += [trainer.train_step().loss for _ in range(FIRST)]
+            trainer.save()
+        else:
+            trainer.load(resume_from)
+            assert trainer.step == FIRST
+        losses += [trainer.train_step().loss for _ in range(STEPS - FIRST)]
+        trainer.save()
+        if rank == 0:
+            torch.save(losses, f"{out}/losses.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    """The uninterrupted --ep 2 run on 2 ranks: its STEPS losses and its checkpoints of steps FIRST and STEPS."""
+    from k3.run_dir import sharded_state
+    from k3.train.checkpointing import checkpoint_path
+
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("ep-run")
+    out = str(tmp / "run")
+    mp.start_processes(ep_run_worker, args=(2, str(tmp / "store"), out, 2, None), nprocs=2, start_method="fork")
+    assert sharded_state(checkpoint_path(out, FIRST)) is not None  # expert-parallel runs save it too
+    return out
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (2, 1)], ids=["ep2", "dp2xep2", "ep1"])
+def test_resume_of_expert_parallel_run(tmp_path, ep_run, world, ep):
+    from k3.checkpoint import from_pretrained
+    from k3.train.checkpointing import checkpoint_path
+
+    out = str(tmp_path / "resumed")
+    mp.start_processes(ep_run_worker, args=(world, str(tmp_path / "store"), out, ep, checkpoint_path(ep_run, FIRST)),
+                       nprocs=world, start_method="fork")
+    # The same mesh continues the uninterrupted run bit for bit (weights, momenta, data position, RNG, router bias
+    # all restored). Another mesh computes the same sums in another grouping (each expert's rows in other ranks'
+    # grouped GEMMs, the expert gradients reduced over 2 ranks where the saving run had 1): fp32 rounding, which the two Muon
+    # steps after the resume leave at a few 1e-6 of each tensor's largest entry (1e-5 allowed).
+    want_losses = torch.load(f"{ep_run}/losses.pt")[FIRST:]
+    losses = torch.load(f"{out}/losses.pt")
+    for s, (a, b) in enumerate(zip(losses, want_losses)):
+        assert abs(a - b) <= TOL * abs(b), f"step {FIRST + s + 1}: loss {a} vs the uninterrupted run's {b}"
+    got = from_pretrained(checkpoint_path(out, STEPS)).state_dict()
+    want = from_pretrained(checkpoint_path(ep_run, STEPS)).state_dict()
+    tol = 0.0 if (world, ep) == (2, 2) else TOL
+    for n, t in got.items():
+        err = rel_err(t, want[n])
+        assert err <= tol, f"{n} differs from the uninterrupted run by {err:.2e}"

@@ -286,6 +286,23 @@ def test_state_dict_round_trip_continues_bit_for_bit(tiny_cfg):
             assert torch.equal(sa[k][key], sb[k][key]), (k, key)
 
 
+def test_load_keeps_the_block_layout_of_the_live_groups():
+    # An expert-parallel run's expert groups have E / ep blocks: a state saved at another ep size must not bring its
+    # num_blocks along (the hyperparameters it does bring); a group updated another way is another model's state.
+    model = K3ForCausalLM(_tiny(num_nextn_predict_layers=0)).init_weights(0)
+    opt = PerHeadMuon(muon_param_groups(model), lr=1e-2)
+    i = next(i for i, g in enumerate(opt.param_groups) if g["split"] == "experts")
+    live = dict(opt.param_groups[i])
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][i].update(num_blocks=live["num_blocks"] // 2, name="muon/experts(4)", lr=3e-3)
+    opt.load_state_dict(sd)
+    g = opt.param_groups[i]
+    assert (g["num_blocks"], g["name"], g["lr"]) == (live["num_blocks"], live["name"], 3e-3)
+    sd["param_groups"][i]["split"] = "none"
+    with pytest.raises(ValueError, match=r"param group .*muon/experts\(8\).* split='experts', the saved one 'none'"):
+        opt.load_state_dict(sd)
+
+
 # --- (f) weight decay ----------------------------------------------------------------------------------
 def test_weight_decay_with_zero_grad():
     model = K3ForCausalLM(_tiny(num_nextn_predict_layers=0)).init_weights(0)
