@@ -49,6 +49,8 @@ class ContextParallel(Protocol):
     the next rank. Implemented by k3.parallel.context_parallel.ContextParallelRecord; the model imports no parallel
     code."""
 
+    lengths: tuple[int, ...]  # every segment's length in rank order (they sum to the row's)
+
     def kda(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, A_log: Tensor, dt_bias: Tensor,
             lower_bound: float, cu_seqlens: Tensor) -> Tensor:
         """k3.ops.kda_backend.kda's math (raw logits, [1, T_i, ...]) for this segment, its incoming state from the
@@ -60,9 +62,19 @@ class ContextParallel(Protocol):
         ...
 
     def mla(self, q: Tensor, c: Tensor, k_rope: Tensor, kv_up: Callable[[Tensor], Tensor], scale: float,
-            segment_ids: Tensor) -> Tensor:
+            segment_ids: Tensor, return_max_logit: bool = False):
         """Gated MLA's attention core for this segment's queries over the keys of this and every earlier
-        segment: o [1, T_i, H, Dv]."""
+        segment: o [1, T_i, H, Dv]; with `return_max_logit`, (o, this segment's per-head max logit [H] fp32)."""
+        ...
+
+    def rows_after(self, x: Tensor, n: int) -> Tensor:
+        """The first min(n, rows after this segment) rows [1, h, ...] of the row after this segment, from the later
+        segments' integer per-token values x [1, T_i, ...] (token ids, document ids, labels; no gradient)."""
+        ...
+
+    def shifted(self, d: int) -> "ContextParallel":
+        """The record of the MTP block at depth d, whose position t holds token t + d: the same group, every
+        segment cut where the backbone's is, the last one d positions shorter."""
         ...
 
     def token_count(self, n: Tensor) -> Tensor:
@@ -128,9 +140,10 @@ class BatchInfo:
             if cu.numel() != cu_cpu.numel():
                 raise ValueError(f"cu_seqlens ({cu.numel()} entries) and cu_seqlens_cpu ({cu_cpu.numel()} entries) "
                                  "must be the same offsets")
-        if self.context is not None and (seg is None or seg.shape[0] != 1 or cu is None):
+        if self.context is not None and (seg is None or seg.shape[0] != 1):
             raise ValueError("a context-parallel record describes one rank's segment of one packed row: give its "
-                             "segment ids [1, T_i] and offsets (BatchInfo.from_segment_ids(..., context=...))")
+                             "segment ids [1, T_i], and their offsets for KDA layers "
+                             "(BatchInfo.from_segment_ids(..., context=...))")
         pos = self.logit_positions
         if pos is not None and (not isinstance(pos, Tensor) or pos.ndim != 1 or not _integer(pos)):
             raise ValueError(f"logit_positions must be a 1-D integer tensor of token positions, got {_describe(pos)}")
@@ -200,7 +213,12 @@ class BatchInfo:
 
     def shifted(self, d: int) -> "BatchInfo":
         """The record of the batch without the first `d` positions of each row (the MTP layer at depth d sees
-        tokens d:): its segment ids only, since the MTP block is Gated MLA and needs no offsets."""
+        tokens d:): its segment ids only, since the MTP block is Gated MLA and needs no offsets. Not for a
+        context-parallel segment, whose MTP positions read the next segments' tokens (K3ForCausalLM's MTP loss
+        builds that record)."""
+        if self.context is not None:
+            raise ValueError("BatchInfo.shifted drops a row's first positions; a context-parallel segment's MTP "
+                             "record needs the next segments' tokens (ContextParallel.rows_after, .shifted)")
         if self.segment_ids is None:
             return BatchInfo()
         return BatchInfo(segment_ids=self.segment_ids[:, d:])

@@ -52,9 +52,12 @@ class GatedMLA(nn.Module):
             return self._gated_out(x, gate, cache.attend(self, q, c, k_rope))
         context = batch.context if batch is not None else None
         if context is not None:  # this segment's queries over the latent gathered from the earlier segments
-            if return_max_logit:
-                raise ValueError("the max-logit statistic (QK-Clip) is not computed under context parallelism")
-            return self._gated_out(x, gate, context.mla(q, c, k_rope, self.kv_b_proj, self.scale, batch.segment_ids))
+            o = context.mla(q, c, k_rope, self.kv_b_proj, self.scale, batch.segment_ids,
+                            return_max_logit=return_max_logit)
+            if return_max_logit:  # this segment's maxima: the trainer's MAX over the ranks makes the row's
+                o, top = o
+                return self._gated_out(x, gate, o), top.detach()
+            return self._gated_out(x, gate, o)
         # Training and evaluation forwards: expand the latent into per-head keys and values (compiled
         # flex_attention on GPU), documents kept apart by the batch's block mask, built once per batch.
         segment_ids = batch.segment_ids if batch is not None else None

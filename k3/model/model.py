@@ -284,6 +284,8 @@ class K3ForCausalLM(nn.Module):
         out = CausalLMOutput(logits=logits, hidden_states=hidden, stats=found)
         if labels is not None and batch is not None and batch.context is not None:
             out.loss = self._context_loss(hidden, logits, labels, batch.context)
+            if len(self.mtp) and input_ids is not None:
+                out.mtp_loss = self._context_mtp_loss(hidden, input_ids, labels, batch, found=found)
         elif labels is not None:
             out.loss = _shifted_ce(logits, labels, 1) if return_logits else self.head_loss(hidden, labels)
             if len(self.mtp) and input_ids is not None:
@@ -295,9 +297,6 @@ class K3ForCausalLM(nn.Module):
         aligned with the positions (the target of position t at t, shifted before the row was split), the sum over
         this segment's tokens divided by the row's count of labelled tokens, so the segments' losses sum to the
         single-process loss (and their gradients to its gradient)."""
-        if len(self.mtp):
-            raise ValueError("multi-token prediction is not supported under context parallelism: use a config with "
-                             "num_nextn_predict_layers=0 (or --cp 1)")
         target = labels.reshape(-1)
         if logits is not None:
             total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target, ignore_index=-100,
@@ -308,6 +307,38 @@ class K3ForCausalLM(nn.Module):
                 total = linear_cross_entropy(self.model.norm(hidden.reshape(-1, D)), self.lm_head.weight, target,
                                              backends=self.backends)
         return total / context.token_count((target != -100).sum())
+
+    def _context_mtp_loss(self, hidden, input_ids, labels, batch: BatchInfo,
+                          found: ForwardStats | None = None) -> torch.Tensor:
+        """`mtp_loss` for one segment under context parallelism: this segment's share of every depth's mean, so the
+        segments' losses sum to the single-process MTP loss. `labels` are aligned with the positions (the target
+        of t at t), `batch` is the segment's record.
+
+        The depth-d block's position t takes the depth-(d - 1) hidden state at t and the embedding of token t + d,
+        its document id that of t + d, its target that of t + d. For a segment's last d positions those tokens
+        are the next segments' first ones: one gather of every segment's first D tokens (ids, document ids,
+        labels; D the number of depths) brings them (ContextParallel.rows_after). The row's last d positions have
+        no token t + d, so the last segment's block is d positions shorter (ContextParallel.shifted); the target
+        of the row's last position is -100, so the positions that count are the single process's."""
+        context = batch.context
+        want = found.asked if found is not None else frozenset()
+        T = input_ids.shape[1]
+        own = torch.stack([input_ids.long(), batch.segment_ids.long(), labels.long()], dim=-1)  # [1, T_i, 3]
+        rows = torch.cat([own, context.rows_after(own, len(self.mtp))], dim=1)
+        ids, seg, target = rows.unbind(-1)
+        ahead = rows.shape[1] - T  # tokens after this segment: D, fewer at the row's end
+        losses = []
+        h = hidden
+        for d, layer in enumerate(self.mtp, start=1):
+            if sum(context.lengths) <= d + 1:  # the single process's bound, on the whole row
+                break
+            n = T - max(0, d - ahead)  # this segment's positions t with a token t + d
+            record = BatchInfo(segment_ids=seg[:, d:d + n], context=context.shifted(d))
+            h, got = layer(h[:, :n], self.model.embed_tokens(ids[:, d:d + n]), batch=record, stats=want)
+            if found is not None:
+                found.add(layer.block.layer_idx, got)
+            losses.append(self._context_loss(h, None, target[:, d:d + n], context))
+        return torch.stack(losses).mean() if losses else hidden.new_zeros(())
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head: output-site hidden states [..., D] (before the final norm) -> logits [..., V]."""

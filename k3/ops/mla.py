@@ -288,20 +288,24 @@ def split_kv_b(
 
 @torch.no_grad()
 def max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, segment_ids: torch.Tensor | None,
-               block: int = 512) -> torch.Tensor:
-    """Largest causal pre-softmax logit of each head over the batch: [H] fp32 (QK-Clip's signal). Queries are
-    taken `block` at a time so memory stays O(block x T), not O(T^2)."""
+              block: int = 512, q_start: int = 0) -> torch.Tensor:
+    """Largest causal pre-softmax logit of each head over the batch: [H] fp32 (QK-Clip's signal). Query i sits at
+    position ``q_start + i`` of the keys k [B, Tk, H, D] (``q_start + Tq <= Tk``; segment_ids [B, Tk] the keys'
+    document ids), as in ``mla_attention``: ``q_start > 0`` is a context-parallel segment's queries against the
+    keys of the row up to its end. Queries are taken `block` at a time so memory stays O(block x Tk), not
+    O(Tk^2)."""
     B, T, H, _ = q.shape
     kf = k.float()
     best = torch.full((H,), float("-inf"), device=q.device)
-    pos = torch.arange(T, device=q.device)
+    pos = torch.arange(q_start + T, device=q.device)
     for s0 in range(0, T, block):
         s1 = min(T, s0 + block)
-        s = torch.einsum("bihd,bjhd->bhij", q[:, s0:s1].float(), kf[:, :s1]) * scale
-        mask = pos[None, :s1] <= pos[s0:s1, None]  # [blk, s1] causal
-        mask = mask.expand(B, 1, s1 - s0, s1)
+        e = q_start + s1  # keys visible to this block's last query
+        s = torch.einsum("bihd,bjhd->bhij", q[:, s0:s1].float(), kf[:, :e]) * scale
+        mask = pos[None, :e] <= pos[q_start + s0:e, None]  # [blk, e] causal
+        mask = mask.expand(B, 1, s1 - s0, e)
         if segment_ids is not None:
-            mask = mask & (segment_ids[:, None, s0:s1, None] == segment_ids[:, None, None, :s1])
+            mask = mask & (segment_ids[:, None, q_start + s0:e, None] == segment_ids[:, None, None, :e])
         best = torch.maximum(best, s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
     return best
 

@@ -1,5 +1,6 @@
 """KDA context parallelism (KCP, report §5.1.2), and what a packed row needs around it under context parallelism:
-its split into per-rank segments, Gated MLA's keys from earlier segments, the short conv's carried inputs.
+its split into per-rank segments, Gated MLA's keys from earlier segments (and QK-Clip's max logits over them), the
+short conv's carried inputs, the MTP layer's tokens from the next segments.
 
 A packed row (B = 1, documents given by cu_seqlens) is cut into P contiguous segments, one per rank of the CP
 group. KDA applies the token matrix M_t = (I - beta_t k_t k_t^T) Diag(alpha_t) to the state before each write
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -28,13 +29,13 @@ from torch import Tensor
 
 from k3.model.batch import BatchInfo, packed_cu_seqlens
 from k3.ops.kda import kda_chunk, kda_gate, l2norm
-from k3.ops.mla import mla_attention
+from k3.ops.mla import max_logit, mla_attention
 from k3.ops.precision import fp32_math
 
 __all__ = ["CPSegment", "CPBatch", "even_split_points", "cp_plan", "split_rows", "merge_rows", "split_packed_batch",
            "segment_fragments", "compose_incoming", "kcp_reference", "all_gather_autograd", "kda_context_parallel",
-           "kda_cp", "all_gather_rows", "mla_context_parallel", "conv_halo", "ContextParallelRecord",
-           "aligned_labels", "cp_batch_info"]
+           "kda_cp", "all_gather_rows", "mla_context_parallel", "conv_halo", "rows_after", "mtp_lengths",
+           "ContextParallelRecord", "aligned_labels", "cp_batch_info"]
 
 # kda_chunk's contract: (q, k, v, g, beta, scale=, initial_state=, cu_seqlens=) -> (o, final_state [N, H, K, V]).
 KDAFn = Callable[..., tuple[Tensor, Tensor]]
@@ -317,7 +318,8 @@ def all_gather_rows(x: Tensor, group: dist.ProcessGroup | None, lengths: Sequenc
 
 
 def mla_context_parallel(q: Tensor, c: Tensor, k_rope: Tensor, kv_up: Callable[[Tensor], Tensor], scale: float,
-                         segment_ids: Tensor, group: dist.ProcessGroup | None, lengths: Sequence[int]) -> Tensor:
+                         segment_ids: Tensor, group: dist.ProcessGroup | None, lengths: Sequence[int],
+                         return_max_logit: bool = False):
     """Gated MLA's attention core (k3.ops.mla.mla_attention, report §2.1.2) for this rank's segment of a packed
     row: its queries against the keys of this and every earlier segment, causal and within each document.
 
@@ -327,7 +329,12 @@ def mla_context_parallel(q: Tensor, c: Tensor, k_rope: Tensor, kv_up: Callable[[
     global document ids (split_packed_batch keeps them global; a second, integer all-gather shares them);
     lengths: every rank's segment length. Returns o [1, T_i, H, Dv], the rows of mla_attention over the whole row.
     The earlier ranks' c and k_rope get their gradient through the gather's backward; kv_up's weight gradient is
-    this rank's part, summed over the CP group like a data-parallel gradient."""
+    this rank's part, summed over the CP group like a data-parallel gradient.
+
+    With `return_max_logit`, (o, max_logit [H] fp32, detached): each head's largest scaled logit of this segment's
+    queries over the keys they see (QK-Clip's signal, report §3.3). Every query of the row lives on one rank and
+    sees there the keys it sees in one process, so the MAX over the CP group (the trainer all-reduces the maxima
+    over every rank) is the single-process maximum."""
     _, T, H, D = q.shape
     R, Dr = c.shape[-1], k_rope.shape[-1]
     Dn = D - Dr
@@ -341,7 +348,8 @@ def mla_context_parallel(q: Tensor, c: Tensor, k_rope: Tensor, kv_up: Callable[[
     Dv = kv.shape[-1] // H - Dn
     k_nope, v = kv.view(1, end, H, Dn + Dv).split([Dn, Dv], dim=-1)
     k = torch.cat([k_nope, kr[:, :, None].expand(1, end, H, Dr)], dim=-1)
-    return mla_attention(q, k, v, scale, q_start=start, segment_ids=ids)
+    o = mla_attention(q, k, v, scale, q_start=start, segment_ids=ids)
+    return (o, max_logit(q, k, scale, ids, q_start=start)) if return_max_logit else o
 
 
 def conv_halo(x: Tensor, width: int, cu_seqlens_local: Tensor, group: dist.ProcessGroup | None,
@@ -364,6 +372,38 @@ def conv_halo(x: Tensor, width: int, cu_seqlens_local: Tensor, group: dist.Proce
     return torch.cat([halo.t()[None], x.new_zeros(len(cu) - 2, C, D)])
 
 
+def rows_after(x: Tensor, n: int, group: dist.ProcessGroup | None, lengths: Sequence[int]) -> Tensor:
+    """The first rows of the row after this rank's segment: x [1, T_i, ...] (integer per-token values: token ids,
+    document ids, labels) -> [1, h, ...], the first h = min(n, rows after this segment) rows of the later segments
+    in rank order (h = 0 on the last rank). What the MTP layer reads at a segment's end (token t + d of its last
+    positions). One all-gather of each rank's first n rows; no gradient."""
+    rank, P = dist.get_rank(group), len(lengths)
+    if x.shape[1] != lengths[rank]:
+        raise ValueError(f"rank {rank} holds {x.shape[1]} rows, lengths says {lengths[rank]}")
+    head = x[0, :n]
+    if head.shape[0] < n:
+        head = torch.cat([head, head.new_zeros(n - head.shape[0], *head.shape[1:])])
+    gathered = head.new_empty(P, *head.shape)
+    _collective("all_gather_single", "all_gather_into_tensor")(gathered.view(-1), head.contiguous().view(-1),
+                                                              group=group)
+    later = [gathered[j, :min(n, lengths[j])] for j in range(rank + 1, P)]
+    return torch.cat([head[:0], *later])[:n][None]
+
+
+def mtp_lengths(lengths: Sequence[int], d: int) -> tuple[int, ...]:
+    """Every segment's length for the MTP block at depth d (k3.model.mtp), whose position t holds token t + d: the
+    row's positions [0, T - d), cut where the backbone's are, so the last segment is d shorter. Every segment must
+    keep at least one position."""
+    T, start, out = sum(lengths), 0, []
+    for n in lengths:
+        out.append(min(start + n, T - d) - start)
+        start += n
+    if min(out) < 1:
+        raise ValueError(f"segments of {tuple(lengths)} tokens leave an empty segment for the MTP block at depth {d}: "
+                         f"every segment needs more than {d} tokens")
+    return tuple(out)
+
+
 # --------------------------------------------------------------------------------------------
 # The model's hook: k3.model.batch.ContextParallel
 # --------------------------------------------------------------------------------------------
@@ -373,7 +413,9 @@ def conv_halo(x: Tensor, width: int, cu_seqlens_local: Tensor, group: dist.Proce
 class ContextParallelRecord:
     """k3.model.batch.ContextParallel for one rank's segment: the CP group, whether its first document began on an
     earlier rank, and every segment's length. Put it on the segment's BatchInfo (`cp_batch_info`), and the model's
-    KDA, short conv and Gated MLA layers run their collective forms (kda_cp, conv_halo, mla_context_parallel)."""
+    KDA, short conv and Gated MLA layers run their collective forms (kda_cp, conv_halo, mla_context_parallel); the
+    MTP layers read the next segments' first tokens (rows_after) and run Gated MLA over their own segments'
+    lengths (`shifted`)."""
 
     group: dist.ProcessGroup | None
     continued: bool
@@ -386,8 +428,15 @@ class ContextParallelRecord:
     def conv_halo(self, x, width, cu_seqlens):
         return conv_halo(x, width, cu_seqlens, self.group, self.continued)
 
-    def mla(self, q, c, k_rope, kv_up, scale, segment_ids):
-        return mla_context_parallel(q, c, k_rope, kv_up, scale, segment_ids, self.group, self.lengths)
+    def mla(self, q, c, k_rope, kv_up, scale, segment_ids, return_max_logit=False):
+        return mla_context_parallel(q, c, k_rope, kv_up, scale, segment_ids, self.group, self.lengths,
+                                    return_max_logit)
+
+    def rows_after(self, x, n):
+        return rows_after(x, n, self.group, self.lengths)
+
+    def shifted(self, d):
+        return replace(self, lengths=mtp_lengths(self.lengths, d))
 
     def token_count(self, n: Tensor) -> Tensor:
         n = n.detach().clone()

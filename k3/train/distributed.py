@@ -11,8 +11,9 @@
 * the gradient norm is the norm over all ranks' shards; loop decisions taken from the clock or a signal (stop,
   save) are all-reduced so that every rank takes them together;
 * context parallelism (a "cp" dimension of 2 or more): each forward is one packed row, split along the sequence
-  over the cp ranks (k3.parallel.context_parallel); each rank's loss is its segment's share of the row's mean, so
-  it is scaled by cp in backward and the reported loss sums the cp ranks' shares;
+  over the cp ranks (k3.parallel.context_parallel); each rank's loss (and MTP loss) is its segment's share of the
+  row's mean, so it is scaled by cp in backward and the reported losses sum the cp ranks' shares; QK-Clip's
+  maxima, each rank's over its own queries, are all-reduced like any rank's;
 * rank 0 alone writes metrics.jsonl, loss.png and the progress bar;
 * a checkpoint `step-N/` is the full model gathered to rank 0 and written in the official layout (`k3 eval` /
   `k3 serve` load it; its trainer_state files carry the settings and positions, no optimizer state), with the
@@ -72,13 +73,9 @@ class DistributedTrainer(Trainer):
             self._check_context_parallel(tcfg)
 
     def _check_context_parallel(self, tcfg: TrainConfig) -> None:
-        """Context parallelism splits one packed row per forward over the "cp" ranks (report §5.1.2)."""
-        if len(self.model.mtp):
-            raise ValueError("--cp needs a model without multi-token prediction layers (a config with "
-                             "num_nextn_predict_layers 0): MTP does not run under context parallelism yet")
-        if self.max_logits is not None:
-            raise ValueError("--cp needs --qk-clip-tau 0: the max logits of MLA under context parallelism are not "
-                             "computed yet")
+        """Context parallelism splits one packed row per forward over the "cp" ranks (report §5.1.2). The MTP layers
+        run over the same segments (each reading the next segment's first tokens), and QK-Clip's per-head maxima
+        of each segment's queries are all-reduced (MAX) over every rank, cp ranks included, as any other rank's."""
         if tcfg.micro_batch_rows not in (None, 1):
             raise ValueError(f"--cp runs one packed row per forward; --micro-batch-rows {tcfg.micro_batch_rows} "
                              f"cannot apply")

@@ -16,7 +16,8 @@ Gradient accumulation: a :class:`MaxLogitTracker` folds the statistics of every 
 (the step's micro-batches) into a running max, so clipping sees the whole step's batch, not only the last
 micro-batch. Its owner decides what it sees: the trainer shows it its training forwards and never an evaluation.
 Under activation checkpointing the statistics are the original forward's (k3.model.block), so recomputation
-changes nothing.
+changes nothing. Under context parallelism each rank's maxima are those of its segment's queries over the keys they
+see (k3.parallel.context_parallel.mla_context_parallel), so the MAX over all ranks is the whole row's.
 """
 
 from __future__ import annotations

@@ -168,6 +168,11 @@ def test_max_logit_in_query_blocks_equals_the_full_matrix():
     full = s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
     assert torch.equal(_max_logit(q, k, 0.3, seg, block=64), full)
     assert torch.equal(_max_logit(q, k, 0.3, None, block=7), _max_logit(q, k, 0.3, None, block=1000))
+    # a context-parallel segment's queries (positions q_start ...) against the keys up to their end: the maxima of
+    # the row's segments, taken together, are the row's (the same dot products, so exactly)
+    parts = [_max_logit(q[:, a:b], k[:, :b], 0.3, seg[:, :b], block=64, q_start=a)
+             for a, b in ((0, 100), (100, 171), (171, 300))]
+    assert torch.equal(torch.stack(parts).amax(0), full)
 
 
 def test_chunked_head_loss_equals_the_full_logits_loss_with_gradients(tiny_cfg):

@@ -2,8 +2,10 @@
 
 (a) the single-process simulation kcp_reference against single-device KDA on the whole packed row; (b) in gloo
 process groups of 2 and 4 ranks, kda_context_parallel (and the layer's op entry kda_cp) against single-device KDA;
-(c) there too, MLA with the latent gathered across ranks against single-device attention, and the short conv with
-its carried inputs from the previous rank against the single-device conv. Forward outputs and gradients.
+(c) there too, MLA with the latent gathered across ranks against single-device attention (and its per-head max
+logits, QK-Clip's signal, exactly: the same dot products), the short conv with its carried inputs from the previous
+rank against the single-device conv, and the rows after each segment (the MTP layer's next tokens). Forward outputs
+and gradients.
 
 Tolerances: everything is fp32. KCP is the same math as the whole-row forms, reassociated (chunks restart at every
 segment start, the fragments fold in another order), so the results agree to fp32 rounding, measured as the max
@@ -26,10 +28,10 @@ from helpers import rel_err
 
 from k3.ops.kda import kda_chunk, kda_recurrent, l2norm, short_conv
 from k3.ops.kda_backend import kda_torch
-from k3.ops.mla import mla_attention
+from k3.ops.mla import max_logit, mla_attention
 from k3.parallel.context_parallel import (compose_incoming, conv_halo, cp_plan, even_split_points, kcp_reference,
                                           kda_context_parallel, kda_cp, merge_rows, mla_context_parallel,
-                                          segment_fragments, split_packed_batch, split_rows)
+                                          rows_after, segment_fragments, split_packed_batch, split_rows)
 
 TOL, GRAD_TOL = 1e-5, 5e-5
 H, K, V = 2, 16, 16
@@ -177,6 +179,7 @@ def test_kcp_reference_matches_the_recurrence():
 # ---------------------------------------------------------------------------------------------
 
 MLA = dict(H=2, Dn=16, Dr=8, Dv=16, R=32)
+ROWS_AFTER = 45
 CONV_W, CONV_C = 4, 12
 
 
@@ -239,10 +242,14 @@ def cp_worker(rank: int, P: int, store: str, plan, d: dict, out: str):
         # MLA with the latent gathered from the earlier ranks
         q, c, kr, w = local(d["q"]), local(d["c"]), local(d["k_rope"]), leaf(d["w_kv"])
         scale = (MLA["Dn"] + MLA["Dr"]) ** -0.5
-        o = mla_context_parallel(q, c, kr, lambda x: F.linear(x, w), scale, d["segment_ids"][:, s.start:s.end],
-                                 None, s.lengths)
+        o, top = mla_context_parallel(q, c, kr, lambda x: F.linear(x, w), scale, d["segment_ids"][:, s.start:s.end],
+                                      None, s.lengths, return_max_logit=True)
         (o * d["mla_w"][:, s.start:s.end]).sum().backward()
-        res["mla"] = [o.detach(), q.grad, c.grad, kr.grad, w.grad]
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)  # QK-Clip's maxima over the ranks' queries
+        res["mla"] = [o.detach(), q.grad, c.grad, kr.grad, w.grad, top]
+
+        # the rows after this segment (the MTP layer's next tokens), here more than the next segment holds
+        res["after"] = rows_after(torch.arange(s.start, s.end)[None], ROWS_AFTER, None, s.lengths)
 
         # short conv with the previous segment's last W - 1 inputs
         x, cw = local(d["x"]), leaf(d["conv_w"])
@@ -295,6 +302,11 @@ def test_distributed_gloo_matches_single_device(tmp_path, T, cu, cuts):
     for name, a, b in [("o", merged("mla", 0), o), ("dq", merged("mla", 1), q.grad), ("dc", merged("mla", 2), c.grad),
                        ("dk_rope", merged("mla", 3), kr.grad), ("dw_kv", sum(r["mla"][4] for r in res), w.grad)]:
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+    top = max_logit(q, k, (m["Dn"] + m["Dr"]) ** -0.5, d["segment_ids"])
+    for r in res:  # the same dot products, so the same maxima
+        assert torch.equal(r["mla"][5], top), (r["mla"][5], top)
+    for s, r in zip(plan, res):
+        assert torch.equal(r["after"], torch.arange(s.end, min(s.end + ROWS_AFTER, T))[None]), s.rank
 
     # short conv against the single-device packed conv
     x, cw = leaf(d["x"]), leaf(d["conv_w"])
