@@ -7,14 +7,14 @@ task's reference, expert and roofline, and catch reward hacking.
 
 One concept per module: task (what a task is), tasks/ (one file per task), runner (the candidate's process and its
 limits; forkserver), worker and guard (inside that process), timing, ceilings (roofline), reward (the formula),
-hacks (the detectors), result, score (putting them together), cli. Imports k3.ops only. The names below load on
+hacks (the detectors), result, scoring (putting them together), cli. Imports k3.ops only. The names below load on
 first use, so that ``k3 --help`` does not import torch.
 """
 
 import importlib
 
 _EXPORTS = {"Check": "result", "Result": "result", "FORMULA": "reward", "reward": "reward", "Limits": "runner",
-            "expert_time": "score", "score": "score", "score_many": "score", "source_of": "score",
+            "expert_time": "scoring", "score": "scoring", "score_many": "scoring", "source_of": "scoring",
             "all_tasks": "tasks", "get": "tasks"}
 
 __all__ = sorted(_EXPORTS)

@@ -47,7 +47,7 @@ def cmd_list(args) -> int:
 
 def cmd_score(args) -> int:
     from k3.kernel_reward.runner import Limits
-    from k3.kernel_reward.score import score, score_many
+    from k3.kernel_reward.scoring import score, score_many
     from k3.kernel_reward.tasks import get
 
     try:
