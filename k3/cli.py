@@ -375,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_generate)
+
+    from k3.kernel_reward.cli import add_parser as add_kernel_reward
+
+    add_kernel_reward(sub)
     return p
 
 

@@ -1,0 +1,65 @@
+"""The kernel reward of k3's own implementations, for every task: the expert (0.5 by construction, up to timing
+noise), our own kernel where it is not the expert, and the naive reference; plus the harness's overhead per
+candidate. Prints a table and writes JSON.
+
+    python benchmarks/kernel_reward.py [--device cuda|cpu] [--tasks rms_norm,softmax] [--out kernel_reward.json]
+
+Each implementation is scored like any candidate (its own process, every check and detector, timed on fresh
+inputs), except that calling the task's expert or reference is allowed. Record results in BENCHMARKS.md with the
+command, the date and the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from k3.kernel_reward import Limits, all_tasks, expert_time, score, source_of
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tasks", default="", help="comma-separated task names (default: all)")
+    p.add_argument("--out", default="kernel_reward.json")
+    p.add_argument("--time-limit", type=float, default=600.0)
+    args = p.parse_args(argv)
+    tasks = all_tasks()
+    names = [n for n in args.tasks.split(",") if n] or sorted(tasks)
+    limits = Limits(check_s=args.time_limit, time_s=args.time_limit)
+    rows, out = [], []
+    for name in names:
+        task = tasks[name]
+        expert = expert_time(task, args.device, limits=limits)
+        impls = {"expert": task.expert(args.device)}
+        for label, impl in task.variants.items():
+            if impl not in impls.values():
+                impls[label] = impl
+        for label, impl in impls.items():
+            try:
+                r = score(task, source_of(impl), args.device, name=impl, limits=limits, expert=expert, trusted=True)
+            except Exception as e:  # an implementation that cannot run here (fla missing): say so, keep going
+                print(f"{name} {label} {impl}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            d = r.to_dict()
+            d["role"] = label
+            out.append(d)
+            rows.append((name, label, impl, r))
+    print(f"{'task':<20} {'role':<7} {'time ms':>10} {'expert ms':>10} {'roof ms':>10} {'roof %':>7} {'reward':>7} "
+          f"{'overhead s':>10}  implementation / reason")
+    for name, label, impl, r in rows:
+        t = lambda x: f"{x * 1e3:10.4g}" if x is not None else f"{'-':>10}"
+        frac = f"{r.roofline_fraction:7.1%}" if r.roofline_fraction is not None else f"{'-':>7}"
+        print(f"{name:<20} {label:<7} {t(r.time_s)} {t(r.expert_time_s)} {t(r.roofline_time_s)} {frac} "
+              f"{r.reward if r.reward is not None else 0:7.3f} {r.overhead_s:10.1f}  {impl} {r.reason[:120]}")
+    with open(args.out, "w") as f:
+        json.dump({"device": args.device, "results": out}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

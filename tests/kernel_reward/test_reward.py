@@ -1,0 +1,35 @@
+"""The reward formula at its anchor points: the expert's time -> 0.5, the roofline -> 1, monotone in between and
+beyond, and the harness's degenerate roofline (not below the expert) keeping the expert at 0.5."""
+
+import math
+
+import pytest
+
+from k3.kernel_reward.reward import effective_roofline, reward
+
+
+def test_anchors():
+    assert reward(1.0, 1.0, 0.1) == 0.5
+    assert reward(0.1, 1.0, 0.1) == 1.0
+    assert reward(0.01, 1.0, 0.1) == 1.0  # faster than the roofline: clipped
+    assert reward(2.0, 1.0, 0.1) == 0.25 and reward(10.0, 1.0, 0.1) == pytest.approx(0.05)
+    # halfway to the roofline in log-time
+    assert reward(math.sqrt(0.1), 1.0, 0.1) == pytest.approx(0.75)
+
+
+def test_monotone_and_continuous():
+    ts = [10 ** (k / 20) for k in range(-40, 41)]  # 0.01 .. 100 x the expert
+    rs = [reward(t, 1.0, 0.05) for t in ts]
+    assert all(a >= b for a, b in zip(rs, rs[1:]))
+    assert reward(1.0 - 1e-9, 1.0, 0.05) == pytest.approx(0.5) == reward(1.0 + 1e-9, 1.0, 0.05)
+
+
+def test_expert_at_or_past_the_roofline_still_scores_half():
+    assert effective_roofline(1.0, 2.0) == 0.5
+    assert reward(1.0, 1.0, 2.0) == 0.5
+    assert reward(0.5, 1.0, 2.0) == 1.0
+
+
+def test_rejects_nonpositive_times():
+    with pytest.raises(ValueError, match="positive"):
+        reward(0.0, 1.0, 0.1)
