@@ -5,7 +5,7 @@ here compares against a reference: references run only in the harness's process,
 the expected results through the interpreter (gc, frames) because they do not exist where it runs.
 
 * the network: ``socket.socket`` and its relatives raise (a candidate must not fetch results or code);
-* the harness's functions: the attributes of torch, torch.Tensor, torch.nn.functional, torch.cuda, time and of
+* the harness's functions: the callable attributes of torch, torch.Tensor, torch.nn.functional, torch.cuda, time and of
   k3.kernel_reward's own modules are recorded by identity, so replacing one (a timer, a sync, a comparison) shows;
 * global precision settings (TF32, reduced-precision reductions, float32 matmul precision), likewise;
 * CUDA graphs: replays are counted (CUDAGraph.replay patched on the Python and the C class);
@@ -51,7 +51,9 @@ def _namespaces() -> dict[str, dict]:
     for name, m in list(sys.modules.items()):
         if name.startswith("k3.kernel_reward") and m is not None:
             mods[name] = m
-    return {name: dict(vars(m)) for name, m in mods.items()}
+    # Functions and classes only: plain values (torch.cuda's lazily set device count, its init flag) change as
+    # torch runs, while a timer, a sync or a comparison that was swapped is always a callable.
+    return {name: {k: v for k, v in vars(m).items() if callable(v)} for name, m in mods.items()}
 
 
 def precision_settings() -> dict[str, str]:

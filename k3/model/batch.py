@@ -82,6 +82,15 @@ class ContextParallel(Protocol):
         ...
 
 
+class _Memo:
+    """BatchInfo's per-batch values (see BatchInfo._memo)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self):
+        self.values: dict = {}
+
+
 @dataclass(frozen=True, eq=False)
 class BatchInfo:
     """What the layers need to know about one batch besides its tokens.
@@ -107,8 +116,10 @@ class BatchInfo:
     logit_positions: Tensor | None = None
     context: ContextParallel | None = None
     # Per-batch values built on first use and reused by every layer (and by the recompute of activation
-    # checkpointing): the flex block mask.
-    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # checkpointing): the flex block mask. An opaque holder, not a dict: FSDP2's input cast rebuilds every
+    # dataclass argument field by field (dataclasses.replace) and copies dicts, and the holder passes through
+    # both as the same object, so every copy of the record shares one memo.
+    _memo: "_Memo" = field(default_factory=lambda: _Memo(), repr=False, compare=False)
 
     def __post_init__(self):
         seg, cu, cu_cpu = self.segment_ids, self.cu_seqlens, self.cu_seqlens_cpu
@@ -238,8 +249,9 @@ class BatchInfo:
         """flex_attention's causal document block mask for this batch (`k3.ops.mla.causal_block_mask`), built on
         first use and kept for every Gated MLA layer of the forward and for their recompute in backward."""
         key = ("flex_block_mask", torch.device(device))
-        if key not in self._memo:
+        memo = self._memo.values
+        if key not in memo:
             from k3.ops.mla import causal_block_mask
 
-            self._memo[key] = causal_block_mask(self.segment_ids.shape[1], device, self.segment_ids)
-        return self._memo[key]
+            memo[key] = causal_block_mask(self.segment_ids.shape[1], device, self.segment_ids)
+        return memo[key]

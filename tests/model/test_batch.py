@@ -149,3 +149,19 @@ def test_flex_block_mask_is_built_once_per_record():
     a = info.flex_block_mask(torch.device("cpu"))
     assert info.flex_block_mask(torch.device("cpu")) is a
     assert BatchInfo.from_segment_ids(_seg()).flex_block_mask(torch.device("cpu")) is not a  # another batch
+
+
+def test_rebuilt_field_by_field_the_record_keeps_one_memo():
+    # FSDP2's mixed-precision input cast rebuilds each dataclass argument of a unit field by field
+    # (dataclasses.replace with every field) and copies dicts; the record must survive that, and its copies must
+    # share the per-batch values (the flex block mask is built once per forward, not once per layer).
+    import dataclasses
+
+    from torch.distributed.utils import _apply_to_tensors
+
+    info = BatchInfo.from_lengths([[3, 5]])
+    copy = dataclasses.replace(info, **{f.name: getattr(info, f.name) for f in dataclasses.fields(info)})
+    cast = _apply_to_tensors(lambda t: t.clone(), {"batch": info})["batch"]
+    for other in (copy, cast):
+        assert isinstance(other, BatchInfo) and torch.equal(other.segment_ids, info.segment_ids)
+        assert other._memo is info._memo
