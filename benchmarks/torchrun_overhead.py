@@ -65,7 +65,7 @@ def main() -> None:
     results: dict[str, list] = {"plain": [], "torchrun": []}
     try:
         for rep in range(a.repeats):
-            for kind in ("plain", "torchrun"):
+            for kind in ("torchrun", "plain"):  # the distributed path first: it is the one that may fail
                 out = os.path.join(work, f"{kind}-{rep}")
                 cmd = [sys.executable, "-m", "k3"] + flags + ["--out", out]
                 if kind == "torchrun":

@@ -171,6 +171,10 @@ def _environment(env: dict, device: str) -> dict:
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"  # Triton candidates run in its interpreter on CPU tensors
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # Under the address-space cap every thread's stack and malloc arena count: on a many-core host OpenMP's
+        # pool and glibc's per-thread arenas alone would exhaust it. A few threads, two arenas.
+        env.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
+        env.setdefault("MALLOC_ARENA_MAX", "2")
     return env
 
 

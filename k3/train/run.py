@@ -134,7 +134,9 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
         from k3.parallel.parallelize import ParallelizeOptions, default_param_dtype, parallelize
         from k3.train.distributed import DistributedTrainer
 
-        tcfg.autocast_bf16 = False  # FSDP2's mixed-precision policy casts instead (bf16 on CUDA)
+        # On CUDA FSDP2's policy gathers the bf16 units' parameters in bf16; the Kimi Delta Attention units stay fp32
+        # (their decay and conv parameters must), so autocast stays on for their projections' matmuls, as on one
+        # device. The single-device trainer's once-per-step weight casts are not used (DistributedTrainer).
         parallelize(model, mesh, ParallelizeOptions(param_dtype=default_param_dtype(device), moon_ep=opts.moon_ep))
         trainer = DistributedTrainer(model, tcfg, loader, mesh, eval_stream=eval_stream, eos_id=tok.eos_id,
                                      tokenizer_json=tok_json, log=log)
