@@ -456,7 +456,7 @@ def resume_worker(rank: int, world: int, store: str, out: str, resume: bool) -> 
 
     init(rank, world, store)
     try:
-        model, loader, tcfg = train_setup()
+        model, loader, tcfg = train_setup(quarters=world == 4)
         tcfg.out = out
         if resume:
             torch.manual_seed(123)  # the resumed run's own seed: the checkpoint's RNG state replaces it
@@ -475,14 +475,15 @@ def resume_worker(rank: int, world: int, store: str, out: str, resume: bool) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 1], ids=["2to2", "2to1"])
-def test_resume_from_sharded_checkpoint(tmp_path, reference, world):
+@pytest.mark.parametrize("saved,world", [(2, 2), (2, 1), (4, 2)], ids=["2to2", "2to1", "4to2"])
+def test_resume_from_sharded_checkpoint(tmp_path, reference, saved, world):
     from k3.checkpoint import from_pretrained
     from k3.run_dir import latest_checkpoint, sharded_state
     from k3.train.checkpointing import checkpoint_path
 
     out = str(tmp_path / "run")
-    mp.start_processes(resume_worker, args=(2, str(tmp_path / "store1"), out, False), nprocs=2, start_method="fork")
+    mp.start_processes(resume_worker, args=(saved, str(tmp_path / "store1"), out, False), nprocs=saved,
+                       start_method="fork")
     first = checkpoint_path(out, FIRST)
     assert latest_checkpoint(out) == first and sharded_state(first) is not None
     assert not any(n.endswith(".sharded") for n in __import__("os").listdir(f"{out}/checkpoints"))
@@ -493,15 +494,34 @@ def test_resume_from_sharded_checkpoint(tmp_path, reference, world):
     # so it matches the single-process run as closely as the uninterrupted distributed run does (1e-5: the
     # ranks' summation order only; at world 1 the two micro-batches are the single process's own).
     ref_steps, ref_model, _ = reference
+    if 4 in (saved, world):
+        # the single process with the rows each rank had per forward: quarters before the save, halves after (the
+        # same means; AdamW would turn the other rounding of another grouping into larger steps on elements whose
+        # gradient is near its eps)
+        from k3.train.trainer import Trainer
+
+        ref_model, loader, tcfg = train_setup(quarters=saved == 4)
+        trainer = Trainer(ref_model, tcfg, loader)
+        ref_steps = [step_record(trainer.train_step()) for _ in range(FIRST)]
+        trainer.cfg.micro_batch_rows = ROWS // world if world > 1 else ROWS // 2
+        ref_steps += [step_record(trainer.train_step()) for _ in range(STEPS - FIRST)]
     ref_losses = [r["loss"] for r in ref_steps]
     losses = torch.load(f"{out}/losses-first.pt") + torch.load(f"{out}/losses-resumed.pt")
     for s, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= TOL * abs(b), f"step {s + 1}: loss {a} vs single-process {b}"
     got = from_pretrained(checkpoint_path(out, STEPS))
     ref_sd = ref_model.state_dict()
+    # Four ranks reduce each gradient in another order than the single process, and AdamW turns that rounding into
+    # larger steps on elements whose gradient is near its eps (an uninterrupted four-rank run shows it as well:
+    # observed 5.6e-5 on the MTP block's AttnRes pseudo-query), so on four ranks the AdamW parameters get 2e-4;
+    # the Muon parameters, the losses and every parameter at one and two ranks keep 1e-5.
+    from k3.train.per_head_muon import describe_param_groups
+
+    adamw = {n for n, rule in describe_param_groups(got).items() if rule == "adamw"}
     for n, t in got.state_dict().items():
         err = rel_err(t.float(), ref_sd[n].float())
-        assert err <= TOL, f"{n} differs from the single-process run by {err:.2e}"
+        tol = 2e-4 if 4 in (saved, world) and n in adamw else TOL
+        assert err <= tol, f"{n} differs from the single-process run by {err:.2e}"
 
 
 # ---------------------------------------------------------------------------------------------------------
