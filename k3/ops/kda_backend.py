@@ -68,7 +68,9 @@ def kda_torch(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound: float, initi
     """The reference: the gate, L2 norms and beta sigmoid, then the token recurrence (T == 1) or the chunkwise
     form (k3.ops.kda). `cu_seqlens_cpu` and `backends` are accepted for the common signature and not needed."""
     g = ref.kda_gate(z, A_log, dt_bias, lower_bound)
-    qn, kn = ref.l2norm(q), ref.l2norm(k)
+    # normalized in fp32 and kept there (as fla's kernels do in-kernel): rounding the unit vectors to bf16 moved the
+    # state by ~2e-3 of its largest entry
+    qn, kn = ref.l2norm(q.float()), ref.l2norm(k.float())
     beta = torch.sigmoid(beta_logits.float())
     if q.shape[1] == 1:
         return ref.kda_recurrent(qn, kn, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)

@@ -297,7 +297,8 @@ def kda_cp(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, A_lo
     beta = torch.sigmoid(beta_logits.float())
     # g >= lower_bound by construction: the chunked form need not read min(g) back to pick its tiled pair scores
     chunk = functools.partial(kda_chunk, g_min=lower_bound)
-    return kda_context_parallel(l2norm(q), l2norm(k), v, g, beta, None, cu_seqlens_local, group, continued, chunk)
+    return kda_context_parallel(l2norm(q.float()), l2norm(k.float()), v, g, beta, None, cu_seqlens_local, group,
+                                continued, chunk)
 
 
 # --------------------------------------------------------------------------------------------

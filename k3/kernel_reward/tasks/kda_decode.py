@@ -54,9 +54,9 @@ def ours_torch(*args):
 
 TASK = Task(
     name="kda_decode", signature=SIGNATURE, make=make, reference=reference, out_dtypes=(torch.bfloat16, torch.float32),
-    tolerance=Tolerance(2**-5, 2e-2, "k3's torch op rounds the L2-normalized q and k to bf16 (k3.ops.kda.l2norm), "
-                        "which moves the state by ~2e-3 of its largest entry and o, a K-term sum that may cancel, by "
-                        "up to ~1e-2 of its largest; fp32 arithmetic from the raw inputs is ~1e-7"),
+    tolerance=Tolerance(2**-6, 1e-2, "o is bf16: one rounding (2^-9) of a K-term sum that may cancel, so its small "
+                        "entries are held to 1e-2 of the largest; the fp32 state from the bf16 inputs is within ~1e-7 of "
+                        "the fp64 recurrence (k3's torch op, normalizing q and k in fp32)"),
     bench={"B": 256, "H": 32, "K": 128}, bench_cpu={"B": 8, "H": 4, "K": 32},
     held_out=({"B": 1, "H": 1, "K": 8}, {"B": 3, "H": 2, "K": 16}, {"B": 2, "H": 3, "K": 24}),
     flops=lambda s: 8.0 * s["B"] * s["H"] * s["K"] ** 2,
