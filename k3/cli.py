@@ -143,9 +143,10 @@ def cmd_train(args) -> int:
     from k3.train.trainer import TrainConfig, TrainingError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK
-    # Launched by torchrun (which also sets TORCHELASTIC_RUN_ID): the distributed trainer, even on one process, so
-    # that a one-process launch runs the code path (FSDP2, sharded checkpoints) of the many-process one.
-    launched = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+    # One process, under torchrun or not, trains on the single-device path: FSDP2's one-rank path was seen to hand
+    # a unit uninitialized parameter memory now and then (a fresh CPU run under gloo: non-finite router weights in
+    # about a third of the runs), and one rank has nothing to shard.
+    launched = world > 1
     from k3.parallel.mesh import ParallelDims
 
     dims = ParallelDims.from_flags(world, args.dp_shard, args.ep, args.cp)  # refuses sizes that do not fit
