@@ -79,9 +79,10 @@ class Scheduler:
             if seq in q:
                 q.remove(seq)
 
-    def plan(self) -> list[Work]:
-        """One step's work: decode tokens of running requests, their prefill chunks, then new admissions, each
-        given its pages by the cache manager (a request that cannot get them waits, or a victim is preempted)."""
+    def plan(self, admit: bool = True) -> list[Work]:
+        """One step's work: decode tokens of running requests, their prefill chunks, then new admissions (unless
+        `admit` is False), each given its pages by the cache manager (a request that cannot get them waits, or a
+        victim is preempted)."""
         c, grow = self.cfg, self.cache.grow
         work: list[Work] = []
         budget = c.max_step_tokens
@@ -116,7 +117,7 @@ class Scheduler:
 
         for seq in [s for s in self.running if s.pending > 1]:
             schedule_chunk(seq)
-        for kind in ("short", "long"):
+        for kind in ("short", "long") if admit else ():
             q = self.waiting[kind]
             while q and len(self.running) < c.max_num_seqs and room(kind) > 0:
                 seq = q[0]
@@ -130,6 +131,11 @@ class Scheduler:
                 self.running.append(seq)
                 if seq.pending > 0 and not schedule_chunk(seq):
                     break
+        if not work and len(self.running) > 1:
+            # Every running request is mid-prefill and waits for pages the others hold: release the most recently
+            # admitted one (recomputed later) so the older ones can go on; it is not readmitted in this step.
+            self._preempt_one(exclude=self.running[0], work=work)
+            return self.plan(admit=False)
         return work
 
     def _preempt_one(self, exclude: Sequence, work: list[Work]) -> bool:
