@@ -41,12 +41,14 @@ class Work:
     seq: Sequence
     start: int
     end: int  # feed tokens[start:end]; sample a token when end == len(tokens)
+    draft: int = 0  # a decode step with this many draft tokens to verify after tokens[start] (k3.serve.spec)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cache: CacheManager):
+    def __init__(self, cfg: SchedulerConfig, cache: CacheManager, draft_tokens: int = 0):
         cfg.validate()
         self.cfg, self.cache = cfg, cache
+        self.draft_tokens = draft_tokens  # speculative decoding: drafts per decode step (0: off)
         self.waiting: dict[str, deque[Sequence]] = {"short": deque(), "long": deque()}
         self.running: list[Sequence] = []
 
@@ -86,9 +88,15 @@ class Scheduler:
         c, grow = self.cfg, self.cache.grow
         work: list[Work] = []
         budget = c.max_step_tokens
-        # 1. Decode: one token for every running request past its prompt.
+        # 1. Decode: one token for every running request past its prompt; with speculation, that token and up to
+        # draft_tokens drafts, when the budget and free pages allow (drafts never preempt anyone).
         for seq in list(self.running):
             if seq.pending == 1 and budget > 0:
+                k = min(self.draft_tokens, seq.params.max_tokens - len(seq.output_ids) - 1, budget - 1)
+                if k > 0 and grow(seq, seq.num_computed + 1 + k):
+                    work.append(Work(seq, seq.num_computed, seq.num_computed + 1, draft=k))
+                    budget -= 1 + k
+                    continue
                 while not grow(seq, seq.num_computed + 1):
                     if not self._preempt_one(exclude=seq, work=work):
                         break
