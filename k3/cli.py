@@ -273,7 +273,12 @@ def cmd_generate(args) -> int:
         params.validate()
     except ValueError as e:
         raise SystemExit(f"k3 generate: {e}")
-    engine = LLMEngine(model, tok, EngineConfig(cache_memory_mb=args.cache_memory_mb))
+    try:
+        engine = LLMEngine(model, tok, EngineConfig(cache_memory_mb=args.cache_memory_mb,
+                                                    speculative=args.speculative,
+                                                    num_draft_tokens=args.num_draft_tokens))
+    except ValueError as e:  # e.g. --speculative mtp for a model without an MTP layer
+        raise SystemExit(f"k3 generate: {e}")
     seq = engine.add_request(tok.encode(args.prompt), params)
     sys.stdout.write(args.prompt)
     while engine.has_work():
@@ -354,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_eval)
 
-    from k3.serve.options import add_serve_arguments
+    from k3.serve.options import add_serve_arguments, add_speculative_arguments
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (binds 127.0.0.1 by default)")
     add_serve_arguments(s)
@@ -375,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-memory-mb", type=_positive_float, default=256.0, help="page pool for the decode cache")
     s.add_argument("--device", default="auto")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
+    add_speculative_arguments(s)
     s.set_defaults(fn=cmd_generate)
 
     from k3.kernel_reward.cli import add_parser as add_kernel_reward

@@ -16,6 +16,7 @@ growing tensors, for generation and tests) and the serving engine's paged views 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,12 +42,30 @@ class LatentAttention(Protocol):
         """Whether `paged` runs on the paged kernel (else on the reference, which reads lengths back)."""
 
 
+@dataclass
+class KDAInputs:
+    """A KDA layer's projected inputs of one forward's tokens, as the layer hands them to its cache: enough to
+    replay any prefix of them through the recurrence from the state the forward started from (speculative
+    verification keeps them instead of the advanced state, report §5.4.2).
+
+    pre_conv: the q, k, v projections before the short conv, each [B, T, P]; q, k, v: after the conv and SiLU
+    [B, T, H, K] (q, k not yet L2-normalized); z: decay logits before dt_bias [B, T, H, K]; beta_logits [B, T, H]."""
+
+    pre_conv: tuple[Tensor, Tensor, Tensor]
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    z: Tensor
+    beta_logits: Tensor
+
+
 class KDALayerCache(Protocol):
     def read(self) -> tuple[Tensor | None, list[Tensor | None]]:
         """(state [B, H, K, V] fp32 or None, the q/k/v conv tails [B, P, W-1] or None each)."""
 
-    def update(self, state: Tensor, conv: list[Tensor]) -> None:
-        """Keep the state and conv tails after this forward's tokens."""
+    def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
+        """Keep the state and conv tails after this forward's tokens. `inputs`: the forward's projected inputs;
+        a cache that must not advance (the serving engine's speculative verification) keeps them instead."""
 
 
 class MLALayerCache(Protocol):
@@ -65,7 +84,7 @@ class KDACache:
     def read(self) -> tuple[Tensor | None, list[Tensor | None]]:
         return self.state, self.conv
 
-    def update(self, state: Tensor, conv: list[Tensor]) -> None:
+    def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
         self.state, self.conv = state, list(conv)
 
     def nbytes(self) -> int:
@@ -92,6 +111,17 @@ class MLACache:
         self.c = torch.cat([self.c, c], dim=1)
         self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
         return attn.absorbed(q, self.c, self.k_rope, q_start=past)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (drop rows written past them, e.g. a draft's own guesses)."""
+        if self.c is not None:
+            self.c, self.k_rope = self.c[:, :length], self.k_rope[:, :length]
+
+    def keep_last(self, length: int) -> None:
+        """Keep the last `length` tokens (a bounded window; the layer has no positional encoding, so the kept rows
+        mean what they meant)."""
+        if self.c is not None and self.c.shape[1] > length:
+            self.c, self.k_rope = self.c[:, -length:], self.k_rope[:, -length:]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.c, self.k_rope) if t is not None)

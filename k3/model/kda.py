@@ -7,7 +7,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.batch import BatchInfo
-from k3.model.cache import KDALayerCache
+from k3.model.cache import KDAInputs, KDALayerCache
 from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
@@ -74,11 +74,11 @@ class KimiDeltaAttention(nn.Module):
             state = None
         else:
             state, conv = cache.read()
-            q, k, v, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj,
-                                                             self.f_a_proj, self.b_proj, self.g_proj)
-            q, cq = short_conv(q, self.q_conv1d.weight, conv[0], cu_seqlens=cu_seqlens, backends=self.backends)
-            k, ck = short_conv(k, self.k_conv1d.weight, conv[1], cu_seqlens=cu_seqlens, backends=self.backends)
-            v, cv = short_conv(v, self.v_conv1d.weight, conv[2], cu_seqlens=cu_seqlens, backends=self.backends)
+            xq, xk, xv, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj,
+                                                                self.f_a_proj, self.b_proj, self.g_proj)
+            q, cq = short_conv(xq, self.q_conv1d.weight, conv[0], cu_seqlens=cu_seqlens, backends=self.backends)
+            k, ck = short_conv(xk, self.k_conv1d.weight, conv[1], cu_seqlens=cu_seqlens, backends=self.backends)
+            v, cv = short_conv(xv, self.v_conv1d.weight, conv[2], cu_seqlens=cu_seqlens, backends=self.backends)
         z = self.f_b_proj(f_a).view(B, T, H, K)
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
         if context is not None:  # KCP: this segment's incoming state from the earlier segments
@@ -90,7 +90,8 @@ class KimiDeltaAttention(nn.Module):
                                    initial_state=state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                    backends=self.backends)
         if cache is not None:
-            cache.update(new_state, [cq, ck, cv])
+            cache.update(new_state, [cq, ck, cv], KDAInputs((xq, xk, xv), q.view(B, T, H, K), k.view(B, T, H, K),
+                                                            v.view(B, T, H, K), z, beta_logits))
         # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)
         o = gate_norm(o, gate.view(B, T, H, K), self.o_norm.weight, self.o_norm.eps, backends=self.backends)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype)).view(shape)

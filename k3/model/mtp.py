@@ -32,10 +32,11 @@ class MTPLayer(nn.Module):
         self.eps, self.block_size = eps, cfg.attn_res_block_size
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: BatchInfo | None = None,
-                stats: frozenset[str] = frozenset()) -> tuple[torch.Tensor, dict]:
+                stats: frozenset[str] = frozenset(), cache=None) -> tuple[torch.Tensor, dict]:
         """(hidden state [B, T, D], the block's statistics among `stats`, as `DecoderLayer.forward` returns them).
-        `batch`: the record of these T positions (`BatchInfo.shifted`)."""
+        `batch`: the record of these T positions (`BatchInfo.shifted`). `cache`: the block's MLA decode cache
+        (k3.model.cache protocol), when the layer drafts tokens one step at a time (k3.serve.spec)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         stream = AttnResStream(x, self.block_size, self.eps, backends=self.backends)
-        found = self.block(stream, batch=batch, stats=stats)
+        found = self.block(stream, cache, batch=batch, stats=stats)
         return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj)), found

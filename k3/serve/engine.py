@@ -5,6 +5,14 @@ budget), restore prefix-cache hits, run the model against the paged pool, persis
 hash-aligned positions, sample, and apply stop rules. It is synchronous; the HTTP server drives it from a
 background thread. A request with `SamplingParams.prompt_logprobs` has its prompt scored in the same forwards that
 prefill it (the runner scores the chunk's positions, `PromptScore`), and so never takes a prefix-cache hit.
+
+Speculative decoding (`EngineConfig.speculative`, k3.serve.spec): a decoding request's step feeds its last token
+and up to `num_draft_tokens` draft tokens, verified in one batched forward of their own within the step (prefill
+chunks and plain decode steps of the same step run in the step's other forwards). The verification leaves the KDA
+states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report §5.4.2), KDA
+checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted length.
+Greedy output is token-identical to decoding without speculation and sampled output has the target's
+distribution. Speculative steps always run eagerly: with speculation on, no CUDA graphs are captured.
 """
 
 from __future__ import annotations
@@ -19,10 +27,15 @@ import torch
 from k3.serve.cache.manager import CacheManager
 from k3.serve.cuda_graphs import DecodeGraphs, decode_graphs_mode, prefill_graph_lengths
 from k3.serve.metrics import SampleWindow
-from k3.serve.runner import ModelRunner, PromptScore
+from k3.serve.runner import ModelRunner, PromptScore, RunOutput
 from k3.serve.sampling import SamplingParams, sample_batch
 from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
+from k3.serve.spec.accept import accept
+from k3.serve.spec.draft import Draft, MTPDraft
+
+SPECULATIVE = ("off", "mtp")
+MAX_DRAFT_TOKENS = 16
 
 
 @dataclass
@@ -33,6 +46,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     cuda_graphs: bool | str = True  # CUDA-graph decode steps where possible; False: off; "eager": no capture (tests)
+    speculative: str = "off"  # "mtp": draft with the model's MTP layer and verify (k3.serve.spec)
+    num_draft_tokens: int = 3  # drafts per speculative step (K: K + 1 positions verified)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -43,6 +58,11 @@ class EngineConfig:
             raise ValueError(f"cache_memory_mb must be positive, got {self.cache_memory_mb}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens={k!r} is invalid: use an integer in [1, {MAX_DRAFT_TOKENS}]")
         self.scheduler.validate()
 
 
@@ -71,22 +91,40 @@ class EngineMetrics:
         self.generation_tokens = 0
         self.requests_finished = 0
         self.preemptions = 0
+        # speculative decoding: verified request-steps, drafts proposed and accepted (mean accepted length, tokens
+        # emitted per verification: (accepted + verifications) / verifications)
+        self.spec_verifications = 0
+        self.draft_tokens_proposed = 0
+        self.draft_tokens_accepted = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        n = self.spec_verifications
+        return (self.draft_tokens_accepted + n) / n if n else 0.0
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+    """`draft`: a draft model for speculative decoding (k3.serve.spec.draft.Draft) in place of the one
+    `config.speculative` names (e.g. an EAGLE draft, or a test's); it turns speculation on."""
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, draft: Draft | None = None):
         self.cfg = config or EngineConfig()
         self.cfg.validate()
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
         device = next(model.parameters()).device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        graphs = decode_graphs_mode(model, self.cfg.cuda_graphs)
+        if draft is None and self.cfg.speculative == "mtp":
+            draft = MTPDraft(model)
+        self.draft = draft
+        # speculative steps run eagerly (no graph of the verification yet): no graphs are captured with speculation
+        graphs = decode_graphs_mode(model, self.cfg.cuda_graphs) if draft is None else None
         n_kda = sum(1 for l in model.model.layers if l.is_kda)
         cache = CacheManager(mcfg, len(model.model.layers) - n_kda, n_kda, self.cfg.cache_memory_mb,
                              self.cfg.page_tokens, self.cfg.hash_block_tokens, self.cfg.enable_prefix_cache,
                              dtype=dtype, device=device, scratch_page=graphs is not None)
-        self.scheduler = Scheduler(self.cfg.scheduler, cache)  # owns the cache manager
+        self.scheduler = Scheduler(self.cfg.scheduler, cache,  # owns the cache manager
+                                   draft_tokens=self.cfg.num_draft_tokens if draft is not None else 0)
         self.scheduler.on_admit = self._on_admit
         self.scheduler.on_preempt = self._on_preempt
         self.runner = ModelRunner(model, cache.pool)
@@ -143,6 +181,8 @@ class LLMEngine:
                 return
             self.scheduler.abort(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            if self.draft is not None:
+                self.draft.forget(seq)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running) or self.scheduler.num_waiting > 0
@@ -157,6 +197,8 @@ class LLMEngine:
 
     def _on_preempt(self, seq: Sequence) -> None:
         self.metrics.preemptions += 1
+        if self.draft is not None:
+            self.draft.forget(seq)  # it is recomputed, and observed again, from its prefix hit
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -166,7 +208,9 @@ class LLMEngine:
                 if self.scheduler.running or self.scheduler.num_waiting:
                     return self._fail_unschedulable()
                 return []
-            logits = self._run_batched(work)
+            spec = [w for w in work if w.draft]
+            work = [w for w in work if not w.draft]
+            logits = self._run_batched(work) if work else {}
             due = []
             for w in work:
                 self.metrics.prompt_tokens_computed += max(0, min(w.end, len(w.seq.prompt_ids)) - w.start)
@@ -183,6 +227,8 @@ class LLMEngine:
                     if first and s.params.prompt_logprobs is not None:
                         out.prompt_logprobs = s.prompt_logprobs
                     outputs.append(out)
+            if spec:
+                outputs += self._speculate(spec)
             self.cache.mark_landed()
             return outputs
 
@@ -214,17 +260,23 @@ class LLMEngine:
                     groups.setdefault(b - a == 1, []).append((w, a, b))
             for group in groups.values():
                 scores = [self._prompt_score(w.seq, a, b) for w, a, b in group]
-                out = self.runner.forward([w.seq.token_range(a, b) for w, a, b in group], [a for _, a, _ in group],
-                                          [self.cache.slots(w.seq) for w, _, _ in group],
-                                          **({"scores": scores} if any(scores) else {}))
-                if any(scores):
-                    out, scored = out
-                    for (w, _, _), sc, res in zip(group, scores, scored):
+                args = ([w.seq.token_range(a, b) for w, a, b in group], [a for _, a, _ in group],
+                        [self.cache.slots(w.seq) for w, _, _ in group])
+                if self.draft is not None:  # the draft reads the target's hidden states
+                    res = self.runner.run(*args, scores if any(scores) else None, keep_hidden=True)
+                elif any(scores):
+                    res = RunOutput(*self.runner.forward(*args, scores=scores))
+                else:
+                    res = RunOutput(self.runner.forward(*args))
+                if res.scored is not None:
+                    for (w, _, _), sc, scored in zip(group, scores, res.scored):
                         if sc is not None:
-                            w.seq.prompt_logprobs.extend(_score_entries(sc.targets, res))
+                            w.seq.prompt_logprobs.extend(_score_entries(sc.targets, scored))
                 for i, (w, a, b) in enumerate(group):
                     self._after_forward(w.seq, b)
-                    logits[w.seq.request_id] = (out, i)
+                    logits[w.seq.request_id] = (res.logits, i)
+                    if res.hidden is not None:
+                        self.draft.observe(w.seq, a, res.hidden[i])
         return logits
 
     @staticmethod
@@ -248,7 +300,15 @@ class LLMEngine:
         self.cache.computed(seq, end)
 
     def _sample(self, seq: Sequence, tok: int, logits: torch.Tensor) -> RequestOutput:
-        """Take the sampled token `tok` (drawn from `logits`): logprobs, timing metrics, stop rules, text."""
+        """Take the sampled token `tok` (drawn from `logits`): logprobs, timing metrics, stop rules, text; a request
+        that this finishes releases its pages."""
+        out = self._take(seq, tok, logits)
+        if out.finished:
+            self._release(seq)
+        return out
+
+    def _take(self, seq: Sequence, tok: int, logits: torch.Tensor) -> RequestOutput:
+        """`_sample` without releasing the pages of a request it finishes (the caller still commits its state)."""
         p = seq.params
         now = time.monotonic()
         lp = {}
@@ -286,17 +346,85 @@ class LLMEngine:
         if reason is None and len(seq.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
-            self._finish(seq, reason)  # releases any held-back tail of the text
+            self._end(seq, reason)  # releases any held-back tail of the text
         delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
         return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, [lp] if lp else [])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._end(seq, reason)
+        self._release(seq)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.monotonic()
         if self.tokenizer is not None and reason != "stop":
             seq.text = self.tokenizer.decode(seq.output_ids)
+        self.metrics.requests_finished += 1
+
+    def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
-        self.metrics.requests_finished += 1
+        if self.draft is not None:
+            self.draft.forget(seq)
+
+    # --- speculative decoding ----------------------------------------------------------------------------------
+    def _speculate(self, work: list[Work]) -> list[RequestOutput]:
+        """Draft, verify, accept and commit the speculative decode steps of this step. Requests with the same
+        number of drafts are verified as the rows of one batched forward (all of them, but near max_tokens)."""
+        props = self.draft.propose([w.seq for w in work], [w.draft for w in work])
+        groups: dict[int, list[int]] = {}
+        for i, w in enumerate(work):
+            if len(props[i].tokens) != w.draft:
+                raise RuntimeError(f"the draft proposed {len(props[i].tokens)} tokens for {w.seq.request_id}, "
+                                   f"{w.draft} were asked for")
+            groups.setdefault(w.draft, []).append(i)
+        outputs = []
+        for idx in groups.values():
+            outputs += self._verify([work[i] for i in idx], [props[i] for i in idx])
+        return outputs
+
+    def _verify(self, work: list[Work], props) -> list[RequestOutput]:
+        seqs = [w.seq for w in work]
+        v = self.runner.verify([s.token_range(w.start, w.end) + p.tokens for s, w, p in zip(seqs, work, props)],
+                               [w.start for w in work], [self.cache.slots(s) for s in seqs])
+        outs, emitted = [], []
+        for i, (s, w, p) in enumerate(zip(seqs, work, props)):
+            toks = accept(v.logits[i], p.tokens, p.q, s.params, s.generator)
+            got = []
+            for j, t in enumerate(toks):  # stop rules token by token: nothing after a stop is kept
+                got.append(self._take(s, t, v.logits[i, j]))
+                if got[-1].finished:
+                    break
+            emitted.append(len(got))  # tokens emitted = verified positions committed (each one's input)
+            outs.append(_merge(got))
+            m = self.metrics
+            m.spec_verifications += 1
+            m.draft_tokens_proposed += w.draft
+            m.draft_tokens_accepted += len(toks) - 1
+        self._commit(seqs, work, v, emitted)
+        for i, s in enumerate(seqs):
+            if s.status == Status.FINISHED:
+                self._release(s)
+            else:
+                self.draft.observe(s, work[i].start, v.hidden[i, :emitted[i]])
+                self.cache.truncate(s, s.num_computed)
+        return outs
+
+    def _commit(self, seqs: list[Sequence], work: list[Work], v, emitted: list[int]) -> None:
+        """Replay each request's committed positions into its KDA state and register them with the cache. A
+        hash-block boundary inside them splits the replay there, so the checkpoint taken at it holds the state at
+        exactly that position (checkpoints only of committed states)."""
+        hb = self.cfg.hash_block_tokens
+        first = []
+        for w, n in zip(work, emitted):
+            cut = (w.start + n) // hb * hb - w.start
+            first.append(cut if 0 < cut < n else n)
+        self.runner.replay(v, list(range(len(seqs))), [0] * len(seqs), first)
+        for s, w, n in zip(seqs, work, first):
+            self._after_forward(s, w.start + n)
+        rest = [i for i, (n, f) in enumerate(zip(emitted, first)) if f < n]
+        self.runner.replay(v, rest, [first[i] for i in rest], [emitted[i] - first[i] for i in rest])
+        for i in rest:
+            self._after_forward(seqs[i], work[i].start + emitted[i])
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing could be scheduled: the oldest waiting request cannot fit even in an empty pool."""
@@ -320,6 +448,13 @@ class LLMEngine:
 
     def cache_stats(self) -> dict:
         return self.cache.stats()
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of one step (several tokens of a speculative step) as one output."""
+    last = outs[-1]
+    return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                         last.finished, last.finish_reason, [lp for o in outs for lp in o.logprobs])
 
 
 def _held_back(text: str, stops: list[str]) -> int:

@@ -37,6 +37,9 @@ COUNTERS = (
     ("k3_generation_tokens_total", "generation_tokens", "Tokens sampled."),
     ("k3_requests_finished_total", "requests_finished", "Requests that finished (stop or length)."),
     ("k3_preemptions_total", "preemptions", "Requests preempted for lack of cache pages (recomputed later)."),
+    ("k3_spec_verifications_total", "spec_verifications", "Speculative decode steps of a request (drafts verified)."),
+    ("k3_spec_draft_tokens_total", "draft_tokens_proposed", "Draft tokens proposed for verification."),
+    ("k3_spec_draft_tokens_accepted_total", "draft_tokens_accepted", "Draft tokens the target accepted."),
 )
 
 
@@ -129,7 +132,8 @@ class MetricsExporter:
                 m = eng.metrics
                 for name, attr, _, _ in HISTOGRAMS:
                     self._hist[name].update(getattr(m, attr))
-                counters = [(name, hlp, getattr(m, attr)) for name, attr, hlp in COUNTERS]
+                counters = [(name, hlp, getattr(m, attr, 0)) for name, attr, hlp in COUNTERS]
+                mean_accepted = getattr(m, "mean_accepted_length", 0.0)
                 running = len(eng.scheduler.running)
                 waiting = eng.scheduler.num_waiting
                 cache = dict(eng.cache_stats())
@@ -166,6 +170,8 @@ class MetricsExporter:
             ("k3_prefix_cache_blocks", "Hash blocks indexed by the prefix cache.", int(cache.get("cached_blocks", 0))),
             ("k3_prefix_cache_checkpoints", "KDA state checkpoints held by the prefix cache.",
              int(cache.get("checkpoints", 0))),
+            ("k3_spec_mean_accepted_length", "Tokens emitted per speculative verification (accepted drafts + 1; 0 "
+             "before the first).", float(mean_accepted)),
         ]
         for name, hlp, value in gauges:
             lines += [f"# HELP {name} {hlp}", f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]

@@ -17,6 +17,29 @@ def _positive_mb(text: str) -> float:
     return v
 
 
+def _draft_count(text: str) -> int:
+    from k3.serve.engine import MAX_DRAFT_TOKENS
+
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_DRAFT_TOKENS}], got {text!r}")
+    return v
+
+
+def add_speculative_arguments(parser) -> None:
+    """--speculative and --num-draft-tokens (`k3 serve` and `k3 generate`): EngineConfig.speculative and
+    .num_draft_tokens."""
+    parser.add_argument("--speculative", choices=["off", "mtp"], default="off",
+                        help="speculative decoding: 'mtp' drafts with the model's MTP layer and verifies the drafts "
+                             "in one forward; outputs are unchanged (greedy: the same tokens; sampling: the same "
+                             "distribution) (default off)")
+    parser.add_argument("--num-draft-tokens", type=_draft_count, default=3,
+                        help="draft tokens per speculative step (default 3)")
+
+
 def add_serve_arguments(parser) -> None:
     """The flags of `k3 serve`."""
     parser.add_argument("--ckpt", required=True, help="checkpoint directory (or a training run directory: its latest "
@@ -39,3 +62,4 @@ def add_serve_arguments(parser) -> None:
                         help="largest request body in MiB; larger ones get HTTP 413 (default 8)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_speculative_arguments(parser)

@@ -5,6 +5,11 @@ The model reads its caches through the protocol of k3.model.cache; the runner bu
 the pages), and writes the new KDA states back. Batches of single-token decode steps can instead run as one
 CUDA-graph replay over static buffers (`ModelRunner.graphs`, a k3.serve.cuda_graphs.DecodeGraphs the engine
 sets up).
+
+Speculative decoding (k3.serve.spec) adds two calls: `verify` runs every request's last token and its drafts in
+one batched forward, eagerly (never a graph step), with KDA views that keep the projected inputs and leave the
+committed states as they are; `replay` then rebuilds the states after each request's accepted prefix from them
+(k3.ops.kda_replay) and writes them into the running-state pages once.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import torch
 
 from k3.model.batch import BatchInfo
 from k3.model.cache import K3Cache
+from k3.ops.kda_replay import kda_replay
 from k3.serve.cache.pool import CachePool
-from k3.serve.cache.views import KDAPageView, PagedMLAView, SeqSlots
+from k3.serve.cache.views import KDAPageView, KDAVerifyView, PagedMLAView, SeqSlots
 
 
 SCORE_ROWS = 128  # prompt positions scored per lm_head call: bounds the fp32 logits held to [SCORE_ROWS, vocab]
@@ -31,6 +37,27 @@ class PromptScore:
     k: int
 
 
+@dataclass
+class RunOutput:
+    """What one `run` returns: the logits of each request's last new token [B, V] fp32, the scored entries (as
+    `forward` documents them; None when nothing was scored) and, when asked for, each request's output-site hidden
+    states of its new tokens (a list of [n_i, D] views, before the final norm: what a draft model reads)."""
+    logits: torch.Tensor
+    scored: list | None = None
+    hidden: list[torch.Tensor] | None = None
+
+
+@dataclass
+class Verified:
+    """A verification forward: logits [B, T, V] fp32 and output-site hidden states [B, T, D] at every verified
+    position, each KDA layer's view holding the projected inputs, and the requests' running-state pages
+    [n_kda, B] (unchanged by the forward)."""
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    kda_views: list[KDAVerifyView]
+    kda_pages: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model, pool: CachePool):
         self.model, self.pool = model, pool
@@ -42,9 +69,15 @@ class ModelRunner:
         # runner, set by the engine (k3.serve.cuda_graphs)
         self.graphs = None
 
-    @torch.no_grad()
     def forward(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
                 scores: list[PromptScore | None] | None = None):
+        """`run`'s logits, or (logits, scored) when `scores` asks for something."""
+        out = self.run(tokens, starts, slots, scores)
+        return out.logits if out.scored is None else (out.logits, out.scored)
+
+    @torch.no_grad()
+    def run(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
+            scores: list[PromptScore | None] | None = None, keep_hidden: bool = False) -> RunOutput:
         """Run len(tokens) requests, each adding its new tokens from its own position. Requests adding the
         same number of tokens run as the rows of one batch; otherwise their tokens are packed into one row
         (KDA runs them as separate sequences with their own states, MLA attends each request's own context).
@@ -52,7 +85,8 @@ class ModelRunner:
         single-token steps runs as one step over its static buffers (a graph replay) when they can hold it.
         `scores` (one entry per request, None for most): also score those requests' new tokens from the same
         forward (`PromptScore`); the return is then (logits, [per request: None or (token logprobs [n],
-        top-k logprobs [n, k], top-k ids [n, k])]), fp32 log-softmax, on the device."""
+        top-k logprobs [n, k], top-k ids [n, k])]), fp32 log-softmax, on the device. `keep_hidden`: also return
+        each request's hidden states (`RunOutput.hidden`; such a forward runs eagerly)."""
         B = len(tokens)
         if not B or any(not t for t in tokens):
             raise ValueError("every request of a forward must add at least one token")
@@ -66,10 +100,10 @@ class ModelRunner:
         lengths = [len(t) for t in tokens]
         packed = any(n != lengths[0] for n in lengths)
         # A graph step returns only the last tokens' logits: a forward that scores tokens runs eagerly.
-        if self.graphs is not None and not packed and scores is None:
+        if self.graphs is not None and not packed and scores is None and not keep_hidden:
             logits = self.graphs.run(tokens, starts, slots)
             if logits is not None:
-                return logits
+                return RunOutput(logits)
         dev = self.device
         kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
                                  device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
@@ -77,16 +111,25 @@ class ModelRunner:
                      for g in range(len(self.mla_layers))]
         if packed:
             ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
-            return self.run_cached(ids, kda_pages, mla_views, lengths=lengths, scores=scores)
-        return self.run_cached(torch.tensor(tokens, device=dev), kda_pages, mla_views, scores=scores)
+            out = self.run_cached(ids, kda_pages, mla_views, lengths=lengths, scores=scores, keep_hidden=keep_hidden)
+        else:
+            out = self.run_cached(torch.tensor(tokens, device=dev), kda_pages, mla_views, scores=scores,
+                                  keep_hidden=keep_hidden)
+        if not keep_hidden:
+            return RunOutput(out[0], out[1]) if scores is not None else RunOutput(out)
+        logits, scored, hidden = out
+        rows = list(hidden[0].split(lengths)) if packed else list(hidden.unbind(0))
+        return RunOutput(logits, scored, rows)
 
     def run_cached(self, ids: torch.Tensor, kda_pages: torch.Tensor, mla_views: list,
-                   lengths: list[int] | None = None, scores: list[PromptScore | None] | None = None):
+                   lengths: list[int] | None = None, scores: list[PromptScore | None] | None = None,
+                   keep_hidden: bool = False):
         """The model over the pool: read each KDA layer's states from pages kda_pages[g] ([n_kda, B] device
         tensor), run `ids` with per-layer caches (those KDA states, `mla_views`), write the new states back.
         ids [B, T] -> the logits of each row's last token [B, V] fp32; packed (`lengths` given: ids [1, total]
         holds the requests' tokens one after another) -> the logits of each request's last token.
-        `scores`: as in `forward` (then returns (logits, scored))."""
+        `scores`: as in `forward` (then returns (logits, scored)). `keep_hidden`: returns (logits, scored or None,
+        the forward's hidden states [B, T, D])."""
         per_layer: list = [None] * len(self.model.model.layers)
         kda_views = []
         for g, li in enumerate(self.kda_layers):
@@ -108,7 +151,7 @@ class ModelRunner:
         for g, view in enumerate(kda_views):
             self.pool.write_kda(kda_pages[g], view.state, view.conv_stacked())
         if scores is None:
-            return logits
+            return (logits, None, hidden) if keep_hidden else logits
         scored: list = []
         offset = 0
         for i, sc in enumerate(scores):
@@ -121,7 +164,55 @@ class ModelRunner:
                 scored.append(None)
             if lengths is not None:
                 offset += lengths[i]
-        return logits, scored
+        return (logits, scored, hidden) if keep_hidden else (logits, scored)
+
+    # --- speculative decoding ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def verify(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots]) -> Verified:
+        """Run each request's T tokens (its last sampled token and T - 1 drafts, the same T for all) from its own
+        position as the rows of one batch, eagerly. The MLA views write every position's latent rows into the
+        pages (rows past the accepted length are overwritten later and released by CacheManager.truncate); the
+        KDA states in the pages are not advanced: call `replay` with the accepted lengths."""
+        B, T = len(tokens), len(tokens[0])
+        if any(len(t) != T for t in tokens):
+            raise ValueError("every request of a verification adds the same number of tokens")
+        dev = self.device
+        kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
+                                 device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
+        per_layer: list = [None] * len(self.model.model.layers)
+        views = []
+        for g, li in enumerate(self.kda_layers):
+            view = KDAVerifyView(*self.pool.read_kda(kda_pages[g]))
+            views.append(view)
+            per_layer[li] = view
+        for g, li in enumerate(self.mla_layers):
+            per_layer[li] = PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev)
+        out = self.model(torch.tensor(tokens, device=dev), cache=K3Cache(per_layer), logits_to_keep=T,
+                         check_ids=False)
+        return Verified(out.logits.float(), out.hidden_states, views, kda_pages)
+
+    @torch.no_grad()
+    def replay(self, v: Verified, rows: list[int], offsets: list[int], lengths: list[int]) -> None:
+        """Advance the running states of verified requests `rows` by their positions offsets[i] .. offsets[i] +
+        lengths[i] - 1 of the verification (KDA rollback by replay, report §5.4.2): from the state now in each
+        request's pages (the committed one, or the one a previous `replay` of the same verification left), through
+        the cached projected inputs, written back once."""
+        if not rows:
+            return
+        dev = self.device
+        r = torch.tensor(rows, device=dev)
+        L = max(lengths)
+        T = v.logits.shape[1]
+        pos = (torch.tensor(offsets, device=dev)[:, None] + torch.arange(L, device=dev)[None]).clamp(max=T - 1)
+        idx = (r[:, None], pos)  # [R, L] positions of each replayed row
+        for g, li in enumerate(self.kda_layers):
+            inp, attn = v.kda_views[g].inputs, self.model.model.layers[li].self_attn
+            pages = v.kda_pages[g, r]
+            state, conv = self.pool.read_kda(pages)
+            new_state, new_conv = kda_replay(inp.q[idx], inp.k[idx], inp.v[idx], inp.z[idx], inp.beta_logits[idx],
+                                             torch.stack(inp.pre_conv, 2)[idx], attn.A_log, attn.dt_bias,
+                                             attn.lower_bound, state, conv, lengths)
+            self.pool.write_kda(pages, new_state, new_conv)
 
     def _score(self, rows: torch.Tensor, targets: list[int], k: int):
         """Pre-norm hidden states rows [n, D] -> (logprob of targets[i] [n], top-k logprobs [n, k], their ids

@@ -38,24 +38,28 @@ class SamplingParams:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [N, V] -> token ids [N]. Greedy when temperature == 0."""
-    logits = logits.float()
-    if p.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / p.temperature
+def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from: logits [N, V] -> probabilities [N, V] fp32 after temperature, top-k and
+    top-p (speculative sampling compares the target's and the draft's). Not for greedy params (temperature 0)."""
+    logits = logits.float() / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
+        sp = torch.softmax(sorted_logits, -1)
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        drop = probs.cumsum(-1) - probs >= p.top_p
+        drop = sp.cumsum(-1) - sp >= p.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, -1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.softmax(logits, -1)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [N, V] -> token ids [N]. Greedy when temperature == 0."""
+    if p.temperature == 0:
+        return logits.float().argmax(-1)
+    return torch.multinomial(probs(logits, p), 1, generator=generator).squeeze(-1)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],

@@ -41,12 +41,14 @@ class Work:
     seq: Sequence
     start: int
     end: int  # feed tokens[start:end]; sample a token when end == len(tokens)
+    draft: int = 0  # a decode step with this many draft tokens to verify after tokens[start] (k3.serve.spec)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cache: CacheManager):
+    def __init__(self, cfg: SchedulerConfig, cache: CacheManager, draft_tokens: int = 0):
         cfg.validate()
         self.cfg, self.cache = cfg, cache
+        self.draft_tokens = draft_tokens  # speculative decoding: drafts per decode step (0: off)
         self.waiting: dict[str, deque[Sequence]] = {"short": deque(), "long": deque()}
         self.running: list[Sequence] = []
 
@@ -79,15 +81,22 @@ class Scheduler:
             if seq in q:
                 q.remove(seq)
 
-    def plan(self) -> list[Work]:
-        """One step's work: decode tokens of running requests, their prefill chunks, then new admissions, each
-        given its pages by the cache manager (a request that cannot get them waits, or a victim is preempted)."""
+    def plan(self, admit: bool = True) -> list[Work]:
+        """One step's work: decode tokens of running requests, their prefill chunks, then new admissions (unless
+        `admit` is False), each given its pages by the cache manager (a request that cannot get them waits, or a
+        victim is preempted)."""
         c, grow = self.cfg, self.cache.grow
         work: list[Work] = []
         budget = c.max_step_tokens
-        # 1. Decode: one token for every running request past its prompt.
+        # 1. Decode: one token for every running request past its prompt; with speculation, that token and up to
+        # draft_tokens drafts, when the budget and free pages allow (drafts never preempt anyone).
         for seq in list(self.running):
             if seq.pending == 1 and budget > 0:
+                k = min(self.draft_tokens, seq.params.max_tokens - len(seq.output_ids) - 1, budget - 1)
+                if k > 0 and grow(seq, seq.num_computed + 1 + k):
+                    work.append(Work(seq, seq.num_computed, seq.num_computed + 1, draft=k))
+                    budget -= 1 + k
+                    continue
                 while not grow(seq, seq.num_computed + 1):
                     if not self._preempt_one(exclude=seq, work=work):
                         break
@@ -116,7 +125,7 @@ class Scheduler:
 
         for seq in [s for s in self.running if s.pending > 1]:
             schedule_chunk(seq)
-        for kind in ("short", "long"):
+        for kind in ("short", "long") if admit else ():
             q = self.waiting[kind]
             while q and len(self.running) < c.max_num_seqs and room(kind) > 0:
                 seq = q[0]
@@ -130,6 +139,11 @@ class Scheduler:
                 self.running.append(seq)
                 if seq.pending > 0 and not schedule_chunk(seq):
                     break
+        if not work and len(self.running) > 1:
+            # Every running request is mid-prefill and waits for pages the others hold: release the most recently
+            # admitted one (recomputed later) so the older ones can go on; it is not readmitted in this step.
+            self._preempt_one(exclude=self.running[0], work=work)
+            return self.plan(admit=False)
         return work
 
     def _preempt_one(self, exclude: Sequence, work: list[Work]) -> bool:

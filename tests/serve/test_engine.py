@@ -339,3 +339,15 @@ def test_due_rows_are_a_view_of_the_batch_when_in_order_else_stacked():
     logits["r3"] = (other, 0)
     mixed = _rows_of(logits, seqs[2:4])
     assert torch.equal(mixed, torch.stack([out[2], other[0]]))
+
+
+def test_requests_all_mid_prefill_without_pages_do_not_deadlock():
+    # Three requests admitted with their first chunks, each needing a page the others hold for its next one: the
+    # most recently admitted is preempted so the older ones go on (before, no step had any work, forever).
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 512, (60 + i,), generator=g).tolist() for i in range(4)]
+    eng = _engine(mb=0.5)
+    seqs = _run(eng, [prompts])
+    assert eng.metrics.preemptions > 0
+    for s in seqs:
+        assert s.output_ids == reference(tuple(s.prompt_ids))

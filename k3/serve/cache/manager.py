@@ -72,6 +72,11 @@ class CacheManager:
         except OutOfPages:
             return False
 
+    def truncate(self, seq: Sequence, total_tokens: int) -> int:
+        """Shrink a running request's block tables to its first `total_tokens` tokens (after speculative
+        verification, to the accepted length); returns the pages released."""
+        return self.prefix.truncate(seq.request_id, total_tokens)
+
     def release(self, seq: Sequence) -> None:
         """Free a running request's pages without keeping what it computed past the index (preemption, abort)."""
         self.prefix.abort(seq.request_id)

@@ -289,6 +289,22 @@ class PrefixCache:
                     t.append(fresh[j * self.num_mla_groups + g])
         return [list(t) for t in tables]
 
+    def truncate(self, seq_id: Hashable, total_tokens: int) -> int:
+        """Shrink every MLA block table to the pages `total_tokens` need (speculative rows past the accepted length
+        are dropped); returns the pages released. Only private pages past the request's registered tokens go: an
+        indexed or shared page always lies within them."""
+        req = self._reqs[seq_id]
+        if total_tokens < req.num_tokens:
+            raise ValueError(f"truncate: {total_tokens} tokens, fewer than the {req.num_tokens} already registered")
+        keep = -(-total_tokens // self.page_tokens)
+        released = 0
+        for t in req.tables:
+            tail, t[keep:] = t[keep:], []
+            assert all(self._ref[p] == 1 and p not in self._entry_of for p in tail), "a released page is shared"
+            self._decref(tail)
+            released += len(tail)
+        return released
+
     def register_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """`tokens`: the request's sequence so far (prompt + outputs) whose KV writes are launched. Newly completed
         hash blocks enter the MLA index, matchable after the next mark_landed."""

@@ -3,6 +3,8 @@ cache protocol (k3.model.cache) over pool pages.
 
 * `KDAPageView`: a KDA layer's states and conv tails of the forward's requests, read from their running-state
   pages before the forward; the runner writes them back after it.
+* `KDAVerifyView`: the same read for a speculative verification forward, which must not advance the committed
+  state: it keeps the forward's projected inputs instead, for the replay of the accepted tokens (report §5.4.2).
 * `PagedMLAView`: an MLA layer's block tables for an eager forward. Rows of one length (a [B, T] batch) either
   attend straight from the pages (single-token steps on the paged kernel) or through a gathered copy of each
   request's context; a packed row (`lengths` given: the requests' tokens of different lengths one after another)
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from k3.model.cache import LatentAttention
+from k3.model.cache import KDAInputs, LatentAttention
 from k3.serve.cache.pool import CachePool
 
 
@@ -41,11 +43,30 @@ class KDAPageView:
     def read(self) -> tuple[Tensor, list[Tensor]]:
         return self.state, self.conv
 
-    def update(self, state: Tensor, conv: list[Tensor]) -> None:
+    def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
         self.state, self.conv = state, list(conv)
 
     def conv_stacked(self) -> Tensor:
         return torch.stack(self.conv, 1)
+
+
+class KDAVerifyView:
+    """One KDA layer's committed states [B, H, K, V] and conv tails [B, 3, P, W-1] for a verification forward;
+    `update` drops the advanced state (it includes rejected drafts) and keeps the projected inputs of every
+    verified position (`inputs`, a KDAInputs), from which k3.ops.kda_replay rebuilds the accepted prefix's state.
+    No state is stored per position."""
+
+    def __init__(self, state: Tensor, conv: Tensor):
+        self.state, self.conv_tails = state, conv
+        self.inputs: KDAInputs | None = None
+
+    def read(self) -> tuple[Tensor, list[Tensor]]:
+        return self.state, [self.conv_tails[:, 0], self.conv_tails[:, 1], self.conv_tails[:, 2]]
+
+    def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
+        if inputs is None:
+            raise ValueError("a verification forward's KDA layer must hand its projected inputs to the cache")
+        self.inputs = inputs
 
 
 def append_paged(pool: CachePool, tables: Tensor, pos: Tensor, c: Tensor, k_rope: Tensor):
