@@ -2,7 +2,8 @@
 memory limit and no network, that the harness survives whatever the candidate does.
 
 * time: each phase (check, time) has a wall-clock limit; past it the process group is killed;
-* memory: on CPU the address space is capped (RLIMIT_AS, Linux), so an unbounded allocation fails inside the
+* memory: on CPU the address space is capped (RLIMIT_AS, Linux: `memory_bytes` above what is mapped at the
+  start), so an unbounded allocation fails inside the
   candidate; on CUDA (where the driver maps far more address space than it uses) the process gets a fraction of
   the GPU's memory (torch.cuda.set_per_process_memory_fraction);
 * network: the worker replaces the socket functions before the candidate is imported, and the environment
@@ -38,7 +39,7 @@ _PROXIES = ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy", "no_proxy")
 class Limits:
     check_s: float = 300.0  # wall clock for start-up, import and the correctness calls
     time_s: float = 300.0  # wall clock for the timed calls
-    memory_bytes: int = 8 << 30  # CPU: address-space cap of the candidate's process
+    memory_bytes: int = 8 << 30  # CPU: address space the candidate's process may map beyond its start
     gpu_memory_fraction: float = 0.9  # CUDA: of the device's memory
     start: str = "subprocess"  # or "forkserver" (see the module docstring)
 
@@ -178,13 +179,28 @@ def _environment(env: dict, device: str) -> dict:
     return env
 
 
+def _address_space() -> int:
+    """This process's mapped address space in bytes (Linux: VmSize), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _limit(mem: int | None) -> None:
-    """In the candidate's process, before anything runs: no core dumps, the address-space cap."""
+    """In the candidate's process, before anything runs: no core dumps, and the address space capped at `mem`
+    above what is mapped now (a CUDA build of torch maps several GB of libraries before anything is allocated, and
+    this runs in the harness's forked image, which has torch imported: the cap is headroom, not a total)."""
     import resource
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if mem is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        cap = _address_space() + mem
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
 _server = None
