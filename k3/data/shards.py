@@ -1,4 +1,4 @@
-"""Token shards: documents tokenized once, by parallel worker processes, into memory-mapped files.
+"""Token shards: documents tokenized once, by parallel worker processes, into flat token files read by offset.
 
 A token set is one directory, written under a temporary name and swapped into place whole
 (k3.files.replace_dir), so a crash never leaves a half-written set that looks finished:
@@ -73,8 +73,11 @@ def _dtype(vocab_size: int) -> str:
 
 
 class TokenShards:
-    """One split's token stream over its shard files, memory-mapped: `read(lo, hi)` copies only the tokens
-    [lo, hi) (a range may span shards), so memory stays bounded by what is read, never a whole shard."""
+    """One split's token stream over its shard files. `read(lo, hi)` reads only the tokens [lo, hi) (a range
+    may span shards) at their offsets with pread, so memory stays bounded by what is read: not through a
+    memory map, where the kernel's fault-around maps ~64 KB of the page cache into the process around every
+    row touched, and a long run's resident size grows towards the whole shard. `shard(i)` is a shard's
+    read-only np.memmap, for reading a split whole (`as_array`: the held-out stream)."""
 
     def __init__(self, directory: str, split: dict, dtype: str):
         self.directory, self.dtype = directory, np.dtype(dtype)
@@ -87,6 +90,7 @@ class TokenShards:
         self.num_documents = int(split["documents"])
         self._docs_file = os.path.join(directory, split["docs"])
         self._maps: list[np.memmap | None] = [None] * len(self.files)
+        self._fds: list[int | None] = [None] * len(self.files)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -96,8 +100,17 @@ class TokenShards:
             self._maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r", shape=(self.sizes[i],))
         return self._maps[i]
 
+    def _pread(self, i: int, off: int, n: int) -> np.ndarray:
+        if self._fds[i] is None:
+            self._fds[i] = os.open(self.files[i], os.O_RDONLY)
+        size = self.dtype.itemsize
+        data = os.pread(self._fds[i], n * size, off * size)
+        if len(data) != n * size:
+            raise OSError(f"{self.files[i]}: short read at token {off} (the shard was truncated?)")
+        return np.frombuffer(data, dtype=self.dtype)
+
     def read(self, lo: int, hi: int) -> np.ndarray:
-        """Tokens [lo, hi) of the stream, copied out of the memory maps."""
+        """Tokens [lo, hi) of the stream (a read-only array)."""
         if not 0 <= lo <= hi <= self.num_tokens:
             raise IndexError(f"tokens [{lo}, {hi}) outside the stream of {self.num_tokens}")
         parts = []
@@ -105,11 +118,16 @@ class TokenShards:
         while lo < hi:
             take = min(hi, self.starts[i + 1]) - lo
             if take > 0:
-                off = lo - self.starts[i]
-                parts.append(np.array(self.shard(i)[off: off + take]))
+                parts.append(self._pread(i, lo - self.starts[i], take))
                 lo += take
             i += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def close(self) -> None:
+        for i, fd in enumerate(self._fds):
+            if fd is not None:
+                os.close(fd)
+                self._fds[i] = None
 
     def document_offsets(self) -> np.ndarray:
         """int64 [documents + 1], memory-mapped: document i is tokens [o[i], o[i + 1]) (its ids, then eos)."""

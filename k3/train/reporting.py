@@ -73,7 +73,8 @@ def plot_metrics(metrics_path: str, png_path: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if steps or vsteps:  # a run stopped before its first step and evaluation has nothing to label
+        ax.legend()
     fig.tight_layout()
     tmp = png_path + ".tmp.png"
     fig.savefig(tmp, dpi=100)
