@@ -333,6 +333,23 @@ def build_token_set(tok, units: Sequence[Unit], cache_dir: str, *, workers: int 
     t0 = time.perf_counter()
     tmp = final + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a build that was killed
+    try:
+        _build(tok, units, tmp, heldout_fraction, shard_tokens, task_bytes, workers, progress,
+               {"tokenizer": tok_fp, "sources": src_fp}, t0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a bad record or Ctrl-C: nothing half-built stays behind
+        raise
+    os.makedirs(cache_dir, exist_ok=True)
+    replace_dir(tmp, final)
+    fsync_dir(cache_dir)
+    built = open_token_set(final)
+    assert built is not None, final
+    return built
+
+
+def _build(tok, units: Sequence[Unit], tmp: str, heldout_fraction: float, shard_tokens: int, task_bytes: int,
+           workers: int | None, progress: bool, fingerprints: dict, t0: float) -> None:
+    """Tokenize `units` into parts (in parallel), then assemble the shards and the index in `tmp`."""
     parts_dir = os.path.join(tmp, "parts")
     os.makedirs(parts_dir)
     dtype = _dtype(tok.vocab_size)
@@ -358,7 +375,6 @@ def build_token_set(tok, units: Sequence[Unit], cache_dir: str, *, workers: int 
     finally:
         bar.close()
 
-    lengths = np.concatenate([r.lengths for r in results]) if results else np.zeros(0, np.int64)
     dest = assign(np.concatenate([r.hashes for r in results]) if results else np.zeros(0, np.uint64),
                   np.concatenate([r.roles for r in results]) if results else np.zeros(0, np.uint8),
                   heldout_fraction)
@@ -374,7 +390,7 @@ def build_token_set(tok, units: Sequence[Unit], cache_dir: str, *, workers: int 
             w.add(tokens[where == role], per_doc[d == role])
         os.unlink(r.part)
     os.rmdir(parts_dir)
-    index = {"format": FORMAT, "dtype": dtype, "tokenizer": tok_fp, "sources": src_fp,
+    index = {"format": FORMAT, "dtype": dtype, **fingerprints,
              "heldout_fraction": heldout_fraction, "units": len(units),
              "bytes": int(sum(u.nbytes for u in units)),
              "train": writers[TRAIN].finish(), "heldout": writers[HELDOUT].finish(),
@@ -384,9 +400,3 @@ def build_token_set(tok, units: Sequence[Unit], cache_dir: str, *, workers: int 
         f.write(json.dumps(index, indent=1).encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
-    os.makedirs(cache_dir, exist_ok=True)
-    replace_dir(tmp, final)
-    fsync_dir(cache_dir)
-    built = open_token_set(final)
-    assert built is not None, final
-    return built

@@ -112,6 +112,16 @@ def test_damaged_or_partial_set_is_rebuilt(tmp_path, tok):
     assert sorted(os.listdir(tmp_path / "c")) == [os.path.basename(ts.directory)]
 
 
+def test_a_bad_record_in_a_worker_is_named_and_leaves_nothing(tmp_path, tok):
+    lines = [json.dumps({"text": f"doc {i} " * 20}) for i in range(3000)]
+    lines[2345] = json.dumps({"text": 3})
+    (tmp_path / "e.jsonl").write_text("\n".join(lines) + "\n")
+    units = data_units([str(tmp_path / "e.jsonl")], unit_bytes=20_000)
+    with pytest.raises(ValueError, match=r"e\.jsonl:2346: expected a JSON object with a string 'text' field"):
+        build_token_set(tok, units, str(tmp_path / "c"), workers=2, task_bytes=20_000)
+    assert os.listdir(tmp_path / "c") == []
+
+
 def _written(tmp_path, tokens, doc_lengths, limit, name="train"):
     w = _ShardWriter(str(tmp_path), name, "uint16", limit)
     w.add(tokens, doc_lengths)
