@@ -113,8 +113,8 @@ def _init_tokenizer(kind: str, vocab_size: int):
     return K3Tokenizer(byte_level_tokenizer(vocab_size))
 
 
-TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows", "balance",
-               "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
+TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows",
+               "balance", "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
                "activation_checkpointing"]
 
 

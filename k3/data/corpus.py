@@ -28,7 +28,6 @@ from k3.data.sources import (  # noqa: F401  (re-exported: the corpus API predat
     _SKIPPED_DIRS,
     _relpath,
     installation_files,
-    iter_documents,
     python_files,
     read_unit,
     resolve_paths,

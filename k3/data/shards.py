@@ -378,7 +378,8 @@ def _build(tok, units: Sequence[Unit], tmp: str, heldout_fraction: float, shard_
     dest = assign(np.concatenate([r.hashes for r in results]) if results else np.zeros(0, np.uint64),
                   np.concatenate([r.roles for r in results]) if results else np.zeros(0, np.uint8),
                   heldout_fraction)
-    writers = {TRAIN: _ShardWriter(tmp, "train", dtype, shard_tokens), HELDOUT: _ShardWriter(tmp, "heldout", dtype, None)}
+    writers = {TRAIN: _ShardWriter(tmp, "train", dtype, shard_tokens),
+               HELDOUT: _ShardWriter(tmp, "heldout", dtype, None)}
     at = 0
     for r in results:
         n = r.lengths.shape[0]

@@ -61,7 +61,8 @@ class Unit:
     nbytes: int = 0
 
     def key(self) -> str:
-        return f"{self.kind}\0{self.path}\0{self.size}\0{self.mtime_ns}\0{self.start}\0{self.stop}\0{self.role}"
+        fields = (self.kind, os.path.abspath(self.path), self.size, self.mtime_ns, self.start, self.stop, self.role)
+        return "\0".join(map(str, fields))
 
 
 def content_hash(data: bytes) -> int:
@@ -198,7 +199,7 @@ def _read_text(u: Unit, strict: bool) -> Iterator[Document]:
         if not strict:
             return  # the default corpora skip files that cannot be read or are not UTF-8
         if isinstance(e, OSError):
-            raise
+            raise ValueError(f"{u.path}: cannot read ({e.strerror or e})") from None
         raise ValueError(f"{u.path}: not UTF-8 text (byte {e.start})") from None
     if u.stop is not None and len(data) > u.stop:
         text = data[: u.stop].decode("utf-8", errors="ignore")  # a cap cut inside a character drops it

@@ -109,7 +109,8 @@ def prepare_data(opts: RunOptions, out: str, gpu: bool, resume_from: str | None,
     t0 = time.perf_counter()
     units, what = corpus_units(opts.data, opts.max_corpus_mb, full_default=gpu)
     if not units:
-        raise ValueError(f"--data {' '.join(opts.data)} holds no documents" if opts.data else "the default corpus is empty")
+        raise ValueError(f"--data {' '.join(opts.data)} holds no documents" if opts.data
+                         else "the default corpus is empty")
     mb = sum(u.nbytes for u in units) / 2**20
     log(f"corpus: {what}: {len(units):,} files or pieces, {mb:,.1f} MB ({time.perf_counter() - t0:.1f}s)")
     if resume_from is not None:
@@ -172,7 +173,8 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
         torch.distributed.barrier()
     tok, tokens = prepare_data(opts, out, device.type == "cuda", resume_from, log, progress=progress and rank == 0)
     if resume_from is None:
-        cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, bos_token_id=None)
+        cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id,
+                          bos_token_id=None)
     if cfg.vocab_size < tok.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
     if mesh is not None and rank == 0:

@@ -78,7 +78,7 @@ class TrainConfig:
             raise ValueError(f"training option '{name}' = {getattr(self, name)!r} is invalid: {allowed}")
 
         if self.max_steps is None and self.max_minutes is None and self.epochs is None:
-            bad("max_steps", "give --max-steps, --max-minutes or --epochs (any of them: the first reached ends the run)")
+            bad("max_steps", "give --max-steps, --max-minutes or --epochs (the first one reached ends the run)")
         if self.max_steps is not None and self.max_steps < 1:
             bad("max_steps", "must be >= 1")
         if self.max_minutes is not None and not self.max_minutes > 0:

@@ -94,8 +94,9 @@ def test_parallel_tokenization_equals_serial(tmp_path, tok):
     assert names == sorted(os.listdir(parallel.directory))
     for n in names:
         if n != "index.json":
-            with open(os.path.join(serial.directory, n), "rb") as f, open(os.path.join(parallel.directory, n), "rb") as g:
-                assert f.read() == g.read(), n
+            with open(os.path.join(serial.directory, n), "rb") as f:
+                with open(os.path.join(parallel.directory, n), "rb") as g:
+                    assert f.read() == g.read(), n
 
 
 def test_damaged_or_partial_set_is_rebuilt(tmp_path, tok):
