@@ -113,8 +113,8 @@ def _init_tokenizer(kind: str, vocab_size: int):
     return K3Tokenizer(byte_level_tokenizer(vocab_size))
 
 
-TRAIN_FLAGS = ["max_steps", "max_minutes", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows", "balance",
-               "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
+TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows",
+               "balance", "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
                "activation_checkpointing"]
 
 
@@ -167,12 +167,12 @@ def cmd_train(args) -> int:
         fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
                       micro_batch_rows=defaults["micro_batch_rows"])
     fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
-    if fields.get("max_steps") is None and fields.get("max_minutes") is None:
+    if fields.get("max_steps") is None and fields.get("max_minutes") is None and fields.get("epochs") is None:
         fields["max_minutes"] = 10.0
     tcfg = TrainConfig(**fields)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
-                      verify=args.verify, moon_ep=args.moon_ep)
+                      verify=args.verify, moon_ep=args.moon_ep, workers=args.workers, data_cache=args.data_cache)
     try:
         if launched:
             summary = _train_distributed(opts, tcfg, dims, device, not args.no_progress)
@@ -313,10 +313,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--preset", choices=["k3", "k3-mini", "tiny"], help="model preset (default: tiny on CPU, k3-mini on GPU)")
     g.add_argument("--config", help="a config.json (official layout) instead of a preset")
-    s.add_argument("--data", action="append", help="training text: .txt/.md/.py files, directories, .jsonl, .parquet (repeatable)")
+    s.add_argument("--data", action="append", help="training text (repeatable): .txt/.md/.py/.rst files (one document "
+                   "each), .jsonl (a 'text' field per line), .parquet (a 'text' column; needs pyarrow), directories "
+                   "(recursive) and quoted glob patterns ('data/**/*.jsonl'); streamed, duplicates dropped, 2%% held "
+                   "out by a hash of each document's text (default: this Python's own source files)")
     s.add_argument("--out", default="runs/k3", help="run directory (checkpoints, metrics.jsonl, loss.png)")
     s.add_argument("--max-steps", type=_positive_int)
-    s.add_argument("--max-minutes", type=_positive_float, help="training-time budget (default 10 when no --max-steps)")
+    s.add_argument("--max-minutes", type=_positive_float,
+                   help="training-time budget (default 10 when neither --max-steps nor --epochs is given)")
+    s.add_argument("--epochs", type=_positive_float, help="passes over the training data (may be fractional); with "
+                   "--max-steps / --max-minutes the first budget reached ends the run")
+    s.add_argument("--workers", type=_positive_int, help="processes that tokenize the data (default: one per CPU)")
+    s.add_argument("--data-cache", help="directory for the token shards, reused while the data and the tokenizer "
+                   "are unchanged (default: OUT/data)")
     s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     s.add_argument("--seq-len", type=_positive_int)
     s.add_argument("--batch-tokens", type=_positive_int, help="tokens per optimizer step")

@@ -1,33 +1,40 @@
-"""Text corpora: the default corpus (this Python's standard library sources) and user files.
+"""Text corpora: the default corpora (this Python's own files) and user files.
 
-The default corpus needs no download and is real text written by others: every ``*.py`` file under
-``sysconfig.get_paths()["stdlib"]`` (site-packages, ``__pycache__`` and files over 1 MB excluded).
-Held-out documents are chosen by a stable hash of each document's name (its path relative to the
-standard library root, with ``/`` separators), so the split does not depend on the machine, the
-file-system order, or how much of the corpus is read.
+The default corpus needs no download and is real text written by others. On CPU it is every ``*.py`` file
+under ``sysconfig.get_paths()["stdlib"]`` (site-packages, ``__pycache__`` and files over 1 MB excluded); on a
+GPU (`default_units(full=True)`) it grows to every Python source and documentation file of the installation,
+standard library plus site-packages (k3.data.sources.installation_files), so a GPU run does not repeat it.
+Held-out documents are chosen by a stable hash of each document's name (its path relative to the standard
+library root, with ``/`` separators), so the split does not depend on the machine, the file-system order, or
+how much of the corpus is read; the standard library's held-out files are the same in both corpora. User
+files (`--data`) are held out by a hash of their content instead (k3.data.sources.assign).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import sysconfig
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-TEXT_EXTENSIONS = (".txt", ".md", ".py", ".rst")
-DATA_EXTENSIONS = (".jsonl", ".parquet")
-ACCEPTED = TEXT_EXTENSIONS + DATA_EXTENSIONS
-MAX_STDLIB_FILE_BYTES = 1_000_000  # keep the corpus code, not giant generated tables or fixtures
-DEFAULT_HELDOUT_FRACTION = 0.02
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-@dataclass
-class Document:
-    name: str
-    text: str
+from k3.data.sources import (  # noqa: F401  (re-exported: the corpus API predates the streaming sources)
+    ACCEPTED,
+    DATA_EXTENSIONS,
+    DEFAULT_HELDOUT_FRACTION,
+    HELDOUT,
+    TEXT_EXTENSIONS,
+    TRAIN,
+    Document,
+    Unit,
+    _SKIPPED_DIRS,
+    _relpath,
+    installation_files,
+    python_files,
+    read_unit,
+    resolve_paths,
+    file_units,
+    stdlib_root,
+)
+from k3.data.sources import MAX_SOURCE_FILE_BYTES as MAX_STDLIB_FILE_BYTES
 
 
 # --------------------------------------------------------------------------------------------- split
@@ -68,36 +75,13 @@ def split_documents(docs: Sequence[Document], heldout_fraction: float = DEFAULT_
 # ------------------------------------------------------------------------------------ default corpus
 
 
-def stdlib_root() -> str:
-    return os.path.realpath(sysconfig.get_paths()["stdlib"])
-
-
-def _relpath(path: str, root: str) -> str:
-    return os.path.relpath(path, root).replace(os.sep, "/")
-
-
 def stdlib_files() -> list[str]:
     """Absolute paths of the standard library's ``*.py`` files, sorted by path relative to its root.
 
     Excludes site-packages (and dist-packages), ``__pycache__`` and files larger than 1 MB.
     Symbolic links to directories are not followed.
     """
-    root = stdlib_root()
-    found: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
-        for fn in filenames:
-            if not fn.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, fn)
-            try:
-                if not os.path.isfile(path) or os.path.getsize(path) > MAX_STDLIB_FILE_BYTES:
-                    continue
-            except OSError:
-                continue
-            found.append((_relpath(path, root), path))
-    found.sort()
-    return [p for _, p in found]
+    return [p for _, p in python_files(stdlib_root(), (".py",), _SKIPPED_DIRS)]
 
 
 def _read_utf8(path: str) -> str | None:
@@ -161,99 +145,47 @@ def default_corpus(max_bytes: int | None = None) -> tuple[list[Document], list[D
     return train, heldout
 
 
+# ----------------------------------------------------------------------------- the default corpora as units
+
+
+def default_units(full: bool = False, max_bytes: int | None = None) -> list[Unit]:
+    """The default corpus as units for the token shards (k3.data.shards): held-out files first (sorted by
+    name), then the train files in the order of `default_corpus` (by the SHA-1 of the name). `full`: the whole
+    installation (`installation_files`), else the standard library's ``*.py`` files, `default_corpus`'s files.
+    `max_bytes` caps the train files by their sizes on disk, the last one read only up to the cap."""
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    if full:
+        files = installation_files()
+    else:
+        root = stdlib_root()
+        files = [(_relpath(p, root), p) for p in stdlib_files()]
+    held_names = {d.name for d in split_documents([Document(n, "") for n, _ in files])[1]}
+    held = [(n, p) for n, p in files if n in held_names]
+    train = sorted(((n, p) for n, p in files if n not in held_names),
+                   key=lambda np_: (hashlib.sha1(np_[0].encode("utf-8")).digest(), np_[0]))
+    units = []
+    for role, part in ((HELDOUT, held), (TRAIN, train)):
+        budget = max_bytes if role == TRAIN else None
+        for name, path in part:
+            if budget is not None and budget <= 0:
+                break
+            st = os.stat(path)
+            cap = None
+            if budget is not None:
+                cap = budget if st.st_size > budget else None
+                budget -= st.st_size
+            units.append(Unit("text", path, st.st_size, st.st_mtime_ns, stop=cap, role=role, name=name,
+                              nbytes=st.st_size if cap is None else cap))
+    return units
+
+
 # -------------------------------------------------------------------------------------- user files
 
 
-def _accepted_message() -> str:
-    return ("accepted: files ending in " + ", ".join(ACCEPTED)
-            + " (.jsonl: one JSON object per line with a string 'text' field; .parquet: a 'text' column),"
-            " or directories containing them")
-
-
-def _read_text_file(path: str) -> list[Document]:
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    return [Document(path, text)]
-
-
-def _read_jsonl(path: str) -> list[Document]:
-    docs = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}:{lineno}: line is not UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field")
-            docs.append(Document(f"{path}:{lineno}", obj["text"]))
-    return docs
-
-
-def _read_parquet(path: str) -> list[Document]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from None
-    pf = pq.ParquetFile(path)
-    if "text" not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
-    docs = []
-    row = 0
-    for batch in pf.iter_batches(columns=["text"], batch_size=4096):
-        for value in batch.column(0).to_pylist():
-            if value is not None:
-                if isinstance(value, bytes):
-                    try:
-                        value = value.decode("utf-8")
-                    except UnicodeDecodeError:
-                        raise ValueError(f"{path}: row {row}: 'text' is not UTF-8") from None
-                if not isinstance(value, str):
-                    raise ValueError(f"{path}: row {row}: 'text' is {type(value).__name__}, not a string")
-                docs.append(Document(f"{path}:{row}", value))
-            row += 1
-    return docs
-
-
-def _read_file(path: str) -> list[Document]:
-    ext = os.path.splitext(path)[1].lower()
-    if ext in TEXT_EXTENSIONS:
-        return _read_text_file(path)
-    if ext == ".jsonl":
-        return _read_jsonl(path)
-    if ext == ".parquet":
-        return _read_parquet(path)
-    raise ValueError(f"{path}: unsupported file type {ext or '(no extension)'!r}; {_accepted_message()}")
-
-
-def _directory_files(root: str) -> list[str]:
-    """Files with an accepted extension under `root`, recursively, sorted by relative path.
-    Hidden files and directories (names starting with '.') are skipped."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-        for fn in filenames:
-            if fn.startswith(".") or os.path.splitext(fn)[1].lower() not in ACCEPTED:
-                continue
-            path = os.path.join(dirpath, fn)
-            if os.path.isfile(path):
-                found.append((_relpath(path, root), path))
-    found.sort()
-    return [p for _, p in found]
-
-
 def load_documents(paths: Iterable[str | os.PathLike]) -> list[Document]:
-    """Documents from files and directories, in the order given (directories: sorted, recursive).
+    """Documents from files, directories and glob patterns, in the order given (directories: sorted,
+    recursive; k3.data.sources.resolve_paths), all in memory (training streams them instead: k3.data.shards).
 
     Text files (.txt .md .py .rst) are one document each, named by their path; .jsonl files give one
     document per non-blank line (``{"text": ...}``), named ``path:line``; .parquet files one per
@@ -264,16 +196,7 @@ def load_documents(paths: Iterable[str | os.PathLike]) -> list[Document]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     docs: list[Document] = []
-    for p in paths:
-        path = os.fspath(p)
-        if os.path.isdir(path):
-            files = _directory_files(path)
-            if not files:
-                raise ValueError(f"{path}: directory has no files to read; {_accepted_message()}")
-            for f in files:
-                docs.extend(_read_file(f))
-        elif os.path.isfile(path):
-            docs.extend(_read_file(path))
-        else:
-            raise ValueError(f"{path}: no such file or directory; {_accepted_message()}")
+    for path in resolve_paths(paths):
+        for u in file_units(path, unit_bytes=1 << 62):
+            docs.extend(read_unit(u))
     return docs

@@ -1,7 +1,8 @@
 """Packing documents into fixed-length training rows.
 
-Documents are tokenized, each followed by the end-of-text id, and concatenated into one int32 token
-stream (cached as .npy). Training rows are non-overlapping `seq_len` windows of that stream; a row may
+Documents are tokenized, each followed by the end-of-text id, and concatenated into one token stream: for
+training, memory-mapped token shards (k3.data.shards); for small in-memory document lists, one int32 array
+(`tokenize_documents`, cached as .npy). Training rows are non-overlapping `seq_len` windows of that stream; a row may
 hold several documents, told apart by `segment_ids` (a new segment starts at position 0 and after every
 eos), and the label of a segment's first token is masked so no loss crosses a document boundary.
 """
@@ -126,29 +127,48 @@ def _row_tensors(rows: np.ndarray, eos_id: int, valid: np.ndarray | None = None)
             "segment_ids": torch.from_numpy(seg)}
 
 
+class ArrayTokens:
+    """A token stream held as one 1-D array (in memory or a np.memmap), read like k3.data.shards.TokenShards."""
+
+    def __init__(self, stream: np.ndarray):
+        stream = np.asarray(stream)  # a np.memmap stays one (a view, nothing read)
+        if stream.ndim != 1:
+            raise ValueError(f"stream must be 1-D, got shape {stream.shape}")
+        self.stream = stream
+        self.num_tokens = int(stream.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return np.array(self.stream[lo:hi])
+
+
 class PackedLoader:
     """Shuffled fixed-length rows of a token stream, resumable from (epoch, position, seed).
 
-    Rows are the non-overlapping `seq_len` windows of `stream` (a tail shorter than `seq_len` is
-    dropped). Each epoch visits every row once, in the order of a permutation seeded by (seed, epoch);
-    a batch that runs past the end of an epoch continues with the next one. Batches are a function of
-    (seed, epoch, position) alone, so `load_state_dict` resumes exactly.
+    `stream` is a 1-D array or a k3.data.shards.TokenShards (memory-mapped shards). Rows are the
+    non-overlapping `seq_len` windows of the stream (a tail shorter than `seq_len` is dropped), read by their
+    offsets, so only the rows of a batch are ever copied out of a memory-mapped stream and a row may span two
+    shards. Each epoch visits every row once, in the order of a permutation seeded by (seed, epoch); a batch
+    that runs past the end of an epoch continues with the next one. Batches are a function of
+    (seed, epoch, position) alone, so `load_state_dict` resumes exactly. `data` (e.g. the token set's
+    fingerprint) is kept in the state, and a state saved over other data is refused.
     """
 
-    def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, eos_id: int, seed: int = 0):
+    def __init__(self, stream, seq_len: int, batch_size: int, eos_id: int, seed: int = 0, data: str | None = None):
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
-        stream = np.asarray(stream)
-        if stream.ndim != 1:
-            raise ValueError(f"stream must be 1-D, got shape {stream.shape}")
-        self.num_rows = stream.shape[0] // seq_len
+        # Anything else is a token store with `len()` and `read(lo, hi)` (k3.data.shards.TokenShards).
+        self.tokens = ArrayTokens(stream) if isinstance(stream, (np.ndarray, list, tuple)) else stream
+        self.num_rows = len(self.tokens) // seq_len
         if self.num_rows == 0:
-            raise ValueError(f"stream of {stream.shape[0]} tokens is shorter than seq_len={seq_len}")
-        self.rows = stream[: self.num_rows * seq_len].reshape(self.num_rows, seq_len)
+            raise ValueError(f"stream of {len(self.tokens)} tokens is shorter than seq_len={seq_len}")
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.eos_id = int(eos_id)
         self.seed = int(seed)
+        self.data = data
         self.epoch = 0
         self.position = 0  # rows of the current epoch already served
         self._perm_epoch = -1
@@ -164,6 +184,10 @@ class PackedLoader:
             self._perm_epoch = epoch
         return self._perm
 
+    def row(self, i: int) -> np.ndarray:
+        """Row `i` of the stream: tokens [i * seq_len, (i + 1) * seq_len)."""
+        return self.tokens.read(int(i) * self.seq_len, (int(i) + 1) * self.seq_len)
+
     def next_batch(self) -> dict[str, torch.Tensor]:
         """{"input_ids", "labels", "segment_ids"}: [batch_size, seq_len] int64 tensors."""
         picked = []
@@ -178,17 +202,23 @@ class PackedLoader:
                 self.epoch += 1
                 self.position = 0
         idx = np.concatenate(picked)
-        return _row_tensors(self.rows[idx], self.eos_id)
+        return _row_tensors(np.stack([self.row(i) for i in idx]), self.eos_id)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        return {"epoch": int(self.epoch), "position": int(self.position), "seed": int(self.seed)}
+        st = {"epoch": int(self.epoch), "position": int(self.position), "seed": int(self.seed)}
+        if self.data is not None:
+            st["data"] = self.data
+        return st
 
     def load_state_dict(self, d: dict) -> None:
         epoch, position, seed = int(d["epoch"]), int(d["position"]), int(d["seed"])
+        if self.data is not None and d.get("data") not in (None, self.data):
+            raise ValueError(f"the loader state was saved over the token set {d['data']}, this run reads "
+                             f"{self.data}: the data, the tokenizer or the held-out fraction changed since")
         if epoch < 0 or not 0 <= position < self.num_rows:
             raise ValueError(f"loader state {d} does not fit {self.num_rows} rows "
                              "(was the stream, seq_len or data changed?)")

@@ -1,5 +1,7 @@
 """What a training run shows while it runs: `metrics.jsonl` (one JSON line per logged step and evaluation),
-`loss.png` (training and held-out loss, redrawn at every evaluation) and the progress bar."""
+`loss.png` (training and held-out loss, redrawn at every evaluation), the progress bar, and the data plan
+(tokens available, tokens per step, epochs planned, with a warning when the run would repeat its data more
+than `EPOCHS_WARNING` times: a model that sees its data that often memorizes it, and its held-out loss rises)."""
 
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def plot_metrics(metrics_path: str, png_path: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if steps or vsteps:  # a run stopped before its first step and evaluation has nothing to label
+        ax.legend()
     fig.tight_layout()
     tmp = png_path + ".tmp.png"
     fig.savefig(tmp, dpi=100)
@@ -104,3 +107,41 @@ class ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+EPOCHS_WARNING = 4.0  # passes over the training data beyond which a run is warned that it will memorize it
+
+
+def _epochs_warning(epochs: float) -> str:
+    return (f"warning: this run repeats its training data {epochs:.1f} times (more than {EPOCHS_WARNING:g}): the "
+            "model will memorize it and its held-out loss will rise; add data (--data), or cap the run with "
+            "--epochs, --max-steps or --max-minutes")
+
+
+def plan_messages(tokens_per_epoch: int, tokens_per_step: int, steps: int | None, max_minutes: float | None,
+                  project_at: int) -> list[str]:
+    """Lines the run prints before its first step: the data available and, for a run whose length is a step
+    count (--max-steps, --epochs), the epochs it plans (with the warning). A run bounded by time alone learns
+    its epochs from its speed at step `project_at` (`projection_messages`)."""
+    head = (f"data: {tokens_per_epoch:,} training tokens per epoch, {tokens_per_step:,} tokens per step "
+            f"({tokens_per_epoch / tokens_per_step:,.1f} steps per epoch)")
+    if steps is None:
+        return [f"{head}; the run's length is --max-minutes {max_minutes:g}: its epochs are projected at step "
+                f"{project_at}"]
+    epochs = steps * tokens_per_step / tokens_per_epoch
+    out = [f"{head}; {steps:,} steps planned = {epochs:.2f} epochs"]
+    if epochs > EPOCHS_WARNING:
+        out.append(_epochs_warning(epochs))
+    return out
+
+
+def projection_messages(tokens_per_epoch: int, tokens_per_step: int, step: int, elapsed_s: float,
+                        seconds_per_step: float, max_minutes: float) -> list[str]:
+    """The epochs a time-bounded run will reach at its measured speed, with the warning when too many."""
+    steps = step + max(0.0, 60 * max_minutes - elapsed_s) / max(seconds_per_step, 1e-9)
+    epochs = steps * tokens_per_step / tokens_per_epoch
+    out = [f"data: at {seconds_per_step:.3g} s per step the {max_minutes:g}-minute budget comes to ~{steps:,.0f} "
+           f"steps = ~{epochs:.2f} epochs"]
+    if epochs > EPOCHS_WARNING:
+        out.append(_epochs_warning(epochs))
+    return out

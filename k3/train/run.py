@@ -33,6 +33,8 @@ class RunOptions:
     # over it and every rank trains on its slice of each batch (k3.train.distributed). None: one process.
     mesh: Any = None
     moon_ep: bool = False  # MoonEP's balanced expert parallelism (with an "ep" mesh dimension of 2 or more)
+    workers: int | None = None  # tokenizing processes (None: one per CPU, k3.data.shards.default_workers)
+    data_cache: str | None = None  # where token shards are kept (None: OUT/data); reused across runs
 
 
 # Defaults that make plain `k3 train` learn something on the machine at hand. The whole batch goes through
@@ -44,13 +46,19 @@ GPU_DEFAULTS = dict(preset="k3-mini", seq_len=4096, batch_tokens=32768, micro_ba
 
 
 def load_corpus(data: list[str], max_corpus_mb: float | None, log=print):
-    from k3.data.corpus import default_corpus, load_documents, split_documents
+    """(train, heldout) documents in memory, split as training splits them (`k3 eval`; training streams
+    them into token shards instead, `prepare_data`): --data by content hash, duplicates dropped
+    (k3.data.sources.assign); the default corpus by name (k3.data.corpus.default_corpus)."""
+    from k3.data.corpus import default_corpus, load_documents
+    from k3.data.sources import HELDOUT, TRAIN, assign, content_hash
 
     if data:
-        docs = load_documents(data)
+        docs = [d for d in load_documents(data) if d.text]
         if not docs:
             raise ValueError(f"--data {' '.join(data)} holds no documents")
-        train, heldout = split_documents(docs)
+        dest = assign([content_hash(d.text.encode("utf-8", "surrogatepass")) for d in docs], [0] * len(docs))
+        train = [d for d, w in zip(docs, dest) if w == TRAIN]
+        heldout = [d for d, w in zip(docs, dest) if w == HELDOUT]
         src = ", ".join(data)
     else:
         max_bytes = int(max_corpus_mb * 2**20) if max_corpus_mb else None
@@ -61,9 +69,74 @@ def load_corpus(data: list[str], max_corpus_mb: float | None, log=print):
     return train, heldout
 
 
-def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
-    from k3.data.packing import PackedLoader, tokenize_documents
-    from k3.data.tokenizer import cached_tokenizer
+def corpus_units(data: list[str], max_corpus_mb: float | None, full_default: bool):
+    """(units, description) of the training text: --data's files, directories and globs, or the default corpus
+    (`full_default`: every Python source and documentation file of this installation, as on a GPU)."""
+    from k3.data.corpus import default_units
+    from k3.data.sources import data_units
+
+    if data:
+        return data_units(data), ", ".join(data)
+    max_bytes = int(max_corpus_mb * 2**20) if max_corpus_mb else None
+    units = default_units(full=full_default, max_bytes=max_bytes)
+    what = ("every Python source and documentation file of this installation (standard library and "
+            "site-packages)" if full_default else "the Python standard library's source files")
+    return units, what
+
+
+def _train_texts(units):
+    """The training documents' texts in order (what the tokenizer is trained on; it reads only a prefix)."""
+    from k3.data.sources import DEFAULT_HELDOUT_FRACTION, HELDOUT, SPLIT, content_hash, iter_documents
+
+    cut = DEFAULT_HELDOUT_FRACTION * 2.0**64
+    for d, role in iter_documents(units):
+        if role == HELDOUT or not d.text:
+            continue
+        if role == SPLIT and content_hash(d.text.encode("utf-8", "surrogatepass")) < cut:
+            continue
+        yield d.text
+
+
+def prepare_data(opts: RunOptions, out: str, gpu: bool, resume_from: str | None, log=print,
+                 progress: bool = False):
+    """(tokenizer, token set) of the run: the tokenizer cached in `out` (or the checkpoint's, on resume), the
+    documents tokenized into memory-mapped shards under --data-cache (default OUT/data), reused while the
+    sources and the tokenizer are unchanged (k3.data.shards). `gpu`: the GPU defaults (the whole installation as
+    the default corpus, the larger vocabulary)."""
+    from k3.data.shards import build_token_set
+    from k3.data.tokenizer import cached_tokenizer, load_any_tokenizer
+
+    t0 = time.perf_counter()
+    units, what = corpus_units(opts.data, opts.max_corpus_mb, full_default=gpu)
+    if not units:
+        raise ValueError(f"--data {' '.join(opts.data)} holds no documents" if opts.data
+                         else "the default corpus is empty")
+    mb = sum(u.nbytes for u in units) / 2**20
+    log(f"corpus: {what}: {len(units):,} files or pieces, {mb:,.1f} MB ({time.perf_counter() - t0:.1f}s)")
+    if resume_from is not None:
+        tok = load_any_tokenizer(resume_from)
+    else:
+        t0 = time.perf_counter()
+        vocab = opts.vocab_size or (GPU_DEFAULTS if gpu else CPU_DEFAULTS)["vocab_size"]
+        tok = cached_tokenizer(out, lambda: _train_texts(units), vocab)
+        log(f"tokenizer: byte-level BPE, {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)")
+    t0 = time.perf_counter()
+    cache = opts.data_cache or os.path.join(out, "data")
+    ts = build_token_set(tok, units, cache, workers=opts.workers, progress=progress)
+    ix = ts.index
+    how = ("reused" if ts.reused else
+           f"tokenized by {ix['workers']} worker{'s' if ix['workers'] > 1 else ''} in {time.perf_counter() - t0:.1f}s")
+    n = ix["duplicates"]
+    dropped = f"; {n:,} duplicate document{'' if n == 1 else 's'} dropped" if n else ""
+    log(f"tokens: {ix['train']['tokens']:,} train ({ix['train']['documents']:,} documents), "
+        f"{ix['heldout']['tokens']:,} held out ({ix['heldout']['documents']:,}) in {ts.directory} ({how}){dropped}")
+    if opts.data and not ix["train"]["documents"]:
+        raise ValueError(f"--data {' '.join(opts.data)} holds no training documents")
+    return tok, ts
+
+
+def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = False) -> Trainer:
+    from k3.data.packing import PackedLoader
 
     tcfg.validate()  # before any slow work (corpus, tokenizer)
     device = pick_device(opts.device)
@@ -98,33 +171,23 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print) -> Trainer:
     # the other ranks then read the same caches.
     if rank > 0:
         torch.distributed.barrier()
-    train_docs, heldout_docs = load_corpus(opts.data, opts.max_corpus_mb, log)
-    vocab = opts.vocab_size or (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)["vocab_size"]
-    if resume_from is not None:
-        from k3.data.tokenizer import load_any_tokenizer
-
-        tok = load_any_tokenizer(resume_from)
-    else:
-        t0 = time.perf_counter()
-        tok = cached_tokenizer(out, lambda: (d.text for d in train_docs), vocab)
-        log(f"tokenizer: byte-level BPE, {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)")
-        cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, bos_token_id=None)
+    tok, tokens = prepare_data(opts, out, device.type == "cuda", resume_from, log, progress=progress and rank == 0)
+    if resume_from is None:
+        cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id,
+                          bos_token_id=None)
     if cfg.vocab_size < tok.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
-
-    t0 = time.perf_counter()
-    train_stream = tokenize_documents(tok, train_docs, cache_path=os.path.join(out, "train_tokens.npy"))
-    eval_stream = tokenize_documents(tok, heldout_docs, cache_path=os.path.join(out, "heldout_tokens.npy"))
-    log(f"tokens: {len(train_stream):,} train, {len(eval_stream):,} held out ({time.perf_counter() - t0:.1f}s)")
     if mesh is not None and rank == 0:
         torch.distributed.barrier()
-    if len(train_stream) < tcfg.batch_tokens:
-        raise ValueError(f"the training data has {len(train_stream):,} tokens, fewer than one batch "
+    if len(tokens.train) < tcfg.batch_tokens:
+        raise ValueError(f"the training data has {len(tokens.train):,} tokens, fewer than one batch "
                          f"(--batch-tokens {tcfg.batch_tokens}); add data or lower --batch-tokens")
+    eval_stream = tokens.heldout.as_array()
 
     torch.manual_seed(tcfg.seed)
     model = K3ForCausalLM(cfg, backends=opts.backends).init_weights(seed=tcfg.seed).to(device)
-    loader = PackedLoader(train_stream, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed)
+    loader = PackedLoader(tokens.train, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed,
+                          data=tokens.fingerprint)
     tok_json = _tokenizer_json_bytes(tok)
     n = sum(p.numel() for p in model.parameters())
     if mesh is None:
@@ -170,10 +233,11 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
     first_rank = opts.mesh is None or torch.distributed.get_rank() == 0
     log = log if first_rank else _quiet
     with holding_run_dir(tcfg.out) if first_rank else contextlib.nullcontext():
-        trainer = build_run(opts, tcfg, log)
+        trainer = build_run(opts, tcfg, log, progress=progress_bar)
         summary = trainer.fit(progress_bar=progress_bar)
     first, last = summary.get("first_val_loss"), summary.get("last_val_loss")
     msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
+    msg += f" ({summary['epochs']:.2f} epochs of the training data)"
     if first is not None and last is not None:
         msg += f": held-out loss {first:.3f} -> {last:.3f}"
     log(f"{msg}; checkpoint {summary['checkpoint']}")

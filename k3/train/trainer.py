@@ -29,12 +29,13 @@ from k3.train.evaluate import evaluate_loss
 from k3.train.per_head_muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
 from k3.train.quantile_balance import ExpertBalancer, load_ratios
-from k3.train.reporting import MetricsLog, ProgressBar
+from k3.train.reporting import MetricsLog, ProgressBar, plan_messages, projection_messages
 from k3.train.schedule import lr_multiplier
 from k3.tensors import to_device_async
 
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+PROJECT_AT = 10  # a run bounded by time alone projects its epochs from its speed over this many steps
 
 
 class TrainingError(RuntimeError):
@@ -46,6 +47,7 @@ class TrainConfig:
     out: str = "runs/k3"
     max_steps: int | None = None
     max_minutes: float | None = None
+    epochs: float | None = None  # passes over the training data; with the two above, whichever ends first
     seq_len: int = 256
     batch_tokens: int = 8192  # tokens per optimizer step
     micro_batch_rows: int | None = None  # rows per forward/backward (None: the whole batch at once)
@@ -75,12 +77,14 @@ class TrainConfig:
         def bad(name, allowed):
             raise ValueError(f"training option '{name}' = {getattr(self, name)!r} is invalid: {allowed}")
 
-        if self.max_steps is None and self.max_minutes is None:
-            bad("max_steps", "give --max-steps or --max-minutes (or both)")
+        if self.max_steps is None and self.max_minutes is None and self.epochs is None:
+            bad("max_steps", "give --max-steps, --max-minutes or --epochs (the first one reached ends the run)")
         if self.max_steps is not None and self.max_steps < 1:
             bad("max_steps", "must be >= 1")
         if self.max_minutes is not None and not self.max_minutes > 0:
             bad("max_minutes", "must be > 0")
+        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
+            bad("epochs", "must be a positive number")
         if self.seq_len < 8:
             bad("seq_len", "must be >= 8")
         if self.batch_tokens < self.seq_len:
@@ -147,19 +151,29 @@ class Trainer:
         self.retries_oom = True  # out of memory: halve the micro-batch and retry (not on one rank of many)
 
     # --- schedule ----------------------------------------------------------------------------
-    def progress(self) -> float:
-        """Fraction of the run done: by steps when --max-steps is set, otherwise by training time."""
+    def step_budget(self) -> int | None:
+        """The step the run ends at by --max-steps or --epochs, whichever is smaller (None: neither is set).
+        --epochs N is the steps whose batches hold N times the loader's rows, rounded up."""
         c = self.cfg
-        fracs = []
-        if c.max_steps is not None:
-            fracs.append(self.step / c.max_steps)
-        if c.max_minutes is not None and c.max_steps is None:
-            fracs.append(self.elapsed / (60 * c.max_minutes))
-        return max(fracs)
+        steps = [] if c.max_steps is None else [c.max_steps]
+        if c.epochs is not None:
+            steps.append(max(1, math.ceil(c.epochs * self.loader.num_rows / c.rows_per_step)))
+        return min(steps) if steps else None
+
+    def epochs_seen(self) -> float:
+        return self.step * self.cfg.rows_per_step / self.loader.num_rows
+
+    def progress(self) -> float:
+        """Fraction of the run done: by steps when --max-steps or --epochs is set, otherwise by training time."""
+        budget = self.step_budget()
+        if budget is not None:
+            return self.step / budget
+        return self.elapsed / (60 * self.cfg.max_minutes)
 
     def done(self) -> bool:
         c = self.cfg
-        if c.max_steps is not None and self.step >= c.max_steps:
+        budget = self.step_budget()
+        if budget is not None and self.step >= budget:
             return True
         return c.max_minutes is not None and self.elapsed >= 60 * c.max_minutes
 
@@ -427,7 +441,12 @@ class Trainer:
         if in_main:
             for s in signals:
                 signal.signal(s, on_signal)
-        bar = ProgressBar(c.max_steps, c.max_minutes, self.step, enabled=progress_bar and self.writes_files)
+        bar = ProgressBar(self.step_budget(), c.max_minutes, self.step, enabled=progress_bar and self.writes_files)
+        per_step = c.rows_per_step * c.seq_len
+        for line in plan_messages(self.loader.tokens_per_epoch, per_step, self.step_budget(), c.max_minutes,
+                                  self.step + PROJECT_AT):
+            self.log(line)
+        first_step_end = None  # training seconds after this session's first step (compilation, warm-up excluded)
         metrics = MetricsLog(c.out, self.history, log=self.log, enabled=self.writes_files)
         summary = {"start_step": self.step}
         try:
@@ -440,6 +459,13 @@ class Trainer:
                 last_save = time.monotonic()
                 while not self._agree(self.done() or self._stop_requested):
                     m = self.train_step()
+                    if first_step_end is None:
+                        first_step_end, first_step = self.elapsed, self.step
+                    elif self.step == first_step + PROJECT_AT - 1 and self.step_budget() is None:
+                        rate = (self.elapsed - first_step_end) / (self.step - first_step)
+                        for line in projection_messages(self.loader.tokens_per_epoch, per_step, self.step,
+                                                        self.elapsed, rate, c.max_minutes):
+                            self.log(line)
                     rec = {k: v for k, v in asdict(m).items() if v is not None}
                     if self.step % c.eval_every == 0 or self.done():
                         val = self.evaluate()
@@ -456,7 +482,7 @@ class Trainer:
                         last_save = time.monotonic()
                 path = self.save()
                 summary.update(step=self.step, checkpoint=path, interrupted=self._stop_requested,
-                               signal=self._stop_signal)
+                               signal=self._stop_signal, epochs=self.epochs_seen())
         finally:
             bar.close()
             if in_main:
