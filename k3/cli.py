@@ -115,7 +115,7 @@ def _init_tokenizer(kind: str, vocab_size: int):
 
 TRAIN_FLAGS = ["max_steps", "max_minutes", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows", "balance",
                "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
-               "activation_checkpointing"]
+               "activation_checkpointing", "qat"]
 
 
 def _saved_train_config(ck: str) -> dict:
@@ -136,11 +136,88 @@ def _saved_train_config(ck: str) -> dict:
     return saved
 
 
+def _train_config(args, defaults: dict):
+    """The TrainConfig of `k3 train` / `k3 sft`: a resumed run's own settings (else `defaults`), then the flags."""
+    from k3.run_dir import latest_checkpoint
+    from k3.train.trainer import TrainConfig
+
+    fields = {"out": args.out}
+    if args.resume:
+        ck = latest_checkpoint(args.out)
+        if ck is not None:  # continue with the run's own settings unless a flag overrides them
+            saved = _saved_train_config(ck)
+            fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
+    else:
+        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
+                      micro_batch_rows=defaults["micro_batch_rows"])
+    fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
+    if fields.get("qat") == "none":
+        fields["qat"] = None
+    if fields.get("max_steps") is None and fields.get("max_minutes") is None:
+        fields["max_minutes"] = 10.0
+    return TrainConfig(**fields)
+
+
+def cmd_sft(args) -> int:
+    from k3.devices import pick_device
+    from k3.posttrain.sft import CPU_DEFAULTS, GPU_DEFAULTS, SFTOptions, run_sft
+    from k3.train.trainer import TrainingError
+
+    device = pick_device(args.device)
+    tcfg = _train_config(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
+    if args.ckpt is None and not args.resume:
+        raise SystemExit("k3 sft: --ckpt is required (the checkpoint to fine-tune), unless --resume")
+    opts = SFTOptions(ckpt=None if args.ckpt is None else _resolve_ckpt(args.ckpt), data=args.data or [],
+                      heldout=args.heldout or [], resume=args.resume, device=str(device),
+                      backends=_backends(args.backend, device), verify=args.verify,
+                      skip_bad_records=args.skip_bad_records)
+    try:
+        summary = run_sft(opts, tcfg, progress_bar=not args.no_progress)
+    except TrainingError as e:
+        print(f"k3 sft: {e}", file=sys.stderr)
+        return 3
+    if summary.get("signal") == "SIGTERM":
+        return 143
+    return 130 if summary.get("interrupted") else 0
+
+
+def cmd_quantize(args) -> int:
+    import torch
+
+    from k3.posttrain.qat import quantize_checkpoint
+
+    dtype = {None: None, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    src = _resolve_ckpt(args.ckpt)
+    quantize_checkpoint(src, args.out, fmt=args.format, activations=None if args.activations == "none" else
+                        args.activations, dtype=dtype, verify=args.verify)
+    print(f"wrote {args.out}: {src} with its routed experts in MXFP4 (weight_packed / weight_scale)"
+          f"{', expert inputs MXFP8' if args.activations != 'none' else ''}")
+    return 0
+
+
+def cmd_data_sft_from_source(args) -> int:
+    from k3.data.sft_from_source import sft_from_source, write_jsonl
+
+    if args.heldout_fraction > 0 and args.heldout is None:
+        raise SystemExit("k3 data sft-from-source: give --heldout FILE.jsonl for the held-out files' conversations "
+                         "(or --heldout-fraction 0)")
+    train, held, st = sft_from_source(args.paths, heldout_fraction=args.heldout_fraction, max_chars=args.max_chars,
+                                      max_records=args.max_records, max_heldout=args.max_heldout)
+    write_jsonl(train, args.out)
+    if args.heldout is not None:
+        write_jsonl(held, args.heldout)
+    print(f"{st.files} files ({st.heldout_files} held out, {st.unparsable_files} unreadable or unparsable): "
+          f"{st.functions} functions with a docstring; left out {st.too_long} longer than {args.max_chars} chars, "
+          f"{st.not_standalone} that do not compile alone, {st.leaked} held-out duplicates of training code; "
+          f"wrote {st.train} conversations to {args.out}"
+          + (f" and {st.heldout} to {args.heldout}" if args.heldout is not None else ""))
+    return 0
+
+
 def cmd_train(args) -> int:
     from k3.devices import pick_device
-    from k3.run_dir import latest_checkpoint
     from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, run_training
-    from k3.train.trainer import TrainConfig, TrainingError
+    from k3.train.trainer import TrainingError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK
     # Launched by torchrun (which also sets TORCHELASTIC_RUN_ID): the distributed trainer, even on one process, so
@@ -155,20 +232,7 @@ def cmd_train(args) -> int:
     if launched and device.type == "cuda":
         device = torch_device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     backends = _backends(args.backend, device)
-    defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-    fields = {"out": args.out}
-    if args.resume:
-        ck = latest_checkpoint(args.out)
-        if ck is not None:  # continue with the run's own settings unless a flag overrides them
-            saved = _saved_train_config(ck)
-            fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
-    else:
-        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
-                      micro_batch_rows=defaults["micro_batch_rows"])
-    fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
-    if fields.get("max_steps") is None and fields.get("max_minutes") is None:
-        fields["max_minutes"] = 10.0
-    tcfg = TrainConfig(**fields)
+    tcfg = _train_config(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
                       verify=args.verify, moon_ep=args.moon_ep)
@@ -284,6 +348,35 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _add_trainer_flags(s) -> None:
+    """The Trainer's flags, shared by `k3 train` and `k3 sft`."""
+    s.add_argument("--max-steps", type=_positive_int)
+    s.add_argument("--max-minutes", type=_positive_float, help="training-time budget (default 10 when no --max-steps)")
+    s.add_argument("--seq-len", type=_positive_int)
+    s.add_argument("--batch-tokens", type=_positive_int, help="tokens per optimizer step")
+    s.add_argument("--micro-batch-rows", type=_positive_int, help="rows per forward/backward (gradient accumulation)")
+    s.add_argument("--lr", type=_positive_float, help="peak learning rate (Muon and AdamW)")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--balance", choices=["histogram", "exact", "sign", "none"], help="expert load balancing (default histogram)")
+    s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
+    s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
+    s.add_argument("--grad-clip", type=_positive_float)
+    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50)")
+    s.add_argument("--save-every-minutes", type=_positive_float)
+    s.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute each sublayer in backward instead of storing its activations: trades ~1 extra "
+                        "forward of compute for much less activation memory; needed for long contexts "
+                        "(default off; --resume keeps the run's setting)")
+    s.add_argument("--qat", choices=["mxfp4", "none"], help="quantization-aware training of the routed experts: "
+                   "mxfp4 = MXFP4 weights and MXFP8 expert inputs in the forward, straight-through gradients "
+                   "(report §4.1.4); the run's checkpoints keep the fp32 weights and OUT/mxfp4 gets the MXFP4 export "
+                   "(default none; --resume keeps the run's setting)")
+    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="The Kimi K3 system: model, training and serving.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -309,29 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", help="a config.json (official layout) instead of a preset")
     s.add_argument("--data", action="append", help="training text: .txt/.md/.py files, directories, .jsonl, .parquet (repeatable)")
     s.add_argument("--out", default="runs/k3", help="run directory (checkpoints, metrics.jsonl, loss.png)")
-    s.add_argument("--max-steps", type=_positive_int)
-    s.add_argument("--max-minutes", type=_positive_float, help="training-time budget (default 10 when no --max-steps)")
     s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    s.add_argument("--seq-len", type=_positive_int)
-    s.add_argument("--batch-tokens", type=_positive_int, help="tokens per optimizer step")
-    s.add_argument("--micro-batch-rows", type=_positive_int, help="rows per forward/backward (gradient accumulation)")
-    s.add_argument("--lr", type=_positive_float, help="peak learning rate (Muon and AdamW)")
-    s.add_argument("--seed", type=int)
+    _add_trainer_flags(s)
     s.add_argument("--vocab-size", type=_positive_int, help="BPE vocabulary size to train (default 4096 CPU, 32768 GPU)")
-    s.add_argument("--balance", choices=["histogram", "exact", "sign", "none"], help="expert load balancing (default histogram)")
-    s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
-    s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
-    s.add_argument("--grad-clip", type=_positive_float)
-    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50)")
-    s.add_argument("--save-every-minutes", type=_positive_float)
-    s.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute each sublayer in backward instead of storing its activations: trades ~1 extra "
-                        "forward of compute for much less activation memory; needed for long contexts "
-                        "(default off; --resume keeps the run's setting)")
     s.add_argument("--max-corpus-mb", type=_positive_float, help="cap the default corpus's training text")
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--dp-shard", type=_positive_int, help="data-parallel (FSDP2) ranks under torchrun "
                    "(default: the world size / (--ep x --cp))")
     s.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel ranks under torchrun (default 1)")
@@ -340,8 +414,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--moon-ep", action="store_true", help="with --ep > 1: MoonEP's balanced expert parallelism, every "
                    "rank computing the same number of token-expert pairs with redundant experts planned per layer "
                    "(report §5.2.1)")
-    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("sft", help="supervised fine-tuning of a checkpoint on chat data (loss on the assistant's "
+                       "tokens), optionally with MXFP4 QAT")
+    s.add_argument("--ckpt", help="the checkpoint to fine-tune (or a run directory: its latest checkpoint)")
+    s.add_argument("--data", action="append", required=True,
+                   help="chat .jsonl: one {\"messages\": [{\"role\": ..., \"content\": ...}, ...]} per line (repeatable)")
+    s.add_argument("--heldout", action="append", help="held-out chat .jsonl for the held-out reply loss (repeatable)")
+    s.add_argument("--out", default="runs/sft", help="run directory (checkpoints, metrics.jsonl, loss.png)")
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    s.add_argument("--skip-bad-records", action="store_true",
+                   help="skip bad records (counted and listed in the log) instead of stopping at the first")
+    _add_trainer_flags(s)
+    s.set_defaults(fn=cmd_sft)
+
+    s = sub.add_parser("quantize", help="post-training quantization: write a checkpoint with its routed experts in "
+                       "MXFP4 (the official layout)")
+    s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--format", choices=["mxfp4"], default="mxfp4")
+    s.add_argument("--activations", choices=["mxfp8", "none"], default="mxfp8",
+                   help="the expert inputs at inference: mxfp8 (as K3 is deployed and QAT trains) or none (the "
+                        "release's config: high-precision inputs)")
+    s.add_argument("--dtype", choices=["bfloat16", "float32"], help="dtype of the other tensors (default: the source's)")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
+    s.set_defaults(fn=cmd_quantize)
+
+    s = sub.add_parser("data", help="make training data")
+    dsub = s.add_subparsers(dest="data_command", required=True)
+    d = dsub.add_parser("sft-from-source", help="docstring-to-code conversations from Python sources (the user gives "
+                        "a function's signature and docstring, the assistant writes the function)")
+    d.add_argument("paths", nargs="*", help=".py files or directories (default: the Python standard library)")
+    d.add_argument("--out", required=True, help="training conversations (.jsonl)")
+    d.add_argument("--heldout", help="held-out conversations (.jsonl): the functions of the held-out files")
+    d.add_argument("--heldout-fraction", type=float, default=0.05,
+                   help="fraction of files held out, by a stable hash of their relative path (default 0.05)")
+    d.add_argument("--max-chars", type=_positive_int, default=1500, help="longest function kept, in characters")
+    d.add_argument("--max-records", type=_positive_int, help="keep at most this many training conversations")
+    d.add_argument("--max-heldout", type=_positive_int, help="keep at most this many held-out conversations")
+    d.set_defaults(fn=cmd_data_sft_from_source)
 
     s = sub.add_parser("eval", help="held-out loss and perplexity of a checkpoint")
     s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")
