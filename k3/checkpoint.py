@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save_bytes
 
-from k3.config import K3Config
+from k3.config import K3Config, expert_activation_format
 from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
 from k3.files import read_json_file, replace_dir, write_synced
 
@@ -95,9 +95,10 @@ def state_dict_for_disk(model: torch.nn.Module, dtype: torch.dtype | None = None
         sd.pop("lm_head.weight", None)
     for name, t in sd.items():
         t = t.detach()
-        if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES):
-            t = t.to(dtype)
         m = _EXPERT.match(name)
+        if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES) \
+                and not (m and quant):  # MXFP4 rounds the weights themselves (as QAT's forward does), not a cast
+            t = t.to(dtype)
         if m:
             base = _internal_to_disk_name(m.group(1), cfg.num_hidden_layers)
             for e in range(t.shape[0]):
@@ -426,5 +427,11 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     model.set_dtype(target_dtype)
     # With layers=N the later layers are in the files but deliberately neither read nor reported.
     load_state_into(model, path, strict=strict, layer_limit=layers, verify=verify)
+    if expert_activation_format(cfg.quantization_config) == "mxfp8":
+        # A checkpoint trained with MXFP8 expert inputs (QAT, report §4.1.4) is computed the same way here: the
+        # decoded MXFP4 weights are exact already, the experts' GEMM inputs are rounded as in training.
+        from k3.model.mx_experts import quantize_experts
+
+        quantize_experts(model, weights=None, activations="mxfp8")
     model.eval()
     return model

@@ -115,7 +115,7 @@ def _init_tokenizer(kind: str, vocab_size: int):
 
 TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows",
                "balance", "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
-               "activation_checkpointing"]
+               "activation_checkpointing", "qat"]
 
 
 def _saved_train_config(ck: str) -> dict:
@@ -136,11 +136,32 @@ def _saved_train_config(ck: str) -> dict:
     return saved
 
 
+def _train_config(args, defaults: dict):
+    """The TrainConfig of `k3 train` / `k3 sft`: a resumed run's own settings (else `defaults`), then the flags."""
+    from k3.run_dir import latest_checkpoint
+    from k3.train.trainer import TrainConfig
+
+    fields = {"out": args.out}
+    if args.resume:
+        ck = latest_checkpoint(args.out)
+        if ck is not None:  # continue with the run's own settings unless a flag overrides them
+            saved = _saved_train_config(ck)
+            fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
+    else:
+        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
+                      micro_batch_rows=defaults["micro_batch_rows"])
+    fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
+    if fields.get("qat") == "none":
+        fields["qat"] = None
+    if fields.get("max_steps") is None and fields.get("max_minutes") is None and fields.get("epochs") is None:
+        fields["max_minutes"] = 10.0
+    return TrainConfig(**fields)
+
+
 def cmd_train(args) -> int:
     from k3.devices import pick_device
-    from k3.run_dir import latest_checkpoint
     from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, run_training
-    from k3.train.trainer import TrainConfig, TrainingError
+    from k3.train.trainer import TrainingError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK
     # One process, under torchrun or not, trains on the single-device path: FSDP2's one-rank path was seen to hand
@@ -156,20 +177,7 @@ def cmd_train(args) -> int:
     if launched and device.type == "cuda":
         device = torch_device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     backends = _backends(args.backend, device)
-    defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-    fields = {"out": args.out}
-    if args.resume:
-        ck = latest_checkpoint(args.out)
-        if ck is not None:  # continue with the run's own settings unless a flag overrides them
-            saved = _saved_train_config(ck)
-            fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
-    else:
-        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
-                      micro_batch_rows=defaults["micro_batch_rows"])
-    fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
-    if fields.get("max_steps") is None and fields.get("max_minutes") is None and fields.get("epochs") is None:
-        fields["max_minutes"] = 10.0
-    tcfg = TrainConfig(**fields)
+    tcfg = _train_config(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
                       verify=args.verify, moon_ep=args.moon_ep, workers=args.workers, data_cache=args.data_cache)
@@ -290,6 +298,38 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _add_trainer_flags(s) -> None:
+    """The Trainer's flags, shared by `k3 train` and `k3 sft`."""
+    s.add_argument("--max-steps", type=_positive_int)
+    s.add_argument("--max-minutes", type=_positive_float,
+                   help="training-time budget (default 10 when neither --max-steps nor --epochs is given)")
+    s.add_argument("--epochs", type=_positive_float, help="passes over the training data (may be fractional); with "
+                   "--max-steps / --max-minutes the first budget reached ends the run")
+    s.add_argument("--seq-len", type=_positive_int)
+    s.add_argument("--batch-tokens", type=_positive_int, help="tokens per optimizer step")
+    s.add_argument("--micro-batch-rows", type=_positive_int, help="rows per forward/backward (gradient accumulation)")
+    s.add_argument("--lr", type=_positive_float, help="peak learning rate (Muon and AdamW)")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--balance", choices=["histogram", "exact", "sign", "none"], help="expert load balancing (default histogram)")
+    s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
+    s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
+    s.add_argument("--grad-clip", type=_positive_float)
+    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50)")
+    s.add_argument("--save-every-minutes", type=_positive_float)
+    s.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute each sublayer in backward instead of storing its activations: trades ~1 extra "
+                        "forward of compute for much less activation memory; needed for long contexts "
+                        "(default off; --resume keeps the run's setting)")
+    s.add_argument("--qat", choices=["mxfp4", "none"], help="quantization-aware training of the routed experts: "
+                   "mxfp4 = MXFP4 weights and MXFP8 expert inputs in the forward, straight-through gradients "
+                   "(report §4.1.4); the run's checkpoints keep the fp32 weights and OUT/mxfp4 gets the MXFP4 export "
+                   "(default none; --resume keeps the run's setting)")
+    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="The Kimi K3 system: model, training and serving.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -318,35 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(recursive) and quoted glob patterns ('data/**/*.jsonl'); streamed, duplicates dropped, 2%% held "
                    "out by a hash of each document's text (default: this Python's own source files)")
     s.add_argument("--out", default="runs/k3", help="run directory (checkpoints, metrics.jsonl, loss.png)")
-    s.add_argument("--max-steps", type=_positive_int)
-    s.add_argument("--max-minutes", type=_positive_float,
-                   help="training-time budget (default 10 when neither --max-steps nor --epochs is given)")
-    s.add_argument("--epochs", type=_positive_float, help="passes over the training data (may be fractional); with "
-                   "--max-steps / --max-minutes the first budget reached ends the run")
     s.add_argument("--workers", type=_positive_int, help="processes that tokenize the data (default: one per CPU)")
     s.add_argument("--data-cache", help="directory for the token shards, reused while the data and the tokenizer "
                    "are unchanged (default: OUT/data)")
     s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    s.add_argument("--seq-len", type=_positive_int)
-    s.add_argument("--batch-tokens", type=_positive_int, help="tokens per optimizer step")
-    s.add_argument("--micro-batch-rows", type=_positive_int, help="rows per forward/backward (gradient accumulation)")
-    s.add_argument("--lr", type=_positive_float, help="peak learning rate (Muon and AdamW)")
-    s.add_argument("--seed", type=int)
+    _add_trainer_flags(s)
     s.add_argument("--vocab-size", type=_positive_int, help="BPE vocabulary size to train (default 4096 CPU, 32768 GPU)")
-    s.add_argument("--balance", choices=["histogram", "exact", "sign", "none"], help="expert load balancing (default histogram)")
-    s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
-    s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
-    s.add_argument("--grad-clip", type=_positive_float)
-    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50)")
-    s.add_argument("--save-every-minutes", type=_positive_float)
-    s.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute each sublayer in backward instead of storing its activations: trades ~1 extra "
-                        "forward of compute for much less activation memory; needed for long contexts "
-                        "(default off; --resume keeps the run's setting)")
     s.add_argument("--max-corpus-mb", type=_positive_float, help="cap the default corpus's training text")
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--dp-shard", type=_positive_int, help="data-parallel (FSDP2) ranks under torchrun "
                    "(default: the world size / (--ep x --cp))")
     s.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel ranks under torchrun (default 1)")
@@ -355,8 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--moon-ep", action="store_true", help="with --ep > 1: MoonEP's balanced expert parallelism, every "
                    "rank computing the same number of token-expert pairs with redundant experts planned per layer "
                    "(report §5.2.1)")
-    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_train)
+
+    from k3.posttrain.cli import add_parsers as add_posttrain
+
+    add_posttrain(sub)  # k3 sft, k3 quantize, k3 data
 
     s = sub.add_parser("eval", help="held-out loss and perplexity of a checkpoint")
     s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")

@@ -557,27 +557,56 @@ class VisionConfig:
         return cls(**kwargs)
 
 
+# --- quantization ------------------------------------------------------------------------------------
+# The input-activation entry of a checkpoint whose routed experts compute in MXFP8 (report §4.1.4): E4M3
+# values with one E8M0 scale per 32 along the contraction dimension, computed at run time.
+MXFP8_INPUT_ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                           "dynamic": True}
+
+
+def mxfp4_quantization_config(activations: str | None = None) -> dict:
+    """The `quantization_config` of an MXFP4 checkpoint (checkpoint-layout.md §2.7): the release's (routed experts
+    in MXFP4, `input_activations` null), or with ``activations="mxfp8"`` the expert inputs in MXFP8, which
+    `k3.from_pretrained` then applies to the loaded model (what a QAT run trained with)."""
+    if activations not in (None, "mxfp8"):
+        raise ConfigError(f"activations={activations!r} is invalid: use None or 'mxfp8'")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                            "group_size": 32, "scale_dtype": "torch.uint8", "dynamic": False},
+                "input_activations": dict(MXFP8_INPUT_ACTIVATIONS) if activations else None,
+                "targets": ["Linear"],
+            }
+        },
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    }
+
+
+def expert_activation_format(quantization_config: dict | None) -> str | None:
+    """'mxfp8' when an MXFP4 checkpoint's config says the expert inputs compute in MXFP8, else None."""
+    q = quantization_config or {}
+    if q.get("format") != "mxfp4-pack-quantized":
+        return None
+    groups = q.get("config_groups") or {}
+    acts = [g.get("input_activations") for g in groups.values() if isinstance(g, dict)]
+    for a in acts:
+        if isinstance(a, dict) and a.get("type") == "float" and a.get("num_bits") == 8 and a.get("group_size") == 32:
+            return "mxfp8"
+    return None
+
+
 # --- presets ------------------------------------------------------------------------------------------
 def _k3() -> K3Config:
     """The release configuration (checkpoint-layout.md §3), exactly."""
     return K3Config(
         vision_config=VisionConfig().to_dict(),
         media_placeholder_token_id=163605,
-        quantization_config={
-            "quant_method": "compressed-tensors",
-            "format": "mxfp4-pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
-                                "group_size": 32, "scale_dtype": "torch.uint8", "dynamic": False},
-                    "input_activations": None,
-                    "targets": ["Linear"],
-                }
-            },
-            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-                       "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
-        }
+        quantization_config=mxfp4_quantization_config(),
     )
 
 

@@ -201,7 +201,10 @@ class PackedLoader:
             if self.position >= self.num_rows:
                 self.epoch += 1
                 self.position = 0
-        idx = np.concatenate(picked)
+        return self._batch(np.concatenate(picked))
+
+    def _batch(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch of rows `idx` (a packed loader of other rows overrides this)."""
         return _row_tensors(np.stack([self.row(i) for i in idx]), self.eos_id)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -12,6 +12,12 @@ An E2M1 code has a sign bit (bit 3) and a 3-bit magnitude index (bits 0-2) into
 Every function also accepts leading batch dims (e.g. stacked experts [E, out, in/2]).
 
 MXFP8 (E4M3 values, same E8M0 block scales) is used for activations in QAT.
+
+Quantization-aware training (report §4.1.4) calls the fake quantizers through the op registry
+(``mxfp4_fake_quantize_any``, ``mxfp8_fake_quantize_any``; ops ``mxfp4_fake_quant`` and
+``mxfp8_fake_quant``): the PyTorch reference here is the definition, and a fused GPU kernel (one pass:
+block max, scale, round, rescale) registers beside it as a ``Fast`` implementation of the op, tested to
+be bit-exact against it. None is registered yet.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3.ops.registry import Backends, Op, dispatch, register
+
 __all__ = [
     "E2M1_VALUES",
     "mxfp4_dequantize",
     "mxfp4_quantize",
     "mxfp4_fake_quantize",
     "mxfp8_fake_quantize",
+    "mxfp4_fake_quantize_any",
+    "mxfp8_fake_quantize_any",
 ]
 
 MX_BLOCK = 32
@@ -154,3 +164,20 @@ def mxfp8_fake_quantize(x: Tensor, block: int = MX_BLOCK) -> Tensor:
     scaled = (blocks * torch.exp2(-exp)).clamp(-_E4M3_MAX, _E4M3_MAX)  # saturate explicitly (OCP MX), not via the cast
     q = scaled.to(torch.float8_e4m3fn).float() * torch.exp2(exp)
     return q.flatten(-2).to(x.dtype) + (x - x.detach())
+
+
+register(Op("mxfp4_fake_quant", reference=mxfp4_fake_quantize, fast=(),
+            tolerance="bit-exact: a fused kernel must give dequantize(quantize(w)) to the bit (the values are exact "
+                      "in fp32 and bf16; nothing is summed)"))
+register(Op("mxfp8_fake_quant", reference=mxfp8_fake_quantize, fast=(),
+            tolerance="bit-exact: the same E8M0 scale and round-to-nearest-even E4M3 cast as the reference"))
+
+
+def mxfp4_fake_quantize_any(w: Tensor, backends: Backends | None = None) -> Tensor:
+    """``mxfp4_fake_quantize`` on the implementation the registry picks (op ``mxfp4_fake_quant``)."""
+    return dispatch("mxfp4_fake_quant", w, backends).fn(w)
+
+
+def mxfp8_fake_quantize_any(x: Tensor, backends: Backends | None = None) -> Tensor:
+    """``mxfp8_fake_quantize`` (32 per scale) on the implementation the registry picks (op ``mxfp8_fake_quant``)."""
+    return dispatch("mxfp8_fake_quant", x, backends).fn(x)

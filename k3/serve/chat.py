@@ -87,8 +87,14 @@ def save_chat_template(directory: str | os.PathLike, template: ChatTemplate | No
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CHAT_TEMPLATE_FILE)
-    atomic_write_text(path, json.dumps(template.to_dict(), indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(path, chat_template_json(template))
     return path
+
+
+def chat_template_json(template: ChatTemplate) -> str:
+    """The text of `chat_template.json` for `template` (what `save_chat_template` writes)."""
+    template.validate()
+    return json.dumps(template.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
 
 def load_chat_template(directory: str | os.PathLike) -> ChatTemplate:

@@ -30,13 +30,15 @@ def checkpoint_path(out: str, step: int) -> str:
 
 
 def save_checkpoint(model, out: str, step: int, trainer_state: tuple[bytes, bytes], tokenizer_json: bytes | None,
-                    keep: int, log=print) -> str:
-    """Write the checkpoint of `step` (the model, `trainer_state` as k3.train.state.dumps gives it, the tokenizer),
-    then `latest.json`, then prune to the `keep` newest. Returns its path."""
+                    keep: int, log=print, extra_files: dict[str, bytes] | None = None) -> str:
+    """Write the checkpoint of `step` (the model, `trainer_state` as k3.train.state.dumps gives it, the tokenizer,
+    `extra_files` such as the chat template), then `latest.json`, then prune to the `keep` newest. Returns its
+    path."""
     ckdir = os.path.join(out, "checkpoints")
     name = checkpoint_name(step)
     path = os.path.join(ckdir, name)
-    extra = dict(zip(TRAINER_STATE_FILES, trainer_state))
+    extra = dict(extra_files or {})
+    extra.update(zip(TRAINER_STATE_FILES, trainer_state))
     if tokenizer_json is not None:
         extra["tokenizer.json"] = tokenizer_json
     save_pretrained(model, path, extra_files=extra)

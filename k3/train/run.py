@@ -186,6 +186,13 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
 
     torch.manual_seed(tcfg.seed)
     model = K3ForCausalLM(cfg, backends=opts.backends).init_weights(seed=tcfg.seed).to(device)
+    if tcfg.qat is not None:
+        if mesh is not None:
+            raise ValueError("--qat trains on one process for now (the quantized experts are not yet wrapped for "
+                             "FSDP2 or expert parallelism); run without torchrun")
+        from k3.posttrain.qat import apply_qat
+
+        apply_qat(model, tcfg.qat)
     loader = PackedLoader(tokens.train, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed,
                           data=tokens.fingerprint)
     tok_json = _tokenizer_json_bytes(tok)
@@ -209,6 +216,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
     log(f"model: {n / 1e6:.2f}M parameters ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {device}"
         f"{', activation checkpointing' if tcfg.activation_checkpointing else ''}"
+        f"{f', QAT {tcfg.qat} (routed experts: MXFP4 weights, MXFP8 inputs)' if tcfg.qat else ''}"
         f"{'' if mesh is None else f', sharded over {mesh.size()} ranks (mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))})'}")
     return trainer
 
@@ -235,6 +243,10 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
     with holding_run_dir(tcfg.out) if first_rank else contextlib.nullcontext():
         trainer = build_run(opts, tcfg, log, progress=progress_bar)
         summary = trainer.fit(progress_bar=progress_bar)
+        if tcfg.qat is not None and first_rank:
+            from k3.posttrain.qat import export_run
+
+            summary["export"] = export_run(trainer, log)
     first, last = summary.get("first_val_loss"), summary.get("last_val_loss")
     msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
     msg += f" ({summary['epochs']:.2f} epochs of the training data)"

@@ -25,7 +25,7 @@ from k3.ops.weight_cast import WeightCasts
 from k3.run_dir import clean_interrupted, holding_run_dir
 from k3.train import state as state_io
 from k3.train.checkpointing import checkpoint_path, load_checkpoint, save_checkpoint
-from k3.train.evaluate import evaluate_loss
+from k3.train.evaluate import evaluate_batches, evaluate_loss
 from k3.train.per_head_muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
 from k3.train.quantile_balance import ExpertBalancer, load_ratios
@@ -72,6 +72,10 @@ class TrainConfig:
     # set_activation_checkpointing): about one extra forward of compute for much less activation memory;
     # needed for long contexts. Same losses and gradients.
     activation_checkpointing: bool = False
+    # Quantization-aware training of the routed experts (k3.posttrain.qat): "mxfp4" (MXFP4 weights, MXFP8 expert
+    # inputs, straight-through gradients) or None. The run's builder applies it to the model; kept here so that a
+    # resumed run trains the same way.
+    qat: str | None = None
 
     def validate(self) -> None:
         def bad(name, allowed):
@@ -97,6 +101,8 @@ class TrainConfig:
             bad("micro_batch_rows", "must be >= 1")
         if not isinstance(self.activation_checkpointing, bool):
             bad("activation_checkpointing", "must be True or False")
+        if self.qat not in (None, "mxfp4"):
+            bad("qat", "must be mxfp4 or none")
         if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
             bad("keep_checkpoints", "must be an integer >= 1")
 
@@ -122,10 +128,13 @@ class StepMetrics:
 
 class Trainer:
     def __init__(self, model: K3ForCausalLM, tcfg: TrainConfig, train_loader, eval_stream=None, eos_id: int = 0,
-                 tokenizer_json: bytes | None = None, log=print):
+                 tokenizer_json: bytes | None = None, log=print, extra_files: dict[str, bytes] | None = None):
+        """`eval_stream`: the held-out token stream (windows of seq_len), or a list of labelled batches (SFT rows);
+        `extra_files`: written into every checkpoint beside the tokenizer (e.g. the chat template)."""
         tcfg.validate()
         self.model, self.cfg, self.loader = model, tcfg, train_loader
         self.eval_stream, self.eos_id, self.tokenizer_json, self.log = eval_stream, eos_id, tokenizer_json, log
+        self.extra_files = dict(extra_files or {})
         self.device = torch.device(tcfg.device)
         self.optimizer = PerHeadMuon(muon_param_groups(model), lr=tcfg.lr, weight_decay=tcfg.weight_decay,
                                      backends=model.backends)
@@ -363,6 +372,8 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.eval_stream is None:
             return None
+        if isinstance(self.eval_stream, list):
+            return evaluate_batches(self.model, self.eval_stream, self.device, autocast_bf16=self.cfg.autocast_bf16)
         return evaluate_loss(self.model, self.eval_stream, self.cfg.seq_len, self.eos_id, self.cfg.eval_batches,
                              rows=max(1, min(self.cfg.rows_per_step, 16)), device=self.device,
                              autocast_bf16=self.cfg.autocast_bf16)
@@ -393,7 +404,7 @@ class Trainer:
             return path  # e.g. the final save right after a periodic one: rewriting it would only add risk
         state = state_io.dumps(self.state_dict())
         save_checkpoint(self.model, self.cfg.out, self.step, state, tokenizer_json=self.tokenizer_json,
-                        keep=self.cfg.keep_checkpoints, log=self.log)
+                        keep=self.cfg.keep_checkpoints, log=self.log, extra_files=self.extra_files)
         self._saved_step = self.step
         return path
 

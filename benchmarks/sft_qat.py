@@ -1,0 +1,189 @@
+"""SFT and MXFP4 QAT on the docstring-to-code task (report §4.1.1, §4.1.4): held-out reply loss and compile rate.
+
+    python benchmarks/sft_qat.py --work runs/sft_qat                         # CPU, tiny, a few minutes
+    python benchmarks/sft_qat.py --work runs/sft_qat --preset k3-mini --pretrain-steps 2000 --sft-steps 300 \
+        --seq-len 2048 --batch-tokens 65536 --records 20000 --generate 200   # one H200
+    python benchmarks/sft_qat.py --work DIR --base CKPT ...                   # start from an existing checkpoint
+
+Steps (every model a checkpoint under --work):
+  1. data: `k3 data sft-from-source` on the standard library (held out by file), capped at --records training and
+     --heldout held-out conversations;
+  2. base: `k3 train` of --preset on the standard library for --pretrain-steps (unless --base);
+  3. SFT: `k3 sft` of the base on the training conversations, unquantized, for --sft-steps;
+  4. SFT + QAT: the same run with --qat mxfp4 (MXFP4 expert weights, MXFP8 expert inputs throughout), exported;
+  5. SFT + PTQ: `k3 quantize` of the SFT checkpoint (MXFP4 weights, MXFP8 expert inputs);
+then for base, SFT, SFT+PTQ and SFT+QAT: the held-out loss over the assistant's tokens (nats/token) and, for
+--generate held-out prompts, the fraction of greedy completions (up to --max-new-tokens, cut at the template's
+stop strings) that `compile()`. `qat_recovery` = (PTQ loss - QAT loss) / (PTQ loss - SFT loss): the share of the
+loss that PTQ loses which QAT wins back (the issue's goal: >= 2/3). Prints one JSON object (also --out FILE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _log(msg: str) -> None:
+    print(f"[sft_qat {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_data(work: str, records: int, heldout: int) -> tuple[str, str]:
+    from k3.data.sft_from_source import sft_from_source, write_jsonl
+
+    train_path, held_path = os.path.join(work, "train.jsonl"), os.path.join(work, "heldout.jsonl")
+    if not (os.path.isfile(train_path) and os.path.isfile(held_path)):
+        train, held, st = sft_from_source([], max_records=records, max_heldout=heldout)
+        write_jsonl(train, train_path)
+        write_jsonl(held, held_path)
+        _log(f"data: {st.train} training, {st.heldout} held-out conversations ({st.files} files)")
+    return train_path, held_path
+
+
+def _tcfg(out: str, steps: int, args, **kw):
+    from k3.train.trainer import TrainConfig
+
+    return TrainConfig(out=out, max_steps=steps, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
+                       lr=kw.pop("lr", args.sft_lr), eval_every=max(steps, 1), eval_batches=8,
+                       save_every_minutes=1e9, seed=args.seed, **kw)
+
+
+def pretrain(work: str, args) -> str:
+    from k3.run_dir import latest_checkpoint
+    from k3.serve.chat import save_chat_template
+    from k3.train.run import RunOptions, run_training
+
+    out = os.path.join(work, "base")
+    if latest_checkpoint(out) is None:
+        run_training(RunOptions(preset=args.preset, device=args.device, max_corpus_mb=args.corpus_mb,
+                                vocab_size=args.vocab_size),
+                     _tcfg(out, args.pretrain_steps, args, lr=args.pretrain_lr), progress_bar=False, log=_log)
+    ck = latest_checkpoint(out)
+    save_chat_template(ck)  # the default template, written as `k3 init` does
+    return ck
+
+
+def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str | None) -> str:
+    from k3.posttrain.sft import SFTOptions, run_sft
+    from k3.run_dir import latest_checkpoint
+
+    out = os.path.join(work, name)
+    if latest_checkpoint(out) is None:
+        run_sft(SFTOptions(ckpt=base, data=[train], heldout=[held], device=args.device),
+                _tcfg(out, args.sft_steps, args, qat=qat), progress_bar=False, log=_log)
+    return os.path.join(out, "mxfp4") if qat else latest_checkpoint(out)
+
+
+def heldout_loss(ckpt: str, held: str, args) -> float:
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.devices import pick_device
+    from k3.posttrain.sft import load_chat_data
+    from k3.serve.chat import load_chat_template
+    from k3.train.evaluate import evaluate_batches
+
+    dev = pick_device(args.device)
+    model = from_pretrained(ckpt, dtype=torch.float32, device=dev)
+    tok = load_any_tokenizer(ckpt)
+    packed = load_chat_data([held], tok, load_chat_template(ckpt), args.seq_len, False, "held-out",
+                            log=lambda *a: None)
+    return evaluate_batches(model, packed.eval_batches(8), dev, autocast_bf16=dev.type == "cuda")
+
+
+def compile_rate(ckpt: str, held: str, args) -> float:
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.devices import pick_device
+    from k3.posttrain.chat_data import read_chat_jsonl
+    from k3.serve.chat import load_chat_template, render_chat
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    if args.generate == 0:
+        return float("nan")
+    dev = pick_device(args.device)
+    model = from_pretrained(ckpt, device=dev)
+    tok = load_any_tokenizer(ckpt)
+    template = load_chat_template(ckpt)
+    recs, _ = read_chat_jsonl(held)
+    recs = recs[: args.generate]
+    engine = LLMEngine(model, tok, EngineConfig(cache_memory_mb=args.cache_mb))
+    prompts = [tok.encode(render_chat(r.messages[:-1], template)) for r in recs]
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, stop=list(template.stop))
+    ok = 0
+    for seq in engine.generate(prompts, params):
+        text = tok.decode(seq.output_ids)
+        for s in template.stop:
+            text = text.split(s)[0]
+        try:
+            compile(text, "<generated>", "exec", dont_inherit=True)
+            ok += 1
+        except (SyntaxError, ValueError):
+            pass
+    return ok / len(recs)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", required=True, help="directory for the data and every checkpoint (reused if present)")
+    p.add_argument("--base", help="an existing base checkpoint (skips pre-training)")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--corpus-mb", type=float, default=8.0, help="pre-training text (standard library), MB")
+    p.add_argument("--pretrain-steps", type=int, default=120)
+    p.add_argument("--pretrain-lr", type=float, default=3e-3)
+    p.add_argument("--sft-steps", type=int, default=40)
+    p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--records", type=int, default=3000, help="training conversations")
+    p.add_argument("--heldout", type=int, default=150, help="held-out conversations")
+    p.add_argument("--generate", type=int, default=40, help="held-out prompts completed for the compile rate")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--cache-mb", type=float, default=512.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+
+    os.makedirs(args.work, exist_ok=True)
+    t0 = time.perf_counter()
+    train, held = make_data(args.work, args.records, args.heldout)
+    base = args.base or pretrain(args.work, args)
+    sft_ck = sft(args.work, "sft", base, train, held, args, None)
+    qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
+    ptq_ck = os.path.join(args.work, "sft_ptq")
+    if not os.path.isdir(ptq_ck):
+        from k3.posttrain.qat import quantize_checkpoint
+
+        quantize_checkpoint(sft_ck, ptq_ck)
+    models = {"base": base, "sft": sft_ck, "sft_ptq_mxfp4": ptq_ck, "sft_qat_mxfp4": qat_ck}
+    res = {"preset": args.preset, "sft_steps": args.sft_steps, "seq_len": args.seq_len,
+           "batch_tokens": args.batch_tokens, "heldout_reply_loss": {}, "compile_rate": {}}
+    for name, ck in models.items():
+        res["heldout_reply_loss"][name] = round(heldout_loss(ck, held, args), 4)
+        res["compile_rate"][name] = round(compile_rate(ck, held, args), 3)
+        _log(f"{name}: loss {res['heldout_reply_loss'][name]}, compile rate {res['compile_rate'][name]}")
+    loss = res["heldout_reply_loss"]
+    lost = loss["sft_ptq_mxfp4"] - loss["sft"]
+    res["ptq_loss_increase"] = round(lost, 4)
+    res["qat_loss_increase"] = round(loss["sft_qat_mxfp4"] - loss["sft"], 4)
+    res["qat_recovery"] = round((loss["sft_ptq_mxfp4"] - loss["sft_qat_mxfp4"]) / lost, 3) if lost > 0 else None
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Routed experts computed in the MX formats of deployment (report §4.1.4): MXFP4 weights, MXFP8 inputs.
+
+K3 is served with its routed experts' weights in MXFP4 (E2M1 values, one E8M0 scale per 32) and the inputs of
+the experts' GEMMs in MXFP8 (E4M3, one scale per 32 along the contraction dimension); attention, the latent
+projections, the shared experts and the router stay in high precision. `MXExperts` is a `GroupedExperts` that
+computes the same SiTU-GLU experts with
+
+* its weights fake-quantized to MXFP4 in every forward (`weights="mxfp4"`: quantization-aware training, with a
+  straight-through gradient into the high-precision master weights), or taken as they are (`weights=None`: a
+  loaded MXFP4 checkpoint, whose decoded weights are already exactly representable);
+* the input of each expert GEMM fake-quantized to MXFP8 (`activations="mxfp8"`): the latent z before w1 and w3,
+  the SiTU-GLU output before w2, each per token in blocks of 32 along the contracted dimension, as an MX GEMM
+  reads them; straight-through in backward.
+
+Every rounding is the exact encoder of k3.ops.mx, so a QAT training forward and the served MXFP4 checkpoint
+compute the same values. `quantize_experts(model, ...)` wraps every LatentMoE's experts from outside; the
+parameters are the same tensors under the same names, so checkpoints, the optimizer's per-expert rule and
+weight casts see the model unchanged.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from k3.model.latent_moe import GroupedExperts, LatentMoE
+from k3.ops.moe import Routing, moe_experts_any
+from k3.ops.mx import MX_BLOCK, mxfp4_fake_quantize_any, mxfp8_fake_quantize_any
+
+WEIGHT_FORMATS = (None, "mxfp4")
+ACTIVATION_FORMATS = (None, "mxfp8")
+
+
+class MXExperts(GroupedExperts):
+    """The routed experts of `experts` (the same parameters) computed with MX weights and/or activations."""
+
+    def __init__(self, experts: GroupedExperts, weights: str | None = "mxfp4", activations: str | None = "mxfp8"):
+        nn.Module.__init__(self)  # not GroupedExperts': the parameters are the given module's own
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights={weights!r} is invalid: use one of {WEIGHT_FORMATS}")
+        if activations not in ACTIVATION_FORMATS:
+            raise ValueError(f"activations={activations!r} is invalid: use one of {ACTIVATION_FORMATS}")
+        E, F, L = experts.w1.shape
+        if L % MX_BLOCK or F % MX_BLOCK:
+            raise ValueError(f"MX experts need the latent width ({L}) and the expert width ({F}) to be multiples of "
+                             f"{MX_BLOCK} (one scale per {MX_BLOCK} along each GEMM's contracted dimension)")
+        self.w1, self.w3, self.w2 = experts.w1, experts.w3, experts.w2
+        self.beta1, self.beta2 = experts.beta1, experts.beta2
+        self.backends = experts.backends
+        self.weight_casts = experts.weight_casts
+        self.weights, self.activations = weights, activations
+
+    def _act_in(self, x):
+        return mxfp8_fake_quantize_any(x, self.backends) if self.activations == "mxfp8" else x
+
+    def forward(self, z, routing: Routing):
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if self.weights == "mxfp4":
+            # Blocks of 32 along the last dim: the input dim of [out, in] ([E, F, L] and [E, L, F]), as on disk.
+            w1, w3, w2 = (mxfp4_fake_quantize_any(w, self.backends) for w in (w1, w3, w2))
+        dt = z.dtype
+        z = self._act_in(z)
+        # The hidden is cast to the GEMM dtype, then rounded: what the w2 GEMM reads.
+        act = lambda g, u: self._act_in(self.act(g, u).to(dt))  # noqa: E731
+        act_fused = lambda g, u: self._act_in(self.act_fused(g, u).to(dt))  # noqa: E731
+        act13 = lambda h: self._act_in(self.act_fused13(h).to(dt))  # noqa: E731
+        return moe_experts_any(z, routing.weights, routing.indices, w1, w3, w2, act, act_fused, act13,
+                               backends=self.backends, casts=self.weight_casts)
+
+    def extra_repr(self) -> str:
+        return f"weights={self.weights}, activations={self.activations}"
+
+
+def quantize_experts(model: nn.Module, weights: str | None = "mxfp4", activations: str | None = "mxfp8") -> nn.Module:
+    """Make every LatentMoE of `model` (backbone and MTP) compute its routed experts in the given formats; both
+    None restores plain `GroupedExperts`. Nothing else changes: the experts' parameters stay the same tensors,
+    every other module is untouched. Returns `model`."""
+    for m in model.modules():
+        if not isinstance(m, LatentMoE):
+            continue
+        ex = m.experts
+        if type(ex) not in (GroupedExperts, MXExperts):
+            raise ValueError(f"cannot quantize {type(ex).__name__} experts (apply quantization before parallelizing)")
+        if weights is None and activations is None:
+            plain = GroupedExperts.__new__(GroupedExperts)
+            nn.Module.__init__(plain)
+            plain.w1, plain.w3, plain.w2 = ex.w1, ex.w3, ex.w2
+            plain.beta1, plain.beta2, plain.backends = ex.beta1, ex.beta2, ex.backends
+            plain.weight_casts = ex.weight_casts
+            m.experts = plain
+        else:
+            m.experts = MXExperts(ex, weights, activations)
+    return model
+
+
+def expert_formats(model: nn.Module) -> tuple[str | None, str | None]:
+    """(weights, activations) of the model's routed experts; (None, None) when they are plain."""
+    for m in model.modules():
+        if isinstance(m, MXExperts):
+            return m.weights, m.activations
+    return None, None

@@ -1,0 +1,104 @@
+"""The post-training commands: `k3 sft`, `k3 quantize`, `k3 data sft-from-source` (registered by k3.cli)."""
+
+from __future__ import annotations
+
+import sys
+
+from k3 import cli
+
+
+def cmd_sft(args) -> int:
+    from k3.devices import pick_device
+    from k3.posttrain.sft import CPU_DEFAULTS, GPU_DEFAULTS, SFTOptions, run_sft
+    from k3.train.trainer import TrainingError
+
+    device = pick_device(args.device)
+    tcfg = cli._train_config(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
+    if args.ckpt is None and not args.resume:
+        raise SystemExit("k3 sft: --ckpt is required (the checkpoint to fine-tune), unless --resume")
+    opts = SFTOptions(ckpt=None if args.ckpt is None else cli._resolve_ckpt(args.ckpt), data=args.data or [],
+                      heldout=args.heldout or [], resume=args.resume, device=str(device),
+                      backends=cli._backends(args.backend, device), verify=args.verify,
+                      skip_bad_records=args.skip_bad_records)
+    try:
+        summary = run_sft(opts, tcfg, progress_bar=not args.no_progress)
+    except TrainingError as e:
+        print(f"k3 sft: {e}", file=sys.stderr)
+        return 3
+    if summary.get("signal") == "SIGTERM":
+        return 143
+    return 130 if summary.get("interrupted") else 0
+
+
+def cmd_quantize(args) -> int:
+    import torch
+
+    from k3.posttrain.qat import quantize_checkpoint
+
+    dtype = {None: None, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    src = cli._resolve_ckpt(args.ckpt)
+    quantize_checkpoint(src, args.out, fmt=args.format, activations=None if args.activations == "none" else
+                        args.activations, dtype=dtype, verify=args.verify)
+    print(f"wrote {args.out}: {src} with its routed experts in MXFP4 (weight_packed / weight_scale)"
+          f"{', expert inputs MXFP8' if args.activations != 'none' else ''}")
+    return 0
+
+
+def cmd_data_sft_from_source(args) -> int:
+    from k3.data.sft_from_source import sft_from_source, write_jsonl
+
+    if args.heldout_fraction > 0 and args.heldout is None:
+        raise SystemExit("k3 data sft-from-source: give --heldout FILE.jsonl for the held-out files' conversations "
+                         "(or --heldout-fraction 0)")
+    train, held, st = sft_from_source(args.paths, heldout_fraction=args.heldout_fraction, max_chars=args.max_chars,
+                                      max_records=args.max_records, max_heldout=args.max_heldout)
+    write_jsonl(train, args.out)
+    if args.heldout is not None:
+        write_jsonl(held, args.heldout)
+    print(f"{st.files} files ({st.heldout_files} held out, {st.unparsable_files} unreadable or unparsable): "
+          f"{st.functions} functions with a docstring; left out {st.too_long} longer than {args.max_chars} chars, "
+          f"{st.not_standalone} that do not compile alone, {st.leaked} held-out duplicates of training code; "
+          f"wrote {st.train} conversations to {args.out}"
+          + (f" and {st.heldout} to {args.heldout}" if args.heldout is not None else ""))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser("sft", help="supervised fine-tuning of a checkpoint on chat data (loss on the assistant's "
+                       "tokens), optionally with MXFP4 QAT")
+    s.add_argument("--ckpt", help="the checkpoint to fine-tune (or a run directory: its latest checkpoint)")
+    s.add_argument("--data", action="append", required=True,
+                   help="chat .jsonl: one {\"messages\": [{\"role\": ..., \"content\": ...}, ...]} per line (repeatable)")
+    s.add_argument("--heldout", action="append", help="held-out chat .jsonl for the held-out reply loss (repeatable)")
+    s.add_argument("--out", default="runs/sft", help="run directory (checkpoints, metrics.jsonl, loss.png)")
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    s.add_argument("--skip-bad-records", action="store_true",
+                   help="skip bad records (counted and listed in the log) instead of stopping at the first")
+    cli._add_trainer_flags(s)
+    s.set_defaults(fn=cmd_sft)
+
+    s = sub.add_parser("quantize", help="post-training quantization: write a checkpoint with its routed experts in "
+                       "MXFP4 (the official layout)")
+    s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--format", choices=["mxfp4"], default="mxfp4")
+    s.add_argument("--activations", choices=["mxfp8", "none"], default="mxfp8",
+                   help="the expert inputs at inference: mxfp8 (as K3 is deployed and QAT trains) or none (the "
+                        "release's config: high-precision inputs)")
+    s.add_argument("--dtype", choices=["bfloat16", "float32"], help="dtype of the other tensors (default: the source's)")
+    s.add_argument("--no-verify", dest="verify", action="store_false", help=cli.VERIFY_HELP)
+    s.set_defaults(fn=cmd_quantize)
+
+    s = sub.add_parser("data", help="make training data")
+    dsub = s.add_subparsers(dest="data_command", required=True)
+    d = dsub.add_parser("sft-from-source", help="docstring-to-code conversations from Python sources (the user gives "
+                        "a function's signature and docstring, the assistant writes the function)")
+    d.add_argument("paths", nargs="*", help=".py files or directories (default: the Python standard library)")
+    d.add_argument("--out", required=True, help="training conversations (.jsonl)")
+    d.add_argument("--heldout", help="held-out conversations (.jsonl): the functions of the held-out files")
+    d.add_argument("--heldout-fraction", type=float, default=0.05,
+                   help="fraction of files held out, by a stable hash of their relative path (default 0.05)")
+    d.add_argument("--max-chars", type=cli._positive_int, default=1500, help="longest function kept, in characters")
+    d.add_argument("--max-records", type=cli._positive_int, help="keep at most this many training conversations")
+    d.add_argument("--max-heldout", type=cli._positive_int, help="keep at most this many held-out conversations")
+    d.set_defaults(fn=cmd_data_sft_from_source)
