@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
     ptq_ck = os.path.join(args.work, "sft_ptq")
     if not os.path.isdir(ptq_ck):
-        from k3.posttrain.qat import quantize_checkpoint
+        from k3.train.qat import quantize_checkpoint
 
         quantize_checkpoint(sft_ck, ptq_ck)
     models = {"base": base, "sft": sft_ck, "sft_ptq_mxfp4": ptq_ck, "sft_qat_mxfp4": qat_ck}

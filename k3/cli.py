@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+from k3.cli_args import (BACKEND_HELP, TRAIN_FLAGS, VERIFY_HELP, _add_trainer_flags, _backends,  # noqa: F401
+                         _positive_float, _positive_int, _resolve_ckpt, _saved_train_config, _train_config)
+
 
 def _config_from_arg(spec: str):
     from k3.config import PRESETS, K3Config
@@ -15,26 +18,6 @@ def _config_from_arg(spec: str):
     if os.path.exists(spec):
         return spec, K3Config.load(spec)
     raise SystemExit(f"k3: '{spec}' is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
-
-
-BACKEND_HELP = ("which implementation runs the ops that have a GPU fast path: auto (each op's fast backend on CUDA "
-                "once validated, else the PyTorch reference), fast (every fast backend, validated or not; needs "
-                "CUDA) or torch (the reference everywhere). An op pinned by its K3_<OP>_BACKEND variable keeps it")
-
-
-VERIFY_HELP = ("load the checkpoint without checking its shards against the SHA-256 digests its index records "
-               "(checkpoints without digests, such as the release, are never checked)")
-
-
-def _backends(choice: str, device):
-    """The ops' implementations for this run (k3.ops.registry.Backends): --backend for every op, each op pinned by
-    its K3_<OP>_BACKEND variable keeping its own, and the ops' options from their variables
-    (k3.ops.registry.backends_from_env lists them)."""
-    from k3.ops.registry import backends_from_env
-
-    if choice == "fast" and device.type != "cuda":
-        raise SystemExit(f"k3: --backend fast needs a CUDA device (this run is on {device.type}); use auto or torch")
-    return backends_from_env(os.environ, default=choice)
 
 
 _CUDA_GRAPHS = {"auto": True, "on": True, "1": True, "off": False, "0": False, "eager": "eager"}
@@ -111,51 +94,6 @@ def _init_tokenizer(kind: str, vocab_size: int):
             return train_bpe((d.text for d in train), vocab_size, max_train_bytes=None)
         print(f"k3 init: cannot train a BPE on the standard library ({why}); writing the byte tokenizer")
     return K3Tokenizer(byte_level_tokenizer(vocab_size))
-
-
-TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows",
-               "balance", "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
-               "activation_checkpointing", "qat"]
-
-
-def _saved_train_config(ck: str) -> dict:
-    """The training settings a checkpoint was saved with (its trainer_state.json), for --resume."""
-    import json
-
-    from k3.checkpoint import CheckpointError
-    from k3.train.state import unflatten
-
-    path = os.path.join(ck, "trainer_state.json")
-    try:
-        with open(path, "rb") as f:
-            saved = unflatten(None, json.loads(f.read().decode("utf-8")))["train_config"]
-        if not isinstance(saved, dict):
-            raise TypeError(f"train_config is a {type(saved).__name__}, not an object")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e}); the checkpoint is damaged") from None
-    return saved
-
-
-def _train_config(args, defaults: dict):
-    """The TrainConfig of `k3 train` / `k3 sft`: a resumed run's own settings (else `defaults`), then the flags."""
-    from k3.run_dir import latest_checkpoint
-    from k3.train.trainer import TrainConfig
-
-    fields = {"out": args.out}
-    if args.resume:
-        ck = latest_checkpoint(args.out)
-        if ck is not None:  # continue with the run's own settings unless a flag overrides them
-            saved = _saved_train_config(ck)
-            fields.update({k: v for k, v in saved.items() if k in TRAIN_FLAGS})
-    else:
-        fields.update(seq_len=defaults["seq_len"], batch_tokens=defaults["batch_tokens"], lr=defaults["lr"],
-                      micro_batch_rows=defaults["micro_batch_rows"])
-    fields.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
-    if fields.get("qat") == "none":
-        fields["qat"] = None
-    if fields.get("max_steps") is None and fields.get("max_minutes") is None and fields.get("epochs") is None:
-        fields["max_minutes"] = 10.0
-    return TrainConfig(**fields)
 
 
 def cmd_train(args) -> int:
@@ -240,16 +178,6 @@ def _load_for_inference(ckpt: str, device: str, verify: bool = True):
     return model, tok, dev
 
 
-def _resolve_ckpt(path: str) -> str:
-    from k3.run_dir import latest_checkpoint
-
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-        ck = latest_checkpoint(path)
-        if ck is not None:
-            return ck  # a run directory: use its latest checkpoint
-    return path
-
-
 def cmd_eval(args) -> int:
     import math
 
@@ -296,38 +224,6 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     del seq
     return 0
-
-
-def _add_trainer_flags(s) -> None:
-    """The Trainer's flags, shared by `k3 train` and `k3 sft`."""
-    s.add_argument("--max-steps", type=_positive_int)
-    s.add_argument("--max-minutes", type=_positive_float,
-                   help="training-time budget (default 10 when neither --max-steps nor --epochs is given)")
-    s.add_argument("--epochs", type=_positive_float, help="passes over the training data (may be fractional); with "
-                   "--max-steps / --max-minutes the first budget reached ends the run")
-    s.add_argument("--seq-len", type=_positive_int)
-    s.add_argument("--batch-tokens", type=_positive_int, help="tokens per optimizer step")
-    s.add_argument("--micro-batch-rows", type=_positive_int, help="rows per forward/backward (gradient accumulation)")
-    s.add_argument("--lr", type=_positive_float, help="peak learning rate (Muon and AdamW)")
-    s.add_argument("--seed", type=int)
-    s.add_argument("--balance", choices=["histogram", "exact", "sign", "none"], help="expert load balancing (default histogram)")
-    s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
-    s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
-    s.add_argument("--grad-clip", type=_positive_float)
-    s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50)")
-    s.add_argument("--save-every-minutes", type=_positive_float)
-    s.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute each sublayer in backward instead of storing its activations: trades ~1 extra "
-                        "forward of compute for much less activation memory; needed for long contexts "
-                        "(default off; --resume keeps the run's setting)")
-    s.add_argument("--qat", choices=["mxfp4", "none"], help="quantization-aware training of the routed experts: "
-                   "mxfp4 = MXFP4 weights and MXFP8 expert inputs in the forward, straight-through gradients "
-                   "(report §4.1.4); the run's checkpoints keep the fp32 weights and OUT/mxfp4 gets the MXFP4 export "
-                   "(default none; --resume keeps the run's setting)")
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -417,25 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kernel_reward(sub)
     return p
-
-
-def _positive(kind):
-    """argparse type: a positive int or float, with a message naming what was expected."""
-    word = "integer" if kind is int else "number"
-
-    def parse(s: str):
-        try:
-            v = kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {word}, got {s!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {word}, got {v}")
-        return v
-
-    return parse
-
-
-_positive_int, _positive_float = _positive(int), _positive(float)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from k3 import cli
+from k3 import cli_args as cli
 
 
 def cmd_sft(args) -> int:
@@ -33,7 +33,7 @@ def cmd_sft(args) -> int:
 def cmd_quantize(args) -> int:
     import torch
 
-    from k3.posttrain.qat import quantize_checkpoint
+    from k3.train.qat import quantize_checkpoint
 
     dtype = {None: None, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     src = cli._resolve_ckpt(args.ckpt)

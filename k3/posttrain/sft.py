@@ -5,7 +5,7 @@ checkpoints, bit-exact resume); only the data differ: packed conversations whose
 tokens (k3.posttrain.chat_data), rendered with the checkpoint's chat template, and a held-out loss over the
 replies of held-out conversations. The run's checkpoints hold the fp32 master weights (with the tokenizer and the
 chat template, so `k3 serve` of one of them talks the same template); a QAT run also writes its MXFP4 deployment
-checkpoint to `OUT/mxfp4` at the end (k3.posttrain.qat).
+checkpoint to `OUT/mxfp4` at the end (k3.train.qat).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def build_sft_run(opts: SFTOptions, tcfg: TrainConfig, log=print) -> Trainer:
         if held.num_rows:
             heldout = held.eval_batches(max(1, min(tcfg.rows_per_step, 16)))[: tcfg.eval_batches]
     if tcfg.qat is not None:
-        from k3.posttrain.qat import apply_qat
+        from k3.train.qat import apply_qat
 
         apply_qat(model, tcfg.qat)
     torch.manual_seed(tcfg.seed)
@@ -132,7 +132,7 @@ def run_sft(opts: SFTOptions, tcfg: TrainConfig, progress_bar: bool = True, log=
         trainer = build_sft_run(opts, tcfg, log)
         summary = trainer.fit(progress_bar=progress_bar)
         if tcfg.qat is not None:
-            from k3.posttrain.qat import export_run
+            from k3.train.qat import export_run
 
             summary["export"] = export_run(trainer, log)
     first, last = summary.get("first_val_loss"), summary.get("last_val_loss")

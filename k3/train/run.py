@@ -190,7 +190,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
         if mesh is not None:
             raise ValueError("--qat trains on one process for now (the quantized experts are not yet wrapped for "
                              "FSDP2 or expert parallelism); run without torchrun")
-        from k3.posttrain.qat import apply_qat
+        from k3.train.qat import apply_qat
 
         apply_qat(model, tcfg.qat)
     loader = PackedLoader(tokens.train, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed,
@@ -244,7 +244,7 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
         trainer = build_run(opts, tcfg, log, progress=progress_bar)
         summary = trainer.fit(progress_bar=progress_bar)
         if tcfg.qat is not None and first_rank:
-            from k3.posttrain.qat import export_run
+            from k3.train.qat import export_run
 
             summary["export"] = export_run(trainer, log)
     first, last = summary.get("first_val_loss"), summary.get("last_val_loss")

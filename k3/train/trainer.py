@@ -72,7 +72,7 @@ class TrainConfig:
     # set_activation_checkpointing): about one extra forward of compute for much less activation memory;
     # needed for long contexts. Same losses and gradients.
     activation_checkpointing: bool = False
-    # Quantization-aware training of the routed experts (k3.posttrain.qat): "mxfp4" (MXFP4 weights, MXFP8 expert
+    # Quantization-aware training of the routed experts (k3.train.qat): "mxfp4" (MXFP4 weights, MXFP8 expert
     # inputs, straight-through gradients) or None. The run's builder applies it to the model; kept here so that a
     # resumed run trains the same way.
     qat: str | None = None

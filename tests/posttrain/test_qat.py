@@ -22,7 +22,7 @@ from k3.model.model import K3ForCausalLM
 from k3.model.mx_experts import MXExperts, expert_formats, quantize_experts
 from k3.ops.moe import moe_experts
 from k3.ops.mx import (mxfp4_dequantize, mxfp4_fake_quantize_any, mxfp4_quantize, mxfp8_fake_quantize_any)
-from k3.posttrain.qat import apply_qat, quantize_checkpoint, save_mxfp4
+from k3.train.qat import apply_qat, quantize_checkpoint, save_mxfp4
 
 TOL_ENGINE = 1e-4
 

@@ -216,7 +216,7 @@ def test_cli_sft_with_qat_exports_a_servable_mxfp4_checkpoint(tmp_path, base, ca
     from k3.checkpoint import from_pretrained
     from k3.cli import main
     from k3.model.mx_experts import expert_formats
-    from k3.posttrain.qat import apply_qat
+    from k3.train.qat import apply_qat
 
     data = _write_jsonl(tmp_path / "train.jsonl", _conversations(30))
     bad = tmp_path / "bad.jsonl"
