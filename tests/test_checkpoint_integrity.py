@@ -252,8 +252,8 @@ def test_a_flipped_byte_is_refused_naming_the_shard_and_no_verify_loads_it(tmp_p
 
     data = tmp_path / "data"
     data.mkdir()
-    for name in ("a.txt", "b.txt"):  # two documents: one is held out for the evaluation
-        (data / name).write_text("hello world, " * 400)
+    for name, text in (("a.txt", "hello world, "), ("b.txt", "goodbye moon, ")):  # one is held out for the eval
+        (data / name).write_text(text * 400)  # distinct texts: identical documents are dropped as duplicates
     common = ["eval", "--ckpt", str(tmp_path / "ck"), "--data", str(data), "--seq-len", "32", "--device", "cpu"]
     rc, err = _cli_error(capsys, common)
     assert rc == 2 and len(err) == 1 and victim in err[0] and err[0].startswith("k3 eval: "), err
