@@ -7,7 +7,8 @@ import os
 import sys
 
 from k3.cli_args import (BACKEND_HELP, TRAIN_FLAGS, VERIFY_HELP, _add_trainer_flags, _backends,  # noqa: F401
-                         _positive_float, _positive_int, _resolve_ckpt, _saved_train_config, _train_config)
+                         _positive_float, _positive_int, _resolve_ckpt, _saved_train_config, _train_config,
+                         exit_code)
 
 
 def _config_from_arg(spec: str):
@@ -127,9 +128,7 @@ def cmd_train(args) -> int:
     except TrainingError as e:
         print(f"k3 train: {e}", file=sys.stderr)
         return 3
-    if summary.get("signal") == "SIGTERM":
-        return 143  # 128 + SIGTERM, what a process killed by the signal reports: supervisors expect it
-    return 130 if summary.get("interrupted") else 0
+    return exit_code(summary)
 
 
 def torch_device_for_rank(local_rank: int):

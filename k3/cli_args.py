@@ -131,3 +131,11 @@ def _positive(kind):
 
 
 _positive_int, _positive_float = _positive(int), _positive(float)
+
+
+def exit_code(summary: dict) -> int:
+    """The exit status of a finished training command: 143 (128 + SIGTERM, what a process killed by the signal
+    reports: supervisors expect it) when a SIGTERM stopped it, 130 when it was interrupted, else 0."""
+    if summary.get("signal") == "SIGTERM":
+        return 143
+    return 130 if summary.get("interrupted") else 0

@@ -25,9 +25,7 @@ def cmd_sft(args) -> int:
     except TrainingError as e:
         print(f"k3 sft: {e}", file=sys.stderr)
         return 3
-    if summary.get("signal") == "SIGTERM":
-        return 143
-    return 130 if summary.get("interrupted") else 0
+    return cli.exit_code(summary)
 
 
 def cmd_quantize(args) -> int:

@@ -3,57 +3,17 @@ L2 norms and beta's sigmoid, then T steps of S_t = (I - beta_t k_t k_t^T) Diag(a
 o_t = S_t^T (q_t / sqrt(K)), from a given initial state; returns every o_t and the final state. Any exact
 reformulation (chunkwise, as fla's chunk_kda and k3's torch op do) is allowed."""
 
-import math
-
 import torch
 
-from k3.kernel_reward.task import Task, Tolerance, generator, randn
+from k3.kernel_reward.task import Task, Tolerance
+# the inputs, the fp64 recurrence and the two implementations are the decode task's, with T tokens per sequence
+from k3.kernel_reward.tasks.kda_decode import make, reference
 
 CHUNK = 64  # the chunk length the FLOP count assumes (fla's and k3's)
 SIGNATURE = ("kernel(q, k, v, z: bf16 [B, T, H, K], beta_logits: bf16 [B, T, H], A_log: fp32 [H], dt_bias: fp32 "
              "[H*K], state: fp32 [B, H, K, K]) -> (o: bf16 [B, T, H, K], final_state: fp32 [B, H, K, K]); the gate "
              "g = -5 sigmoid(exp(A_log) (z + dt_bias)), q and k L2-normalized, beta = sigmoid(beta_logits); the "
              "initial state is read-only")
-LOWER_BOUND = -5.0
-SCALE = {"normal": 1.0, "large": 1e3, "small": 1e-3}  # on q, k, v, z: the norms and the gate's sigmoid saturate
-
-
-def make(shape, seed, magnitude, device):
-    g = generator(seed, device)
-    B, T, H, K = shape["B"], shape["T"], shape["H"], shape["K"]
-    s = SCALE[magnitude]
-    q, k, v = (randn(g, B, T, H, K, device=device, dtype=torch.bfloat16, scale=s) for _ in range(3))
-    z = randn(g, B, T, H, K, device=device, dtype=torch.bfloat16, scale=min(s, 10.0))
-    beta_logits = randn(g, B, T, H, device=device, dtype=torch.bfloat16)
-    A_log = torch.rand(H, generator=g, device=device) * math.log(16.0)
-    dt_bias = randn(g, H * K, device=device, scale=0.5)
-    state = randn(g, B, H, K, K, device=device, scale=0.1)
-    return q, k, v, z, beta_logits, A_log, dt_bias, state
-
-
-def reference(q, k, v, z, beta_logits, A_log, dt_bias, state):
-    from k3.ops.kda_naive import kda_recurrent_naive
-
-    return kda_recurrent_naive(q, k, v, z, beta_logits, A_log, dt_bias, LOWER_BOUND, initial_state=state)
-
-
-def _run(fn, q, k, v, z, beta_logits, A_log, dt_bias, state):
-    with torch.no_grad():
-        o, new = fn(q, k, v, z, beta_logits, A_log, dt_bias, LOWER_BOUND, initial_state=state.clone())
-    return o.to(v.dtype), new.float()
-
-
-def expert(*args):
-    from k3.ops.kda_backend import kda_fla
-
-    return _run(kda_fla, *args)
-
-
-def ours_torch(*args):
-    from k3.ops.kda_backend import kda_torch
-
-    return _run(kda_torch, *args)
-
 
 def _flops(s):
     """Per token and head, the chunkwise form: the state read and write (2 x 2 K^2, the decayed S and k u^T), the
@@ -70,10 +30,10 @@ TASK = Task(
     held_out=({"B": 1, "T": 2, "H": 1, "K": 8}, {"B": 2, "T": 67, "H": 2, "K": 16}, {"B": 1, "T": 130, "H": 3, "K": 24}),
     flops=_flops,
     bytes=lambda s: s["B"] * s["T"] * s["H"] * (10.0 * s["K"] + 2) + 8.0 * s["B"] * s["H"] * s["K"] ** 2,
-    experts={"cuda": "k3.kernel_reward.tasks.kda_chunk:expert", "cpu": "k3.kernel_reward.tasks.kda_chunk:ours_torch"},
-    variants={"ours": "k3.kernel_reward.tasks.kda_chunk:ours_torch"},
+    experts={"cuda": "k3.kernel_reward.tasks.kda_decode:expert", "cpu": "k3.kernel_reward.tasks.kda_decode:ours_torch"},
+    variants={"ours": "k3.kernel_reward.tasks.kda_decode:ours_torch"},
     forbidden=("k3.ops.kda_backend:kda_fla", "k3.ops.kda_backend:kda_torch", "k3.ops.kda_backend:kda",
                "k3.ops.kda_naive:kda_recurrent_naive", "k3.ops.kda_naive:kda_chunk_naive", "k3.ops.kda:kda_chunk",
-               "k3.ops.kda:kda_recurrent", "k3.kernel_reward.tasks.kda_chunk:expert",
-               "k3.kernel_reward.tasks.kda_chunk:ours_torch"),
+               "k3.ops.kda:kda_recurrent", "k3.kernel_reward.tasks.kda_decode:expert",
+               "k3.kernel_reward.tasks.kda_decode:ours_torch"),
 )

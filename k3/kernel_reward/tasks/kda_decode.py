@@ -16,12 +16,13 @@ SCALE = {"normal": 1.0, "large": 1e3, "small": 1e-3}  # on q, k, v, z: the norms
 
 
 def make(shape, seed, magnitude, device):
+    """The kernel's arguments (also k3.kernel_reward.tasks.kda_chunk's, whose shapes carry T)."""
     g = generator(seed, device)
-    B, H, K = shape["B"], shape["H"], shape["K"]
+    B, T, H, K = shape["B"], shape.get("T", 1), shape["H"], shape["K"]  # T: the chunk task's tokens
     s = SCALE[magnitude]
-    q, k, v = (randn(g, B, 1, H, K, device=device, dtype=torch.bfloat16, scale=s) for _ in range(3))
-    z = randn(g, B, 1, H, K, device=device, dtype=torch.bfloat16, scale=min(s, 10.0))
-    beta_logits = randn(g, B, 1, H, device=device, dtype=torch.bfloat16)
+    q, k, v = (randn(g, B, T, H, K, device=device, dtype=torch.bfloat16, scale=s) for _ in range(3))
+    z = randn(g, B, T, H, K, device=device, dtype=torch.bfloat16, scale=min(s, 10.0))
+    beta_logits = randn(g, B, T, H, device=device, dtype=torch.bfloat16)
     A_log = torch.rand(H, generator=g, device=device) * math.log(16.0)
     dt_bias = randn(g, H * K, device=device, scale=0.5)
     state = randn(g, B, H, K, K, device=device, scale=0.1)
