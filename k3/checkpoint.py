@@ -5,7 +5,8 @@ Our modules differ from the files in four places, all mapped here and nowhere el
   - routed experts are stacked tensors in memory, `experts.{e}.w{1,2,3}` on disk (plain `.weight`, or MXFP4
     `weight_packed` + `weight_scale` when the config says the checkpoint is quantized);
   - `A_log` is [H] in memory and zero-padded to a multiple of 128 on disk;
-  - MTP layers (ours; the release ships none) are stored as `model.layers.{L + d}` like DeepSeek-V3.
+  - MTP layers (ours; the release ships none) are stored as `model.layers.{L + d}` like DeepSeek-V3, their
+    routed experts per expert like the backbone's (checkpoints that stored them stacked still load).
 Only safetensors and JSON are read; nothing is unpickled.
 """
 
@@ -29,8 +30,12 @@ from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
 from k3.files import read_json_file, replace_dir, write_synced
 
 PREFIX = "language_model."
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
-_DISK_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
+# The routed experts of a backbone layer or of an MTP layer's block (stored per expert on disk alike).
+_EXPERTS = r"((?:model\.layers\.\d+|mtp\.\d+\.block)\.block_sparse_moe\.experts)"
+_EXPERT = re.compile(rf"^{_EXPERTS}\.(w[123])$")
+# Experts held packed in memory (k3.model.mx_experts.PackedMXExperts): [E, ...] uint8 codes and scales.
+_PACKED_EXPERT = re.compile(rf"^{_EXPERTS}\.(w[123])_(packed|scale)$")
+_DISK_EXPERT = re.compile(rf"^{_EXPERTS}\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _MTP = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 # Tensors of the release's vision encoder (stored without the language_model. prefix).
@@ -95,6 +100,15 @@ def state_dict_for_disk(model: torch.nn.Module, dtype: torch.dtype | None = None
         sd.pop("lm_head.weight", None)
     for name, t in sd.items():
         t = t.detach()
+        p = _PACKED_EXPERT.match(name)
+        if p:  # already MXFP4 storage: written as it is, one tensor per expert
+            if not quant:
+                raise CheckpointError(f"{name} is held in MXFP4 storage, but the config has no MXFP4 "
+                                      "quantization_config: save a packed model with its MXFP4 config")
+            base = _internal_to_disk_name(p.group(1), cfg.num_hidden_layers)
+            for e in range(t.shape[0]):
+                yield f"{base}.{e}.{p.group(2)}.weight_{p.group(3)}", t[e].contiguous()
+            continue
         m = _EXPERT.match(name)
         if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES) \
                 and not (m and quant):  # MXFP4 rounds the weights themselves (as QAT's forward does), not a cast
@@ -332,6 +346,9 @@ def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, laye
         assign(name, t, disk_name)
 
     for (name, _), per_expert in expert_parts.items():
+        if name not in targets and f"{name}_packed" in targets:  # experts held packed: the storage as it is
+            _fill_packed(name, per_expert, targets, filled, mismatched)
+            continue
         if name not in targets:
             unexpected.append(PREFIX + name)
             continue
@@ -379,6 +396,32 @@ def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, laye
         raise CheckpointError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
 
 
+def _fill_packed(name: str, per_expert: dict, targets: dict, filled: set, mismatched: list) -> None:
+    """Copy the experts' `weight_packed` / `weight_scale` of `name` (e.g. `...experts.w1`) into the stacked uint8
+    buffers `name_packed` / `name_scale` of packed experts, checking every expert, shape and dtype."""
+    dst = {part: targets[f"{name}_{part}"] for part in ("packed", "scale")}
+    E = dst["packed"].shape[0]
+    if sorted(per_expert) != list(range(E)):
+        mismatched.append(f"{PREFIX}{name}: experts {sorted(set(range(E)) ^ set(per_expert))[:8]} missing or "
+                          f"beyond num_experts={E}")
+        return
+    with torch.no_grad():
+        for e in range(E):
+            parts = per_expert[e]
+            if "weight_packed" not in parts or "weight_scale" not in parts:
+                mismatched.append(f"{PREFIX}{name} expert {e}: packed experts need `weight_packed` + `weight_scale` "
+                                  "(an MXFP4 checkpoint)")
+                return
+            for part in ("packed", "scale"):
+                t = parts[f"weight_{part}"]
+                if t.dtype != torch.uint8 or tuple(t.shape) != tuple(dst[part].shape[1:]):
+                    mismatched.append(f"{PREFIX}{name} expert {e} weight_{part}: file {tuple(t.shape)} {t.dtype} vs "
+                                      f"model {tuple(dst[part].shape[1:])} torch.uint8")
+                    return
+                dst[part][e].copy_(t)
+    filled.update(f"{name}_{part}" for part in ("packed", "scale"))
+
+
 def load_config(path: str | os.PathLike) -> K3Config:
     """A checkpoint's config.json, strictly checked (it must give the model's shape); CheckpointError naming
     the file and the problem otherwise."""
@@ -393,12 +436,34 @@ def load_config(path: str | os.PathLike) -> K3Config:
         raise CheckpointError(str(e)) from None  # the message already names the file
 
 
+def _packed_choice(packed_experts: bool | str, device: torch.device, backends) -> bool:
+    if packed_experts not in (True, False, "auto"):
+        raise ValueError(f"packed_experts={packed_experts!r} must be True, False or 'auto'")
+    if packed_experts != "auto":
+        return packed_experts
+    from k3.ops.registry import Target, dispatch, notice
+
+    if dispatch("mx_moe", Target(device), backends).name != "torch":
+        return True
+    notice(f"the MXFP4 experts are decoded at load into dense weights: op mx_moe runs on its reference on {device}, "
+           "which would decode every touched expert in every forward (the packed kernels: mx_moe=triton, "
+           "K3_MX_MOE_BACKEND=triton)")
+    return False
+
+
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
-                    layers: int | None = None, strict: bool = True, backends=None, verify: bool = True):
+                    layers: int | None = None, strict: bool = True, backends=None, verify: bool = True,
+                    packed_experts: bool | str = False):
     """Load a checkpoint in the official layout. `layers=N` builds and loads only the first N decoder layers
     (plus embedding, output site, final norm and head), for analysing a slice of a large checkpoint. `backends`
     (k3.ops.registry.Backends, None: the default) is given to the model (K3ForCausalLM.set_backends).
-    `verify`: check the shards against the SHA-256 digests their index records (see load_state_into)."""
+    `verify`: check the shards against the SHA-256 digests their index records (see load_state_into).
+    `packed_experts`: True keeps an MXFP4 checkpoint's routed experts in their storage in memory, decoded inside
+    the expert computation (k3.model.mx_experts.PackedMXExperts: a quarter of bf16's memory; serving only, they
+    have no parameters to train); other checkpoints load as usual. False (the default) decodes them once, at load,
+    into dense weights of the model's dtype. "auto" (the inference commands): packed where op ``mx_moe`` runs
+    on its kernels for `device` (which decode in registers), else decoded at load with a notice saying why: the
+    op's reference decodes every touched expert in every forward, far slower than dense GEMMs."""
     from k3.model.model import K3ForCausalLM
 
     path = os.fspath(path)
@@ -416,8 +481,14 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         )
     target_dtype = dtype if dtype is not None else cfg.torch_dtype
     device = torch.device(device) if device is not None else torch.device("cpu")
+    act = expert_activation_format(cfg.quantization_config)
+    packed = _is_mxfp4(cfg) and _packed_choice(packed_experts, device, backends)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, backends=backends)
+        if packed:
+            from k3.model.mx_experts import packed_experts_layout
+
+            packed_experts_layout(model.model, activations=act)  # the backbone's; the MTP layer's stay dense
     try:
         model.to_empty(device=device)
     except (RuntimeError, MemoryError) as e:  # e.g. a config.json whose sizes describe a far larger model
@@ -427,7 +498,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     model.set_dtype(target_dtype)
     # With layers=N the later layers are in the files but deliberately neither read nor reported.
     load_state_into(model, path, strict=strict, layer_limit=layers, verify=verify)
-    if expert_activation_format(cfg.quantization_config) == "mxfp8":
+    if act == "mxfp8":
         # A checkpoint trained with MXFP8 expert inputs (QAT, report §4.1.4) is computed the same way here: the
         # decoded MXFP4 weights are exact already, the experts' GEMM inputs are rounded as in training.
         from k3.model.mx_experts import quantize_experts

@@ -169,7 +169,8 @@ def _load_for_inference(ckpt: str, device: str, verify: bool = True):
     from k3.devices import pick_device
 
     dev = pick_device(device)
-    model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev), verify=verify)
+    model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev), verify=verify,
+                            packed_experts="auto")  # MXFP4 experts packed where their kernels run
     try:
         tok = load_any_tokenizer(ckpt)
     except (FileNotFoundError, ValueError) as e:

@@ -16,15 +16,25 @@ Every rounding is the exact encoder of k3.ops.mx, so a QAT training forward and 
 compute the same values. `quantize_experts(model, ...)` wraps every LatentMoE's experts from outside; the
 parameters are the same tensors under the same names, so checkpoints, the optimizer's per-expert rule and
 weight casts see the model unchanged.
+
+`PackedMXExperts` is the served form of an MXFP4 checkpoint: the experts stay in the release's storage in memory
+(`weight_packed` / `weight_scale`, stacked per layer as buffers `w{1,3,2}_packed` / `w{1,3,2}_scale`) and are
+decoded inside the expert computation (k3.ops.mx_moe), so they take a quarter of bf16's memory and a decode step
+reads a quarter of the bytes. `k3.checkpoint.from_pretrained(..., packed_experts=True)` builds it (what `k3 serve`
+does for MXFP4 checkpoints); `pack_experts(model)` converts a loaded model whose expert weights are
+MXFP4-exact (a dequantized MXFP4 checkpoint) in place. It has no parameters: it serves, it does not train.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from k3.model.latent_moe import GroupedExperts, LatentMoE
 from k3.ops.moe import Routing, moe_experts_any
-from k3.ops.mx import MX_BLOCK, mxfp4_fake_quantize_any, mxfp8_fake_quantize_any
+from k3.ops.mx import MX_BLOCK, mxfp4_fake_quantize_any, mxfp4_quantize, mxfp8_fake_quantize_any
+from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed_any
+from k3.ops.registry import Backends
 
 WEIGHT_FORMATS = (None, "mxfp4")
 ACTIVATION_FORMATS = (None, "mxfp8")
@@ -72,11 +82,11 @@ class MXExperts(GroupedExperts):
 
 def quantize_experts(model: nn.Module, weights: str | None = "mxfp4", activations: str | None = "mxfp8") -> nn.Module:
     """Make every LatentMoE of `model` (backbone and MTP) compute its routed experts in the given formats; both
-    None restores plain `GroupedExperts`. Nothing else changes: the experts' parameters stay the same tensors,
-    every other module is untouched. Returns `model`."""
+    None restores plain `GroupedExperts`. Packed experts (`PackedMXExperts`) are left as they are. Nothing else
+    changes: the experts' parameters stay the same tensors, every other module is untouched. Returns `model`."""
     for m in model.modules():
-        if not isinstance(m, LatentMoE):
-            continue
+        if not isinstance(m, LatentMoE) or isinstance(m.experts, PackedMXExperts):
+            continue  # packed experts hold their own formats
         ex = m.experts
         if type(ex) not in (GroupedExperts, MXExperts):
             raise ValueError(f"cannot quantize {type(ex).__name__} experts (apply quantization before parallelizing)")
@@ -93,8 +103,81 @@ def quantize_experts(model: nn.Module, weights: str | None = "mxfp4", activation
 
 
 def expert_formats(model: nn.Module) -> tuple[str | None, str | None]:
-    """(weights, activations) of the model's routed experts; (None, None) when they are plain."""
+    """(weights, activations) of the model's routed experts; (None, None) when they are plain. Packed experts
+    (`PackedMXExperts`) are ("mxfp4", their activations): their weights are MXFP4 values."""
     for m in model.modules():
         if isinstance(m, MXExperts):
             return m.weights, m.activations
+        if isinstance(m, PackedMXExperts):
+            return "mxfp4", m.activations
     return None, None
+
+
+_PACKED = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+
+
+class PackedMXExperts(nn.Module):
+    """The routed experts held in MXFP4 storage (uint8 buffers, see the module docstring), computed by op
+    ``mx_moe`` (k3.ops.mx_moe) with the expert GEMMs' inputs in `activations` ("mxfp8" or None)."""
+
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
+    def __init__(self, num_experts: int, latent: int, inter: int, beta1: float, beta2: float,
+                 activations: str | None = "mxfp8", device=None):
+        super().__init__()
+        if activations not in ACTIVATION_FORMATS:
+            raise ValueError(f"activations={activations!r} is invalid: use one of {ACTIVATION_FORMATS}")
+        if latent % MX_BLOCK or inter % MX_BLOCK:
+            raise ValueError(f"MXFP4 experts need the latent width ({latent}) and the expert width ({inter}) to be "
+                             f"multiples of {MX_BLOCK}")
+        E, F, L = num_experts, inter, latent
+        shapes = {"w1": (E, F, L), "w3": (E, F, L), "w2": (E, L, F)}
+        for w, (e, out, inp) in shapes.items():
+            self.register_buffer(f"{w}_packed", torch.zeros(e, out, inp // 2, dtype=torch.uint8, device=device))
+            self.register_buffer(f"{w}_scale", torch.zeros(e, out, inp // MX_BLOCK, dtype=torch.uint8, device=device))
+        self.beta1, self.beta2, self.activations = beta1, beta2, activations
+
+    @property
+    def packed(self) -> PackedExpertWeights:
+        return PackedExpertWeights(*(getattr(self, n) for n in _PACKED))
+
+    def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return mx_moe_packed_any(z, routing.weights, routing.indices, self.packed, self.beta1, self.beta2,
+                                 self.activations, backends=self.backends)
+
+    def extra_repr(self) -> str:
+        E, F, L = self.packed.shape
+        return f"experts={E}, latent={L}, inter={F}, weights=mxfp4 (packed), activations={self.activations}"
+
+
+def packed_experts_layout(model: nn.Module, activations: str | None = "mxfp8") -> nn.Module:
+    """Give every LatentMoE of `model` empty `PackedMXExperts` in place of its experts (on the experts' device, the
+    meta device included): the structure a packed MXFP4 checkpoint loads into. Returns `model`."""
+    for m in model.modules():
+        if isinstance(m, LatentMoE) and not isinstance(m.experts, PackedMXExperts):
+            m.experts = _packed_like(m.experts, activations)
+    return model
+
+
+def _packed_like(ex: GroupedExperts, activations: str | None) -> PackedMXExperts:
+    """Empty packed experts of `ex`'s shape, SiTU caps, backends and device."""
+    E, F, L = ex.w1.shape
+    packed = PackedMXExperts(E, L, F, ex.beta1, ex.beta2, activations, device=ex.w1.device)
+    packed.backends = ex.backends
+    return packed
+
+
+@torch.no_grad()
+def pack_experts(model: nn.Module, activations: str | None = "mxfp8") -> nn.Module:
+    """Hold every LatentMoE's routed experts in MXFP4 storage (`PackedMXExperts`), encoding their weights
+    (k3.ops.mx.mxfp4_quantize: exact for weights that are MXFP4 values already, such as a dequantized MXFP4
+    checkpoint's; others are rounded as the MXFP4 export rounds them). Returns `model`."""
+    for m in model.modules():
+        if isinstance(m, LatentMoE) and not isinstance(m.experts, PackedMXExperts):
+            packed = _packed_like(m.experts, activations)
+            for w in ("w1", "w3", "w2"):
+                codes, scale = mxfp4_quantize(getattr(m.experts, w).float())
+                getattr(packed, f"{w}_packed").copy_(codes)
+                getattr(packed, f"{w}_scale").copy_(scale)
+            m.experts = packed
+    return model

@@ -33,5 +33,6 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     ecfg.validate()  # before the (possibly slow) load
     tokenizer = load_any_tokenizer(ckpt_dir)
     template = load_chat_template(ckpt_dir)
-    model = from_pretrained(ckpt_dir, device=dev, backends=backends, verify=verify)
+    # an MXFP4 checkpoint's routed experts stay packed in memory where their kernels run (from_pretrained)
+    model = from_pretrained(ckpt_dir, device=dev, backends=backends, verify=verify, packed_experts="auto")
     return LLMEngine(model, tokenizer, ecfg), tokenizer, template

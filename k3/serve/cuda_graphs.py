@@ -50,9 +50,10 @@ import time
 
 import torch
 
+from k3.model.mx_experts import PackedMXExperts
 from k3.ops.mla_decode import default_num_splits, paged_kernel_used
 from k3.ops.moe import grouped_used
-from k3.ops.registry import notice
+from k3.ops.registry import Target, notice, runs_on
 from k3.serve.cache.views import StaticMLAView
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
@@ -86,7 +87,13 @@ def decode_graphs_support(model, need_cuda: bool = True) -> tuple[bool, str]:
                        "lengths back; the paged decode kernel can be captured (mla_decode=triton: "
                        "K3_MLA_DECODE_BACKEND=triton for `k3 serve`)")
     moe = [l.ffn for l in layers if isinstance(l.ffn, LatentMoE)]
-    if moe:
+    if moe and isinstance(moe[0].experts, PackedMXExperts):
+        dtype = moe[0].routed_expert_down_proj.weight.dtype
+        if not runs_on("mx_moe", "triton", Target(device, dtype), model.backends):
+            return False, ("the packed MXFP4 experts run on the PyTorch reference (op mx_moe on torch), which reads "
+                           "the expert counts back; the Triton kernels can be captured (mx_moe=triton: "
+                           "K3_MX_MOE_BACKEND=triton for `k3 serve`)")
+    elif moe:
         dtype = moe[0].routed_expert_down_proj.weight.dtype
         if not grouped_used(device, dtype, model.backends):
             return False, ("the MoE runs on the reference expert loop (op moe on torch), which reads the expert "

@@ -244,3 +244,127 @@ def test_ptq_is_the_qat_forward_of_the_unquantized_model(tmp_path):
         assert torch.equal(from_pretrained(out)(ids).logits, want)
     with pytest.raises(ValueError, match="source checkpoint"):
         quantize_checkpoint(src, src)
+
+
+# --- MXFP4 experts served packed (k3.model.mx_experts.PackedMXExperts) -------------------------------------------
+
+def test_packed_load_keeps_the_storage_and_computes_the_dequantized_model_bit_for_bit(tmp_path):
+    from k3.model.mx_experts import PackedMXExperts
+
+    _, path = _exported(tmp_path)
+    dense = from_pretrained(path)
+    packed = from_pretrained(path, packed_experts=True)
+    ex = packed.model.layers[1].block_sparse_moe.experts
+    assert isinstance(ex, PackedMXExperts) and expert_formats(packed) == ("mxfp4", "mxfp8")
+    # the backbone's experts have no dense weights left (the MTP layer's stay dense: see from_pretrained)
+    assert not any(".experts." in n for n, _ in packed.model.named_parameters())
+    # the buffers are the file's bytes, a quarter of bf16 storage (plus one scale byte per 32)
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    name = "language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_packed"
+    with safe_open(os.path.join(path, index[name]), "pt") as f:
+        assert torch.equal(ex.w3_packed[2], f.get_tensor(name))
+    dense_ex = dense.model.layers[1].block_sparse_moe.experts
+    dense_bytes = sum(getattr(dense_ex, w).numel() * 2 for w in ("w1", "w2", "w3"))  # as bf16
+    packed_bytes = sum(b.numel() for b in ex.buffers())
+    assert packed_bytes == dense_bytes // 4 + dense_bytes // 2 // 32
+    ids = torch.randint(1, 512, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(packed(ids).logits, dense(ids).logits)
+
+
+def test_packed_model_saves_back_to_the_same_checkpoint(tmp_path):
+    _, path = _exported(tmp_path)
+    packed = from_pretrained(path, packed_experts=True)
+    again = str(tmp_path / "again")
+    save_pretrained(packed, again)
+    ids = torch.randint(1, 512, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(again)(ids).logits, from_pretrained(path)(ids).logits)
+
+
+def test_packed_experts_only_for_mxfp4_checkpoints(tmp_path):
+    from k3.model.mx_experts import pack_experts
+
+    src = str(tmp_path / "plain")
+    save_pretrained(_model(seed=4).eval(), src)
+    assert expert_formats(from_pretrained(src, packed_experts=True)) == (None, None)  # not MXFP4: loads dense
+    with pytest.raises(ValueError, match="MXFP4 quantization_config"):
+        save_pretrained(pack_experts(from_pretrained(src)), str(tmp_path / "bad"))
+
+
+def test_engine_serves_packed_experts_as_the_training_forward(tmp_path):
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    model, path = _exported(tmp_path)
+    served = from_pretrained(path, packed_experts=True)
+    eng = LLMEngine(served, None, EngineConfig(cache_memory_mb=4.0, page_tokens=48, hash_block_tokens=16))
+    eng.eos_id = None
+    prompt = torch.randint(1, 512, (70,), generator=torch.Generator().manual_seed(6)).tolist()
+    seq = eng.add_request(prompt, SamplingParams(max_tokens=5, temperature=0))
+    while eng.has_work():
+        eng.step()
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + seq.output_ids])).logits[0]
+    assert seq.output_ids == [int(ref[len(prompt) - 1 + i].argmax()) for i in range(5)]
+
+
+def test_serving_packs_the_experts_where_their_kernels_run(tmp_path, monkeypatch, capsys):
+    from k3.data.tokenizer import byte_level_tokenizer
+    from k3.ops.registry import Backends
+    from k3.serve.build import build_engine
+
+    _, path = _exported(tmp_path)
+    byte_level_tokenizer(512).save(os.path.join(path, "tokenizer.json"))
+    eng, _, _ = build_engine(path, device="cpu")  # the reference on CPU: decoded at load, and said so
+    assert expert_formats(eng.model) == (None, "mxfp8")
+    assert "decoded at load" in capsys.readouterr().err
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels run (in Triton's interpreter) on CPU tensors
+    eng, _, _ = build_engine(path, device="cpu", backends=Backends(per_op={"mx_moe": "triton"}))
+    assert expert_formats(eng.model) == ("mxfp4", "mxfp8")
+    with pytest.raises(ValueError, match="packed_experts"):
+        from_pretrained(path, packed_experts="yes")
+
+
+def test_the_mtp_layers_experts_are_exported_in_mxfp4_too(tmp_path):
+    model, path = _exported(tmp_path)
+    L = model.config.num_hidden_layers
+    names = set(json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"])
+    assert f"language_model.model.layers.{L}.block_sparse_moe.experts.0.w2.weight_packed" in names
+    served = from_pretrained(path)
+    for w in ("w1", "w2", "w3"):  # the draft serves the values QAT trained it with
+        trained = getattr(model.mtp[0].block.block_sparse_moe.experts, w)
+        assert torch.equal(getattr(served.mtp[0].block.block_sparse_moe.experts, w), mxfp4_fake_quantize_any(trained))
+
+
+def test_checkpoints_with_the_mtp_experts_stacked_still_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _model(seed=5).eval()
+    path = str(tmp_path / "old")
+    save_pretrained(model, path)
+    L = model.config.num_hidden_layers
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_file))
+    for shard in set(index["weight_map"].values()):  # rewrite the MTP experts as one stacked tensor per matrix
+        f = os.path.join(path, shard)
+        tensors = load_file(f)
+        for w in ("w1", "w2", "w3"):
+            prefix = f"language_model.model.layers.{L}.block_sparse_moe.experts."
+            per = sorted((int(k[len(prefix):].split(".")[0]), k) for k in tensors
+                         if k.startswith(prefix) and k.endswith(f".{w}.weight"))
+            if per:
+                tensors[prefix + w] = torch.stack([tensors.pop(k) for _, k in per])
+                for _, k in per:
+                    del index["weight_map"][k]
+                index["weight_map"][prefix + w] = shard
+        save_file(tensors, f)
+    json.dump(index, open(index_file, "w"))
+    loaded = from_pretrained(path, verify=False)
+    ids = torch.randint(1, 512, (1, 30), generator=torch.Generator().manual_seed(7))
+    for w in ("w1", "w2", "w3"):
+        assert torch.equal(getattr(loaded.mtp[0].block.block_sparse_moe.experts, w),
+                           getattr(model.mtp[0].block.block_sparse_moe.experts, w))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -1,0 +1,118 @@
+"""One release-shaped routed-expert layer served from MXFP4 storage, against dequantized bf16 and the floor.
+
+    python benchmarks/mx_moe_layer.py [--experts 896] [--top-k 16] [--latent 3584] [--inter 3072]
+                                      [--tokens 1 64] [--runs 20] [--device cuda]
+
+K3's routed experts (report §2.3, §4.1.4; checkpoint-layout.md §2.7): 896 experts of latent width 3584 and
+expert width 3072, top-16, weights in MXFP4. For each token count the experts are drawn once (random MXFP4
+storage), the routing uniformly (each token 16 distinct experts), and side by side in one run:
+
+* ``packed-triton``: k3.ops.mx_moe's token-centric kernels on the packed storage (what `k3 serve` runs with
+  mx_moe=triton);
+* ``packed-torch``: the reference (each touched expert decoded just before its GEMMs);
+* ``bf16-grouped``: the experts decoded once at load to dense bf16 and run through the grouped GEMMs (op moe
+  grouped: k3's path for a dequantized checkpoint), on GPU only, where the grouped GEMM takes bf16.
+
+The floor is the bytes of the experts actually touched (packed codes + scales, or bf16 weights, for the distinct
+experts the batch routes to) over the device's copy bandwidth (`--bandwidth`, GB/s; GPU.md: 4.0 TB/s read + write
+on the H200, so 2.0 TB/s of reads is the conservative floor used by default). Timings are medians over `--runs`
+(CUDA events on GPU, wall clock on CPU) after a warm-up. One JSON line per (tokens, implementation), then a table.
+On a CPU the default shape is too large for memory: pass e.g. `--experts 64 --latent 512 --inter 512`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from k3.ops.moe import moe_experts_grouped
+from k3.ops.mx import mxfp4_dequantize
+from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed, mx_moe_packed_triton
+from k3.ops.situ import situ_glu
+
+B1, B2 = 4.0, 25.0
+
+
+def random_packed(E: int, F: int, L: int, device, g: torch.Generator) -> PackedExpertWeights:
+    """Random MXFP4 storage: uniform codes, scales around 2^-8 (weights of magnitude ~1e-2, like trained ones)."""
+    def codes(shape):
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(device)
+
+    def scales(shape):
+        return torch.randint(117, 122, shape, generator=g, dtype=torch.uint8).to(device)
+
+    return PackedExpertWeights(codes((E, F, L // 2)), scales((E, F, L // 32)), codes((E, F, L // 2)),
+                               scales((E, F, L // 32)), codes((E, L, F // 2)), scales((E, L, F // 32)))
+
+
+def timed(fn, runs: int, device) -> float:
+    fn()  # warm-up (compilation, autotuning)
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=896)
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--latent", type=int, default=3584)
+    ap.add_argument("--inter", type=int, default=3072)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--bandwidth", type=float, default=2000.0, help="GB/s of reads the floor assumes")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    E, K, L, F = args.experts, args.top_k, args.latent, args.inter
+    g = torch.Generator().manual_seed(0)
+    w = random_packed(E, F, L, dev, g)
+    dense = None
+    if dev.type == "cuda":
+        dense = [mxfp4_dequantize(w[i], w[i + 1], torch.bfloat16) for i in (0, 2, 4)]
+    packed_per_expert = sum(t[0].numel() for t in w)
+    bf16_per_expert = 3 * F * L * 2
+    rows = []
+    for N in args.tokens:
+        z = (torch.randn(N, L, generator=g) * 0.5).to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(dev)
+        wt = torch.rand(N, K, generator=g).to(dev)
+        touched = int(torch.unique(idx).numel())
+        impls = {"packed-triton": lambda: mx_moe_packed_triton(z, wt, idx, w, B1, B2, "mxfp8"),
+                 "packed-torch": lambda: mx_moe_packed(z, wt, idx, w, B1, B2, "mxfp8")}
+        if dense is not None:
+            impls["bf16-grouped"] = lambda: moe_experts_grouped(z, wt, idx, *dense,
+                                                                lambda a, b: situ_glu(a, b, B1, B2))
+        for name, fn in impls.items():
+            if name == "packed-triton" and dev.type != "cuda":
+                continue  # the interpreter is a correctness tool, not a timing one
+            s = timed(fn, args.runs, dev)
+            per = bf16_per_expert if name.startswith("bf16") else packed_per_expert
+            floor = touched * per / (args.bandwidth * 1e9)
+            row = dict(tokens=N, impl=name, ms=round(s * 1e3, 4), touched_experts=touched,
+                       bytes_touched=touched * per, floor_ms=round(floor * 1e3, 4),
+                       share_of_floor=round(floor / s, 3), device=str(dev))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'tokens':>6} {'impl':>14} {'ms':>9} {'floor ms':>9} {'of floor':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['impl']:>14} {r['ms']:>9.3f} {r['floor_ms']:>9.3f} {r['share_of_floor']:>8.1%}")
+
+
+if __name__ == "__main__":
+    main()
