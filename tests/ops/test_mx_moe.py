@@ -93,6 +93,7 @@ def test_bad_inputs_name_what_is_wrong():
         mx_moe_packed(z, weights, indices, PackedExpertWeights(*packed[:5], packed[5].float()), B1, B2)
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 16, 64])
 def test_triton_kernels_on_gpu(N):
