@@ -15,9 +15,10 @@ MXFP8 (E4M3 values, same E8M0 block scales) is used for activations in QAT.
 
 Quantization-aware training (report §4.1.4) calls the fake quantizers through the op registry
 (``mxfp4_fake_quantize_any``, ``mxfp8_fake_quantize_any``; ops ``mxfp4_fake_quant`` and
-``mxfp8_fake_quant``): the PyTorch reference here is the definition, and a fused GPU kernel (one pass:
-block max, scale, round, rescale) registers beside it as a ``Fast`` implementation of the op, tested to
-be bit-exact against it. None is registered yet.
+``mxfp8_fake_quant``): the PyTorch reference here is the definition, and the fused Triton kernel of
+k3.ops.mx_triton (one pass: block max, scale, round, rescale) registers beside it as the ``triton``
+implementation of each op, tested bit-exact against it (in Triton's interpreter so far; not yet validated on
+a GPU, so ``auto`` keeps the reference).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3.ops.registry import Backends, Op, dispatch, register
+from k3.ops import _triton
+from k3.ops.mx_triton import mxfp4_fake_quantize_triton, mxfp8_fake_quantize_triton
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
 __all__ = [
     "E2M1_VALUES",
@@ -166,10 +169,12 @@ def mxfp8_fake_quantize(x: Tensor, block: int = MX_BLOCK) -> Tensor:
     return q.flatten(-2).to(x.dtype) + (x - x.detach())
 
 
-register(Op("mxfp4_fake_quant", reference=mxfp4_fake_quantize, fast=(),
+register(Op("mxfp4_fake_quant", reference=mxfp4_fake_quantize,
+            fast=(Fast("triton", mxfp4_fake_quantize_triton, _triton.available, validated=False, cpu=True),),
             tolerance="bit-exact: a fused kernel must give dequantize(quantize(w)) to the bit (the values are exact "
                       "in fp32 and bf16; nothing is summed)"))
-register(Op("mxfp8_fake_quant", reference=mxfp8_fake_quantize, fast=(),
+register(Op("mxfp8_fake_quant", reference=mxfp8_fake_quantize,
+            fast=(Fast("triton", mxfp8_fake_quantize_triton, _triton.available, validated=False, cpu=True),),
             tolerance="bit-exact: the same E8M0 scale and round-to-nearest-even E4M3 cast as the reference"))
 
 
