@@ -34,6 +34,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_moe_combine.py",
     "tests/ops/test_mx_moe.py",
     "tests/ops/test_mx_triton.py",
+    "tests/serve/spec/test_replay.py",
     "tests/ops/test_mla_decode.py",
     "tests/serve/test_cuda_graphs.py",
     "tests/ops/test_mla_flex.py",
@@ -84,7 +85,8 @@ STEPS = {
     "optim": ([[PY, "benchmarks/optimizer_bench.py", "--preset", "k3-mini", "--backend", b] for b in ("torch", "fast")],
               150),
     "ops": ([[PY, "benchmarks/situ_bench.py"], [PY, "benchmarks/ops_bench.py"],
-             [PY, "benchmarks/mla_decode_bench.py"], [PY, "benchmarks/mx_moe_layer.py"]], 300),
+             [PY, "benchmarks/mla_decode_bench.py"], [PY, "benchmarks/mx_moe_layer.py"],
+             [PY, "benchmarks/kda_replay_bench.py"]], 300),
     # the SiTU-GLU kernel alone: its GPU tests, then its bandwidth against a copy
     "situ": ([PYTEST + ["tests/ops/test_situ_triton.py"], [PY, "benchmarks/situ_bench.py"]], 300),
     # the flex MLA kernels' block sizes, one compile per configuration (~10 s each)

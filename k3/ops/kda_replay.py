@@ -7,19 +7,32 @@ the beta logits and the pre-conv q/k/v inputs: far smaller than a state per posi
 accepted, those n are run through the recurrence again from the committed state, and the result (state and conv
 tail) is written back once. No per-position snapshots exist anywhere.
 
-`kda_replay` is the PyTorch reference and runs everywhere. Hook for the fused GPU kernel: the report fuses the
-replay with the next draft window's verification (short conv, input norms, gate, recurrence and output norm in one
-loop); a kernel for the replay alone takes these arguments and returns these two tensors, and plugs in by
-registering it as this op's fast path (k3.ops.registry), tested against `kda_replay` in
-tests/serve/spec/test_replay.py.
+`kda_replay` is the PyTorch reference and runs everywhere (op ``kda_replay``; `kda_replay_any` dispatches).
+`kda_replay_triton` is the fused form for the GPU: one program per (row, head, block of BV value columns) holds
+its [K, BV] slice of the state in registers, loops over the row's accepted positions (its length read on the
+device) doing per position the key's L2 normalization, the decay gate from z, A_log and dt_bias, sigmoid(beta),
+the decay, the delta-rule read and write, and writes the slice back once: the state is read once and written
+once, whatever the number of accepted tokens (no outputs are computed: the verification already produced them).
+The conv tail is a gather of W - 1 inputs per channel, done in PyTorch. The report goes further and fuses the
+replay into the next draft window's verification (short conv, norms, gate, recurrence and output norm in one
+loop); that kernel is not written. Not validated on a GPU yet, so ``auto`` keeps the reference; ``fast`` or
+``K3_KDA_REPLAY_BACKEND=triton`` selects it; ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
+from k3.ops import _triton
 from k3.ops import kda as ref
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
+
+# triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
+tl = None
+_SUM = None
 
 
 def kda_replay(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, pre_conv: Tensor, A_log: Tensor,
@@ -34,16 +47,104 @@ def kda_replay(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, 
     token recurrence, equal to feeding those tokens one at a time (a row's positions past its length run as
     identity steps: no decay, no write)."""
     N, L = q.shape[:2]
-    if len(lengths) != N or not all(1 <= n <= L for n in lengths):
-        raise ValueError(f"lengths={lengths}: need {N} values in [1, {L}]")
+    _check_lengths(lengths, N, L)
     dev = q.device
     n = torch.tensor(lengths, device=dev)
     live = (torch.arange(L, device=dev)[None] < n[:, None]).float()  # [N, L]
     g = ref.kda_gate(z, A_log, dt_bias, lower_bound) * live[..., None, None]
     beta = torch.sigmoid(beta_logits.float()) * live[..., None]
     _, new_state = ref.kda_recurrent(ref.l2norm(q), ref.l2norm(k), v, g, beta, initial_state=state)
-    # The conv tail is the last W-1 inputs: of [committed tail, the row's first n inputs], positions n .. n+W-2.
+    return new_state, _conv_tail(conv, pre_conv, n)
+
+
+def _check_lengths(lengths: list[int], N: int, L: int) -> None:
+    if len(lengths) != N or not all(1 <= n <= L for n in lengths):
+        raise ValueError(f"lengths={lengths}: need {N} values in [1, {L}]")
+
+
+def _conv_tail(conv: Tensor, pre_conv: Tensor, n: Tensor) -> Tensor:
+    """The conv tail after each row's first n[b] inputs: the last W-1 of [committed tail, those inputs]."""
+    N, dev = conv.shape[0], conv.device
     D = conv.shape[-1]
     ext = torch.cat([conv.float(), pre_conv.float().permute(0, 2, 3, 1)], dim=-1)  # [N, 3, P, D + L]
     idx = (n[:, None] + torch.arange(D, device=dev)[None])[:, None, None, :].expand(N, 3, conv.shape[2], D)
-    return new_state, ext.gather(-1, idx).contiguous()
+    return ext.gather(-1, idx).contiguous()
+
+
+# --- the fused replay kernel ---------------------------------------------------------------------------------------
+def _replay_kernel(k_ptr, v_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, s_ptr, out_ptr, len_ptr, lower_bound,
+                   L, H, K: tl.constexpr, V, K_PAD: tl.constexpr, BV: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Program (row n, head h, value block j): S[n, h, :, j] through the row's first len[n] positions."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    cm = cols < V
+    kk = tl.arange(0, K_PAD)
+    km = kk < K
+    m2 = km[:, None] & cm[None, :]
+    soff = ((n * H + h) * K + kk)[:, None] * V + cols[None, :]
+    S = tl.load(s_ptr + soff, mask=m2, other=0.0)
+    A = tl.exp(tl.load(a_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + h * K + kk, mask=km, other=0.0).to(tl.float32)
+    length = tl.load(len_ptr + n)
+    for t in range(0, length):
+        base = (n * L + t) * H + h
+        kt = tl.load(k_ptr + base * K + kk, mask=km, other=0.0).to(tl.float32)
+        kt = kt * tl.rsqrt(tl.reduce(kt * kt, 0, _SUM) + 1e-6)
+        if ROUND_BF16:  # the reference's l2norm returns the input's dtype
+            kt = kt.to(tl.bfloat16).to(tl.float32)
+        x = A * (tl.load(z_ptr + base * K + kk, mask=km, other=0.0).to(tl.float32) + dtb)
+        sig = tl.where(x >= 0, 1.0 / (1.0 + tl.exp(-tl.abs(x))), tl.exp(-tl.abs(x)) / (1.0 + tl.exp(-tl.abs(x))))
+        g = lower_bound * sig
+        bl = tl.load(b_ptr + base).to(tl.float32)
+        beta = tl.where(bl >= 0, 1.0 / (1.0 + tl.exp(-tl.abs(bl))), tl.exp(-tl.abs(bl)) / (1.0 + tl.exp(-tl.abs(bl))))
+        vt = tl.load(v_ptr + base * V + cols, mask=cm, other=0.0).to(tl.float32)
+        S = S * tl.exp(g)[:, None]
+        kS = tl.reduce(kt[:, None] * S, 0, _SUM)  # [BV]
+        S = S + kt[:, None] * (beta * (vt - kS))[None, :]
+    tl.store(out_ptr + soff, S, mask=m2)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    import triton
+
+    _triton.bind(globals())
+    return triton.jit(_replay_kernel)
+
+
+def kda_replay_triton(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, pre_conv: Tensor,
+                      A_log: Tensor, dt_bias: Tensor, lower_bound: float, state: Tensor, conv: Tensor,
+                      lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """`kda_replay` with the recurrence in one fused Triton kernel (the module docstring); the same arguments and
+    results. `q` is not read: the replay needs only the state."""
+    N, L, H, K = k.shape
+    V = v.shape[-1]
+    _check_lengths(lengths, N, L)
+    if k.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the replay kernel takes fp32 or bf16 inputs, got {k.dtype}")
+    ok, why = _triton.runnable()
+    if not ok:
+        raise RuntimeError(f"the KDA replay kernel cannot run: {why}")
+    dev = k.device
+    n = torch.tensor(lengths, device=dev, dtype=torch.int32)
+    out = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    bv = min(32, 1 << (V - 1).bit_length())
+    with torch.cuda.device(dev.index if k.is_cuda else -1):  # the tensors' GPU; -1: no-op
+        _kernel(_triton.interpret())[(N, H, -(-V // bv))](
+            k.contiguous(), v.contiguous(), z.contiguous(), beta_logits.contiguous(), A_log.contiguous(),
+            dt_bias.reshape(H, K).contiguous(), state.float().contiguous(), out, n, float(lower_bound), L, H, K=K,
+            V=V, K_PAD=1 << (K - 1).bit_length(), BV=bv, ROUND_BF16=k.dtype == torch.bfloat16, num_warps=4)
+    return out, _conv_tail(conv, pre_conv, n.long())
+
+
+register(Op(
+    "kda_replay", reference=kda_replay,
+    fast=(Fast("triton", kda_replay_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="state 1e-5 of its largest entry (fp32 sums of the K-term reads in another order; sigmoid from "
+              "exponentials); the conv tail is the same gather, bit for bit"))
+
+
+def kda_replay_any(*args, backends: Backends | None = None) -> tuple[Tensor, Tensor]:
+    """`kda_replay` on the implementation the registry picks for the inputs (op ``kda_replay``)."""
+    return dispatch("kda_replay", args[1], backends).fn(*args)

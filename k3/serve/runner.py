@@ -20,7 +20,7 @@ import torch
 
 from k3.model.batch import BatchInfo
 from k3.model.cache import K3Cache
-from k3.ops.kda_replay import kda_replay
+from k3.ops.kda_replay import kda_replay_any
 from k3.serve.cache.pool import CachePool
 from k3.serve.cache.views import KDAPageView, KDAVerifyView, PagedMLAView, SeqSlots
 
@@ -209,9 +209,10 @@ class ModelRunner:
             inp, attn = v.kda_views[g].inputs, self.model.model.layers[li].self_attn
             pages = v.kda_pages[g, r]
             state, conv = self.pool.read_kda(pages)
-            new_state, new_conv = kda_replay(inp.q[idx], inp.k[idx], inp.v[idx], inp.z[idx], inp.beta_logits[idx],
-                                             torch.stack(inp.pre_conv, 2)[idx], attn.A_log, attn.dt_bias,
-                                             attn.lower_bound, state, conv, lengths)
+            new_state, new_conv = kda_replay_any(inp.q[idx], inp.k[idx], inp.v[idx], inp.z[idx],
+                                                 inp.beta_logits[idx], torch.stack(inp.pre_conv, 2)[idx], attn.A_log,
+                                                 attn.dt_bias, attn.lower_bound, state, conv, lengths,
+                                                 backends=self.model.backends)
             self.pool.write_kda(pages, new_state, new_conv)
 
     def _score(self, rows: torch.Tensor, targets: list[int], k: int):

@@ -1,0 +1,73 @@
+"""KDA rollback by replay (report §5.4.2): the fused replay kernel's state bandwidth against a copy of the state.
+
+    python benchmarks/kda_replay_bench.py [--requests 1 16 64] [--heads 8] [--head-dim 128] [--accepted 4]
+                                          [--window 4] [--runs 50]
+
+For one KDA layer of k3-mini's shape (8 heads of 128 x 128 fp32 state per request by default), `--requests` rows
+each replay `--accepted` of a `--window`-position verification from their committed state. Side by side in one run:
+``triton`` (k3.ops.kda_replay.kda_replay_triton: the state read once and written once), ``torch`` (the reference,
+kda_replay) and ``copy`` (state.clone(): the bandwidth ceiling for reading and writing the state once). Bandwidth
+counts the state's bytes read + written (the per-position inputs are a few percent more). The issue's goal: the
+replay kernel at >= 80% of copy bandwidth. Medians of CUDA-event timings after a warm-up; one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from k3.ops.kda_replay import kda_replay, kda_replay_triton
+
+
+def timed(fn, runs: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--conv-channels", type=int, default=1024)
+    ap.add_argument("--accepted", type=int, default=4)
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kda_replay_bench.py measures GPU bandwidth: it needs a CUDA device")
+    H, K, L, P = args.heads, args.head_dim, args.window, args.conv_channels
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N in args.requests:
+        def r(*shape, dtype=torch.bfloat16):
+            return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+        a = (r(N, L, H, K), r(N, L, H, K), r(N, L, H, K), r(N, L, H, K), r(N, L, H), r(N, L, 3, P),
+             r(H, dtype=torch.float32) * 0.5, r(H * K, dtype=torch.float32), -5.0, r(N, H, K, K, dtype=torch.float32),
+             r(N, 3, P, 3, dtype=torch.float32))
+        q, k, v, z, beta, pre, A_log, dt_bias, lb, state, conv = a
+        lengths = [args.accepted] * N
+        state_bytes = 2 * state.numel() * 4  # read + write
+        rows = {"triton": timed(lambda: kda_replay_triton(*a, lengths), args.runs),
+                "torch": timed(lambda: kda_replay(*a, lengths), args.runs),
+                "copy": timed(lambda: state.clone(), args.runs)}
+        for name, s in rows.items():
+            print(json.dumps(dict(requests=N, impl=name, us=round(s * 1e6, 2), state_gb_per_s=round(
+                state_bytes / s / 1e9, 1), share_of_copy=round(rows["copy"] / s, 3), accepted=args.accepted,
+                device=torch.cuda.get_device_name())), flush=True)
+
+
+if __name__ == "__main__":
+    main()
