@@ -29,7 +29,7 @@ def _backends(choice: str, device):
 
 TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows",
                "balance", "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
-               "activation_checkpointing", "qat"]
+               "activation_checkpointing", "qat", "balance_diagnostics"]
 
 
 def _saved_train_config(ck: str) -> dict:
@@ -95,6 +95,10 @@ def _add_trainer_flags(s) -> None:
     s.add_argument("--lr", type=_positive_float, help="peak learning rate (Muon and AdamW)")
     s.add_argument("--seed", type=int)
     s.add_argument("--balance", choices=["histogram", "exact", "sign", "none"], help="expert load balancing (default histogram)")
+    s.add_argument("--balance-diagnostics", action="store_true", default=None,
+                   help="also log, per MoE layer and step, the load imbalance of the batch routed again with the bias "
+                        "computed from it (expert_load_ideal_max_over_mean in metrics.jsonl): tells batch-to-batch "
+                        "variation from balancing error; keeps the step's routing scores (default off)")
     s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
     s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
     s.add_argument("--grad-clip", type=_positive_float)

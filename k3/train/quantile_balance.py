@@ -29,6 +29,15 @@ Estimators of the quantile:
 * ``"sign"``: the fixed-step baseline ``b_j += gamma * sign(mean_load - load_j)`` of
   auxiliary-loss-free balancing, loads counted from the routed indices.
 
+Diagnostics (``diagnostics=True``, `k3 train --balance-diagnostics`): to tell batch-to-batch variation from a
+balancing error, the balancer also keeps the window's unbiased scores and, at ``update``, routes that same window
+again with the bias it returns: ``last_ideal_load`` is the load each expert would have got had the batch been
+routed with the bias computed from it (the same-batch ideal), beside ``last_load`` (routed with the bias it was
+routed with). A large routed imbalance with an ideal one near 1 is variation between batches (the bias of
+step t fits batch t, not batch t + 1); a large ideal imbalance is the estimator's error (the histogram's bin
+width, or the fixed-cutoff approximation that Eq. 14 makes). It costs the scores' memory ([N, E] fp32 per layer
+per window) and, under torch.distributed, a second all-reduce of one [E] vector per ``update``.
+
 Causality is the caller's job: route step t with ``b(t)``, ``observe`` the routing of that
 step, and call ``update`` at the end of the step; the returned bias is used from step t+1
 on, so no batch is ever routed with a bias derived from itself. At inference the bias is
@@ -44,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ExpertBalancer", "quantile_bias_exact", "histogram_quantile", "METHODS"]
+__all__ = ["ExpertBalancer", "quantile_bias_exact", "histogram_quantile", "ideal_load_ratios", "METHODS"]
 
 METHODS = ("histogram", "exact", "sign")
 
@@ -185,13 +194,15 @@ class ExpertBalancer:
     count is every histogram row's total, so nothing else travels.
 
     Attributes:
-        num_allreduce: all-reduce calls made so far (one per distributed ``update``).
+        num_allreduce: all-reduce calls made so far (one per distributed ``update``; two with diagnostics).
         last_load: [E] int64 loads of the window closed by the last ``update`` (global under
             torch.distributed), or None.
+        last_ideal_load: with ``diagnostics``, [E] int64 loads of that window routed again with the bias the
+            ``update`` returned (see the module docstring), else None.
     """
 
     def __init__(self, num_experts: int, top_k: int, method: str = "histogram", bins: int = 1000,
-                 sign_step: float = 1e-3):
+                 sign_step: float = 1e-3, diagnostics: bool = False):
         if not _is_int(num_experts) or num_experts < 2:
             raise ValueError(f"num_experts must be an int >= 2, got {num_experts!r}")
         _check_top_k(top_k, num_experts)
@@ -207,8 +218,10 @@ class ExpertBalancer:
         self.method = method
         self.bins = bins
         self.sign_step = float(sign_step)
+        self.diagnostics = bool(diagnostics)
         self.num_allreduce = 0
         self.last_load: Tensor | None = None
+        self.last_ideal_load: Tensor | None = None
         self._reset()
 
     # ------------------------------------------------------------------ window state
@@ -220,6 +233,7 @@ class ExpertBalancer:
         self._acc: Tensor | None = None  # [E, C] int64, see the class docstring
         self._range: Tensor | None = None  # [2] fp32 (lo, hi): histogram range, fixed for the window
         self._margins: list[Tensor] = []  # "exact": the [N, E] required biases of each micro-batch
+        self._scores: list[Tensor] = []  # diagnostics: the [N, E] unbiased scores of each micro-batch
         self._num_tokens = 0
         self._num_batches = 0
 
@@ -266,6 +280,8 @@ class ExpertBalancer:
             self._bin(flat, scores, cutoff)
         elif self.method == "exact":
             self._margins.append(_margins(scores, cutoff))
+        if self.diagnostics:
+            self._scores.append(scores.detach().float())
         # Routed load: expert e's count lives in the last column, flat position e*C + C-1.
         routed = indices.reshape(-1).to(device=device, dtype=torch.int64) * C + (C - 1)
         flat.index_add_(0, routed, torch.ones((), dtype=torch.int64, device=device).expand(routed.numel()))
@@ -348,8 +364,21 @@ class ExpertBalancer:
         else:  # exact, single process
             r = self._margins[0] if len(self._margins) == 1 else torch.cat(self._margins)
             new = _center(_exact_quantile(r, self.top_k))
+        if self.diagnostics:
+            self.last_ideal_load = self._reroute(new.to(acc.device), acc.device, world, process_group)
         self._reset()
         return new.to(bias.device)
+
+    def _reroute(self, bias: Tensor, device: torch.device, world: int, process_group: Any) -> Tensor:
+        """[E] int64: the window's tokens (every rank's, under torch.distributed) routed again with `bias`."""
+        load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        for s in self._scores:  # top-k of the biased scores, as k3.ops.moe.route selects
+            idx = torch.topk(s.to(device) + bias.float()[None], self.top_k, dim=1).indices.reshape(-1)
+            load.index_add_(0, idx, torch.ones((), dtype=torch.int64, device=device).expand(idx.numel()))
+        if world > 1:
+            dist.all_reduce(load, op=dist.ReduceOp.SUM, group=process_group)
+            self.num_allreduce += 1
+        return load
 
     def discard(self) -> None:
         """Drop the open window's observations on this rank only (no collective): for a step that is retried."""
@@ -384,6 +413,7 @@ class ExpertBalancer:
             "method": self.method,
             "bins": self.bins,
             "sign_step": self.sign_step,
+            "diagnostics": self.diagnostics,
             "num_tokens": self._num_tokens,
             "num_batches": self._num_batches,
             "num_allreduce": self.num_allreduce,
@@ -434,6 +464,20 @@ def load_ratios(balancers) -> list[Tensor | None]:
         load = bal._acc[:, -1].double()
         mean = load.mean()
         out.append(torch.stack([load.max() / mean, load.min() / mean]))
+    return out
+
+
+def ideal_load_ratios(balancers) -> list[float]:
+    """Per balancer, max / mean of `last_ideal_load` (diagnostics), NaN where there is none; one read per device."""
+    out = [float("nan")] * len(balancers)
+    by_device: dict[torch.device, list] = {}
+    for i, bal in enumerate(balancers):
+        if bal.last_ideal_load is not None and int(bal.last_ideal_load.numel()):
+            by_device.setdefault(bal.last_ideal_load.device, []).append(i)
+    for items in by_device.values():
+        loads = torch.stack([balancers[i].last_ideal_load for i in items]).double()
+        for i, r in zip(items, (loads.max(dim=1).values / loads.mean(dim=1)).tolist()):
+            out[i] = r
     return out
 
 

@@ -28,7 +28,7 @@ from k3.train.checkpointing import checkpoint_path, load_checkpoint, save_checkp
 from k3.train.evaluate import evaluate_batches, evaluate_loss
 from k3.train.per_head_muon import PerHeadMuon, muon_param_groups
 from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
-from k3.train.quantile_balance import ExpertBalancer, load_ratios
+from k3.train.quantile_balance import ExpertBalancer, ideal_load_ratios, load_ratios
 from k3.train.reporting import MetricsLog, ProgressBar, plan_messages, projection_messages
 from k3.train.schedule import lr_multiplier
 from k3.tensors import to_device_async
@@ -58,6 +58,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     mtp_weight: float = 0.3
     balance: str = "histogram"  # histogram | exact | sign | none
+    # Per MoE layer and step, also the load imbalance of the step's batch routed again with the bias computed from
+    # it (the same-batch ideal, k3.train.quantile_balance): tells batch-to-batch variation from balancing error.
+    # Keeps the routing scores of the step and reads one more value per layer back; off by default.
+    balance_diagnostics: bool = False
     qk_clip_tau: float = 100.0
     eval_every: int = 50
     eval_batches: int = 64  # x 16 rows x seq_len tokens: the whole held-out set of the default corpus
@@ -99,6 +103,10 @@ class TrainConfig:
             bad("balance", "must be histogram, exact, sign or none")
         if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
             bad("micro_batch_rows", "must be >= 1")
+        if not isinstance(self.balance_diagnostics, bool):
+            bad("balance_diagnostics", "must be True or False")
+        if self.balance_diagnostics and self.balance == "none":
+            bad("balance_diagnostics", "needs a balancing method (--balance histogram, exact or sign)")
         if not isinstance(self.activation_checkpointing, bool):
             bad("activation_checkpointing", "must be True or False")
         if self.qat not in (None, "mxfp4"):
@@ -123,6 +131,8 @@ class StepMetrics:
     max_logit: float | None = None
     clipped_heads: int = 0
     expert_load_max_over_mean: list[float] = field(default_factory=list)
+    # with balance_diagnostics: per MoE layer, busiest / mean load of the batch routed with the bias computed from it
+    expert_load_ideal_max_over_mean: list[float] | None = None
     skipped: bool = False
 
 
@@ -142,7 +152,8 @@ class Trainer:
         model.set_activation_checkpointing(tcfg.activation_checkpointing)
         self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
         self.balancers = [] if tcfg.balance == "none" else [
-            ExpertBalancer(m.gate.e_score_correction_bias.numel(), m.gate.top_k, method=tcfg.balance)
+            ExpertBalancer(m.gate.e_score_correction_bias.numel(), m.gate.top_k, method=tcfg.balance,
+                           diagnostics=tcfg.balance_diagnostics)
             for m in self.moe_layers]
         # QK-Clip's per-head maxima over each step's training forwards (never an evaluation's)
         clip_on = tcfg.qk_clip_tau is not None and tcfg.qk_clip_tau > 0
@@ -265,6 +276,8 @@ class Trainer:
             with torch.no_grad(), record_function("k3.train.balance"):
                 for bal, m in zip(self.balancers, self.moe_layers):
                     m.gate.e_score_correction_bias.copy_(bal.update(m.gate.e_score_correction_bias))
+            if c.balance_diagnostics:
+                metrics.expert_load_ideal_max_over_mean = ideal_load_ratios(self.balancers)
         metrics.expert_load_max_over_mean = loads
         self.step += 1
         dt = time.perf_counter() - t0

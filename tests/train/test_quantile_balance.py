@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k3.ops.moe import Routing, expert_load, route
-from k3.train.quantile_balance import ExpertBalancer, histogram_quantile, load_stats_of, quantile_bias_exact
+from k3.train.quantile_balance import (METHODS, ExpertBalancer, histogram_quantile, ideal_load_ratios, load_stats_of,
+                                      quantile_bias_exact)
 
 QB_METHODS = ("histogram", "exact")
 ALL_METHODS = ("histogram", "exact", "sign")
@@ -354,6 +355,12 @@ def _dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             out["exact_error"] = str(e)
         out["calls"] = len(calls)
         out["shapes"] = [list(s) for s in calls]
+        # diagnostics: the window routed again with the new bias, every rank's tokens (one more all-reduce)
+        bal = ExpertBalancer(DIST_E, DIST_K, "histogram", bins=DIST_BINS, diagnostics=True)
+        for a, b in DIST_PARTS[rank]:
+            bal.observe(_rows(R, a, b), bias)
+        out["diag_bias"] = bal.update(bias)
+        out["diag_ideal"], out["diag_counter"] = bal.last_ideal_load, bal.num_allreduce
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.all_reduce = real_all_reduce
@@ -383,11 +390,34 @@ def test_distributed_histogram_equals_single_process(tmp_path, monkeypatch):
         # 2 methods x 2 windows + the empty window = 5 all-reduces, each one [E, C] tensor
         assert out["calls"] == 5
         assert out["shapes"][0] == [DIST_E, DIST_BINS + 1] and out["shapes"][2] == [DIST_E, 1]
+        single = ExpertBalancer(DIST_E, DIST_K, "histogram", bins=DIST_BINS, diagnostics=True)
+        single.observe(R, bias)
+        assert torch.equal(out["diag_bias"], single.update(bias)) and out["diag_counter"] == 2
+        assert torch.equal(out["diag_ideal"], single.last_ideal_load)
 
 
 # ---------------------------------------------------------------------------------------------
 # 8. Bad arguments.
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_diagnostics_route_the_window_again_with_the_new_bias(method):
+    R, bias, logits = _random_routing(600, 16, 3, seed=11)
+    bal = ExpertBalancer(16, 3, method, diagnostics=True)
+    plain = ExpertBalancer(16, 3, method)
+    for a, b in ((0, 250), (250, 600)):  # two micro-batches of the window
+        bal.observe(_rows(R, a, b), bias)
+        plain.observe(_rows(R, a, b), bias)
+    new = bal.update(bias)
+    assert torch.equal(new, plain.update(bias))  # diagnostics change nothing of the balancing
+    assert plain.last_ideal_load is None
+    assert torch.equal(bal.last_ideal_load, expert_load(route(logits, new, 3).indices, 16))
+    assert torch.equal(bal.last_load, expert_load(R.indices, 16))
+    ratio = ideal_load_ratios([bal, plain])
+    assert ratio[0] == pytest.approx(float(bal.last_ideal_load.max()) / (600 * 3 / 16)) and math.isnan(ratio[1])
+    if method != "sign":  # the quantile bias balances the batch it came from far better than the bias it was routed with
+        assert ratio[0] < 0.5 * float(bal.last_load.max()) / (600 * 3 / 16)
 
 
 def test_bad_arguments_raise_value_error_naming_them():

@@ -223,3 +223,18 @@ def test_oom_with_one_row_stops_with_a_clear_message(tmp_path):
     _oom_above(tr, 0)
     with pytest.raises(TrainingError, match="even with 1-row micro-batches.*--activation-checkpointing"):
         tr.train_step()
+
+
+def test_balance_diagnostics_log_the_same_batch_ideal_and_change_nothing(tmp_path):
+    plain = _trainer(tmp_path / "plain", 3)
+    diag = _trainer(tmp_path / "diag", 3, balance_diagnostics=True)
+    for _ in range(3):
+        a, b = plain.train_step(), diag.train_step()
+        assert a.loss == b.loss and a.expert_load_max_over_mean == b.expert_load_max_over_mean
+        assert a.expert_load_ideal_max_over_mean is None
+        ideal = b.expert_load_ideal_max_over_mean
+        assert len(ideal) == len(b.expert_load_max_over_mean) and all(1.0 <= r < 1e3 for r in ideal)
+    for p, q in zip(plain.model.parameters(), diag.model.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="balance_diagnostics"):
+        TrainConfig(max_steps=1, balance="none", balance_diagnostics=True).validate()
