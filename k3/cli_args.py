@@ -29,7 +29,7 @@ def _backends(choice: str, device):
 
 TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows",
                "balance", "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
-               "activation_checkpointing", "qat", "balance_diagnostics"]
+               "activation_checkpointing", "qat", "balance_diagnostics", "optimizer"]
 
 
 def _saved_train_config(ck: str) -> dict:
@@ -99,6 +99,9 @@ def _add_trainer_flags(s) -> None:
                    help="also log, per MoE layer and step, the load imbalance of the batch routed again with the bias "
                         "computed from it (expert_load_ideal_max_over_mean in metrics.jsonl): tells batch-to-batch "
                         "variation from balancing error; keeps the step's routing scores (default off)")
+    s.add_argument("--optimizer", choices=["per-head-muon", "muon", "adamw"],
+                   help="per-head-muon (K3's: Q/K/V orthogonalized per head, experts per expert, AdamW for the rest), "
+                        "muon (whole-matrix Q/K/V) or adamw (everything), for comparisons (default per-head-muon)")
     s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
     s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
     s.add_argument("--grad-clip", type=_positive_float)

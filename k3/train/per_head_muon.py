@@ -244,6 +244,38 @@ def muon_param_groups(model: nn.Module, weight_decay: float = DEFAULT_WEIGHT_DEC
     return sorted(groups.values(), key=lambda g: not g["use_muon"])
 
 
+OPTIMIZERS = ("per-head-muon", "muon", "adamw")
+
+
+def optimizer_groups(model: nn.Module, optimizer: str = "per-head-muon",
+                     weight_decay: float = DEFAULT_WEIGHT_DECAY) -> list[dict]:
+    """`muon_param_groups` for one of the optimizers a study compares (report §2.5):
+
+    * "per-head-muon" (K3's, the default): the groups as they are;
+    * "muon": whole-matrix Muon: the Q, K, V (and MLA up-) projections orthogonalized as whole matrices instead of
+      per head; routed experts stay separate matrices (they are separate matrices, not one split);
+    * "adamw": AdamW for every parameter (the matrices with weight decay), at the same learning rate, which the
+      update-RMS matching of Muon makes comparable."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is invalid: use one of {', '.join(OPTIMIZERS)}")
+    groups = muon_param_groups(model, weight_decay)
+    if optimizer == "per-head-muon":
+        return groups
+    merged: dict[str, dict] = {}
+    for g in groups:
+        g = dict(g)
+        if g["use_muon"] and (optimizer == "adamw" or g["split"] == "heads"):
+            if optimizer == "adamw":
+                g.update(name="adamw/decay", use_muon=False, split=None, num_blocks=None)
+            else:
+                g.update(name="muon", split="none", num_blocks=None)
+        if g["name"] in merged:
+            merged[g["name"]]["params"] = merged[g["name"]]["params"] + g["params"]
+        else:
+            merged[g["name"]] = g
+    return sorted(merged.values(), key=lambda g: not g["use_muon"])
+
+
 # --------------------------------------------------------------------------------------------------
 # The optimizer
 # --------------------------------------------------------------------------------------------------

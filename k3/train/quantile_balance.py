@@ -28,6 +28,8 @@ Estimators of the quantile:
   (single process, small batches; tests and studies).
 * ``"sign"``: the fixed-step baseline ``b_j += gamma * sign(mean_load - load_j)`` of
   auxiliary-loss-free balancing, loads counted from the routed indices.
+* ``"none"``: no balancing (the bias is returned unchanged); the loads are still counted, so that an
+  unbalanced run can be measured (the trainer builds these only for `--balance none --balance-diagnostics`).
 
 Diagnostics (``diagnostics=True``, `k3 train --balance-diagnostics`): to tell batch-to-batch variation from a
 balancing error, the balancer also keeps the window's unbiased scores and, at ``update``, routes that same window
@@ -53,9 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ExpertBalancer", "quantile_bias_exact", "histogram_quantile", "ideal_load_ratios", "METHODS"]
+__all__ = ["ExpertBalancer", "quantile_bias_exact", "histogram_quantile", "ideal_load_ratios", "idle_expert_counts",
+           "METHODS"]
 
-METHODS = ("histogram", "exact", "sign")
+METHODS = ("histogram", "exact", "sign", "none")
 
 # Elements of the [rows, E] margin block binned at once: bounds the temporaries of observe.
 _CHUNK_ELEMENTS = 1 << 24
@@ -348,7 +351,9 @@ class ExpertBalancer:
         load = acc[:, -1]
         self.last_load = load.clone()
 
-        if self.method == "sign":
+        if self.method == "none":
+            new = bias32.to(acc.device)
+        elif self.method == "sign":
             loadf = load.double()
             step = torch.sign(loadf.mean() - loadf) * self.sign_step
             new = (bias32.to(acc.device).double() + step).float()
@@ -479,6 +484,14 @@ def ideal_load_ratios(balancers) -> list[float]:
         for i, r in zip(items, (loads.max(dim=1).values / loads.mean(dim=1)).tolist()):
             out[i] = r
     return out
+
+
+def idle_expert_counts(balancers) -> list[int]:
+    """Per balancer, the number of experts its last closed window routed no token to (-1 where there is none)."""
+    loads = [b.last_load for b in balancers]
+    have = [l for l in loads if l is not None]
+    counts = iter(torch.stack([(l == 0).sum() for l in have]).tolist()) if have else iter(())
+    return [next(counts) if l is not None else -1 for l in loads]
 
 
 def load_stats_of(balancers) -> list[dict[str, float]]:

@@ -26,9 +26,9 @@ from k3.run_dir import clean_interrupted, holding_run_dir
 from k3.train import state as state_io
 from k3.train.checkpointing import checkpoint_path, load_checkpoint, save_checkpoint
 from k3.train.evaluate import evaluate_batches, evaluate_loss
-from k3.train.per_head_muon import PerHeadMuon, muon_param_groups
+from k3.train.per_head_muon import OPTIMIZERS, PerHeadMuon, optimizer_groups
 from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
-from k3.train.quantile_balance import ExpertBalancer, ideal_load_ratios, load_ratios
+from k3.train.quantile_balance import ExpertBalancer, idle_expert_counts, ideal_load_ratios, load_ratios
 from k3.train.reporting import MetricsLog, ProgressBar, plan_messages, projection_messages
 from k3.train.schedule import lr_multiplier
 from k3.tensors import to_device_async
@@ -62,6 +62,9 @@ class TrainConfig:
     # it (the same-batch ideal, k3.train.quantile_balance): tells batch-to-batch variation from balancing error.
     # Keeps the routing scores of the step and reads one more value per layer back; off by default.
     balance_diagnostics: bool = False
+    # "per-head-muon" (K3's), "muon" (whole-matrix Muon) or "adamw" (k3.train.per_head_muon.optimizer_groups): the
+    # optimizers the report's §2.5 compares
+    optimizer: str = "per-head-muon"
     qk_clip_tau: float = 100.0
     eval_every: int = 50
     eval_batches: int = 64  # x 16 rows x seq_len tokens: the whole held-out set of the default corpus
@@ -105,8 +108,8 @@ class TrainConfig:
             bad("micro_batch_rows", "must be >= 1")
         if not isinstance(self.balance_diagnostics, bool):
             bad("balance_diagnostics", "must be True or False")
-        if self.balance_diagnostics and self.balance == "none":
-            bad("balance_diagnostics", "needs a balancing method (--balance histogram, exact or sign)")
+        if self.optimizer not in OPTIMIZERS:
+            bad("optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
         if not isinstance(self.activation_checkpointing, bool):
             bad("activation_checkpointing", "must be True or False")
         if self.qat not in (None, "mxfp4"):
@@ -133,6 +136,8 @@ class StepMetrics:
     expert_load_max_over_mean: list[float] = field(default_factory=list)
     # with balance_diagnostics: per MoE layer, busiest / mean load of the batch routed with the bias computed from it
     expert_load_ideal_max_over_mean: list[float] | None = None
+    # with balance_diagnostics: per MoE layer, how many experts got no token in the step
+    experts_without_tokens: list[int] | None = None
     skipped: bool = False
 
 
@@ -146,12 +151,13 @@ class Trainer:
         self.eval_stream, self.eos_id, self.tokenizer_json, self.log = eval_stream, eos_id, tokenizer_json, log
         self.extra_files = dict(extra_files or {})
         self.device = torch.device(tcfg.device)
-        self.optimizer = PerHeadMuon(muon_param_groups(model), lr=tcfg.lr, weight_decay=tcfg.weight_decay,
-                                     backends=model.backends)
+        self.optimizer = PerHeadMuon(optimizer_groups(model, tcfg.optimizer), lr=tcfg.lr,
+                                     weight_decay=tcfg.weight_decay, backends=model.backends)
         # Training forwards only: evaluation (eval mode, no_grad) runs the plain path whatever the setting.
         model.set_activation_checkpointing(tcfg.activation_checkpointing)
         self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
-        self.balancers = [] if tcfg.balance == "none" else [
+        # no balancers for --balance none, unless its loads are to be measured (diagnostics: method "none")
+        self.balancers = [] if tcfg.balance == "none" and not tcfg.balance_diagnostics else [
             ExpertBalancer(m.gate.e_score_correction_bias.numel(), m.gate.top_k, method=tcfg.balance,
                            diagnostics=tcfg.balance_diagnostics)
             for m in self.moe_layers]
@@ -278,6 +284,7 @@ class Trainer:
                     m.gate.e_score_correction_bias.copy_(bal.update(m.gate.e_score_correction_bias))
             if c.balance_diagnostics:
                 metrics.expert_load_ideal_max_over_mean = ideal_load_ratios(self.balancers)
+                metrics.experts_without_tokens = idle_expert_counts(self.balancers)
         metrics.expert_load_max_over_mean = loads
         self.step += 1
         dt = time.perf_counter() - t0

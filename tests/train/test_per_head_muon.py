@@ -446,3 +446,35 @@ def test_gpu_step_with_bf16_newton_schulz_matches_the_fp32_definition(tiny_cfg, 
         if not err < (3e-2 if muon else 1e-4):
             bad.append((n, desc[n], err))
     assert not bad, bad
+
+
+def test_the_optimizers_a_study_compares():
+    from k3.train.per_head_muon import optimizer_groups
+
+    model = K3ForCausalLM(K3Config.from_preset("tiny")).init_weights(seed=0)
+    own = optimizer_groups(model, "per-head-muon")
+    assert [g["name"] for g in own] == [g["name"] for g in muon_param_groups(model)]
+    whole = optimizer_groups(model, "muon")
+    adamw = optimizer_groups(model, "adamw")
+    n_params = len(list(model.parameters()))
+    for groups in (own, whole, adamw):  # every parameter exactly once
+        ids = [id(p) for g in groups for p in g["params"]]
+        assert len(ids) == len(set(ids)) == n_params
+    assert any(g["split"] == "heads" for g in own) and not any(g["split"] == "heads" for g in whole)
+    assert any(g["split"] == "experts" for g in whole)  # experts stay separate matrices
+    assert not any(g["use_muon"] for g in adamw)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert [g["name"] for g in whole if any(p is q for p in g["params"])] == ["muon"]
+    assert [g for g in adamw if any(p is q for p in g["params"])][0]["weight_decay"] > 0
+    with pytest.raises(ValueError, match="optimizer"):
+        optimizer_groups(model, "sgd")
+    # one step of each moves the parameters, differently
+    ids = torch.randint(1, 64, (2, 32))
+    after = []
+    for name in ("per-head-muon", "muon", "adamw"):
+        m = K3ForCausalLM(K3Config.from_preset("tiny")).init_weights(seed=0)
+        opt = PerHeadMuon(optimizer_groups(m, name), lr=1e-2)
+        m(ids, labels=ids).loss.backward()
+        opt.step()
+        after.append(m.model.layers[0].self_attn.q_proj.weight.detach().clone())
+    assert not torch.equal(after[0], after[1]) and not torch.equal(after[1], after[2])

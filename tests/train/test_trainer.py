@@ -234,7 +234,15 @@ def test_balance_diagnostics_log_the_same_batch_ideal_and_change_nothing(tmp_pat
         assert a.expert_load_ideal_max_over_mean is None
         ideal = b.expert_load_ideal_max_over_mean
         assert len(ideal) == len(b.expert_load_max_over_mean) and all(1.0 <= r < 1e3 for r in ideal)
+        idle = b.experts_without_tokens
+        assert idle == [int((bal.last_load == 0).sum()) for bal in diag.balancers] and a.experts_without_tokens is None
     for p, q in zip(plain.model.parameters(), diag.model.parameters()):
         assert torch.equal(p, q)
-    with pytest.raises(ValueError, match="balance_diagnostics"):
-        TrainConfig(max_steps=1, balance="none", balance_diagnostics=True).validate()
+    # without balancing the loads are still measured, and the bias stays
+    none = _trainer(tmp_path / "none", 2, balance="none", balance_diagnostics=True)
+    m = none.train_step()
+    assert len(m.expert_load_max_over_mean) == len(ideal) and m.expert_load_ideal_max_over_mean == \
+        m.expert_load_max_over_mean
+    assert all(torch.equal(l.gate.e_score_correction_bias, torch.zeros_like(l.gate.e_score_correction_bias))
+               for l in none.moe_layers)
+    assert _trainer(tmp_path / "none2", 1, balance="none").balancers == []
