@@ -87,7 +87,6 @@ def distill_train_config(opts: DistillOptions, tcfg: TrainConfig) -> TrainConfig
     """The trainer's row shape for MOPD: one row per sample, `rollouts_per_step` rows per step."""
     tcfg.seq_len = opts.seq_len
     tcfg.batch_tokens = opts.rollouts_per_step * opts.seq_len
-    tcfg.micro_batch_rows = tcfg.micro_batch_rows or None
     return tcfg
 
 
@@ -149,8 +148,9 @@ class PromptSource:
         self.in_flight = [Rollout.from_dict(d) for d in st["in_flight"]]
 
 
-def score_rows(model, rows: list[list[int]], device) -> torch.Tensor:
-    """log p(row[t] | row[:t]) under `model` for right-padded rows: [N, T] (0 at t = 0 and in the padding)."""
+def score_rows(model, rows: list[list[int]], device, chunk: int = 8) -> torch.Tensor:
+    """log p(row[t] | row[:t]) under `model` for right-padded rows: [N, T] (0 at t = 0 and in the padding), in
+    forwards of `chunk` rows (the [rows, T, V] logits of a large vocabulary are the memory that matters)."""
     T = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), T, dtype=torch.long)
     seg = torch.ones(len(rows), T, dtype=torch.long)
@@ -159,14 +159,16 @@ def score_rows(model, rows: list[list[int]], device) -> torch.Tensor:
         seg[i, :len(r)] = 0
     was = model.training
     model.eval()
+    parts = []
     try:
         with torch.no_grad():
-            info = BatchInfo.from_segment_ids(seg).to(device)
-            out = model(ids.to(device), batch=info, check_ids=False)
-            lp = token_logprobs(out.logits, ids.to(device)).cpu()
+            for s in range(0, len(rows), chunk):
+                info = BatchInfo.from_segment_ids(seg[s:s + chunk]).to(device)
+                x = ids[s:s + chunk].to(device)
+                parts.append(token_logprobs(model(x, batch=info, check_ids=False).logits, x).cpu())
     finally:
         model.train(was)
-    return lp * (seg == 0)
+    return torch.cat(parts) * (seg == 0)
 
 
 class MOPDTrainer(Trainer):
