@@ -348,7 +348,7 @@ def test_resume_continues_the_samples_in_flight_bit_exactly(tmp_path, ckpts):
                               teachers=[f"code={ckpts['code']}", f"docs={ckpts['docs']}"],
                               prompts=[prompts], rollouts_per_step=3, max_new_tokens=7, rollout_budget=3,
                               device="cpu", engine=_engine_cfg(), resume=os.path.isdir(os.path.join(out, "checkpoints")))
-        return build_distill_run(opts, TrainConfig(out=str(out), max_steps=4, save_every_minutes=1e9),
+        return build_distill_run(opts, TrainConfig(out=str(out), max_steps=3, save_every_minutes=1e9),
                                  log=lambda *a: None)
 
     straight = trainer(tmp_path / "a")
