@@ -100,8 +100,8 @@ def make_data(work: str, args) -> dict[str, tuple[str, str]]:
 def _tcfg(out: str, args, **kw):
     from k3.train.trainer import TrainConfig
 
-    return TrainConfig(out=out, seq_len=kw.pop("seq_len", args.seq_len), batch_tokens=kw.pop("batch_tokens", args.batch_tokens),
-                       lr=kw.pop("lr", args.lr), eval_every=10 ** 6, eval_batches=4, save_every_minutes=1e9,
+    return TrainConfig(out=out, seq_len=kw.pop("seq_len", args.seq_len),
+                       batch_tokens=kw.pop("batch_tokens", args.batch_tokens), lr=kw.pop("lr", args.lr), eval_every=10 ** 6, eval_batches=4, save_every_minutes=1e9,
                        seed=args.seed, **kw)
 
 

@@ -107,8 +107,9 @@ def add_parsers(sub) -> None:
     cli._add_trainer_flags(s)
     s.set_defaults(fn=cmd_sft)
 
-    s = sub.add_parser("distill", help="multi-teacher on-policy distillation (MOPD): the student samples, the teacher "
-                       "of each prompt's domain/effort tag scores every token, eq. 15's clipped log-ratio is the reward")
+    s = sub.add_parser("distill", help="multi-teacher on-policy distillation (MOPD): the student samples, the "
+                       "teacher of each prompt's domain/effort tag scores every token, eq. 15's clipped log-ratio is "
+                       "the reward")
     s.add_argument("--student", help="the checkpoint to distill into (or a run directory: its latest checkpoint)")
     s.add_argument("--teacher", action="append", required=True, metavar="TAG=CK",
                    help="a teacher: TAG = DOMAIN (every effort of the domain) or DOMAIN/EFFORT (that pair only; wins "

@@ -268,7 +268,8 @@ class MOPDTrainer(Trainer):
         for d in sorted(set(self._info["domains"])):
             sel = torch.tensor([x == d for x in self._info["domains"]])
             nd = float(toks[sel].sum())
-            doms[d] = {"reward": float(reward[sel].sum()) / max(nd, 1), "reverse_kl": float(lkl[sel].sum()) / max(nd, 1),
+            doms[d] = {"reward": float(reward[sel].sum()) / max(nd, 1),
+                       "reverse_kl": float(lkl[sel].sum()) / max(nd, 1),
                        "response_len": nd / int(sel.sum()), "samples": int(sel.sum())}
         fields = asdict(m)
         fields["mtp_loss"] = None

@@ -96,7 +96,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log p(ids[:, t] | ids[:, <t]) from logits [B, T, V] of a forward over ids [B, T]: [B, T], 0 at t = 0
     (nothing predicts the first token). Computed in fp32 (fp64 logits stay fp64)."""
     x = logits[:, :-1]
-    lp = torch.log_softmax(x if x.dtype == torch.float64 else x.float(), -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    lp = torch.log_softmax(x if x.dtype == torch.float64 else x.float(), -1)
+    lp = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
 
 
