@@ -1,7 +1,9 @@
-"""The post-training commands: `k3 sft`, `k3 quantize`, `k3 data sft-from-source` (registered by k3.cli)."""
+"""The post-training commands: `k3 sft`, `k3 distill`, `k3 quantize`, `k3 data sft-from-source` (registered by
+k3.cli)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from k3 import cli_args as cli
@@ -24,6 +26,36 @@ def cmd_sft(args) -> int:
         summary = run_sft(opts, tcfg, progress_bar=not args.no_progress)
     except TrainingError as e:
         print(f"k3 sft: {e}", file=sys.stderr)
+        return 3
+    return cli.exit_code(summary)
+
+
+def cmd_distill(args) -> int:
+    from k3.devices import pick_device
+    from k3.posttrain.distill import CPU_DEFAULTS, GPU_DEFAULTS, DistillOptions, run_distill, student_qat
+    from k3.train.trainer import TrainingError
+
+    if args.seq_len is not None or args.batch_tokens is not None:
+        raise SystemExit("k3 distill: --seq-len and --batch-tokens do not apply: a row is one sample (prompt + "
+                         "response: --max-prompt-tokens + --max-new-tokens) and a step holds --rollouts-per-step")
+    if args.student is None and not args.resume:
+        raise SystemExit("k3 distill: --student is required (the checkpoint to distill into), unless --resume")
+    device = pick_device(args.device)
+    defaults = dict(GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS, seq_len=8, batch_tokens=8,
+                    micro_batch_rows=None)
+    student = None if args.student is None else cli._resolve_ckpt(args.student)
+    if args.qat is None and not args.resume and student is not None and os.path.isdir(student):
+        args.qat = student_qat(student)  # a QAT-trained student keeps its quantization, in training and rollouts
+    tcfg = cli._train_config(args, defaults)
+    opts = DistillOptions(student=student, teachers=args.teacher, prompts=args.prompts, resume=args.resume,
+                          rollouts_per_step=args.rollouts_per_step, max_prompt_tokens=args.max_prompt_tokens,
+                          max_new_tokens=args.max_new_tokens, rollout_budget=args.rollout_budget, r_max=args.r_max,
+                          cache_memory_mb=args.rollout_cache_mb, device=str(device),
+                          backends=cli._backends(args.backend, device), verify=args.verify)
+    try:
+        summary = run_distill(opts, tcfg, progress_bar=not args.no_progress)
+    except TrainingError as e:
+        print(f"k3 distill: {e}", file=sys.stderr)
         return 3
     return cli.exit_code(summary)
 
@@ -74,6 +106,34 @@ def add_parsers(sub) -> None:
                    help="skip bad records (counted and listed in the log) instead of stopping at the first")
     cli._add_trainer_flags(s)
     s.set_defaults(fn=cmd_sft)
+
+    s = sub.add_parser("distill", help="multi-teacher on-policy distillation (MOPD): the student samples, the "
+                       "teacher of each prompt's domain/effort tag scores every token, eq. 15's clipped log-ratio is "
+                       "the reward")
+    s.add_argument("--student", help="the checkpoint to distill into (or a run directory: its latest checkpoint)")
+    s.add_argument("--teacher", action="append", required=True, metavar="TAG=CK",
+                   help="a teacher: TAG = DOMAIN (every effort of the domain) or DOMAIN/EFFORT (that pair only; wins "
+                        "over the domain's), CK its checkpoint (repeatable)")
+    s.add_argument("--prompts", action="append", required=True, metavar="FILE.jsonl",
+                   help="prompts, one per line: {\"messages\": [...]} or {\"prompt\": \"...\"}, with \"domain\" "
+                        "and optional \"effort\" (repeatable)")
+    s.add_argument("--out", default="runs/distill", help="run directory (checkpoints, metrics.jsonl)")
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, "
+                   "samples in flight included (give the same --teacher and --prompts)")
+    s.add_argument("--rollouts-per-step", type=cli._positive_int, default=8, help="samples trained per step "
+                   "(in flight at once)")
+    s.add_argument("--max-new-tokens", type=cli._positive_int, default=128, help="longest response")
+    s.add_argument("--max-prompt-tokens", type=cli._positive_int, default=256,
+                   help="longer prompts are left out (counted in the log)")
+    s.add_argument("--rollout-budget", type=cli._positive_int, help="tokens a sample may generate per step; a longer "
+                   "one is kept and continues in the next step under the then-current policy (partial rollouts; "
+                   "default --max-new-tokens: none)")
+    s.add_argument("--r-max", type=cli._positive_float, default=5.0,
+                   help="R_max of eq. 15: the per-token reward is clipped to [-R_max, R_max] (default 5)")
+    s.add_argument("--rollout-cache-mb", type=cli._positive_float, default=256.0,
+                   help="the rollout engine's cache pool (MLA KV, KDA states, prefix checkpoints)")
+    cli._add_trainer_flags(s)
+    s.set_defaults(fn=cmd_distill)
 
     s = sub.add_parser("quantize", help="post-training quantization: write a checkpoint with its routed experts in "
                        "MXFP4 (the official layout)")

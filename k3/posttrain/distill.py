@@ -1,0 +1,441 @@
+"""`k3 distill`: Multi-Teacher On-Policy Distillation of a student from domain teachers (report §4.1.3).
+
+One step: (1) the prompt pool is topped up to `rollouts_per_step` in-flight samples (prompts in a shuffled order,
+epoch after epoch); (2) the serving engine advances every in-flight sample by at most `rollout_budget` tokens under
+the current student (k3.posttrain.rollout: partial rollouts, a fresh engine and cache after every update); a
+second round runs only when no sample finished in the first, so that every step has data; (3) each finished sample
+is scored by the teacher of its prompt's tag (k3.posttrain.mopd.TeacherTable); (4) one optimizer step on
+eq. 15's importance-sampled policy-gradient loss over the finished samples' response tokens (k3.posttrain.mopd:
+the normalization is the step's response-token count). Unfinished samples stay in flight, with their behaviour
+log-probs, and are trained on in the step they finish.
+
+The optimizer, QK-Clip, Quantile Balancing, the learning-rate schedule, the metrics log, the atomic checkpoints and
+the signal handling are the `k3 train` / `k3 sft` Trainer's: `MOPDTrainer` replaces only where a step's batch comes
+from (`_next_batch`: rollouts + teacher scores) and what its loss is (`_accumulate`). A batch row is one sample,
+prompt + response, right-padded (the padding its own segment); `seq_len` is `max_prompt_tokens + max_new_tokens`
+and `batch_tokens` is `rollouts_per_step * seq_len`, so "rows per step" is the rollouts per step and --epochs counts
+passes over the prompts. The in-flight samples are part of the trainer state: --resume continues them.
+
+A QAT student (a `k3 sft --qat mxfp4` run's checkpoint, or an MXFP4 checkpoint) is trained with QAT and, since
+the rollouts run on the same module, sampled with the same fake-quantized experts (report §4.1.4: rollout and
+training share the quantization). The MTP layer, if any, is not trained here (its loss is next-token prediction).
+
+metrics.jsonl, per step (besides the Trainer's loss, lr, grad_norm, ...): `reward` (mean clipped eq. 15 reward per
+response token), `reverse_kl` (mean log pi_student - log pi_teacher per sampled token, unclipped: the sampled
+reverse KL that distillation drives to 0), `clip_rate` (share of tokens whose log-ratio hit +-R_max), `samples`,
+`response_len` (mean tokens per finished sample), `in_flight` (unfinished samples carried to the next step),
+`stale_tokens` (trained tokens sampled by an older policy), `max_ratio` (largest importance ratio), `rollout_s`,
+`teacher_s`, and `domains`: per domain {reward, reverse_kl, response_len, samples}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from k3.model.batch import BatchInfo
+from k3.posttrain.mopd import Prompt, TeacherTable, encode_prompt, opd_pg_loss, read_prompts, token_logprobs
+from k3.posttrain.rollout import Rollout, RolloutEngine, default_engine_config
+from k3.run_dir import clean_interrupted, holding_run_dir, latest_checkpoint
+from k3.train.trainer import StepMetrics, Trainer, TrainConfig
+
+CPU_DEFAULTS = dict(lr=5e-4)
+GPU_DEFAULTS = dict(lr=1e-4)
+IGNORE = -100
+
+
+@dataclass
+class DistillOptions:
+    student: str | None = None  # the student's starting checkpoint (a resumed run: its own)
+    teachers: list[str] = field(default_factory=list)  # TAG=CK
+    prompts: list[str] = field(default_factory=list)  # prompt .jsonl files
+    resume: bool = False
+    rollouts_per_step: int = 8
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 128
+    rollout_budget: int | None = None  # tokens per sample per step (None: max_new_tokens, no partial rollouts)
+    r_max: float = 5.0
+    cache_memory_mb: float = 256.0
+    device: str = "auto"
+    backends: Any = None
+    verify: bool = True
+    engine: Any = None  # an EngineConfig for the rollouts (None: default_engine_config(cache_memory_mb))
+
+    def validate(self) -> None:
+        for name in ("rollouts_per_step", "max_prompt_tokens", "max_new_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"distill option '{name}' = {v!r} is invalid: must be an integer >= 1")
+        b = self.rollout_budget
+        if b is not None and (not isinstance(b, int) or b < 1):
+            raise ValueError(f"distill option 'rollout_budget' = {b!r} is invalid: must be an integer >= 1")
+        if not (self.r_max > 0 and np.isfinite(self.r_max)):
+            raise ValueError(f"distill option 'r_max' = {self.r_max!r} is invalid: must be a positive number")
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_prompt_tokens + self.max_new_tokens
+
+
+def distill_train_config(opts: DistillOptions, tcfg: TrainConfig) -> TrainConfig:
+    """The trainer's row shape for MOPD: one row per sample, `rollouts_per_step` rows per step."""
+    tcfg.seq_len = opts.seq_len
+    tcfg.batch_tokens = opts.rollouts_per_step * opts.seq_len
+    return tcfg
+
+
+@dataclass
+class MOPDStepMetrics(StepMetrics):
+    samples: int = 0
+    response_len: float = 0.0
+    reward: float = 0.0
+    reverse_kl: float = 0.0
+    clip_rate: float = 0.0
+    max_ratio: float = 1.0
+    stale_tokens: int = 0
+    in_flight: int = 0
+    rollout_rounds: int = 0
+    rollout_s: float = 0.0
+    teacher_s: float = 0.0
+    domains: dict = field(default_factory=dict)
+
+
+class PromptSource:
+    """The prompts in a shuffled order (a new permutation each epoch, from the seed), and the samples in flight.
+    Stands where the Trainer expects its loader (num_rows, tokens_per_epoch, state_dict)."""
+
+    def __init__(self, prompts: list[Prompt], ids: list[list[int]], seq_len: int, seed: int = 0):
+        self.prompts, self.ids, self.seed = prompts, ids, seed
+        self.num_rows, self.seq_len = len(prompts), seq_len
+        self.epoch, self.pos, self.next_uid = 0, 0, 0
+        self.in_flight: list[Rollout] = []
+        self._order = self._permutation(0)
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return self.num_rows * self.seq_len
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+
+    def take(self) -> Rollout:
+        if self.pos == self.num_rows:
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        i = int(self._order[self.pos])
+        self.pos += 1
+        r = Rollout(uid=self.next_uid, prompt_index=i, prompt_ids=list(self.ids[i]))
+        self.next_uid += 1
+        return r
+
+    def fill(self, n: int) -> None:
+        while len(self.in_flight) < n:
+            self.in_flight.append(self.take())
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "next_uid": self.next_uid,
+                "in_flight": [r.to_dict() for r in self.in_flight]}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.epoch, self.pos, self.next_uid = st["epoch"], st["pos"], st["next_uid"]
+        self._order = self._permutation(self.epoch)
+        self.in_flight = [Rollout.from_dict(d) for d in st["in_flight"]]
+
+
+def score_rows(model, rows: list[list[int]], device, chunk: int = 8) -> torch.Tensor:
+    """log p(row[t] | row[:t]) under `model` for right-padded rows: [N, T] (0 at t = 0 and in the padding), in
+    forwards of `chunk` rows (the [rows, T, V] logits of a large vocabulary are the memory that matters)."""
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    seg = torch.ones(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        seg[i, :len(r)] = 0
+    was = model.training
+    model.eval()
+    parts = []
+    try:
+        with torch.no_grad():
+            for s in range(0, len(rows), chunk):
+                info = BatchInfo.from_segment_ids(seg[s:s + chunk]).to(device)
+                x = ids[s:s + chunk].to(device)
+                parts.append(token_logprobs(model(x, batch=info, check_ids=False).logits, x).cpu())
+    finally:
+        model.train(was)
+    return torch.cat(parts) * (seg == 0)
+
+
+class MOPDTrainer(Trainer):
+    """The Trainer with rollouts + teacher scores as its batches and eq. 15's policy gradient as its loss."""
+
+    def __init__(self, model, tcfg: TrainConfig, source: PromptSource, rollout: RolloutEngine, teachers: dict,
+                 table: TeacherTable, r_max: float, **kw):
+        super().__init__(model, tcfg, source, **kw)
+        self.rollout, self.teachers, self.table, self.r_max = rollout, teachers, table, r_max
+        self._info: dict = {}
+        self._terms: list = []
+
+    # --- where a step's batch comes from ------------------------------------------------------------------
+    def _next_batch(self) -> dict:
+        src, model = self.loader, self.model
+        t0 = time.perf_counter()
+        src.fill(self.cfg.rows_per_step)
+        rounds = 0
+        while True:  # a second round only if nothing finished: each round adds >= 1 token per sample, so it ends
+            self.rollout.advance(src.in_flight, seed=self.cfg.seed * 7919 + self.step * 131 + rounds)
+            rounds += 1
+            done = [r for r in src.in_flight if r.finished]
+            if done:
+                break
+        src.in_flight = [r for r in src.in_flight if not r.finished]
+        model.train()
+        t1 = time.perf_counter()
+        rows = [r.prompt_ids + r.tokens for r in done]
+        T = max(len(r) for r in rows)
+        n = len(done)
+        batch = {"input_ids": torch.zeros(n, T, dtype=torch.long), "labels": torch.full((n, T), IGNORE),
+                 "segment_ids": torch.ones(n, T, dtype=torch.long), "behaviour": torch.zeros(n, T),
+                 "teacher": torch.zeros(n, T)}
+        for i, (r, row) in enumerate(zip(done, rows)):
+            p, L = len(r.prompt_ids), len(row)
+            batch["input_ids"][i, :L] = torch.tensor(row)
+            batch["segment_ids"][i, :L] = 0
+            batch["labels"][i, p:L] = torch.tensor(r.tokens)
+            batch["behaviour"][i, p:L] = torch.tensor(r.behaviour_logprobs)
+        by_tag: dict = {}
+        for i, r in enumerate(done):
+            pr = src.prompts[r.prompt_index]
+            by_tag.setdefault(self.table.tag_for(pr.domain, pr.effort), []).append(i)
+        for tag, idx in by_tag.items():
+            lp = score_rows(self.teachers[tag], [rows[i] for i in idx], self.device)
+            batch["teacher"][idx, :lp.shape[1]] = lp
+        self._info = {"domains": [src.prompts[r.prompt_index].domain for r in done],
+                      "stale": sum(v != self.rollout.version for r in done for v in r.versions),
+                      "rounds": rounds, "rollout_s": t1 - t0, "teacher_s": time.perf_counter() - t1,
+                      "in_flight": len(src.in_flight)}
+        return batch
+
+    # --- its loss ----------------------------------------------------------------------------------------------
+    def _accumulate(self, batch: dict, mb: int, bias_now: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward of eq. 15's policy-gradient loss in micro-batches of `mb` rows; each micro-batch's
+        loss is divided by the step's response-token count, so the gradients sum to the step's token mean."""
+        c, model = self.cfg, self.model
+        rows = batch["input_ids"].shape[0]
+        mask_all = batch["labels"] != IGNORE
+        n_tok = torch.tensor(float(mask_all.sum()), dtype=torch.float32, device=self.device)
+        self._terms = []
+        losses = []
+        with model.use_weight_casts(self._weight_casts()):
+            for s in range(0, rows, mb):
+                host = {k: v[s:s + mb] for k, v in batch.items()}
+                info = BatchInfo.from_segment_ids(host["segment_ids"]).to(self.device)
+                ids = host["input_ids"].to(self.device)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16):
+                    out = model(ids, batch=info, check_ids=False, stats=self.forward_stats)
+                logp = token_logprobs(out.logits, ids)
+                terms = opd_pg_loss(logp, host["teacher"].to(self.device), (host["labels"] != IGNORE).to(self.device),
+                                    self.r_max, behaviour_logp=host["behaviour"].to(self.device), normalizer=n_tok)
+                terms.loss.backward()
+                losses.append(terms.loss.detach().double())
+                self._terms.append(terms)
+                if self.max_logits is not None:
+                    self.max_logits.observe(out.stats)
+                for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
+                    routing = out.stats.routing.get(m.layer_idx)
+                    if routing is not None:
+                        bal.observe(routing, b)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(losses).sum(), zero
+
+    def train_step(self) -> MOPDStepMetrics:
+        m = super().train_step()
+        if not m.skipped:
+            self.rollout.policy_changed()  # the engine's cache holds the old policy's states: never reuse them
+        t = self._terms
+        reward = torch.cat([x.reward_sum for x in t]).double().cpu()
+        lkl = torch.cat([x.log_ratio_sum for x in t]).double().cpu()
+        toks = torch.cat([x.tokens for x in t]).double().cpu()
+        clipped = float(sum(x.clipped for x in t))
+        max_ratio = float(max(x.max_ratio for x in t))
+        n = float(toks.sum())
+        doms: dict = {}
+        for d in sorted(set(self._info["domains"])):
+            sel = torch.tensor([x == d for x in self._info["domains"]])
+            nd = float(toks[sel].sum())
+            doms[d] = {"reward": float(reward[sel].sum()) / max(nd, 1),
+                       "reverse_kl": float(lkl[sel].sum()) / max(nd, 1),
+                       "response_len": nd / int(sel.sum()), "samples": int(sel.sum())}
+        fields = asdict(m)
+        fields["mtp_loss"] = None
+        out = MOPDStepMetrics(**fields, samples=len(toks), response_len=n / max(len(toks), 1),
+                              reward=float(reward.sum()) / max(n, 1), reverse_kl=float(lkl.sum()) / max(n, 1),
+                              clip_rate=clipped / max(n, 1), max_ratio=max_ratio, stale_tokens=self._info["stale"],
+                              in_flight=self._info["in_flight"], rollout_rounds=self._info["rounds"],
+                              rollout_s=self._info["rollout_s"], teacher_s=self._info["teacher_s"], domains=doms)
+        self.log(f"step {out.step}: reward {out.reward:+.3f} (" + ", ".join(
+            f"{d} {v['reward']:+.3f}" for d, v in doms.items()) + f"), reverse KL {out.reverse_kl:.3f}, "
+            f"length {out.response_len:.1f}, clip {100 * out.clip_rate:.1f}%, loss {out.loss:+.4f}, "
+            f"{out.in_flight} in flight")
+        return out
+
+    def state_dict(self) -> dict:
+        st = super().state_dict()
+        st["rollout_version"] = self.rollout.version
+        return st
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        self.rollout.version = st["rollout_version"]
+
+
+# --- building a run -------------------------------------------------------------------------------------------
+
+def student_qat(ck: str) -> str | None:
+    """"mxfp4" when the checkpoint was trained with QAT (its trainer state says so) or holds MXFP4 experts."""
+    from k3.checkpoint import _is_mxfp4, load_config
+
+    path = os.path.join(ck, "trainer_state.json")
+    if os.path.isfile(path):
+        from k3.cli_args import _saved_train_config
+
+        if _saved_train_config(ck).get("qat") == "mxfp4":
+            return "mxfp4"
+    return "mxfp4" if _is_mxfp4(load_config(ck)) else None
+
+
+def load_teachers(table: TeacherTable, student_cfg, student_tok, device, backends, verify: bool, log=print) -> dict:
+    """{tag: teacher model} (one model per distinct checkpoint), each checked against the student."""
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+
+    loaded: dict[str, Any] = {}
+    out = {}
+    for (d, e), ck in table.tags.items():
+        tag = d if e is None else f"{d}/{e}"
+        if ck not in loaded:
+            if not os.path.isdir(ck) or not os.path.isfile(os.path.join(ck, "config.json")):
+                raise ValueError(f"--teacher {tag}={ck}: no checkpoint there (a directory with config.json and "
+                                 "safetensors)")
+            model = from_pretrained(ck, dtype=torch.float32, device=device, backends=backends, verify=verify)
+            if model.config.vocab_size != student_cfg.vocab_size:
+                raise ValueError(f"--teacher {tag}={ck}: vocabulary of {model.config.vocab_size} tokens, the "
+                                 f"student's has {student_cfg.vocab_size}: a teacher must share the student's "
+                                 "tokenizer (its log-probs are read at the student's tokens)")
+            if os.path.isfile(os.path.join(ck, "tokenizer.json")):
+                if load_any_tokenizer(ck).fingerprint() != student_tok.fingerprint():
+                    raise ValueError(f"--teacher {tag}={ck}: its tokenizer.json differs from the student's: a "
+                                     "teacher must share the student's tokenizer")
+            model.requires_grad_(False)
+            loaded[ck] = model
+            log(f"teacher {tag}: {ck} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+        out[(d, e)] = loaded[ck]
+    return out
+
+
+def build_distill_run(opts: DistillOptions, tcfg: TrainConfig, log=print) -> MOPDTrainer:
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.devices import pick_device
+    from k3.model.mx_experts import quantize_experts
+    from k3.serve.chat import chat_template_json, load_chat_template, stop_strings
+    from k3.train.run import _tokenizer_json_bytes
+
+    opts.validate()
+    distill_train_config(opts, tcfg)
+    tcfg.validate()
+    table = TeacherTable(opts.teachers)
+    prompts = read_prompts(opts.prompts, table)
+    device = pick_device(opts.device)
+    tcfg.device = str(device)
+    if device.type == "cuda":
+        tcfg.autocast_bf16 = True
+    out = tcfg.out
+    os.makedirs(out, exist_ok=True)
+    with holding_run_dir(out):
+        clean_interrupted(os.path.join(out, "checkpoints"), log=log)
+    resume_from = latest_checkpoint(out) if opts.resume else None
+    if opts.resume and resume_from is None:
+        raise ValueError(f"--resume: no checkpoint found in {out}/checkpoints")
+    if not opts.resume and latest_checkpoint(out) is not None:
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    src = resume_from or opts.student
+    if src is None:
+        raise ValueError("--student: give the checkpoint to distill into")
+    if not os.path.isdir(src) or not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"--student {src}: no checkpoint there (a directory with config.json and safetensors)")
+
+    # fp32 master weights with plain experts (as k3 sft); QAT re-wraps them below
+    model = from_pretrained(src, dtype=torch.float32, device=device, backends=opts.backends, verify=opts.verify)
+    quantize_experts(model, None, None)
+    model.config = model.config.replace(quantization_config=None)
+    try:
+        tok = load_any_tokenizer(src)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--student {src} has no usable tokenizer.json ({e})") from None
+    template = load_chat_template(src)
+    teachers = load_teachers(table, model.config, tok, device, opts.backends, opts.verify, log)
+
+    ids, kept, too_long = [], [], 0
+    for p in prompts:
+        x = encode_prompt(p, tok, template)
+        if len(x) > opts.max_prompt_tokens:
+            too_long += 1
+            continue
+        ids.append(x)
+        kept.append(p)
+    if not kept:
+        raise ValueError(f"every prompt is longer than --max-prompt-tokens {opts.max_prompt_tokens}")
+    counts: dict = {}
+    for p in kept:
+        counts[p.domain] = counts.get(p.domain, 0) + 1
+    log(f"prompts: {len(kept)} ({', '.join(f'{d} {n}' for d, n in sorted(counts.items()))}); {too_long} left out, "
+        f"longer than --max-prompt-tokens {opts.max_prompt_tokens}")
+    if tcfg.qat is not None:
+        from k3.train.qat import apply_qat
+
+        apply_qat(model, tcfg.qat)  # training forwards and rollouts alike: the engine runs this very module
+    torch.manual_seed(tcfg.seed)
+    source = PromptSource(kept, ids, opts.seq_len, seed=tcfg.seed)
+    chat = any(p.messages is not None for p in kept)
+    rollout = RolloutEngine(model, tok, opts.engine or default_engine_config(opts.cache_memory_mb),
+                            max_new_tokens=opts.max_new_tokens, budget=opts.rollout_budget,
+                            stop=stop_strings(template) if chat else None)
+    trainer = MOPDTrainer(model, tcfg, source, rollout, teachers, table, opts.r_max, eos_id=tok.eos_id,
+                          tokenizer_json=_tokenizer_json_bytes(tok), log=log,
+                          extra_files={"chat_template.json": chat_template_json(template).encode("utf-8")})
+    if resume_from is not None:
+        trainer.load(resume_from, verify=opts.verify)
+        log(f"resumed from {resume_from} at step {trainer.step} ({len(source.in_flight)} samples in flight)")
+    log(f"student: {src} on {device}{f', QAT {tcfg.qat}' if tcfg.qat else ''}; {opts.rollouts_per_step} rollouts "
+        f"per step, up to {opts.max_new_tokens} new tokens, {rollout.budget} per step; R_max {opts.r_max:g}")
+    return trainer
+
+
+def run_distill(opts: DistillOptions, tcfg: TrainConfig, progress_bar: bool = True, log=print) -> dict:
+    with holding_run_dir(tcfg.out):
+        trainer = build_distill_run(opts, tcfg, log)
+        summary = trainer.fit(progress_bar=progress_bar)
+        if tcfg.qat is not None:
+            from k3.train.qat import export_run
+
+            summary["export"] = export_run(trainer, log)
+    recs = [h for h in trainer.history if "reverse_kl" in h]
+    if recs:
+        summary["first_reverse_kl"], summary["last_reverse_kl"] = recs[0]["reverse_kl"], recs[-1]["reverse_kl"]
+    msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
+    if recs:
+        msg += f": sampled reverse KL {summary['first_reverse_kl']:.3f} -> {summary['last_reverse_kl']:.3f}"
+    log(f"{msg}; checkpoint {summary['checkpoint']}")
+    return summary
+
+
+def write_prompts_jsonl(records: list[dict], path: str) -> None:
+    from k3.files import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
