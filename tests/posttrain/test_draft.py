@@ -265,3 +265,20 @@ def test_train_draft_command_end_to_end_and_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train-draft", "--ckpt", ck, "--blocks", "1"])
     assert "expected two AttnRes block numbers" in capsys.readouterr().err
+
+
+def test_qat_runs_target_and_draft_experts_in_mxfp4(tmp_path):
+    from k3.cli import main
+    from k3.model.mx_experts import expert_formats
+    from k3.posttrain.eagle3 import load_target
+
+    ck = _checkpoint(str(tmp_path / "ck"))
+    target = load_target(ck, torch.device("cpu"), qat="mxfp4")
+    assert expert_formats(target) == ("mxfp4", "mxfp8") and not any(p.requires_grad for p in target.parameters())
+    text = tmp_path / "text.txt"
+    text.write_text("for i in range(10):\n    print(i)\n" * 40)
+    assert main(["train-draft", "--ckpt", ck, "--steps", "1", "--rows", "2", "--seq-len", "24", "--data", str(text),
+                 "--qat", "mxfp4", "--device", "cpu", "--out", str(tmp_path / "d"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["train"]["qat"] == "mxfp4"
+    # served beside an MXFP4 target, the draft's experts compute as the target's do
+    assert expert_formats(load_draft(str(tmp_path / "d"), target)) == ("mxfp4", "mxfp8")
