@@ -199,6 +199,7 @@ def cmd_eval(args) -> int:
 def cmd_generate(args) -> int:
     """Offline generation through the serving engine (same scheduler, cache and sampler as `k3 serve`)."""
     from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.options import draft_dir
     from k3.serve.sampling import SamplingParams
 
     ckpt = _resolve_ckpt(args.ckpt)
@@ -212,8 +213,9 @@ def cmd_generate(args) -> int:
     try:
         engine = LLMEngine(model, tok, EngineConfig(cache_memory_mb=args.cache_memory_mb,
                                                     speculative=args.speculative,
-                                                    num_draft_tokens=args.num_draft_tokens))
-    except ValueError as e:  # e.g. --speculative mtp for a model without an MTP layer
+                                                    num_draft_tokens=args.num_draft_tokens,
+                                                    draft=draft_dir(ckpt, args.speculative, args.draft)))
+    except ValueError as e:  # e.g. --speculative mtp for a model without an MTP layer, a draft of another target
         raise SystemExit(f"k3 generate: {e}")
     seq = engine.add_request(tok.encode(args.prompt), params)
     sys.stdout.write(args.prompt)
@@ -274,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     from k3.posttrain.cli import add_parsers as add_posttrain
 
     add_posttrain(sub)  # k3 sft, k3 quantize, k3 data
+
+    from k3.posttrain.draft_cli import add_parser as add_train_draft
+
+    add_train_draft(sub)  # k3 train-draft
 
     s = sub.add_parser("eval", help="held-out loss and perplexity of a checkpoint")
     s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")

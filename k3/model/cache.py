@@ -34,6 +34,10 @@ class LatentAttention(Protocol):
         """Attention against a latent cache (c_all [B, L, R], kr_all [B, L, dr]) in the absorbed form: query t of
         row b sits at position q_start (+ b's offset) + t; `kv_len` the valid length of each row (None: all)."""
 
+    def masked(self, q: Tensor, c_all: Tensor, kr_all: Tensor, mask: Tensor) -> Tensor:
+        """Attention against latent rows (c_all [B, L, R], kr_all [B, L, dr]) with an explicit visibility mask
+        [B, T, L]: for contexts that are not a causal prefix (the EAGLE-3 training-time test)."""
+
     def paged(self, q: Tensor, pages: Tensor, tables: Tensor, lengths: Tensor, num_splits: int | None) -> Tensor:
         """Attention straight from a page pool (k3.ops.mla_decode): every query row (B * T, request-major) reads
         the pages of its block table up to its length; `num_splits` fixed (a CUDA-graph step) or None."""

@@ -87,6 +87,16 @@ class GatedMLA(nn.Module):
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
         return mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=q_start, kv_len=kv_len)
 
+    def masked(self, q: torch.Tensor, c_all: torch.Tensor, kr_all: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, T, H, dn + dr] over the latent rows c_all [B, L, R] / kr_all [B, L, dr] that `mask`
+        [B, T, L] (bool) lets each query see (at least one each), keys and values expanded per head, softmax in fp32:
+        the reference form for an arbitrary visibility pattern (the EAGLE-3 training-time test, k3.posttrain.eagle3)."""
+        k, v = self._expand(c_all, kr_all)
+        s = torch.einsum("bthd,blhd->bhtl", q.float(), k.float()) * self.scale
+        s = s.masked_fill(~mask[:, None], float("-inf"))
+        o = torch.einsum("bhtl,blhd->bthd", torch.softmax(s, dim=-1), v.float())
+        return o.to(q.dtype)
+
     def paged(self, q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
               num_splits: int | None = None) -> torch.Tensor:
         B, T = q.shape[:2]

@@ -34,6 +34,7 @@ class CausalLMOutput:
     hidden_states: torch.Tensor | None = None  # output-site mix before the final norm [B, T, D]
     mtp_loss: torch.Tensor | None = None  # token t+2 cross-entropy of the MTP layer(s), when labels are given
     stats: ForwardStats | None = None  # the statistics asked for with `stats=` (k3.model.stats), else None
+    features: list[torch.Tensor] | None = None  # the AttnRes block outputs asked for with `features=` [B, T, D] each
 
 
 class K3Model(nn.Module):
@@ -81,9 +82,15 @@ class K3Model(nn.Module):
         return sites
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: K3Cache | None = None,
-                segment_ids: torch.Tensor | None = None, batch: BatchInfo | None = None, stats=()):
+                segment_ids: torch.Tensor | None = None, batch: BatchInfo | None = None, stats=(),
+                features: tuple[int, ...] = ()):
         """Returns the output-site hidden state [B, T, D] (before the final norm), or (that, ForwardStats) when
         `stats` names statistics to return (k3.model.stats; forwards without a cache only).
+
+        `features`: AttnRes block numbers b (1 .. `num_attn_res_blocks`): the return is then (hidden, ForwardStats or
+        None, [the output of block b, [B, T, D], for each b asked]), block b being the sum of the outputs of its
+        `attn_res_block_size` layers (the stream's completed block b, or its final partial sum for the last block),
+        what an EAGLE-3 draft fuses (k3.model.eagle3). The stream holds them anyway: asking costs nothing.
 
         `batch`: the batch's record (k3.model.batch), or `segment_ids` [B, T] to have it built here. With a cache,
         segment ids [1, T] pack several requests' new tokens into one row (the cache must be `packed`: per-request
@@ -118,7 +125,26 @@ class K3Model(nn.Module):
         if cache is not None:
             cache.seq_len += h.shape[1]
         hidden = stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        if features:
+            check_feature_blocks(self.config, features)
+            # stream.blocks[0] is the embedding, blocks[b] the b-th completed block; the last block is still open
+            feats = [stream.blocks[b] if b < len(stream.blocks) else stream.partial for b in features]
+            return hidden, found, feats
         return hidden if found is None else (hidden, found)
+
+
+def num_attn_res_blocks(cfg: K3Config) -> int:
+    """How many AttnRes blocks of layers the backbone has: ceil(num_hidden_layers / attn_res_block_size)."""
+    return -(-cfg.num_hidden_layers // cfg.attn_res_block_size)
+
+
+def check_feature_blocks(cfg: K3Config, blocks) -> None:
+    """A ValueError naming the bad block number and the allowed range unless every entry of `blocks` is a block."""
+    n = num_attn_res_blocks(cfg)
+    for b in blocks:
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= n:
+            raise ValueError(f"AttnRes block {b!r} is out of range: this model has {n} blocks of "
+                             f"{cfg.attn_res_block_size} layers ({cfg.num_hidden_layers} layers), numbered 1 .. {n}")
 
 
 def _batch_record(segment_ids: torch.Tensor | None, batch: BatchInfo | None) -> BatchInfo | None:
@@ -236,7 +262,8 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, pixel_values=None, return_logits: bool = True,
-                check_ids: bool = True, batch: BatchInfo | None = None, stats=()) -> CausalLMOutput:
+                check_ids: bool = True, batch: BatchInfo | None = None, stats=(),
+                features: tuple[int, ...] = ()) -> CausalLMOutput:
         """input_ids [B, T]. labels [B, T] are aligned with input_ids (shifted inside; -100 is ignored).
         segment_ids [B, T] marks packed documents: KDA state and conv reset at each document start and
         MLA does not attend across documents. `batch` instead: the batch's record (k3.model.batch) built where the
@@ -249,7 +276,8 @@ class K3ForCausalLM(nn.Module):
         `head_loss` in chunks of rows, and `logits` is None. check_ids=False skips the token-id range check,
         which reads the ids back from the device (the serving engine validates prompts when they arrive).
         stats: names among k3.model.stats.STATS ("routing", "max_logit"): the output's `stats` then holds them for
-        every MoE / MLA layer that ran, backbone and MTP (forwards without a cache); nothing is computed otherwise."""
+        every MoE / MLA layer that ran, backbone and MTP (forwards without a cache); nothing is computed otherwise.
+        features: AttnRes block numbers whose outputs the output's `features` then holds (`K3Model.forward`)."""
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -271,9 +299,12 @@ class K3ForCausalLM(nn.Module):
             raise ValueError("the batch record's logit_positions select the logits to compute: give no "
                              "logits_to_keep and no labels with them")
         want = check_stats(stats)
-        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, batch=batch, stats=want)
-        found = None
-        if want:
+        hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cache=cache, batch=batch, stats=want,
+                            features=features)
+        found = feats = None
+        if features:
+            hidden, found, feats = hidden
+        elif want:
             hidden, found = hidden
         logits = None
         if return_logits:
@@ -281,7 +312,7 @@ class K3ForCausalLM(nn.Module):
             if positions is not None:
                 h = hidden[:, positions]
             logits = self.head(h)
-        out = CausalLMOutput(logits=logits, hidden_states=hidden, stats=found)
+        out = CausalLMOutput(logits=logits, hidden_states=hidden, stats=found, features=feats)
         if labels is not None and batch is not None and batch.context is not None:
             out.loss = self._context_loss(hidden, logits, labels, batch.context)
             if len(self.mtp) and input_ids is not None:

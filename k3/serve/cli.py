@@ -19,7 +19,7 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
           max_num_seqs: int | None = None, max_step_tokens: int | None = None, prefill_chunk: int | None = None,
           device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
           cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True,
-          speculative: str = "off", num_draft_tokens: int = 3) -> None:
+          speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
     as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
     DEFAULT_MAX_REQUEST_BYTES."""
@@ -31,7 +31,8 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
     engine, tokenizer, template = build_engine(ckpt_dir, cache_memory_mb, page_tokens, hash_block_tokens,
                                                max_num_seqs, max_step_tokens, prefill_chunk, device,
                                                backends=backends, cuda_graphs=cuda_graphs, verify=verify,
-                                               speculative=speculative, num_draft_tokens=num_draft_tokens)
+                                               speculative=speculative, num_draft_tokens=num_draft_tokens,
+                                               draft=draft)
     if engine.runner.graphs is not None and engine.runner.graphs.capture:
         t0 = time.perf_counter()
         n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
@@ -66,7 +67,8 @@ def cmd_serve(args) -> int:
               model_name=args.model_name, log_level=getattr(args, "log_level", "info"),
               backends=getattr(args, "backends", None), cuda_graphs=getattr(args, "cuda_graphs", True),
               max_request_mb=getattr(args, "max_request_mb", None), verify=getattr(args, "verify", True),
-              speculative=getattr(args, "speculative", "off"), num_draft_tokens=getattr(args, "num_draft_tokens", 3))
+              speculative=getattr(args, "speculative", "off"), num_draft_tokens=getattr(args, "num_draft_tokens", 3),
+              draft=getattr(args, "draft", None))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

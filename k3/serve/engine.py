@@ -32,9 +32,9 @@ from k3.serve.sampling import SamplingParams, sample_batch
 from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
 from k3.serve.spec.accept import accept
-from k3.serve.spec.draft import Draft, MTPDraft
+from k3.serve.spec.draft import Draft, Eagle3Draft, MTPDraft
 
-SPECULATIVE = ("off", "mtp")
+SPECULATIVE = ("off", "mtp", "eagle3")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -46,7 +46,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     cuda_graphs: bool | str = True  # CUDA-graph decode steps where possible; False: off; "eager": no capture (tests)
-    speculative: str = "off"  # "mtp": draft with the model's MTP layer and verify (k3.serve.spec)
+    speculative: str = "off"  # "mtp": draft with the model's MTP layer and verify (k3.serve.spec); "eagle3": with
+    # the EAGLE-3 draft in directory `draft` (k3 train-draft; k3.draft_checkpoint)
+    draft: str | None = None
     num_draft_tokens: int = 3  # drafts per speculative step (K: K + 1 positions verified)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -60,6 +62,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
+        if self.draft is not None and self.speculative != "eagle3":
+            raise ValueError(f"a draft directory ({self.draft}) is for speculative='eagle3', not "
+                             f"{self.speculative!r}")
         k = self.num_draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens={k!r} is invalid: use an integer in [1, {MAX_DRAFT_TOKENS}]")
@@ -116,7 +121,15 @@ class LLMEngine:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if draft is None and self.cfg.speculative == "mtp":
             draft = MTPDraft(model)
+        if draft is None and self.cfg.speculative == "eagle3":
+            if self.cfg.draft is None:
+                raise ValueError("speculative='eagle3' needs the draft's directory (EngineConfig.draft; --draft DIR)")
+            from k3.draft_checkpoint import load_draft
+
+            draft = Eagle3Draft(model, load_draft(self.cfg.draft, model))
         self.draft = draft
+        # AttnRes blocks whose outputs the draft reads beside the hidden state (an EAGLE-3 draft's)
+        self._draft_features = tuple(getattr(draft, "features", ())) if draft is not None else ()
         # speculative steps run eagerly (no graph of the verification yet): no graphs are captured with speculation
         graphs = decode_graphs_mode(model, self.cfg.cuda_graphs) if draft is None else None
         n_kda = sum(1 for l in model.model.layers if l.is_kda)
@@ -263,7 +276,8 @@ class LLMEngine:
                 args = ([w.seq.token_range(a, b) for w, a, b in group], [a for _, a, _ in group],
                         [self.cache.slots(w.seq) for w, _, _ in group])
                 if self.draft is not None:  # the draft reads the target's hidden states
-                    res = self.runner.run(*args, scores if any(scores) else None, keep_hidden=True)
+                    res = self.runner.run(*args, scores if any(scores) else None, keep_hidden=True,
+                                          features=self._draft_features)
                 elif any(scores):
                     res = RunOutput(*self.runner.forward(*args, scores=scores))
                 else:
@@ -385,7 +399,8 @@ class LLMEngine:
     def _verify(self, work: list[Work], props) -> list[RequestOutput]:
         seqs = [w.seq for w in work]
         v = self.runner.verify([s.token_range(w.start, w.end) + p.tokens for s, w, p in zip(seqs, work, props)],
-                               [w.start for w in work], [self.cache.slots(s) for s in seqs])
+                               [w.start for w in work], [self.cache.slots(s) for s in seqs],
+                               features=self._draft_features)
         outs, emitted = [], []
         for i, (s, w, p) in enumerate(zip(seqs, work, props)):
             toks = accept(v.logits[i], p.tokens, p.q, s.params, s.generator)

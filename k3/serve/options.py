@@ -30,12 +30,16 @@ def _draft_count(text: str) -> int:
 
 
 def add_speculative_arguments(parser) -> None:
-    """--speculative and --num-draft-tokens (`k3 serve` and `k3 generate`): EngineConfig.speculative and
-    .num_draft_tokens."""
-    parser.add_argument("--speculative", choices=["off", "mtp"], default="off",
-                        help="speculative decoding: 'mtp' drafts with the model's MTP layer and verifies the drafts "
-                             "in one forward; outputs are unchanged (greedy: the same tokens; sampling: the same "
+    """--speculative, --draft and --num-draft-tokens (`k3 serve` and `k3 generate`): EngineConfig.speculative,
+    .draft and .num_draft_tokens."""
+    parser.add_argument("--speculative", choices=["off", "mtp", "eagle3"], default="off",
+                        help="speculative decoding: 'mtp' drafts with the model's MTP layer, 'eagle3' with an "
+                             "EAGLE-3 draft trained by `k3 train-draft` (--draft), and verifies the drafts in one "
+                             "forward; outputs are unchanged (greedy: the same tokens; sampling: the same "
                              "distribution) (default off)")
+    parser.add_argument("--draft", default=None,
+                        help="with --speculative eagle3: the draft's directory (default: CK/draft beside the "
+                             "checkpoint)")
     parser.add_argument("--num-draft-tokens", type=_draft_count, default=3,
                         help="draft tokens per speculative step (default 3)")
 
@@ -63,3 +67,15 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_speculative_arguments(parser)
+
+
+def draft_dir(ckpt: str, speculative: str, draft: str | None) -> str | None:
+    """EngineConfig.draft for these flags: --draft, else CK/draft with --speculative eagle3; a --draft with another
+    --speculative is refused."""
+    import os
+
+    if draft is not None and speculative != "eagle3":
+        raise ValueError(f"--draft {draft} is for --speculative eagle3 (got --speculative {speculative})")
+    if speculative != "eagle3":
+        return None
+    return draft if draft is not None else os.path.join(ckpt, "draft")

@@ -49,7 +49,8 @@ class RunOutput:
 
 @dataclass
 class Verified:
-    """A verification forward: logits [B, T, V] fp32 and output-site hidden states [B, T, D] at every verified
+    """A verification forward: logits [B, T, V] fp32 and output-site hidden states [B, T, D] (or with the draft's
+    features [B, T, (k + 1) D]) at every verified
     position, each KDA layer's view holding the projected inputs, and the requests' running-state pages
     [n_kda, B] (unchanged by the forward)."""
     logits: torch.Tensor
@@ -77,7 +78,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
-            scores: list[PromptScore | None] | None = None, keep_hidden: bool = False) -> RunOutput:
+            scores: list[PromptScore | None] | None = None, keep_hidden: bool = False,
+            features: tuple[int, ...] = ()) -> RunOutput:
         """Run len(tokens) requests, each adding its new tokens from its own position. Requests adding the
         same number of tokens run as the rows of one batch; otherwise their tokens are packed into one row
         (KDA runs them as separate sequences with their own states, MLA attends each request's own context).
@@ -86,7 +88,8 @@ class ModelRunner:
         `scores` (one entry per request, None for most): also score those requests' new tokens from the same
         forward (`PromptScore`); the return is then (logits, [per request: None or (token logprobs [n],
         top-k logprobs [n, k], top-k ids [n, k])]), fp32 log-softmax, on the device. `keep_hidden`: also return
-        each request's hidden states (`RunOutput.hidden`; such a forward runs eagerly)."""
+        each request's hidden states (`RunOutput.hidden`; such a forward runs eagerly); with `features` (AttnRes
+        block numbers, what an EAGLE-3 draft reads) those blocks' outputs and the hidden states concatenated."""
         B = len(tokens)
         if not B or any(not t for t in tokens):
             raise ValueError("every request of a forward must add at least one token")
@@ -111,10 +114,11 @@ class ModelRunner:
                      for g in range(len(self.mla_layers))]
         if packed:
             ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
-            out = self.run_cached(ids, kda_pages, mla_views, lengths=lengths, scores=scores, keep_hidden=keep_hidden)
+            out = self.run_cached(ids, kda_pages, mla_views, lengths=lengths, scores=scores, keep_hidden=keep_hidden,
+                                  features=features)
         else:
             out = self.run_cached(torch.tensor(tokens, device=dev), kda_pages, mla_views, scores=scores,
-                                  keep_hidden=keep_hidden)
+                                  keep_hidden=keep_hidden, features=features)
         if not keep_hidden:
             return RunOutput(out[0], out[1]) if scores is not None else RunOutput(out)
         logits, scored, hidden = out
@@ -123,13 +127,14 @@ class ModelRunner:
 
     def run_cached(self, ids: torch.Tensor, kda_pages: torch.Tensor, mla_views: list,
                    lengths: list[int] | None = None, scores: list[PromptScore | None] | None = None,
-                   keep_hidden: bool = False):
+                   keep_hidden: bool = False, features: tuple[int, ...] = ()):
         """The model over the pool: read each KDA layer's states from pages kda_pages[g] ([n_kda, B] device
         tensor), run `ids` with per-layer caches (those KDA states, `mla_views`), write the new states back.
         ids [B, T] -> the logits of each row's last token [B, V] fp32; packed (`lengths` given: ids [1, total]
         holds the requests' tokens one after another) -> the logits of each request's last token.
         `scores`: as in `forward` (then returns (logits, scored)). `keep_hidden`: returns (logits, scored or None,
-        the forward's hidden states [B, T, D])."""
+        the forward's hidden states [B, T, D], or with `features` those blocks' outputs and the hidden states
+        concatenated [B, T, (k + 1) D])."""
         per_layer: list = [None] * len(self.model.model.layers)
         kda_views = []
         for g, li in enumerate(self.kda_layers):
@@ -143,15 +148,16 @@ class ModelRunner:
         if lengths is not None:
             # the packed requests' record, built on the host: their documents and each one's last token
             info = BatchInfo.from_lengths(lengths, device=ids.device, logits_at_ends=True)
-            out = self.model(ids, cache=cache, batch=info, check_ids=False)
+            out = self.model(ids, cache=cache, batch=info, check_ids=False, features=features)
             logits, hidden = out.logits[0].float(), out.hidden_states
         else:
-            out = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False)
+            out = self.model(ids, cache=cache, logits_to_keep=1, check_ids=False, features=features)
             logits, hidden = out.logits[:, -1].float(), out.hidden_states
+        kept = torch.cat([*out.features, hidden], -1) if features else hidden  # what the draft reads
         for g, view in enumerate(kda_views):
             self.pool.write_kda(kda_pages[g], view.state, view.conv_stacked())
         if scores is None:
-            return (logits, None, hidden) if keep_hidden else logits
+            return (logits, None, kept) if keep_hidden else logits
         scored: list = []
         offset = 0
         for i, sc in enumerate(scores):
@@ -164,15 +170,17 @@ class ModelRunner:
                 scored.append(None)
             if lengths is not None:
                 offset += lengths[i]
-        return (logits, scored, hidden) if keep_hidden else (logits, scored)
+        return (logits, scored, kept) if keep_hidden else (logits, scored)
 
     # --- speculative decoding ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def verify(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots]) -> Verified:
+    def verify(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
+               features: tuple[int, ...] = ()) -> Verified:
         """Run each request's T tokens (its last sampled token and T - 1 drafts, the same T for all) from its own
         position as the rows of one batch, eagerly. The MLA views write every position's latent rows into the
         pages (rows past the accepted length are overwritten later and released by CacheManager.truncate); the
-        KDA states in the pages are not advanced: call `replay` with the accepted lengths."""
+        KDA states in the pages are not advanced: call `replay` with the accepted lengths. `features`: as in
+        `run`, Verified.hidden then holds those blocks' outputs and the hidden states concatenated."""
         B, T = len(tokens), len(tokens[0])
         if any(len(t) != T for t in tokens):
             raise ValueError("every request of a verification adds the same number of tokens")
@@ -188,8 +196,9 @@ class ModelRunner:
         for g, li in enumerate(self.mla_layers):
             per_layer[li] = PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev)
         out = self.model(torch.tensor(tokens, device=dev), cache=K3Cache(per_layer), logits_to_keep=T,
-                         check_ids=False)
-        return Verified(out.logits.float(), out.hidden_states, views, kda_pages)
+                         check_ids=False, features=features)
+        hidden = torch.cat([*out.features, out.hidden_states], -1) if features else out.hidden_states
+        return Verified(out.logits.float(), hidden, views, kda_pages)
 
     @torch.no_grad()
     def replay(self, v: Verified, rows: list[int], offsets: list[int], lengths: list[int]) -> None:

@@ -12,7 +12,13 @@ reads as token t + 2; its next step takes its own output in place of the target'
 MLA block keeps its latent rows of committed positions per request (up to `window` of them, the most recent: the
 attention has no positional encoding, so a bounded window is still a valid context); rows of the draft's own
 guesses are dropped after each proposal. Positions served from the prefix cache were never computed here, so they
-are absent from that context (lower acceptance, same output). An EAGLE-3 draft plugs into the same interface.
+are absent from that context (lower acceptance, same output).
+
+`Eagle3Draft` is the same procedure with a fine-tuned draft layer (k3.model.eagle3.Eagle3Layer): its first step
+reads, in place of the target's hidden state, the fusion W_E3 [h_a; h_b; h] of the outputs of two AttnRes blocks
+and the hidden state. A draft that reads block features names them in its `features` attribute (AttnRes block
+numbers; MTPDraft's is empty); the engine then asks the runner for them and `observe` receives, per position, those
+blocks' outputs and the hidden state concatenated ([n, (k + 1) D]).
 """
 
 from __future__ import annotations
@@ -37,11 +43,16 @@ class Proposal:
 
 
 class Draft(Protocol):
+    # AttnRes blocks whose outputs `observe` receives before the hidden state (optional: a draft without the
+    # attribute reads the hidden state alone)
+    features: tuple[int, ...]
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """ks[i] tokens to follow seqs[i]'s tokens (its last one sampled but not yet run through the target)."""
 
     def observe(self, seq: Sequence, start: int, hidden: Tensor) -> None:
-        """The target's hidden states [n, D] of seq's committed positions start .. start + n - 1."""
+        """The target's hidden states [n, D] of seq's committed positions start .. start + n - 1 (with `features`:
+        those blocks' outputs and the hidden states concatenated, [n, (k + 1) D])."""
 
     def forget(self, seq: Sequence) -> None:
         """Drop what is kept for seq."""
@@ -56,6 +67,8 @@ class _Context:
 
 
 class MTPDraft:
+    features: tuple[int, ...] = ()
+
     def __init__(self, model, window: int = 4096):
         if not len(model.mtp):
             raise ValueError("speculative='mtp' needs a model with an MTP layer (num_nextn_predict_layers >= 1), "
@@ -94,7 +107,7 @@ class MTPDraft:
         emb = self.model.model.embed_tokens
         dev = hidden.device
         nxt = torch.tensor([seq.token_range(first + 1, C + 1)], device=dev)
-        h, _ = self.layer(hidden[None], emb(nxt), cache=ctx.cache)
+        h = self._step(hidden[None], emb(nxt), True, ctx.cache)
         ctx.cache.keep_last(self.window)
         committed = ctx.cache.length
         h = h[:, -1:]
@@ -104,9 +117,32 @@ class MTPDraft:
             tokens.append(tok)
             qs.append(q)
             if i + 1 < k:
-                h, _ = self.layer(h, emb(torch.tensor([[tok]], device=dev)), cache=ctx.cache)
+                h = self._step(h, emb(torch.tensor([[tok]], device=dev)), False, ctx.cache)
         ctx.cache.truncate(committed)  # the guesses' rows are not context
         return Proposal(tokens, None if qs[0] is None else torch.stack(qs))
+
+    def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
+        """One drafting step: the layer's output [1, T, D] from its input (the target's at the first step, else the
+        previous output) and the next tokens' embeddings."""
+        return self.layer(hidden, embeds, cache=cache)[0]
+
+
+class Eagle3Draft(MTPDraft):
+    """MTPDraft with an EAGLE-3 draft layer (k3.model.eagle3.Eagle3Layer, e.g. k3.draft_checkpoint.load_draft):
+    observed positions carry the target's block features, which the first step fuses."""
+
+    def __init__(self, model, layer, window: int = 4096):
+        if window < 1:
+            raise ValueError(f"window={window} must be positive")
+        if layer.config.hidden_size != model.config.hidden_size:
+            raise ValueError(f"the draft's hidden size {layer.config.hidden_size} is not the target's "
+                             f"{model.config.hidden_size}")
+        self.model, self.layer, self.window = model, layer.eval(), window
+        self.features = tuple(layer.blocks)
+        self._ctx: dict[str, _Context] = {}
+
+    def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
+        return self.layer(hidden, embeds, fused=first, cache=cache)
 
 
 def _choose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:

@@ -1,0 +1,100 @@
+"""The EAGLE-3 draft in the engine: loaded from its directory (EngineConfig.speculative='eagle3'), fed the target's
+block features of committed positions, greedy output equal to decoding without speculation; at W_E3 = [0 0 I] it
+proposes exactly what the MTP draft proposes."""
+
+import functools
+
+import pytest
+import torch
+
+from helpers import randomize_
+from k3.config import K3Config
+from k3.draft_checkpoint import DraftError, save_draft
+from k3.model.eagle3 import Eagle3Layer
+from k3.model.model import K3ForCausalLM
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+from k3.serve.sequence import Status
+from k3.serve.spec.draft import Eagle3Draft
+
+VOCAB = 512
+
+
+@functools.lru_cache(maxsize=1)
+def _model():
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=VOCAB, eos_token_id=0)  # one MTP layer, 3 AttnRes blocks
+    m = randomize_(K3ForCausalLM(cfg), seed=3).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40)  # wide logit gaps: greedy choices do not hinge on last-bit rounding
+    return m
+
+
+def _engine(spec="off", draft_dir=None, k=3):
+    eng = LLMEngine(_model(), None, EngineConfig(
+        cache_memory_mb=4.0, page_tokens=48, hash_block_tokens=16, speculative=spec,
+        draft=None if draft_dir is None else str(draft_dir), num_draft_tokens=k,
+        scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+    eng.eos_id = None
+    return eng
+
+
+def _eagle_engine(draft_dir, k=3):
+    return _engine("eagle3", draft_dir, k)
+
+
+def _prompts(seed: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(1, VOCAB, (120,), generator=g).tolist()
+    return [base[: 20 + 13 * i] + torch.randint(1, VOCAB, (i % 3,), generator=g).tolist() for i in range(n)]
+
+
+def _run(eng, prompts, params):
+    # named requests: the default ids come from a process-wide counter, which the other spec tests' schedules
+    # would otherwise see shifted
+    seqs = [eng.add_request(list(p), params, request_id=f"eagle3-{i}") for i, p in enumerate(prompts)]
+    for _ in range(3000):
+        if not eng.has_work():
+            break
+        eng.step()
+    assert all(s.status == Status.FINISHED for s in seqs)
+    return [s.output_ids for s in seqs]
+
+
+def test_eagle3_draft_from_its_directory_matches_plain_decoding(tmp_path):
+    draft = Eagle3Layer.from_target(_model())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the fused features matter: W_E3 away from [0 0 I]
+        draft.fc.weight.add_(torch.randn(draft.fc.weight.shape, generator=g) * 0.05)
+    save_draft(draft, str(tmp_path / "d"), "test-target")
+    eng = _eagle_engine(tmp_path / "d")
+    assert isinstance(eng.draft, Eagle3Draft) and eng.draft.features == (1, 2)
+    prompts = _prompts(1, 3)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    assert _run(eng, prompts, params) == _run(_engine(), prompts, params)  # one batch of three requests each
+    assert eng.metrics.spec_verifications > 0
+    with pytest.raises(ValueError, match="needs the draft's directory"):
+        LLMEngine(_model(), None, EngineConfig(speculative="eagle3"))
+    with pytest.raises(DraftError, match="does not exist"):
+        _eagle_engine(tmp_path / "none")
+
+
+def test_eagle3_at_init_proposes_what_the_mtp_draft_proposes(tmp_path):
+    save_draft(Eagle3Layer.from_target(_model()), str(tmp_path / "d"), "test-target")
+    prompts = _prompts(2, 3)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    want = _run(_engine(), prompts, params)
+    runs = {}
+    for name, eng in [("mtp", _engine("mtp")), ("eagle3", _eagle_engine(tmp_path / "d"))]:
+        proposed = []
+        inner = eng.draft.propose
+
+        def record(seqs, ks, inner=inner, proposed=proposed):
+            out = inner(seqs, ks)
+            proposed.extend(tuple(p.tokens) for p in out)
+            return out
+
+        eng.draft.propose = record
+        assert _run(eng, prompts, params) == want
+        runs[name] = (proposed, eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
+    assert runs["mtp"] == runs["eagle3"] and runs["mtp"][2] > 0
