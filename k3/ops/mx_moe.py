@@ -25,8 +25,11 @@ Implementations (op ``mx_moe``):
   bytes read are the packed rows of the experts actually touched. The MXFP8 rounding of z and of the hidden
   runs between the kernels (k3.ops.mx's encoder). Each token reads its experts' weights itself, so for prefill
   (many tokens per expert) this form re-reads weights per token; a grouped MXFP4 kernel for prefill is not
-  written yet. Not validated on a GPU yet, so ``auto`` keeps the reference; ``--backend fast`` or
-  ``K3_MX_MOE_BACKEND=triton`` selects it. ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
+  written yet. Its GPU tests pass on an H200, but at one release-shaped layer it is slower than the dequantized
+  bf16 grouped GEMMs (1.56 vs 0.94 ms at 1 token, 47 vs 14 ms at 64: 9-15% of its bytes-touched floor,
+  BENCHMARKS.md), so ``auto`` keeps the reference and the inference commands decode MXFP4 experts at load;
+  ``--backend fast`` or ``K3_MX_MOE_BACKEND=triton`` selects it (a quarter of the memory). ``TRITON_INTERPRET=1``
+  runs it on CPU tensors (the tests).
 """
 
 from __future__ import annotations
