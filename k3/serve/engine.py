@@ -473,12 +473,16 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of `text` to hold back: an incomplete UTF-8 character, or a prefix of a stop string."""
-    n = 1 if text.endswith("\ufffd") else 0
+    """Characters at the end of `text` to hold back: an incomplete UTF-8 character (decoded as U+FFFD), and a prefix
+    of a stop string before it (the incomplete character may be the stop string's next one: "q" then the first
+    byte of "җ" must not stream the "q" when the stop string is "qҗ")."""
+    tail = 1 if text.endswith("\ufffd") else 0
+    body = text[:len(text) - tail]
+    n = tail
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                n = max(n, k)
+        for k in range(min(len(s) - 1, len(body)), 0, -1):
+            if body.endswith(s[:k]):
+                n = max(n, k + tail)
                 break
     return n
 

@@ -351,3 +351,14 @@ def test_requests_all_mid_prefill_without_pages_do_not_deadlock():
     assert eng.metrics.preemptions > 0
     for s in seqs:
         assert s.output_ids == reference(tuple(s.prompt_ids))
+
+
+def test_held_back_text_keeps_a_stop_prefix_before_an_incomplete_character():
+    from k3.serve.engine import _held_back
+
+    assert _held_back("abq", ["qz"]) == 1  # a stop prefix
+    assert _held_back("ab\ufffd", []) == 1  # an incomplete UTF-8 character
+    # "q" then the first byte of a two-byte character: with the stop string "qҗ" the "q" may start it
+    assert _held_back("q\ufffdDq\ufffd", ["q\u0497"]) == 2
+    assert _held_back("q\ufffdDx\ufffd", ["q\u0497"]) == 1
+    assert _held_back("abc", ["xyz"]) == 0
