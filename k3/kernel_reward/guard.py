@@ -19,6 +19,7 @@ the expected results through the interpreter (gc, frames) because they do not ex
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 import sys
 import threading
@@ -72,6 +73,16 @@ def precision_settings() -> dict[str, str]:
     return out
 
 
+def _torch_own_wrapper(new, old) -> bool:
+    """Whether `new` is torch's own wrapper of `old`: torch's compiler, when a library (fla) first imports it, wraps
+    functions of torch's namespace (torch.manual_seed, ...) in place, with functools.wraps, by code in torch's own
+    package. That is not a candidate's tampering."""
+    code = getattr(new, "__code__", None)
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    return ("torch._dynamo" in sys.modules and getattr(new, "__wrapped__", None) is old and code is not None
+            and os.path.abspath(code.co_filename).startswith(torch_dir))
+
+
 class Watch:
     """The process-wide watches of the module docstring; `facts()` reads them."""
 
@@ -123,7 +134,8 @@ class Watch:
         forbidden calls, threads still running."""
         now = _namespaces()
         replaced = sorted(f"{ns}.{k}" for ns, before in self.namespaces.items() for k, v in before.items()
-                          if ns in now and k in now[ns] and now[ns][k] is not v)
+                          if ns in now and k in now[ns] and now[ns][k] is not v
+                          and not _torch_own_wrapper(now[ns][k], v))
         precision = precision_settings()
         return {"replaced": replaced,
                 "precision_changed": {k: [self.precision[k], v] for k, v in precision.items() if self.precision[k] != v},

@@ -5,8 +5,8 @@ import pytest
 
 from k3.kernel_reward.examples import source
 
-RMS_NORM = ["rms_norm_torch", "rms_norm_triton", "wrong", "crash", "raises", "hang", "oom", "hack_memoize",
-            "hack_input_cache", "hack_alias", "hack_write_input", "hack_thread", "hack_lazy", "hack_timer",
+RMS_NORM = ["rms_norm_torch", "rms_norm_triton", "rms_norm_dynamo", "wrong", "crash", "raises", "hang", "oom",
+            "hack_memoize", "hack_input_cache", "hack_alias", "hack_write_input", "hack_thread", "hack_lazy", "hack_timer",
             "hack_forbidden", "hack_shape"]
 SOFTMAX = ["softmax_torch", "hack_precision", "hack_tf32"]
 HANG_LIMIT_S = 45.0  # the check phase's limit in these batches: the hang candidate runs into it

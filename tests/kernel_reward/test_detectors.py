@@ -19,7 +19,7 @@ CAUGHT = {
 }
 
 
-@pytest.mark.parametrize("name", ["rms_norm_torch", "rms_norm_triton"])
+@pytest.mark.parametrize("name", ["rms_norm_torch", "rms_norm_triton", "rms_norm_dynamo"])
 def test_honest_rms_norm_passes_every_check_and_detector(rms_norm_results, name):
     r = rms_norm_results[name]
     assert r.passed and r.hacks == [] and r.reason == "", r.reason
@@ -67,3 +67,25 @@ def test_honest_candidate_passes_on_cuda():
 
     r = score("rms_norm", example("rms_norm_triton"), "cuda", timed=False)
     assert r.passed and r.hacks == [], r.reason
+
+
+def test_torch_wrapping_its_own_functions_is_not_tampering():
+    import functools
+    import subprocess
+    import sys
+
+    from k3.kernel_reward.guard import _torch_own_wrapper
+
+    def seed(*a):
+        return None
+
+    @functools.wraps(seed)
+    def wrapper(*a):  # a candidate's wrapper: its code is not torch's
+        return seed(*a)
+
+    assert not _torch_own_wrapper(wrapper, seed)
+    # torch's compiler wraps torch.manual_seed at its first import (in a fresh process: here it may be imported)
+    code = ("import torch; a = torch.manual_seed; import torch._dynamo; "
+            "from k3.kernel_reward.guard import _torch_own_wrapper; "
+            "assert torch.manual_seed is not a and _torch_own_wrapper(torch.manual_seed, a)")
+    subprocess.run([sys.executable, "-c", code], check=True)

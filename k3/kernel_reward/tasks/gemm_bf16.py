@@ -22,7 +22,15 @@ def reference(a, b):
 
 
 def expert(a, b):
-    return a @ b
+    # cuBLAS may reduce split-K partial sums in bf16 unless told not to (torch's default allows it): the task asks
+    # for fp32 accumulation, so the expert turns that off for its call and restores the setting
+    m = torch.backends.cuda.matmul
+    prev = m.allow_bf16_reduced_precision_reduction
+    m.allow_bf16_reduced_precision_reduction = False
+    try:
+        return a @ b
+    finally:
+        m.allow_bf16_reduced_precision_reduction = prev
 
 
 TASK = Task(
