@@ -8,7 +8,7 @@ import sys
 
 from k3.cli_args import (BACKEND_HELP, TRAIN_FLAGS, VERIFY_HELP, _add_trainer_flags, _backends,  # noqa: F401
                          _positive_float, _positive_int, _resolve_ckpt, _saved_train_config, _train_config,
-                         exit_code)
+                         exit_code, run_training_command)
 
 
 def _config_from_arg(spec: str):
@@ -100,7 +100,6 @@ def _init_tokenizer(kind: str, vocab_size: int):
 def cmd_train(args) -> int:
     from k3.devices import pick_device
     from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, run_training
-    from k3.train.trainer import TrainingError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK
     # One process, under torchrun or not, trains on the single-device path: FSDP2's one-rank path was seen to hand
@@ -120,15 +119,10 @@ def cmd_train(args) -> int:
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
                       verify=args.verify, moon_ep=args.moon_ep, workers=args.workers, data_cache=args.data_cache)
-    try:
-        if launched:
-            summary = _train_distributed(opts, tcfg, dims, device, not args.no_progress)
-        else:
-            summary = run_training(opts, tcfg, progress_bar=not args.no_progress)
-    except TrainingError as e:
-        print(f"k3 train: {e}", file=sys.stderr)
-        return 3
-    return exit_code(summary)
+    if launched:
+        return run_training_command("train", lambda: _train_distributed(opts, tcfg, dims, device,
+                                                                      not args.no_progress))
+    return run_training_command("train", lambda: run_training(opts, tcfg, progress_bar=not args.no_progress))
 
 
 def torch_device_for_rank(local_rank: int):

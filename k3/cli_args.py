@@ -140,6 +140,21 @@ def _positive(kind):
 _positive_int, _positive_float = _positive(int), _positive(float)
 
 
+def run_training_command(name: str, run) -> int:
+    """Run a training command's `run()` (which returns the run's summary): its exit status by `exit_code`, or 3 with
+    "k3 NAME: why" on stderr when training cannot continue (TrainingError; the last good checkpoint is intact)."""
+    import sys
+
+    from k3.train.trainer import TrainingError
+
+    try:
+        summary = run()
+    except TrainingError as e:
+        print(f"k3 {name}: {e}", file=sys.stderr)
+        return 3
+    return exit_code(summary)
+
+
 def exit_code(summary: dict) -> int:
     """The exit status of a finished training command: 143 (128 + SIGTERM, what a process killed by the signal
     reports: supervisors expect it) when a SIGTERM stopped it, 130 when it was interrupted, else 0."""

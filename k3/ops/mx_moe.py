@@ -267,17 +267,13 @@ def mx_moe_packed_triton(z: Tensor, weights: Tensor, indices: Tensor, w: PackedE
     w1p, w1s, w3p, w3s, w2p, w2s = (t.contiguous() for t in w)
     block_f, block_l, half = 32, 32, 64
     with torch.cuda.device(z.device.index if z.is_cuda else -1):  # launch on the tensors' GPU; -1: no-op
-        gate_up[(N * k, triton_cdiv(F, block_f))](zq, idx, w1p, w1s, w3p, w3s, h, L, F, float(beta1), float(beta2),
-                                                  K=k, BLOCK_F=block_f, HALF=half, num_warps=4)
+        gate_up[(N * k, -(-F // block_f))](zq, idx, w1p, w1s, w3p, w3s, h, L, F, float(beta1), float(beta2),
+                                           K=k, BLOCK_F=block_f, HALF=half, num_warps=4)
         if activations == "mxfp8":
             h = mxfp8_fake_quantize(h).contiguous()
-        down[(N, triton_cdiv(L, block_l))](h, idx, weights.contiguous(), w2p, w2s, u, L, F, K=k, BLOCK_L=block_l,
-                                           HALF=half, num_warps=4)
+        down[(N, -(-L // block_l))](h, idx, weights.contiguous(), w2p, w2s, u, L, F, K=k, BLOCK_L=block_l,
+                                    HALF=half, num_warps=4)
     return u
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 register(Op(

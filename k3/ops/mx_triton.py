@@ -100,13 +100,9 @@ def _launch(x: Tensor, fp8: bool) -> Tensor:
     if n_blocks:
         block_b = 64
         with torch.cuda.device(src.device.index if src.is_cuda else -1):  # the tensors' GPU; -1: no-op
-            _kernel(_triton.interpret())[(triton_cdiv(n_blocks, block_b),)](src, y, n_blocks, BLOCK_B=block_b,
-                                                                            FP8=fp8, num_warps=4)
+            _kernel(_triton.interpret())[(-(-n_blocks // block_b),)](src, y, n_blocks, BLOCK_B=block_b, FP8=fp8,
+                                                                      num_warps=4)
     return y.view(x.shape)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -4,7 +4,6 @@ k3.cli)."""
 from __future__ import annotations
 
 import os
-import sys
 
 from k3 import cli_args as cli
 
@@ -12,7 +11,6 @@ from k3 import cli_args as cli
 def cmd_sft(args) -> int:
     from k3.devices import pick_device
     from k3.posttrain.sft import CPU_DEFAULTS, GPU_DEFAULTS, SFTOptions, run_sft
-    from k3.train.trainer import TrainingError
 
     device = pick_device(args.device)
     tcfg = cli._train_config(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
@@ -22,18 +20,12 @@ def cmd_sft(args) -> int:
                       heldout=args.heldout or [], resume=args.resume, device=str(device),
                       backends=cli._backends(args.backend, device), verify=args.verify,
                       skip_bad_records=args.skip_bad_records)
-    try:
-        summary = run_sft(opts, tcfg, progress_bar=not args.no_progress)
-    except TrainingError as e:
-        print(f"k3 sft: {e}", file=sys.stderr)
-        return 3
-    return cli.exit_code(summary)
+    return cli.run_training_command("sft", lambda: run_sft(opts, tcfg, progress_bar=not args.no_progress))
 
 
 def cmd_distill(args) -> int:
     from k3.devices import pick_device
     from k3.posttrain.distill import CPU_DEFAULTS, GPU_DEFAULTS, DistillOptions, run_distill, student_qat
-    from k3.train.trainer import TrainingError
 
     if args.seq_len is not None or args.batch_tokens is not None:
         raise SystemExit("k3 distill: --seq-len and --batch-tokens do not apply: a row is one sample (prompt + "
@@ -52,12 +44,7 @@ def cmd_distill(args) -> int:
                           max_new_tokens=args.max_new_tokens, rollout_budget=args.rollout_budget, r_max=args.r_max,
                           cache_memory_mb=args.rollout_cache_mb, device=str(device),
                           backends=cli._backends(args.backend, device), verify=args.verify)
-    try:
-        summary = run_distill(opts, tcfg, progress_bar=not args.no_progress)
-    except TrainingError as e:
-        print(f"k3 distill: {e}", file=sys.stderr)
-        return 3
-    return cli.exit_code(summary)
+    return cli.run_training_command("distill", lambda: run_distill(opts, tcfg, progress_bar=not args.no_progress))
 
 
 def cmd_quantize(args) -> int:

@@ -42,7 +42,7 @@ import torch
 from k3.model.batch import BatchInfo
 from k3.posttrain.mopd import Prompt, TeacherTable, encode_prompt, opd_pg_loss, read_prompts, token_logprobs
 from k3.posttrain.rollout import Rollout, RolloutEngine, default_engine_config
-from k3.run_dir import clean_interrupted, holding_run_dir, latest_checkpoint
+from k3.run_dir import holding_run_dir
 from k3.train.trainer import StepMetrics, Trainer, TrainConfig
 
 CPU_DEFAULTS = dict(lr=5e-4)
@@ -339,11 +339,8 @@ def load_teachers(table: TeacherTable, student_cfg, student_tok, device, backend
 
 
 def build_distill_run(opts: DistillOptions, tcfg: TrainConfig, log=print) -> MOPDTrainer:
-    from k3.checkpoint import from_pretrained
-    from k3.data.tokenizer import load_any_tokenizer
-    from k3.devices import pick_device
-    from k3.model.mx_experts import quantize_experts
-    from k3.serve.chat import chat_template_json, load_chat_template, stop_strings
+    from k3.posttrain.sft import load_fp32_base, prepare_run_dir
+    from k3.serve.chat import chat_template_json, stop_strings
     from k3.train.run import _tokenizer_json_bytes
 
     opts.validate()
@@ -351,34 +348,13 @@ def build_distill_run(opts: DistillOptions, tcfg: TrainConfig, log=print) -> MOP
     tcfg.validate()
     table = TeacherTable(opts.teachers)
     prompts = read_prompts(opts.prompts, table)
-    device = pick_device(opts.device)
-    tcfg.device = str(device)
-    if device.type == "cuda":
-        tcfg.autocast_bf16 = True
-    out = tcfg.out
-    os.makedirs(out, exist_ok=True)
-    with holding_run_dir(out):
-        clean_interrupted(os.path.join(out, "checkpoints"), log=log)
-    resume_from = latest_checkpoint(out) if opts.resume else None
-    if opts.resume and resume_from is None:
-        raise ValueError(f"--resume: no checkpoint found in {out}/checkpoints")
-    if not opts.resume and latest_checkpoint(out) is not None:
-        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    device, resume_from = prepare_run_dir(tcfg, opts.device, opts.resume, log)
     src = resume_from or opts.student
     if src is None:
         raise ValueError("--student: give the checkpoint to distill into")
     if not os.path.isdir(src) or not os.path.isfile(os.path.join(src, "config.json")):
         raise ValueError(f"--student {src}: no checkpoint there (a directory with config.json and safetensors)")
-
-    # fp32 master weights with plain experts (as k3 sft); QAT re-wraps them below
-    model = from_pretrained(src, dtype=torch.float32, device=device, backends=opts.backends, verify=opts.verify)
-    quantize_experts(model, None, None)
-    model.config = model.config.replace(quantization_config=None)
-    try:
-        tok = load_any_tokenizer(src)
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"--student {src} has no usable tokenizer.json ({e})") from None
-    template = load_chat_template(src)
+    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify, what="--student ")
     teachers = load_teachers(table, model.config, tok, device, opts.backends, opts.verify, log)
 
     ids, kept, too_long = [], [], 0

@@ -59,44 +59,59 @@ def load_chat_data(paths: list[str], tok, template, seq_len: int, skip_bad: bool
     return packed
 
 
-def build_sft_run(opts: SFTOptions, tcfg: TrainConfig, log=print) -> Trainer:
-    from k3.checkpoint import from_pretrained
-    from k3.data.tokenizer import load_any_tokenizer
-    from k3.model.mx_experts import quantize_experts
-    from k3.posttrain.chat_data import ChatLoader
-    from k3.serve.chat import chat_template_json, load_chat_template
-    from k3.train.run import _tokenizer_json_bytes
-
-    tcfg.validate()
-    if not opts.data:
-        raise ValueError("--data: give at least one chat .jsonl file")
-    device = pick_device(opts.device)
-    tcfg.device = str(device)
-    if device.type == "cuda":
+def prepare_run_dir(tcfg: TrainConfig, device: str, resume: bool, log=print):
+    """What every post-training run does first: pick the device (bf16 autocast on CUDA), create the run directory and
+    clean an interrupted save, and check --resume against what is there. Returns (device, the checkpoint to resume
+    from or None)."""
+    dev = pick_device(device)
+    tcfg.device = str(dev)
+    if dev.type == "cuda":
         tcfg.autocast_bf16 = True
     out = tcfg.out
     os.makedirs(out, exist_ok=True)
     with holding_run_dir(out):
         clean_interrupted(os.path.join(out, "checkpoints"), log=log)
-    resume_from = latest_checkpoint(out) if opts.resume else None
-    if opts.resume and resume_from is None:
+    resume_from = latest_checkpoint(out) if resume else None
+    if resume and resume_from is None:
         raise ValueError(f"--resume: no checkpoint found in {out}/checkpoints")
-    if not opts.resume and latest_checkpoint(out) is not None:
+    if not resume and latest_checkpoint(out) is not None:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    src = resume_from or opts.ckpt
-    if src is None:
-        raise ValueError("--ckpt: give the checkpoint to fine-tune")
+    return dev, resume_from
 
-    # fp32 master weights; plain experts and no quantization_config, so that the run's checkpoints keep them exactly
-    # (a release's MXFP4 weights decode exactly; QAT below re-wraps the experts, the export writes MXFP4 again).
-    model = from_pretrained(src, dtype=torch.float32, device=device, backends=opts.backends, verify=opts.verify)
+
+def load_fp32_base(src: str, device, backends, verify: bool, what: str = ""):
+    """(model, tokenizer, chat template) of the checkpoint a post-training run starts from: fp32 master weights with
+    plain experts and no quantization_config, so that the run's checkpoints keep them exactly (a release's MXFP4
+    weights decode exactly; QAT re-wraps the experts, the export writes MXFP4 again). `what` prefixes messages
+    (e.g. "--student ")."""
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.model.mx_experts import quantize_experts
+    from k3.serve.chat import load_chat_template
+
+    model = from_pretrained(src, dtype=torch.float32, device=device, backends=backends, verify=verify)
     quantize_experts(model, None, None)
     model.config = model.config.replace(quantization_config=None)
     try:
         tok = load_any_tokenizer(src)
     except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"{src} has no usable tokenizer.json ({e})") from None
-    template = load_chat_template(src)
+        raise ValueError(f"{what}{src} has no usable tokenizer.json ({e})") from None
+    return model, tok, load_chat_template(src)
+
+
+def build_sft_run(opts: SFTOptions, tcfg: TrainConfig, log=print) -> Trainer:
+    from k3.posttrain.chat_data import ChatLoader
+    from k3.serve.chat import chat_template_json
+    from k3.train.run import _tokenizer_json_bytes
+
+    tcfg.validate()
+    if not opts.data:
+        raise ValueError("--data: give at least one chat .jsonl file")
+    device, resume_from = prepare_run_dir(tcfg, opts.device, opts.resume, log)
+    src = resume_from or opts.ckpt
+    if src is None:
+        raise ValueError("--ckpt: give the checkpoint to fine-tune")
+    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify)
 
     train = load_chat_data(opts.data, tok, template, tcfg.seq_len, opts.skip_bad_records, "training data", log)
     if train.num_rows == 0:

@@ -246,3 +246,16 @@ def test_balance_diagnostics_log_the_same_batch_ideal_and_change_nothing(tmp_pat
     assert all(torch.equal(l.gate.e_score_correction_bias, torch.zeros_like(l.gate.e_score_correction_bias))
                for l in none.moe_layers)
     assert _trainer(tmp_path / "none2", 1, balance="none").balancers == []
+
+
+def test_training_commands_exit_3_with_the_reason_when_training_cannot_continue(capsys):
+    from k3.cli_args import run_training_command
+
+    def fails():
+        raise TrainingError("5 consecutive steps had non-finite loss")
+
+    assert run_training_command("sft", fails) == 3
+    assert "k3 sft: 5 consecutive steps had non-finite loss" in capsys.readouterr().err
+    assert run_training_command("train", lambda: {"interrupted": True}) == 130
+    assert run_training_command("train", lambda: {"interrupted": True, "signal": "SIGTERM"}) == 143
+    assert run_training_command("distill", lambda: {}) == 0
