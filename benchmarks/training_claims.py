@@ -62,9 +62,11 @@ def run_arm(name: str, args) -> list[dict]:
     from k3.train.run import RunOptions, run_training
     from k3.train.trainer import TrainConfig
 
+    from k3.train.trainer import TrainingError
+
     out = os.path.join(args.out, name)
     recs = _records(out)
-    if sum(1 for r in recs if "loss" in r) >= args.steps:
+    if sum(1 for r in recs if "loss" in r) >= args.steps or os.path.isfile(os.path.join(out, "diverged.txt")):
         _log(f"{name}: read from {out}")
         return recs
     if os.path.isdir(out):
@@ -80,9 +82,15 @@ def run_arm(name: str, args) -> list[dict]:
     if os.path.isfile(shared_tok):
         os.makedirs(out, exist_ok=True)
         shutil.copyfile(shared_tok, os.path.join(out, "tokenizer.json"))
-    run_training(RunOptions(preset=args.preset, data=args.data or [], device=args.device,
-                            vocab_size=args.vocab_size, data_cache=os.path.join(args.out, "data")),
-                 tcfg, progress_bar=False, log=lambda *a: None)
+    try:
+        run_training(RunOptions(preset=args.preset, data=args.data or [], device=args.device,
+                                vocab_size=args.vocab_size, data_cache=os.path.join(args.out, "data")),
+                     tcfg, progress_bar=False, log=lambda *a: None)
+    except TrainingError as e:  # a diverged arm is a result (QK-Clip off at a high learning rate may diverge)
+        _log(f"{name}: diverged: {e}")
+        with open(os.path.join(out, "diverged.txt"), "w") as f:
+            f.write(f"{e}\n")
+        return _records(out)
     if not os.path.isfile(shared_tok):
         shutil.copyfile(os.path.join(out, "tokenizer.json"), shared_tok)
     recs = _records(out)
@@ -98,7 +106,7 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def summarize(name: str, recs: list[dict]) -> dict:
+def summarize(name: str, recs: list[dict], diverged: bool = False) -> dict:
     steps = [r for r in recs if "loss" in r]
     evals = [r for r in recs if "val_loss" in r]
     tail = steps[len(steps) // 2:]
@@ -110,7 +118,7 @@ def summarize(name: str, recs: list[dict]) -> dict:
             return float("nan")
         return statistics.median(_mean(col) for col in zip(*rows))
 
-    return dict(arm=name, steps=len(steps), train_loss=round(_mean(r["loss"] for r in last), 4),
+    return dict(arm=name, steps=len(steps), diverged=diverged, train_loss=round(_mean(r["loss"] for r in last), 4),
                 val_loss_best=round(min(r["val_loss"] for r in evals), 4) if evals else None,
                 val_loss_final=round(evals[-1]["val_loss"], 4) if evals else None,
                 load_max_over_mean=round(per_layer("expert_load_max_over_mean"), 3),
@@ -190,11 +198,11 @@ def main() -> None:
     for a in ARMS:
         if a not in results and _records(os.path.join(args.out, a)):
             results[a] = _records(os.path.join(args.out, a))
-    rows = [summarize(a, r) for a, r in results.items()]
+    rows = [summarize(a, r, os.path.isfile(os.path.join(args.out, a, "diverged.txt"))) for a, r in results.items()]
     with open(os.path.join(args.out, "claims.json"), "w") as f:
         json.dump(dict(preset=args.preset, steps=args.steps, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
                        lr=args.lr, clip_lr=args.clip_lr, device=args.device_resolved, arms=rows), f, indent=1)
-    cols = ["arm", "steps", "train_loss", "val_loss_best", "val_loss_final", "load_max_over_mean",
+    cols = ["arm", "steps", "diverged", "train_loss", "val_loss_best", "val_loss_final", "load_max_over_mean",
             "ideal_load_max_over_mean", "experts_without_tokens", "max_logit"]
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+from k3.files import atomic_write_text
+
 
 class MetricsLog:
     """Appends records to `OUT/metrics.jsonl`, each flushed at once (a killed run keeps every line written), and
@@ -20,6 +22,30 @@ class MetricsLog:
         self.png_path = os.path.join(out, "loss.png")
         self.history, self.log = history, log
         self._f = None
+
+    def resume_at(self, step: int) -> int:
+        """Drop the records of steps after `step` (a run resumed from its checkpoint of `step` trains them again;
+        kept, they would appear twice). Rewrites the file atomically; returns how many records were dropped. A line
+        that is not JSON (a run killed mid-write) is dropped too."""
+        if not self.enabled or not os.path.isfile(self.path):
+            return 0
+        kept, dropped = [], 0
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    dropped += 1
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+                    dropped += 1
+                else:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if dropped:
+            atomic_write_text(self.path, "".join(kept))
+        return dropped
 
     def __enter__(self) -> "MetricsLog":
         if self.enabled:

@@ -479,6 +479,11 @@ class Trainer:
             self.log(line)
         first_step_end = None  # training seconds after this session's first step (compilation, warm-up excluded)
         metrics = MetricsLog(c.out, self.history, log=self.log, enabled=self.writes_files)
+        if self.step > 0:
+            dropped = metrics.resume_at(self.step)
+            if dropped:
+                self.log(f"metrics.jsonl: dropped {dropped} records after step {self.step}, the step this run "
+                         "resumed from (their steps are trained again)")
         summary = {"start_step": self.step}
         try:
             with metrics:

@@ -94,3 +94,16 @@ def test_cli_epochs_workers_and_data_cache_reach_the_run(tmp_path, monkeypatch):
     assert opts.workers == 3 and opts.data_cache == str(tmp_path / "cache")
     assert cli.main(["train", "--out", out, "--device", "cpu"]) == 0
     assert seen[1][1].max_minutes == 10.0 and seen[1][1].epochs is None
+
+
+def test_eval_every_defaults_per_device_and_the_flag_wins():
+    """A GPU run evaluates every 200 steps by default (an evaluation of the whole held-out set costs ~23 k3-mini
+    steps on an H200), a CPU run every 50; --eval-every overrides both."""
+    from k3 import cli
+    from k3.cli_args import _train_config
+    from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS
+
+    parse = cli.build_parser().parse_args
+    assert _train_config(parse(["train", "--out", "x"]), GPU_DEFAULTS).eval_every == 200
+    assert _train_config(parse(["train", "--out", "x"]), CPU_DEFAULTS).eval_every == 50
+    assert _train_config(parse(["train", "--out", "x", "--eval-every", "7"]), GPU_DEFAULTS).eval_every == 7

@@ -79,6 +79,36 @@ def test_resume_is_bit_exact(tmp_path):
     assert loss_a == loss_b
 
 
+def test_resume_after_a_kill_logs_each_step_once(tmp_path):
+    """A run killed after its last checkpoint has logged steps past it; the resumed run trains them again and
+    metrics.jsonl holds each step once, as the run without the kill does."""
+    straight = _trainer(tmp_path / "a", 20)
+    straight.fit(progress_bar=False)
+    first = _trainer(tmp_path / "b", 20)
+    orig = first.train_step
+
+    def step_then_stop():
+        m = orig()
+        first._stop_requested = first.step == 10
+        return m
+
+    first.train_step = step_then_stop
+    first.fit(progress_bar=False)  # checkpoint at step 10
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # steps 11-13 logged, then killed mid-line
+        for r in [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl")]:
+            if r["step"] in (11, 12, 13):
+                f.write(json.dumps(r) + "\n")
+        f.write('{"step": 14, "lo')
+    resumed = _trainer(tmp_path / "b", 20)
+    resumed.load(os.path.join(tmp_path / "b", "checkpoints", "step-0000010"))
+    resumed.fit(progress_bar=False)
+    la = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl")]
+    lb = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in lb] == [r["step"] for r in la]
+    assert [r.get("loss") for r in lb] == [r.get("loss") for r in la]
+    assert [r.get("val_loss") for r in lb] == [r.get("val_loss") for r in la]
+
+
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     tr = _trainer(tmp_path, 50, max_bad_steps=3)
     tr.fit(progress_bar=False)  # a good checkpoint at step 50
