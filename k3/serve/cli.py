@@ -19,7 +19,8 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
           max_num_seqs: int | None = None, max_step_tokens: int | None = None, prefill_chunk: int | None = None,
           device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
           cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True,
-          speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None) -> None:
+          speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
+          speculative_auto: bool = True) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
     as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
     DEFAULT_MAX_REQUEST_BYTES."""
@@ -32,7 +33,7 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
                                                max_num_seqs, max_step_tokens, prefill_chunk, device,
                                                backends=backends, cuda_graphs=cuda_graphs, verify=verify,
                                                speculative=speculative, num_draft_tokens=num_draft_tokens,
-                                               draft=draft)
+                                               draft=draft, speculative_auto=speculative_auto)
     if engine.runner.graphs is not None and engine.runner.graphs.capture:
         t0 = time.perf_counter()
         n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
@@ -68,7 +69,7 @@ def cmd_serve(args) -> int:
               backends=getattr(args, "backends", None), cuda_graphs=getattr(args, "cuda_graphs", True),
               max_request_mb=getattr(args, "max_request_mb", None), verify=getattr(args, "verify", True),
               speculative=getattr(args, "speculative", "off"), num_draft_tokens=getattr(args, "num_draft_tokens", 3),
-              draft=getattr(args, "draft", None))
+              draft=getattr(args, "draft", None), speculative_auto=getattr(args, "speculative_auto", True))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
 from k3.serve.spec.accept import accept
 from k3.serve.spec.draft import Draft, Eagle3Draft, MTPDraft
+from k3.serve.spec.switch import SpecSwitch
 
 SPECULATIVE = ("off", "mtp", "eagle3")
 MAX_DRAFT_TOKENS = 16
@@ -50,6 +51,10 @@ class EngineConfig:
     # the EAGLE-3 draft in directory `draft` (k3 train-draft; k3.draft_checkpoint)
     draft: str | None = None
     num_draft_tokens: int = 3  # drafts per speculative step (K: K + 1 positions verified)
+    # With speculation: measure speculative against plain decode steps per decode batch size and keep to the faster
+    # (k3.serve.spec.switch). `k3 serve` and `k3 generate` turn it on (--no-speculative-auto: off); off here, so
+    # that an engine built in code speculates on every step it can, as configured.
+    speculative_auto: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -62,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
+        if not isinstance(self.speculative_auto, bool):
+            raise ValueError(f"speculative_auto={self.speculative_auto!r} is invalid: use True or False")
         if self.draft is not None and self.speculative != "eagle3":
             raise ValueError(f"a draft directory ({self.draft}) is for speculative='eagle3', not "
                              f"{self.speculative!r}")
@@ -128,6 +135,8 @@ class LLMEngine:
 
             draft = Eagle3Draft(model, load_draft(self.cfg.draft, model))
         self.draft = draft
+        self.spec_switch = SpecSwitch() if draft is not None and self.cfg.speculative_auto else None
+        self.clock = time.perf_counter  # what the switch's step times are read from (a test's fake clock)
         # AttnRes blocks whose outputs the draft reads beside the hidden state (an EAGLE-3 draft's)
         self._draft_features = tuple(getattr(draft, "features", ())) if draft is not None else ()
         # speculative steps run eagerly (no graph of the verification yet): no graphs are captured with speculation
@@ -221,7 +230,14 @@ class LLMEngine:
                 if self.scheduler.running or self.scheduler.num_waiting:
                     return self._fail_unschedulable()
                 return []
+            t0 = self.clock()
+            decode = [w for w in work if _is_decode(w)]
+            decode_only = len(decode) == len(work)
             spec = [w for w in work if w.draft]
+            if spec and self.spec_switch is not None and not self.spec_switch.decide(len(decode)):
+                for w in spec:  # this batch size measures faster without speculation: a plain decode step
+                    w.draft = 0
+                spec = []
             work = [w for w in work if not w.draft]
             logits = self._run_batched(work) if work else {}
             due = []
@@ -243,6 +259,9 @@ class LLMEngine:
             if spec:
                 outputs += self._speculate(spec)
             self.cache.mark_landed()
+            if self.spec_switch is not None and decode_only and decode:
+                self.spec_switch.record(len(decode), bool(spec), sum(len(o.new_token_ids) for o in outputs),
+                                        self.clock() - t0)
             return outputs
 
     def _finish_scored(self, seq: Sequence) -> RequestOutput:
@@ -463,6 +482,11 @@ class LLMEngine:
 
     def cache_stats(self) -> dict:
         return self.cache.stats()
+
+
+def _is_decode(w: Work) -> bool:
+    """A decode step (one position past the prompt, its token sampled by the last step), not a prefill chunk."""
+    return w.end - w.start == 1 and w.start >= len(w.seq.prompt_ids)
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:

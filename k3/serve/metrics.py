@@ -137,6 +137,8 @@ class MetricsExporter:
                 running = len(eng.scheduler.running)
                 waiting = eng.scheduler.num_waiting
                 cache = dict(eng.cache_stats())
+                switch = getattr(eng, "spec_switch", None)
+                switch = switch.state() if switch is not None else {}
             finally:
                 if lock is not None:
                     lock.release()
@@ -175,6 +177,23 @@ class MetricsExporter:
         ]
         for name, hlp, value in gauges:
             lines += [f"# HELP {name} {hlp}", f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
+        if switch:  # speculation on or off per decode batch size (k3.serve.spec.switch), labelled by bucket
+            labelled = [
+                ("k3_spec_auto_enabled", "Speculation per decode batch-size bucket (le: its largest batch): 1 on, 0 "
+                 "off (measured slower), -1 still probing.", lambda st: -1 if st["speculative"] is None
+                 else int(st["speculative"])),
+                ("k3_spec_auto_tokens_per_second", "Median tokens emitted per second of decode-only steps, by bucket "
+                 "and arm (NaN before a measurement).", None),
+            ]
+            for name, hlp, value in labelled:
+                lines += [f"# HELP {name} {hlp}", f"# TYPE {name} gauge"]
+                for le, st in switch.items():
+                    if value is not None:
+                        lines.append(f'{name}{{le="{le}"}} {_fmt(value(st))}')
+                    else:
+                        for arm in ("spec", "plain"):
+                            v = st[f"{arm}_tokens_per_s"]
+                            lines.append(f'{name}{{le="{le}",arm="{arm}"}} {_fmt(float("nan") if v is None else v)}')
         return "\n".join(lines) + "\n"
 
 

@@ -30,8 +30,8 @@ def _draft_count(text: str) -> int:
 
 
 def add_speculative_arguments(parser) -> None:
-    """--speculative, --draft and --num-draft-tokens (`k3 serve` and `k3 generate`): EngineConfig.speculative,
-    .draft and .num_draft_tokens."""
+    """--speculative, --draft, --num-draft-tokens and --speculative-auto (`k3 serve` and `k3 generate`):
+    EngineConfig.speculative, .draft, .num_draft_tokens and .speculative_auto."""
     parser.add_argument("--speculative", choices=["off", "mtp", "eagle3"], default="off",
                         help="speculative decoding: 'mtp' drafts with the model's MTP layer, 'eagle3' with an "
                              "EAGLE-3 draft trained by `k3 train-draft` (--draft), and verifies the drafts in one "
@@ -42,6 +42,10 @@ def add_speculative_arguments(parser) -> None:
                              "checkpoint)")
     parser.add_argument("--num-draft-tokens", type=_draft_count, default=3,
                         help="draft tokens per speculative step (default 3)")
+    parser.add_argument("--speculative-auto", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --speculative: measure speculative against plain decode steps per decode batch "
+                             "size and keep to the faster (default on; --no-speculative-auto: speculate on every "
+                             "step)")
 
 
 def add_serve_arguments(parser) -> None:
