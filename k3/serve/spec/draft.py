@@ -92,33 +92,79 @@ class MTPDraft:
 
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Each request's first step alone (it runs the request's newly observed positions, a different number
+        each), then the later steps of all requests as one batched forward per step: one new position per request
+        against its own context (rows of different lengths, `_RaggedCache`). Equal to `propose_sequential`, which a
+        single request takes (its context grows in place, nothing is copied)."""
+        if len(seqs) == 1:
+            return [self._propose_one(seqs[0], ks[0])]
+        firsts = [self._first(s) for s in seqs]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[Tensor | None]] = [[] for _ in seqs]
+        for i, (s, f) in enumerate(zip(seqs, firsts)):
+            if f is not None:
+                tok, q = _choose(self.model.head(f[0])[0, -1], s.params, s.generator)
+                tokens[i].append(tok)
+                qs[i].append(q)
+        rows = [i for i, f in enumerate(firsts) if f is not None and ks[i] > 1]
+        if rows:
+            emb = self.model.model.embed_tokens
+            h = torch.cat([firsts[i][0] for i in rows])  # [B, 1, D]
+            cache = _RaggedCache([firsts[i][1] for i in rows], max(ks[i] for i in rows) - 1)
+            for j in range(1, max(ks[i] for i in rows)):
+                nxt = torch.tensor([[tokens[i][-1]] for i in rows], device=h.device)
+                h = self._step(h, emb(nxt), False, cache)
+                logits = self.model.head(h)[:, -1]
+                for r, i in enumerate(rows):
+                    if j < ks[i]:  # a request with fewer drafts draws nothing more: its generator is untouched
+                        tok, q = _choose(logits[r], seqs[i].params, seqs[i].generator)
+                        tokens[i].append(tok)
+                        qs[i].append(q)
+        out = []
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            if firsts[i] is None:
+                out.append(Proposal([s.token_range(s.num_computed, s.num_computed + 1)[0]] * k))
+            else:
+                out.append(Proposal(tokens[i], None if qs[i][0] is None else torch.stack(qs[i])))
+        return out
+
+    @torch.no_grad()
+    def propose_sequential(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """The reference of `propose`: one request at a time, its steps one after another."""
         return [self._propose_one(s, k) for s, k in zip(seqs, ks)]
 
-    def _propose_one(self, seq: Sequence, k: int) -> Proposal:
+    def _first(self, seq: Sequence) -> tuple[Tensor, MLACache] | None:
+        """The first drafting step of seq: run its observed positions not yet run through the layer (the target's
+        hidden states and the next tokens), appending their rows to its context; returns (the output at the last
+        position [1, 1, D], the context), or None when nothing is observed up to the last committed position
+        (cannot happen in the engine's order: any tokens are then valid drafts, only unlikely to be accepted)."""
         ctx = self._ctx.get(seq.request_id)
         C = seq.num_computed
         if ctx is None or not ctx.pending or ctx.next_pos != C:
-            # nothing observed up to the last committed position (cannot happen in the engine's order): any tokens
-            # are valid drafts, they are only unlikely to be accepted
-            return Proposal([seq.token_range(C, C + 1)[0]] * k)
+            return None
         hidden = torch.cat(ctx.pending)[-self.window:]
         first = C - hidden.shape[0]  # MTP position t reads the target's hidden at t and token t + 1
         ctx.pending, ctx.pending_start = [], None
-        emb = self.model.model.embed_tokens
-        dev = hidden.device
-        nxt = torch.tensor([seq.token_range(first + 1, C + 1)], device=dev)
-        h = self._step(hidden[None], emb(nxt), True, ctx.cache)
+        nxt = torch.tensor([seq.token_range(first + 1, C + 1)], device=hidden.device)
+        h = self._step(hidden[None], self.model.model.embed_tokens(nxt), True, ctx.cache)
         ctx.cache.keep_last(self.window)
-        committed = ctx.cache.length
-        h = h[:, -1:]
+        return h[:, -1:], ctx.cache
+
+    def _propose_one(self, seq: Sequence, k: int) -> Proposal:
+        f = self._first(seq)
+        if f is None:
+            return Proposal([seq.token_range(seq.num_computed, seq.num_computed + 1)[0]] * k)
+        h, cache = f
+        committed = cache.length
+        emb = self.model.model.embed_tokens
         tokens, qs = [], []
         for i in range(k):
             tok, q = _choose(self.model.head(h)[0, -1], seq.params, seq.generator)
             tokens.append(tok)
             qs.append(q)
             if i + 1 < k:
-                h = self._step(h, emb(torch.tensor([[tok]], device=dev)), False, ctx.cache)
-        ctx.cache.truncate(committed)  # the guesses' rows are not context
+                h = self._step(h, emb(torch.tensor([[tok]], device=h.device)), False, cache)
+        cache.truncate(committed)  # the guesses' rows are not context
         return Proposal(tokens, None if qs[0] is None else torch.stack(qs))
 
     def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
@@ -143,6 +189,33 @@ class Eagle3Draft(MTPDraft):
 
     def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
         return self.layer(hidden, embeds, fused=first, cache=cache)
+
+
+class _RaggedCache:
+    """The draft's guesses of a batch of requests, one position per request per step, each after its own committed
+    context (k3.model.cache.MLACache of different lengths): the contexts copied into rows padded to the longest
+    plus room for `extra` guesses; attention reads each row up to its own length. The requests' own contexts are
+    not touched (guesses are never context)."""
+
+    def __init__(self, caches: list[MLACache], extra: int):
+        lens = [c.length for c in caches]
+        c0, r0 = caches[0].c, caches[0].k_rope
+        L = max(lens) + extra
+        self.c = c0.new_zeros(len(caches), L, c0.shape[-1])
+        self.k_rope = r0.new_zeros(len(caches), L, r0.shape[-1])
+        for i, cc in enumerate(caches):
+            self.c[i, :lens[i]] = cc.c[0]
+            self.k_rope[i, :lens[i]] = cc.k_rope[0]
+        self.lengths = torch.tensor(lens, device=c0.device)
+        self._rows = torch.arange(len(caches), device=c0.device)
+
+    def attend(self, attn, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        if q.shape[1] != 1:
+            raise ValueError(f"a ragged draft step takes one position per request, got {q.shape[1]}")
+        self.c[self._rows, self.lengths] = c[:, 0]
+        self.k_rope[self._rows, self.lengths] = k_rope[:, 0]
+        self.lengths = self.lengths + 1
+        return attn.absorbed(q, self.c, self.k_rope, q_start=self.lengths - 1, kv_len=self.lengths)
 
 
 def _choose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:

@@ -1,0 +1,99 @@
+"""The batched draft (MTPDraft.propose, Eagle3Draft.propose: each request's first step alone, the later steps of all
+requests in one forward per step over contexts of different lengths) equals the one-request-at-a-time reference
+(`propose_sequential`): the same tokens, and distributions within 1e-5, greedy and sampled, with different numbers
+of drafts per request; and a request's context is left as the reference leaves it."""
+
+import pytest
+import torch
+
+from helpers import randomize_
+from k3.config import K3Config
+from k3.model.eagle3 import Eagle3Layer
+from k3.model.model import K3ForCausalLM
+from k3.serve.sampling import SamplingParams
+from k3.serve.sequence import Sequence
+from k3.serve.spec.draft import Eagle3Draft, MTPDraft
+
+VOCAB = 512
+
+
+def _model():
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=VOCAB, eos_token_id=0)
+    return randomize_(K3ForCausalLM(cfg), seed=4).eval()
+
+
+def _draft(kind, model):
+    if kind == "mtp":
+        return MTPDraft(model, window=40)
+    layer = Eagle3Layer(model.config)
+    layer.mtp.load_state_dict(model.mtp[0].state_dict())  # the target's MTP layer, and a random fusion W_E3
+    with torch.no_grad():
+        layer.fc.weight.copy_(torch.randn(layer.fc.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.05)
+    layer.eval()
+    return Eagle3Draft(model, layer, window=40)
+
+
+def _seqs(lengths, temperature, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        s = Sequence(torch.randint(1, VOCAB, (n + 1,), generator=g).tolist(),
+                     SamplingParams(max_tokens=16, temperature=temperature, top_k=50 if temperature else None),
+                     request_id=f"r{i}")
+        s.num_computed = n  # positions 0 .. n-1 computed; token n sampled, not yet run through the target
+        s.generator = torch.Generator().manual_seed(100 + i)
+        out.append(s)
+    return out
+
+
+def _observe(draft, seqs, width, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for s in seqs:
+        # observed in two pieces, as a prefill chunk and a decode step would hand them over
+        h = torch.randn(s.num_computed, width, generator=g)
+        draft.observe(s, 0, h[:-1])
+        draft.observe(s, s.num_computed - 1, h[-1:])
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_proposals_equal_the_sequential_reference(kind, temperature):
+    model = _model()
+    width = model.config.hidden_size * (1 + (len(Eagle3Layer(model.config).blocks) if kind == "eagle3" else 0))
+    lengths, ks = [7, 30, 1, 55, 12], [3, 1, 4, 4, 2]  # 55 > the window: a bounded context
+    runs = {}
+    for mode in ("batched", "sequential"):
+        torch.manual_seed(0)
+        draft = _draft(kind, model)
+        seqs = _seqs(lengths, temperature)
+        _observe(draft, seqs, width)
+        props = (draft.propose if mode == "batched" else draft.propose_sequential)(seqs, ks)
+        # a second round after one more committed position each: the contexts were left alike
+        for s in seqs:
+            s.prompt_ids.append(1)
+            s.num_computed += 1
+        _observe_more = torch.Generator().manual_seed(9)
+        for s in seqs:
+            draft.observe(s, s.num_computed - 1, torch.randn(1, width, generator=_observe_more))
+        props2 = (draft.propose if mode == "batched" else draft.propose_sequential)(seqs, ks)
+        runs[mode] = (props + props2, [draft._ctx[s.request_id].cache.length for s in seqs],
+                      [s.generator.get_state() for s in seqs])
+    (pa, la, ga), (pb, lb, gb) = runs["batched"], runs["sequential"]
+    assert la == lb  # contexts of the same length (committed rows only, within the window)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))  # each request's generator drew the same number of times
+    for a, b in zip(pa, pb):
+        assert a.tokens == b.tokens
+        if temperature == 0:
+            assert a.q is None and b.q is None
+        else:
+            torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)
+
+
+def test_a_request_with_nothing_observed_gets_placeholder_drafts_beside_batched_ones():
+    model = _model()
+    draft = _draft("mtp", model)
+    seqs = _seqs([5, 9], 0.0)
+    _observe(draft, seqs[:1], model.config.hidden_size)
+    props = draft.propose(seqs, [3, 2])
+    assert len(props[0].tokens) == 3
+    assert props[1].tokens == [seqs[1].tokens[9]] * 2
