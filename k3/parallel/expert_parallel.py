@@ -48,6 +48,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from k3.model.latent_moe import GroupedExperts, LatentMoE
+from k3.model.mx_experts import MXExperts
+from k3.ops.mx import mxfp4_fake_quantize_any, mxfp8_fake_quantize_any
 from k3.ops.moe import Routing, moe_experts_any
 from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.parallel.moon_ep import MoonEPPlan, pair_slots, plan_moon_ep, rank_offsets
@@ -173,6 +175,11 @@ class ExpertParallelExperts(GroupedExperts):
         self.grad_scale = 1.0
         self.backends = experts.backends
         self.group, self.num_experts, self.ep_size, self.ep_rank, self.moon_ep = group, E, R, r, moon_ep
+        # quantization-aware training (k3.train.qat): the MX formats of MXExperts, applied to this rank's rows. MX
+        # blocks run along each weight row's input dim and each activation row, so slicing experts and moving token
+        # rows commute with them: the same fake-quantized values as on one device.
+        self.weights, self.activations = ((experts.weights, experts.activations) if isinstance(experts, MXExperts)
+                                          else (None, None))
         self.computed_pairs: list[int] | None = None
 
     @property
@@ -195,8 +202,9 @@ class ExpertParallelExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         lo, hi = self.expert_range
+        qat = f", weights={self.weights}, activations={self.activations}" if self.weights or self.activations else ""
         return f"experts [{lo}, {hi}) of {self.num_experts}, ep rank {self.ep_rank} of {self.ep_size}, " \
-               f"moon_ep={self.moon_ep}"
+               f"moon_ep={self.moon_ep}{qat}"
 
     def _counts(self, indices: Tensor) -> Tensor:
         """[R, E] router counts of every EP rank, on the host (the layer's device-to-host read)."""
@@ -231,7 +239,16 @@ class ExpertParallelExperts(GroupedExperts):
             # rank takes part in the backward all-to-alls and its experts get a (zero) gradient like every rank's.
             return x * 0 + sum(0.0 * w.sum() for w in (w1, w3, w2)).to(x.dtype)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        return moe_experts_any(x, ones, slot[:, None], w1, w3, w2, self.act, self.act_fused, self.act_fused13,
+        act, act_fused, act13 = self.act, self.act_fused, self.act_fused13
+        if self.weights == "mxfp4":  # after the copies' fetch: a copy is its home rows, quantized alike
+            w1, w3, w2 = (mxfp4_fake_quantize_any(w, self.backends) for w in (w1, w3, w2))
+        if self.activations == "mxfp8":  # as MXExperts: the expert inputs, and the hidden in the GEMM dtype
+            dt, q = x.dtype, (lambda t: mxfp8_fake_quantize_any(t, self.backends))
+            x = q(x)
+            act = lambda g, u: q(self.act(g, u).to(dt))  # noqa: E731
+            act_fused = lambda g, u: q(self.act_fused(g, u).to(dt))  # noqa: E731
+            act13 = lambda h: q(self.act_fused13(h).to(dt))  # noqa: E731
+        return moe_experts_any(x, ones, slot[:, None], w1, w3, w2, act, act_fused, act13,
                                backends=self.backends, casts=self.weight_casts)
 
     def forward(self, z: Tensor, routing: Routing) -> Tensor:

@@ -77,6 +77,14 @@ def quantize_checkpoint(src: str, dst: str, fmt: str = "mxfp4", activations: str
     return save_mxfp4(model, dst, activations, dtype=dtype or stored, extra_files=carried_files(src))
 
 
+def export_checkpoint(ckpt_dir: str, out: str, log=print) -> str:
+    """`export_run` from a run's saved checkpoint (its fp32 weights; a distributed run's gathered one): the
+    deployment checkpoint `OUT/mxfp4`, the tokenizer and chat template beside it; returns the path."""
+    path = quantize_checkpoint(ckpt_dir, os.path.join(out, "mxfp4"))
+    log(f"MXFP4 export (routed experts weight_packed/weight_scale, MXFP8 expert inputs): {path}")
+    return path
+
+
 def export_run(trainer, log=print) -> str:
     """The deployment checkpoint of a QAT run, written to `OUT/mxfp4` (its tokenizer and chat template beside
     it), from the trainer's model as it stands; returns the path."""

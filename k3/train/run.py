@@ -190,10 +190,7 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
 
     torch.manual_seed(tcfg.seed)
     model = K3ForCausalLM(cfg, backends=opts.backends).init_weights(seed=tcfg.seed).to(device)
-    if tcfg.qat is not None:
-        if mesh is not None:
-            raise ValueError("--qat trains on one process for now (the quantized experts are not yet wrapped for "
-                             "FSDP2 or expert parallelism); run without torchrun")
+    if tcfg.qat is not None:  # before parallelizing: FSDP2 gathers MXExperts' weights, EP slices them
         from k3.train.qat import apply_qat
 
         apply_qat(model, tcfg.qat)
@@ -248,9 +245,12 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
         trainer = build_run(opts, tcfg, log, progress=progress_bar)
         summary = trainer.fit(progress_bar=progress_bar)
         if tcfg.qat is not None and first_rank:
-            from k3.train.qat import export_run
+            from k3.train.qat import export_checkpoint, export_run
 
-            summary["export"] = export_run(trainer, log)
+            # under torchrun the live model is sharded: rank 0 encodes the gathered final checkpoint instead (the
+            # same values: its fp32 weights are the model's)
+            summary["export"] = (export_run(trainer, log) if opts.mesh is None
+                                 else export_checkpoint(summary["checkpoint"], trainer.cfg.out, log))
     first, last = summary.get("first_val_loss"), summary.get("last_val_loss")
     msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
     msg += f" ({summary['epochs']:.2f} epochs of the training data)"

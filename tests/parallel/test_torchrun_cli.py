@@ -73,7 +73,7 @@ def test_moon_ep_needs_expert_parallelism():
 
 
 def test_torchrun_resume_continues_the_run(tmp_path):
-    # A run of 2 steps on two expert-parallel processes (--ep 2), resumed under torchrun to 3: the resumed ranks load
+    # A QAT run of 2 steps on two expert-parallel processes (--ep 2), resumed under torchrun to 3: the resumed ranks load
     # the sharded training state (k3.parallel.checkpoint) of the latest checkpoint and go on from step 3 (the
     # trainer-level resume at the same and at another world size or --ep is compared number by number in
     # test_train_distributed.py).
@@ -85,7 +85,7 @@ def test_torchrun_resume_continues_the_run(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = ["train", "--data", str(data), "--seq-len", "64", "--batch-tokens", "512", "--vocab-size", "300",
               "--eval-every", "100", "--no-progress", "--device", "cpu", "--out", run, "--ep", "2"]
-    for extra in (["--max-steps", "2"], ["--max-steps", "3", "--resume"]):
+    for extra in (["--max-steps", "2", "--qat", "mxfp4"], ["--max-steps", "3", "--resume"]):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(_free_port()), "-m", "k3"] + common + extra
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -93,6 +93,14 @@ def test_torchrun_resume_continues_the_run(tmp_path):
     steps = [json.loads(line).get("step") for line in open(os.path.join(run, "metrics.jsonl"))]
     assert [s for s in steps if s] == [1, 2, 3]
     assert "resumed from" in done.stdout + done.stderr
+    # the run is MXFP4 quantization-aware (--qat mxfp4, kept by --resume): rank 0 exported the gathered final
+    # checkpoint for deployment, and it loads with its routed experts in MXFP4
+    from k3.checkpoint import from_pretrained
+    from k3.model.mx_experts import expert_formats
+
+    assert "MXFP4 export" in done.stdout + done.stderr
+    served = from_pretrained(os.path.join(run, "mxfp4"), packed_experts=True)
+    assert expert_formats(served) == ("mxfp4", "mxfp8")
 
 
 def test_one_process_torchrun_trains_on_the_single_device_path(tmp_path):
