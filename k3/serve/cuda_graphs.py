@@ -135,6 +135,7 @@ class _Bucket:
         self.tables = torch.full((size, n_mla, max_pages), scratch, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the captured step's output [size, V]
+        self.hidden: torch.Tensor | None = None  # with keep_hidden: what the draft reads [size, tokens, width]
 
 
 class DecodeGraphs:
@@ -143,10 +144,12 @@ class DecodeGraphs:
     scratch page).
 
     max_batch: the most requests of one step (the engine's max_num_seqs); max_model_len: the longest context
-    (sets max_pages and the kernel's split count); scratch_page: a pool page no request ever gets."""
+    (sets max_pages and the kernel's split count); scratch_page: a pool page no request ever gets. `keep_hidden`
+    (an engine with a speculative draft): every step also outputs the forward's hidden states (with `features`,
+    those AttnRes blocks' outputs beside them), what the draft observes, and `run` returns (logits, hidden)."""
 
     def __init__(self, runner, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True,
-                 prefill_lengths: tuple[int, ...] = ()):
+                 prefill_lengths: tuple[int, ...] = (), keep_hidden: bool = False, features: tuple[int, ...] = ()):
         pool = runner.pool
         if not 0 <= scratch_page < pool.pages.shape[0]:
             raise ValueError(f"scratch_page={scratch_page} is not a page of the pool ({pool.pages.shape[0]} pages)")
@@ -155,6 +158,7 @@ class DecodeGraphs:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         self.runner, self.pool, self.scratch, self.capture = runner, pool, scratch_page, capture
+        self.keep_hidden, self.features = keep_hidden, tuple(features)
         self.max_model_len = max_model_len
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = decode_buckets(max_batch)
@@ -178,10 +182,11 @@ class DecodeGraphs:
         return default_num_splits(size * tokens, self.num_heads, self.max_model_len, self.runner.device)
 
     @torch.no_grad()
-    def run(self, tokens: list[list[int]], starts: list[int], slots) -> torch.Tensor | None:
+    def run(self, tokens: list[list[int]], starts: list[int], slots):
         """One step in which every request adds the same number of tokens T (1, or one of prefill_lengths) ->
-        the logits of each request's last token [B, V] fp32, or None when it cannot run here (another T, too many
-        requests, a block table longer than max_pages, graphs disabled): run it eagerly."""
+        the logits of each request's last token [B, V] fp32 (with keep_hidden: (logits, hidden [B, T, width])),
+        or None when it cannot run here (another T, too many requests, a block table longer than max_pages,
+        graphs disabled): run it eagerly."""
         if self.disabled is not None:
             return None
         B = len(tokens)
@@ -202,11 +207,13 @@ class DecodeGraphs:
         if bucket.graph is not None:
             bucket.graph.replay()
             self.replays += 1
-            logits = bucket.logits
+            logits, hidden = bucket.logits, bucket.hidden
         else:
-            logits = self._step(bucket)
+            logits, hidden = self._step(bucket)
         self.steps += 1
         self.padded_rows += size - B
+        if self.keep_hidden:
+            return logits[:B].clone(), hidden[:B].clone()
         return logits[:B].clone()
 
     def warm_up(self) -> int:
@@ -222,12 +229,16 @@ class DecodeGraphs:
         return len(self._static)
 
     # --- internals -----------------------------------------------------------------------------------------------
-    def _step(self, b: _Bucket) -> torch.Tensor:
-        """The step that is captured: device work only, every input from b's buffers."""
+    def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step that is captured: device work only, every input from b's buffers -> (logits, hidden or None)."""
         self.pool.pages[self.scratch].zero_()
         views = [StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
                  for g in range(len(self.runner.mla_layers))]
-        return self.runner.run_cached(b.ids, b.kda_pages.t(), views)
+        if self.keep_hidden:
+            logits, _, hidden = self.runner.run_cached(b.ids, b.kda_pages.t(), views, keep_hidden=True,
+                                                       features=self.features)
+            return logits, hidden
+        return self.runner.run_cached(b.ids, b.kda_pages.t(), views), None
 
     def _load(self, b: _Bucket, tokens, starts, slots, width: int) -> None:
         """Copy a step's inputs into b's buffers; rows past the batch become padding on the scratch page."""
@@ -282,5 +293,5 @@ class DecodeGraphs:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            b.logits = self._step(b)
+            b.logits, b.hidden = self._step(b)
         b.graph = graph

@@ -12,7 +12,8 @@ chunks and plain decode steps of the same step run in the step's other forwards)
 states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report §5.4.2), KDA
 checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted length.
 Greedy output is token-identical to decoding without speculation and sampled output has the target's
-distribution. Speculative steps always run eagerly: with speculation on, no CUDA graphs are captured.
+distribution. The verifications run eagerly; the plain decode steps of an engine with a draft run on CUDA graphs that
+also output the hidden states the draft observes.
 """
 
 from __future__ import annotations
@@ -139,8 +140,9 @@ class LLMEngine:
         self.clock = time.perf_counter  # what the switch's step times are read from (a test's fake clock)
         # AttnRes blocks whose outputs the draft reads beside the hidden state (an EAGLE-3 draft's)
         self._draft_features = tuple(getattr(draft, "features", ())) if draft is not None else ()
-        # speculative steps run eagerly (no graph of the verification yet): no graphs are captured with speculation
-        graphs = decode_graphs_mode(model, self.cfg.cuda_graphs) if draft is None else None
+        # With a draft, the plain decode steps (and hash-block prefill chunks) run on graphs that also output the
+        # hidden states the draft observes; the verifications themselves run eagerly (no graph of them yet).
+        graphs = decode_graphs_mode(model, self.cfg.cuda_graphs)
         n_kda = sum(1 for l in model.model.layers if l.is_kda)
         cache = CacheManager(mcfg, len(model.model.layers) - n_kda, n_kda, self.cfg.cache_memory_mb,
                              self.cfg.page_tokens, self.cfg.hash_block_tokens, self.cfg.enable_prefix_cache,
@@ -155,7 +157,8 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(self.runner, self.cfg.scheduler.max_num_seqs, self.max_model_len,
                                               scratch_page=cache.scratch_page, capture=graphs == "capture",
                                               prefill_lengths=prefill_graph_lengths(model, graphs,
-                                                                                    self.cfg.hash_block_tokens))
+                                                                                    self.cfg.hash_block_tokens),
+                                              keep_hidden=draft is not None, features=self._draft_features)
         self.eos_id = mcfg.eos_token_id
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}

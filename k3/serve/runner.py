@@ -102,11 +102,14 @@ class ModelRunner:
                                      f"request's {len(t)} new tokens")
         lengths = [len(t) for t in tokens]
         packed = any(n != lengths[0] for n in lengths)
-        # A graph step returns only the last tokens' logits: a forward that scores tokens runs eagerly.
-        if self.graphs is not None and not packed and scores is None and not keep_hidden:
-            logits = self.graphs.run(tokens, starts, slots)
-            if logits is not None:
-                return RunOutput(logits)
+        # A graph step returns only the last tokens' logits (and, when its graphs keep them, the hidden states a
+        # draft reads): a forward that scores tokens, or asks for hidden states the graphs do not keep, runs eagerly.
+        g = self.graphs
+        if g is not None and not packed and scores is None and keep_hidden == g.keep_hidden \
+                and (not keep_hidden or tuple(features) == g.features):
+            out = g.run(tokens, starts, slots)
+            if out is not None:
+                return RunOutput(out[0], None, list(out[1].unbind(0))) if keep_hidden else RunOutput(out)
         dev = self.device
         kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
                                  device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)

@@ -1,0 +1,106 @@
+"""An engine with a speculative draft runs its plain decode steps on the static-buffer step (`DecodeGraphs` with
+keep_hidden: the hidden states the draft observes come out of the step, as they would out of a captured graph),
+in "eager" mode on CPU: greedy outputs equal decoding without speculation, and the draft sees the same hidden
+states as on the eager runner (the same drafts, the same acceptance)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.ops.registry import Backends
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+from k3.serve.spec.switch import SpecSwitch
+
+_spec = importlib.util.spec_from_file_location("spec_engine_fixtures_g", Path(__file__).with_name("test_spec_engine.py"))
+fx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fx)
+
+GRAPH_OPS = {"mla_decode": "triton", "moe": "grouped"}  # what a captured step needs (on CPU: the paged reference)
+
+
+class AlternatingSwitch(SpecSwitch):
+    """Speculates on every other decode step: both kinds of step, over and over."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def decide(self, batch):
+        self.n += 1
+        return self.n % 2 == 0
+
+
+def _engine(graphs):
+    eng = LLMEngine(fx._model(), fx._tok(), EngineConfig(
+        cache_memory_mb=4.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", num_draft_tokens=3,
+        cuda_graphs="eager" if graphs else False,
+        scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+    eng.eos_id = None
+    eng.spec_switch = AlternatingSwitch()
+    return eng
+
+
+def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does():
+    model = fx._model()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    try:
+        prompts = fx._prompts(7, 3)
+        params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+        runs, observed = {}, {}
+        for graphs in (True, False):
+            eng = _engine(graphs)
+            seen = []  # what the draft observes: (request, first position, hidden states)
+            observe = eng.draft.observe
+            eng.draft.observe = lambda seq, start, h, observe=observe, seen=seen: (
+                seen.append((seq.prompt_ids[0], start, h.clone())), observe(seq, start, h))[1]
+            assert (eng.runner.graphs is not None) is graphs
+            if graphs:
+                assert eng.runner.graphs.keep_hidden
+            fx._check(fx._run(eng, [list(zip(prompts, params))]), params)
+            m = eng.metrics
+            runs[graphs] = (m.spec_verifications, m.draft_tokens_proposed, m.draft_tokens_accepted)
+            observed[graphs] = sorted(seen, key=lambda r: (r[0], r[1]))
+            if graphs:
+                assert eng.runner.graphs.steps > 0  # plain decode steps ran on the static buffers
+        assert runs[True][0] > 0
+        assert runs[True] == runs[False]  # the same drafts were proposed and accepted
+        # the same hidden states observed at the same positions (the static step's fixed-split paged attention sums in
+        # another order than the eager runner's: fp32 rounding)
+        assert [(r, a) for r, a, _ in observed[True]] == [(r, a) for r, a, _ in observed[False]]
+        for (_, _, x), (_, _, y) in zip(observed[True], observed[False]):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    finally:
+        model.set_backends(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_plain_steps_of_a_speculating_engine():
+    """On the GPU: a bf16 engine with the MTP draft captures its plain decode steps with the hidden states as an
+    output and replays them; greedy outputs equal the same engine without graphs, and so do the drafts' acceptance
+    counts."""
+    import copy
+
+    model = copy.deepcopy(fx._model()).cuda().set_dtype(torch.bfloat16).set_backends(Backends(per_op=GRAPH_OPS))
+    prompts = fx._prompts(8, 4)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    runs = []
+    for graphs in (True, False):
+        eng = LLMEngine(model, None, EngineConfig(
+            cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp",
+            cuda_graphs=graphs, scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+        eng.eos_id = None
+        eng.spec_switch = AlternatingSwitch()
+        seqs = eng.generate([list(p) for p in prompts], params)
+        m = eng.metrics
+        assert m.spec_verifications > 0
+        runs.append([s.output_ids for s in seqs])
+        if graphs:
+            g = eng.runner.graphs
+            assert g.disabled is None, g.disabled
+            assert g.keep_hidden and g.replays > 0
+    assert runs[0] == runs[1]
