@@ -43,7 +43,8 @@ def cmd_distill(args) -> int:
                           rollouts_per_step=args.rollouts_per_step, max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens=args.max_new_tokens, rollout_budget=args.rollout_budget, r_max=args.r_max,
                           cache_memory_mb=args.rollout_cache_mb, device=str(device),
-                          backends=cli._backends(args.backend, device), verify=args.verify)
+                          backends=cli._backends(args.backend, device), verify=args.verify,
+                          heldout=args.heldout or [], eval_samples=args.eval_samples)
     return cli.run_training_command("distill", lambda: run_distill(opts, tcfg, progress_bar=not args.no_progress))
 
 
@@ -117,6 +118,11 @@ def add_parsers(sub) -> None:
                    "default --max-new-tokens: none)")
     s.add_argument("--r-max", type=cli._positive_float, default=5.0,
                    help="R_max of eq. 15: the per-token reward is clipped to [-R_max, R_max] (default 5)")
+    s.add_argument("--heldout", action="append", metavar="FILE.jsonl",
+                   help="held-out prompts (the --prompts format; repeatable): every --eval-every steps the student "
+                        "samples --eval-samples responses to each, and the sampled reverse KL to each prompt's teacher "
+                        "is logged (val_loss, and per domain val_domains)")
+    s.add_argument("--eval-samples", type=cli._positive_int, default=2, help="samples per held-out prompt")
     s.add_argument("--rollout-cache-mb", type=cli._positive_float, default=256.0,
                    help="the rollout engine's cache pool (MLA KV, KDA states, prefix checkpoints)")
     cli._add_trainer_flags(s)

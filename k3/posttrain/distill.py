@@ -66,9 +66,13 @@ class DistillOptions:
     backends: Any = None
     verify: bool = True
     engine: Any = None  # an EngineConfig for the rollouts (None: default_engine_config(cache_memory_mb))
+    # held-out prompt files (the --prompts format): every eval_every steps the student samples eval_samples responses
+    # per prompt, and the sampled reverse KL to each prompt's teacher is logged (per domain, and as val_loss)
+    heldout: list[str] = field(default_factory=list)
+    eval_samples: int = 2
 
     def validate(self) -> None:
-        for name in ("rollouts_per_step", "max_prompt_tokens", "max_new_tokens"):
+        for name in ("rollouts_per_step", "max_prompt_tokens", "max_new_tokens", "eval_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"distill option '{name}' = {v!r} is invalid: must be an integer >= 1")
@@ -175,11 +179,54 @@ class MOPDTrainer(Trainer):
     """The Trainer with rollouts + teacher scores as its batches and eq. 15's policy gradient as its loss."""
 
     def __init__(self, model, tcfg: TrainConfig, source: PromptSource, rollout: RolloutEngine, teachers: dict,
-                 table: TeacherTable, r_max: float, **kw):
+                 table: TeacherTable, r_max: float, heldout: list[tuple[Prompt, list[int]]] | None = None,
+                 eval_samples: int = 2, **kw):
         super().__init__(model, tcfg, source, **kw)
         self.rollout, self.teachers, self.table, self.r_max = rollout, teachers, table, r_max
+        self.heldout, self.eval_samples = list(heldout or []), eval_samples
         self._info: dict = {}
         self._terms: list = []
+
+    # --- held-out evaluation -------------------------------------------------------------------------------
+    def evaluate(self) -> float | None:
+        """The sampled reverse KL of the student to the teachers on the held-out prompts: `eval_samples` responses
+        per prompt from the current policy (seeded the same at every evaluation, apart from the training rollouts:
+        the training run is the same with or without it), each token's log pi_student - log pi_teacher under its
+        prompt's teacher; the token mean over all prompts is returned (logged as val_loss) and each domain's in
+        `eval_record` (val_domains)."""
+        if not self.heldout:
+            return None
+        was_training = self.model.training
+        rs = [Rollout(uid=i * self.eval_samples + j, prompt_index=i, prompt_ids=list(ids))
+              for i, (_, ids) in enumerate(self.heldout) for j in range(self.eval_samples)]
+        budget, self.rollout.budget = self.rollout.budget, self.rollout.max_new_tokens  # whole responses
+        try:
+            while any(not r.finished for r in rs):
+                self.rollout.advance(rs, seed=self.cfg.seed * 7919 + 104729)
+        finally:
+            self.rollout.budget = budget
+            self.rollout.retire()  # its cache holds the held-out prompts: training rollouts start without them
+        rows = [r.prompt_ids + r.tokens for r in rs]
+        student = score_rows(self.model, rows, self.device)
+        sums: dict = {}
+        by_tag: dict = {}
+        for i, r in enumerate(rs):
+            p = self.heldout[r.prompt_index][0]
+            by_tag.setdefault(self.table.tag_for(p.domain, p.effort), []).append(i)
+        for tag, idx in by_tag.items():
+            teacher = score_rows(self.teachers[tag], [rows[i] for i in idx], self.device)
+            for k, i in enumerate(idx):
+                r = rs[i]
+                a, b = len(r.prompt_ids), len(r.prompt_ids) + len(r.tokens)
+                d = self.heldout[r.prompt_index][0].domain
+                acc = sums.setdefault(d, [0.0, 0])
+                acc[0] += float((student[i, a:b] - teacher[k, a:b]).sum())
+                acc[1] += b - a
+        self.model.train(was_training)
+        self._eval_extra = {"val_domains": {d: {"reverse_kl": v / max(n, 1), "tokens": n}
+                                            for d, (v, n) in sorted(sums.items())}}
+        total = sum(n for _, n in sums.values())
+        return sum(v for v, _ in sums.values()) / max(total, 1)
 
     # --- where a step's batch comes from ------------------------------------------------------------------
     def _next_batch(self) -> dict:
@@ -357,16 +404,28 @@ def build_distill_run(opts: DistillOptions, tcfg: TrainConfig, log=print) -> MOP
     model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify, what="--student ")
     teachers = load_teachers(table, model.config, tok, device, opts.backends, opts.verify, log)
 
-    ids, kept, too_long = [], [], 0
-    for p in prompts:
-        x = encode_prompt(p, tok, template)
-        if len(x) > opts.max_prompt_tokens:
-            too_long += 1
-            continue
-        ids.append(x)
-        kept.append(p)
+    def encoded(ps):
+        ids, kept, too_long = [], [], 0
+        for p in ps:
+            x = encode_prompt(p, tok, template)
+            if len(x) > opts.max_prompt_tokens:
+                too_long += 1
+                continue
+            ids.append(x)
+            kept.append(p)
+        return ids, kept, too_long
+
+    ids, kept, too_long = encoded(prompts)
     if not kept:
         raise ValueError(f"every prompt is longer than --max-prompt-tokens {opts.max_prompt_tokens}")
+    heldout = []
+    if opts.heldout:
+        h_ids, h_kept, h_long = encoded(read_prompts(opts.heldout, table))
+        if not h_kept:
+            raise ValueError(f"every held-out prompt is longer than --max-prompt-tokens {opts.max_prompt_tokens}")
+        heldout = list(zip(h_kept, h_ids))
+        log(f"held-out prompts: {len(h_kept)}, {opts.eval_samples} samples each every {tcfg.eval_every} steps; "
+            f"{h_long} left out, longer than --max-prompt-tokens {opts.max_prompt_tokens}")
     counts: dict = {}
     for p in kept:
         counts[p.domain] = counts.get(p.domain, 0) + 1
@@ -382,7 +441,8 @@ def build_distill_run(opts: DistillOptions, tcfg: TrainConfig, log=print) -> MOP
     rollout = RolloutEngine(model, tok, opts.engine or default_engine_config(opts.cache_memory_mb),
                             max_new_tokens=opts.max_new_tokens, budget=opts.rollout_budget,
                             stop=stop_strings(template) if chat else None)
-    trainer = MOPDTrainer(model, tcfg, source, rollout, teachers, table, opts.r_max, eos_id=tok.eos_id,
+    trainer = MOPDTrainer(model, tcfg, source, rollout, teachers, table, opts.r_max, heldout=heldout,
+                          eval_samples=opts.eval_samples, eos_id=tok.eos_id,
                           tokenizer_json=_tokenizer_json_bytes(tok), log=log,
                           extra_files={"chat_template.json": chat_template_json(template).encode("utf-8")})
     if resume_from is not None:
@@ -407,6 +467,8 @@ def run_distill(opts: DistillOptions, tcfg: TrainConfig, progress_bar: bool = Tr
     msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
     if recs:
         msg += f": sampled reverse KL {summary['first_reverse_kl']:.3f} -> {summary['last_reverse_kl']:.3f}"
+    if summary.get("first_val_loss") is not None and summary.get("last_val_loss") is not None:
+        msg += f", held out {summary['first_val_loss']:.3f} -> {summary['last_val_loss']:.3f}"
     log(f"{msg}; checkpoint {summary['checkpoint']}")
     return summary
 

@@ -83,6 +83,12 @@ class RolloutEngine:
         """The weights changed (an optimizer step): the next rollout runs on a fresh engine, with an empty cache."""
         self.version += 1
 
+    def retire(self) -> None:
+        """Drop the engine (and its cache) without a policy change: the next rollout starts on an empty cache, as
+        if the rollouts since the last weight update had not run (held-out evaluation leaves training alone)."""
+        self._engine = None
+        self._engine_version = -1
+
     @property
     def engine(self) -> LLMEngine:
         if self._engine is None or self._engine_version != self.version:

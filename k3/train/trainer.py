@@ -389,6 +389,10 @@ class Trainer:
         return flag
 
     # --- evaluation ----------------------------------------------------------------------------
+    def eval_record(self) -> dict:
+        """What the last `evaluate` adds to its metrics record beside val_loss (a subclass's per-domain figures)."""
+        return dict(getattr(self, "_eval_extra", {}))
+
     def evaluate(self) -> float | None:
         if self.eval_stream is None:
             return None
@@ -490,7 +494,7 @@ class Trainer:
                 if self.step == 0:
                     val = self.evaluate()
                     if val is not None:
-                        metrics.record({"step": 0, "val_loss": val, "elapsed_s": 0.0})
+                        metrics.record({"step": 0, "val_loss": val, "elapsed_s": 0.0, **self.eval_record()})
                         summary["first_val_loss"] = val
                 last_save = time.monotonic()
                 while not self._agree(self.done() or self._stop_requested):
@@ -507,6 +511,7 @@ class Trainer:
                         val = self.evaluate()
                         if val is not None:
                             rec["val_loss"] = val
+                            rec.update(self.eval_record())
                             summary.setdefault("first_val_loss", val)
                             summary["last_val_loss"] = val
                     if self.step % c.log_every == 0 or "val_loss" in rec or self.done():

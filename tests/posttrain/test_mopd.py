@@ -383,3 +383,68 @@ def test_resume_continues_the_samples_in_flight_bit_exactly(tmp_path, ckpts):
     recs = [[json.loads(line) for line in open(tmp_path / r / "metrics.jsonl")] for r in "ab"]
     key = [[(r["step"], r["loss"], r["reward"], r["stale_tokens"]) for r in rs if "reward" in r] for rs in recs]
     assert key[0] == key[1] and sum(k[3] for k in key[0]) > 0  # some trained tokens came from an older policy
+
+
+# --- held-out evaluation ------------------------------------------------------------------------------------------
+
+def _distill_trainer(out, ckpts, prompts, heldout, teachers=None, **kw):
+    from k3.posttrain.distill import DistillOptions, build_distill_run
+    from k3.train.trainer import TrainConfig
+
+    opts = DistillOptions(student=ckpts["early_stopper"],
+                          teachers=teachers or [f"code={ckpts['code']}", f"docs={ckpts['docs']}"],
+                          prompts=[prompts], heldout=heldout, eval_samples=2, rollouts_per_step=3, max_new_tokens=6,
+                          rollout_budget=3, device="cpu", engine=_engine_cfg(), **kw)
+    return build_distill_run(opts, TrainConfig(out=str(out), max_steps=3, eval_every=1, save_every_minutes=1e9),
+                             log=lambda *a: None)
+
+
+def test_heldout_evaluation_is_the_sampled_reverse_kl_and_leaves_training_alone(tmp_path, ckpts):
+    prompts = _prompts(tmp_path / "p.jsonl")
+    held = _prompts(tmp_path / "h.jsonl", n=3)
+    runs = {}
+    for name, h in (("with", [held]), ("without", [])):
+        tr = _distill_trainer(tmp_path / name, ckpts, prompts, h)
+        tr.fit(progress_bar=False)
+        runs[name] = (tr, [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")])
+    (tw, rw), (to, ro) = runs["with"], runs["without"]
+    # the same training: weights and every step's loss and reward
+    for (n, a), (_, b) in zip(tw.model.state_dict().items(), to.model.state_dict().items()):
+        assert torch.equal(a, b), n
+    key = lambda rs: [(r["step"], r["loss"], r["reward"]) for r in rs if "reward" in r]  # noqa: E731
+    assert key(rw) == key(ro)
+    evals = [r for r in rw if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3] and not any("val_loss" in r for r in ro)
+    for r in evals:
+        doms = r["val_domains"]
+        assert set(doms) == {"code", "docs"} and all(d["tokens"] > 0 for d in doms.values())
+        mean = sum(d["reverse_kl"] * d["tokens"] for d in doms.values()) / sum(d["tokens"] for d in doms.values())
+        assert r["val_loss"] == pytest.approx(mean, rel=1e-12)
+    # deterministic: the same weights give the same figure
+    assert tw.evaluate() == tw.evaluate() == evals[-1]["val_loss"]
+
+
+def test_heldout_reverse_kl_to_the_student_itself_is_zero(tmp_path, ckpts):
+    prompts = _prompts(tmp_path / "p.jsonl")
+    held = _prompts(tmp_path / "h.jsonl", n=2)
+    same = [f"code={ckpts['early_stopper']}", f"docs={ckpts['early_stopper']}"]
+    tr = _distill_trainer(tmp_path / "self", ckpts, prompts, [held], teachers=same)
+    assert tr.evaluate() == 0.0  # teacher = student: every sampled token's log-ratio is exactly 0
+    other = _distill_trainer(tmp_path / "other", ckpts, prompts, [held])
+    assert other.evaluate() > 0.1  # random teachers: far from the student
+
+
+def test_cli_distill_heldout_logs_val_domains(tmp_path, ckpts, capsys):
+    from k3.cli import main
+
+    out = str(tmp_path / "run")
+    args = ["distill", "--student", ckpts["student"], "--teacher", f"code={ckpts['code']}", "--teacher",
+            f"docs={ckpts['docs']}", "--prompts", _prompts(tmp_path / "p.jsonl"), "--heldout",
+            _prompts(tmp_path / "h.jsonl", n=2), "--eval-samples", "1", "--eval-every", "2", "--out", out,
+            "--max-steps", "2", "--rollouts-per-step", "2", "--max-new-tokens", "4", "--device", "cpu",
+            "--no-progress", "--rollout-cache-mb", "32"]
+    assert main(args) == 0
+    log = capsys.readouterr().out
+    assert "held-out prompts: 4, 1 samples each every 2 steps" in log and "held out" in log
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in recs if "val_domains" in r] == [0, 2]
