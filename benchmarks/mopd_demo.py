@@ -216,13 +216,14 @@ def teacher_samples(work: str, teachers: dict[str, str], prompts: str, budget: i
 
 
 def reverse_kl(student: str, teachers: dict[str, str], held: dict[str, str], args) -> dict[str, float]:
-    """Per domain: mean over the student's sampled tokens of log pi_student - log pi_teacher on held-out prompts."""
+    """Per domain: mean over the student's sampled tokens of log pi_student - log pi_teacher on held-out prompts
+    (k3.posttrain.distill.sampled_reverse_kl, what `k3 distill --heldout` logs)."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
     from k3.devices import pick_device
-    from k3.posttrain.distill import score_rows
+    from k3.posttrain.distill import sampled_reverse_kl
     from k3.posttrain.mopd import Prompt, encode_prompt
-    from k3.posttrain.rollout import Rollout, RolloutEngine, default_engine_config
+    from k3.posttrain.rollout import RolloutEngine, default_engine_config
     from k3.serve.chat import load_chat_template
 
     dev = pick_device(args.device)
@@ -233,22 +234,12 @@ def reverse_kl(student: str, teachers: dict[str, str], held: dict[str, str], arg
     out = {}
     for d, f in held.items():
         recs = [json.loads(line) for line in open(f)]
-        ids = [encode_prompt(Prompt("", d, None, messages=r["messages"][:-1]), tok, template) for r in recs]
-        ids = [x for x in ids if len(x) <= args.max_prompt_tokens][: args.eval_prompts]
-        rs = [Rollout(uid=i * args.eval_samples + j, prompt_index=i, prompt_ids=x)
-              for i, x in enumerate(ids) for j in range(args.eval_samples)]
-        eng.advance(rs, seed=args.seed + 12345)
-        rows = [r.prompt_ids + r.tokens for r in rs]
+        prompts = [Prompt("", d, None, messages=r["messages"][:-1]) for r in recs]
+        pairs = [(p, encode_prompt(p, tok, template)) for p in prompts]
+        pairs = [(p, x) for p, x in pairs if len(x) <= args.max_prompt_tokens][: args.eval_prompts]
         teacher = from_pretrained(teachers[d], dtype=torch.float32, device=dev)
-        diff, n = 0.0, 0
-        for s in range(0, len(rows), 16):
-            part = rows[s:s + 16]
-            ls, lt = score_rows(model, part, dev), score_rows(teacher, part, dev)
-            for i, r in enumerate(rs[s:s + 16]):
-                a, b = len(r.prompt_ids), len(r.prompt_ids) + len(r.tokens)
-                diff += float((ls[i, a:b] - lt[i, a:b]).sum())
-                n += b - a
-        out[d] = diff / max(n, 1)
+        out[d] = sampled_reverse_kl(model, eng, pairs, lambda i: teacher, args.eval_samples, seed=args.seed + 12345,
+                                    device=dev)[0]
     return out
 
 

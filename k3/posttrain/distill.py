@@ -152,6 +152,43 @@ class PromptSource:
         self.in_flight = [Rollout.from_dict(d) for d in st["in_flight"]]
 
 
+def sampled_reverse_kl(model, rollout: RolloutEngine, prompts: list[tuple[Prompt, list[int]]], teacher_of,
+                       samples: int, seed: int, device) -> tuple[float, dict]:
+    """The sampled reverse KL of `model` to the teachers on `prompts` ((Prompt, token ids) pairs): `samples` whole
+    responses per prompt from `rollout` (which runs `model`), seeded by `seed`; each sampled token's
+    log pi_model - log pi_teacher under `teacher_of(prompt index)`. Returns (the token mean over all prompts, per
+    domain {"reverse_kl", "tokens"}). The engine's cache is dropped afterwards (`RolloutEngine.retire`) and the
+    model's train/eval mode restored."""
+    was_training = model.training
+    rs = [Rollout(uid=i * samples + j, prompt_index=i, prompt_ids=list(ids))
+          for i, (_, ids) in enumerate(prompts) for j in range(samples)]
+    budget, rollout.budget = rollout.budget, rollout.max_new_tokens  # whole responses
+    try:
+        while any(not r.finished for r in rs):
+            rollout.advance(rs, seed=seed)
+    finally:
+        rollout.budget = budget
+        rollout.retire()
+    rows = [r.prompt_ids + r.tokens for r in rs]
+    own = score_rows(model, rows, device)
+    groups: dict = {}
+    for k, r in enumerate(rs):
+        groups.setdefault(id(teacher_of(r.prompt_index)), (teacher_of(r.prompt_index), []))[1].append(k)
+    sums: dict = {}
+    for teacher, idx in groups.values():
+        theirs = score_rows(teacher, [rows[k] for k in idx], device)
+        for j, k in enumerate(idx):
+            r = rs[k]
+            a, b = len(r.prompt_ids), len(r.prompt_ids) + len(r.tokens)
+            acc = sums.setdefault(prompts[r.prompt_index][0].domain, [0.0, 0])
+            acc[0] += float((own[k, a:b] - theirs[j, a:b]).sum())
+            acc[1] += b - a
+    model.train(was_training)
+    total = sum(n for _, n in sums.values())
+    return (sum(v for v, _ in sums.values()) / max(total, 1),
+            {d: {"reverse_kl": v / max(n, 1), "tokens": n} for d, (v, n) in sorted(sums.items())})
+
+
 def score_rows(model, rows: list[list[int]], device, chunk: int = 8) -> torch.Tensor:
     """log p(row[t] | row[:t]) under `model` for right-padded rows: [N, T] (0 at t = 0 and in the padding), in
     forwards of `chunk` rows (the [rows, T, V] logits of a large vocabulary are the memory that matters)."""
@@ -196,37 +233,11 @@ class MOPDTrainer(Trainer):
         `eval_record` (val_domains)."""
         if not self.heldout:
             return None
-        was_training = self.model.training
-        rs = [Rollout(uid=i * self.eval_samples + j, prompt_index=i, prompt_ids=list(ids))
-              for i, (_, ids) in enumerate(self.heldout) for j in range(self.eval_samples)]
-        budget, self.rollout.budget = self.rollout.budget, self.rollout.max_new_tokens  # whole responses
-        try:
-            while any(not r.finished for r in rs):
-                self.rollout.advance(rs, seed=self.cfg.seed * 7919 + 104729)
-        finally:
-            self.rollout.budget = budget
-            self.rollout.retire()  # its cache holds the held-out prompts: training rollouts start without them
-        rows = [r.prompt_ids + r.tokens for r in rs]
-        student = score_rows(self.model, rows, self.device)
-        sums: dict = {}
-        by_tag: dict = {}
-        for i, r in enumerate(rs):
-            p = self.heldout[r.prompt_index][0]
-            by_tag.setdefault(self.table.tag_for(p.domain, p.effort), []).append(i)
-        for tag, idx in by_tag.items():
-            teacher = score_rows(self.teachers[tag], [rows[i] for i in idx], self.device)
-            for k, i in enumerate(idx):
-                r = rs[i]
-                a, b = len(r.prompt_ids), len(r.prompt_ids) + len(r.tokens)
-                d = self.heldout[r.prompt_index][0].domain
-                acc = sums.setdefault(d, [0.0, 0])
-                acc[0] += float((student[i, a:b] - teacher[k, a:b]).sum())
-                acc[1] += b - a
-        self.model.train(was_training)
-        self._eval_extra = {"val_domains": {d: {"reverse_kl": v / max(n, 1), "tokens": n}
-                                            for d, (v, n) in sorted(sums.items())}}
-        total = sum(n for _, n in sums.values())
-        return sum(v for v, _ in sums.values()) / max(total, 1)
+        tags = {i: self.table.tag_for(p.domain, p.effort) for i, (p, _) in enumerate(self.heldout)}
+        mean, doms = sampled_reverse_kl(self.model, self.rollout, self.heldout, lambda i: self.teachers[tags[i]],
+                                        self.eval_samples, seed=self.cfg.seed * 7919 + 104729, device=self.device)
+        self._eval_extra = {"val_domains": doms}
+        return mean
 
     # --- where a step's batch comes from ------------------------------------------------------------------
     def _next_batch(self) -> dict:
