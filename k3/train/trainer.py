@@ -36,6 +36,10 @@ from k3.tensors import to_device_async
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 PROJECT_AT = 10  # a run bounded by time alone projects its epochs from its speed over this many steps
+# A second stop signal within this many seconds of the first is the same request: `timeout` signals the process and
+# then its whole process group (so the process gets it twice), as a terminal's Ctrl-C reaches every process of the
+# foreground group. Only a signal after that aborts without saving.
+SIGNAL_REPEAT_S = 1.0
 
 
 class TrainingError(RuntimeError):
@@ -172,6 +176,7 @@ class Trainer:
         self.history: list[dict] = []
         self._stop_requested = False
         self._stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once a signal asked the run to stop
+        self._stop_at: float | None = None  # time.monotonic() of that signal
         self._saved_step: int | None = None  # the step whose checkpoint is on disk (nothing changed since)
         self.writes_files = True  # metrics.jsonl, loss.png, the progress bar (one process of a distributed run)
         self.retries_oom = True  # out of memory: halve the micro-batch and retry (not on one rank of many)
@@ -460,13 +465,19 @@ class Trainer:
         prev_handlers = {s: signal.getsignal(s) for s in signals}
 
         def on_signal(signum, frame):
-            if self._stop_requested:  # the second signal: stop now, without saving
+            now = time.monotonic()
+            if self._stop_requested:
+                if self._stop_at is not None and now - self._stop_at < SIGNAL_REPEAT_S:
+                    return  # the same request delivered twice (see SIGNAL_REPEAT_S)
+                # a second request: stop now, without saving
+                self.log(f"\n{signal.Signals(signum).name} again: stopping now, without saving (the last checkpoint "
+                         "stays as it is)")
                 for s, h in prev_handlers.items():
                     signal.signal(s, h)
                 if signum == signal.SIGINT:
                     raise KeyboardInterrupt
                 raise SystemExit(128 + signum)
-            self._stop_requested = True
+            self._stop_requested, self._stop_at = True, now
             self._stop_signal = signal.Signals(signum).name
             again = "Ctrl-C" if signum == signal.SIGINT else self._stop_signal
             self.log(f"\n{self._stop_signal}: finishing this step, saving a checkpoint, then exiting "

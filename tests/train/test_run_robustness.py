@@ -170,8 +170,21 @@ def test_sigterm_in_process_saves_the_finished_step_and_restores_the_handler(tmp
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_one_request_delivered_twice_still_saves(tmp_path, sig):
+    # `timeout` signals the process and then its process group: the same request arrives twice, back to back
+    tr = _trainer(tmp_path, 1000)
+    _signal_during_step(tr, 2, [sig, sig])
+    summary = tr.fit(progress_bar=False)
+    assert summary["interrupted"] and summary["step"] == 2
+    assert _complete(tmp_path) == [2]
+
+
 @pytest.mark.parametrize("sig, exc", [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)])
-def test_a_second_signal_aborts_without_saving(tmp_path, sig, exc):
+def test_a_second_signal_aborts_without_saving(tmp_path, sig, exc, monkeypatch):
+    import k3.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "SIGNAL_REPEAT_S", 0.0)  # the second one counts as a second request at once
     before = signal.getsignal(sig)
     tr = _trainer(tmp_path, 1000)
     _signal_during_step(tr, 2, [sig, sig])
