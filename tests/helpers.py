@@ -210,3 +210,16 @@ def uvicorn_in_thread(app, host: str = "127.0.0.1"):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def stop_after(trainer, step: int):
+    """Make `trainer` stop after `step` as a Ctrl-C there would (finish the step, save, return); returns it."""
+    orig = trainer.train_step
+
+    def step_then_stop():
+        m = orig()
+        trainer._stop_requested = trainer.step == step
+        return m
+
+    trainer.train_step = step_then_stop
+    return trainer

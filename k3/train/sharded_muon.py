@@ -41,16 +41,17 @@ def ns_cost(num_blocks: int, rows: int, cols: int, steps: int) -> int:
 
 def assign_owners(costs: Sequence[int], world: int) -> list[int]:
     """Owner (0 .. world - 1) of each item: largest cost first (ties by position) onto the least-loaded owner (ties
-    by lowest index). Pure and deterministic. Greedy bound: the most-loaded owner exceeds the least-loaded one by at
-    most the largest single cost, and carries at most 4/3 of the optimal maximum load (Graham's LPT)."""
+    by fewest items owned, then lowest index: zero-cost items spread too). Pure and deterministic. Greedy bound: the
+    most-loaded owner exceeds the least-loaded one by at most the largest single cost, and carries at most 4/3 of
+    the optimal maximum load (Graham's LPT)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     owners = [0] * len(costs)
-    loads = [(0, r) for r in range(world)]  # (load, rank): a heap ordered by load, then rank
+    loads = [(0, 0, r) for r in range(world)]  # (load, items, rank): a heap ordered by load, items, then rank
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, r = heapq.heappop(loads)
+        load, n, r = heapq.heappop(loads)
         owners[i] = r
-        heapq.heappush(loads, (load + costs[i], r))
+        heapq.heappush(loads, (load + costs[i], n + 1, r))
     return owners
 
 

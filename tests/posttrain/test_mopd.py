@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from helpers import randomize_
+from helpers import randomize_, stop_after
 from k3.checkpoint import save_pretrained
 from k3.config import K3Config
 from k3.data.tokenizer import K3Tokenizer, byte_level_tokenizer
@@ -364,14 +364,7 @@ def test_resume_continues_the_samples_in_flight_bit_exactly(tmp_path, ckpts):
     straight = trainer(tmp_path / "a")
     straight.fit(progress_bar=False)
     first = trainer(tmp_path / "b")
-    orig = first.train_step
-
-    def step_then_stop():
-        m = orig()
-        first._stop_requested = first.step == 2
-        return m
-
-    first.train_step = step_then_stop
+    stop_after(first, 2)
     assert first.fit(progress_bar=False)["step"] == 2
     carried = [r.to_dict() for r in first.loader.in_flight]
     assert carried and all(len(r["tokens"]) > 0 for r in carried)  # partial rollouts were in flight at the save
@@ -395,7 +388,7 @@ def _distill_trainer(out, ckpts, prompts, heldout, teachers=None, **kw):
                           teachers=teachers or [f"code={ckpts['code']}", f"docs={ckpts['docs']}"],
                           prompts=[prompts], heldout=heldout, eval_samples=2, rollouts_per_step=3, max_new_tokens=6,
                           rollout_budget=3, device="cpu", engine=_engine_cfg(), **kw)
-    return build_distill_run(opts, TrainConfig(out=str(out), max_steps=3, eval_every=1, save_every_minutes=1e9),
+    return build_distill_run(opts, TrainConfig(out=str(out), max_steps=2, eval_every=1, save_every_minutes=1e9),
                              log=lambda *a: None)
 
 
@@ -414,7 +407,7 @@ def test_heldout_evaluation_is_the_sampled_reverse_kl_and_leaves_training_alone(
     key = lambda rs: [(r["step"], r["loss"], r["reward"]) for r in rs if "reward" in r]  # noqa: E731
     assert key(rw) == key(ro)
     evals = [r for r in rw if "val_loss" in r]
-    assert [r["step"] for r in evals] == [0, 1, 2, 3] and not any("val_loss" in r for r in ro)
+    assert [r["step"] for r in evals] == [0, 1, 2] and not any("val_loss" in r for r in ro)
     for r in evals:
         doms = r["val_domains"]
         assert set(doms) == {"code", "docs"} and all(d["tokens"] > 0 for d in doms.values())

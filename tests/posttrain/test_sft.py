@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import randomize_
+from helpers import randomize_, stop_after
 from k3.checkpoint import save_pretrained
 from k3.config import K3Config
 from k3.data.packing import IGNORE_INDEX
@@ -191,14 +191,7 @@ def test_sft_resume_is_bit_exact(tmp_path, base, qat):
     straight = _sft_trainer(tmp_path / "a", base, data, held, qat)
     straight.fit(progress_bar=False)
     first = _sft_trainer(tmp_path / "b", base, data, held, qat)
-    orig = first.train_step
-
-    def step_then_stop():
-        m = orig()
-        first._stop_requested = first.step == 2
-        return m
-
-    first.train_step = step_then_stop
+    stop_after(first, 2)
     assert first.fit(progress_bar=False)["step"] == 2
     resumed = _sft_trainer(tmp_path / "b", base, data, held, qat)
     assert resumed.step == 2

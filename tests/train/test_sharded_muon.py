@@ -4,7 +4,7 @@ cost. The exchange itself runs in tests/parallel/test_train_distributed.py (fork
 import itertools
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from k3.train.sharded_muon import assign_owners, ns_cost, shard_rows
@@ -23,11 +23,13 @@ def test_assign_owners_largest_first_onto_least_loaded_lowest_rank_on_ties():
     assert assign_owners([4, 4, 4, 4], 2) == [0, 1, 0, 1]  # equal costs: by position, alternating
     assert assign_owners([7, 1], 4) == [0, 1]  # fewer items than ranks: the rest own nothing
     assert assign_owners([3, 2, 1], 1) == [0, 0, 0]
+    assert assign_owners([0, 0, 0], 2) == [0, 1, 0]  # zero-cost items: by fewest items owned
     assert assign_owners([], 3) == []
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 10**9), max_size=40), st.integers(1, 9))
+@example([0, 0], 2)  # found by hypothesis: zero-cost items all went to rank 0
 def test_assign_owners_is_balanced_and_deterministic(costs, world):
     owners = assign_owners(costs, world)
     assert owners == assign_owners(list(costs), world)  # a pure function of (costs, world): every rank agrees

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import stop_after
 from k3.checkpoint import CheckpointError
 from k3.config import K3Config
 from k3.data.packing import PackedLoader
@@ -57,14 +58,7 @@ def test_resume_is_bit_exact(tmp_path):
     straight.fit(progress_bar=False)
     # The same 20-step run, stopped after step 10 (as Ctrl-C does) and resumed in a fresh trainer.
     first = _trainer(tmp_path / "b", 20)
-    orig = first.train_step
-
-    def step_then_stop():
-        m = orig()
-        first._stop_requested = first.step == 10
-        return m
-
-    first.train_step = step_then_stop
+    stop_after(first, 10)
     assert first.fit(progress_bar=False)["step"] == 10
     resumed = _trainer(tmp_path / "b", 20)
     resumed.load(os.path.join(tmp_path / "b", "checkpoints", "step-0000010"))
@@ -82,25 +76,18 @@ def test_resume_is_bit_exact(tmp_path):
 def test_resume_after_a_kill_logs_each_step_once(tmp_path):
     """A run killed after its last checkpoint has logged steps past it; the resumed run trains them again and
     metrics.jsonl holds each step once, as the run without the kill does."""
-    straight = _trainer(tmp_path / "a", 20)
+    straight = _trainer(tmp_path / "a", 12)
     straight.fit(progress_bar=False)
-    first = _trainer(tmp_path / "b", 20)
-    orig = first.train_step
-
-    def step_then_stop():
-        m = orig()
-        first._stop_requested = first.step == 10
-        return m
-
-    first.train_step = step_then_stop
-    first.fit(progress_bar=False)  # checkpoint at step 10
-    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # steps 11-13 logged, then killed mid-line
+    first = _trainer(tmp_path / "b", 12)
+    stop_after(first, 6)
+    first.fit(progress_bar=False)  # checkpoint at step 6
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # steps 7-9 logged, then killed mid-line
         for r in [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl")]:
-            if r["step"] in (11, 12, 13):
+            if r["step"] in (7, 8, 9):
                 f.write(json.dumps(r) + "\n")
-        f.write('{"step": 14, "lo')
-    resumed = _trainer(tmp_path / "b", 20)
-    resumed.load(os.path.join(tmp_path / "b", "checkpoints", "step-0000010"))
+        f.write('{"step": 10, "lo')
+    resumed = _trainer(tmp_path / "b", 12)
+    resumed.load(os.path.join(tmp_path / "b", "checkpoints", "step-0000006"))
     resumed.fit(progress_bar=False)
     la = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl")]
     lb = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl")]
