@@ -39,6 +39,13 @@ as its own row of the paged decode kernel with length position + 1 (causal). Tha
 first token one graph replay instead of an eager forward. KDA runs there on fla or on the reference, whose chunked
 form reads nothing back for rows of one length; a capture that fails turns off prefill graphs only.
 
+With a speculative draft (k3.serve.spec), every step also outputs the hidden states the draft observes
+(`keep_hidden`), and verifications of T = 2 .. K + 1 positions per request run the same way in buckets of their own
+(`verify_lengths`, `run_verify`): the KDA layers keep their projected inputs (the states in the pages are not
+advanced; k3.serve.runner.ModelRunner.replay commits the accepted prefix after), the MLA rows of every position are
+written, and the logits of all T positions come out. A verification capture that fails turns off verification
+graphs only.
+
 `EngineConfig.cuda_graphs` (the command line fills it from --no-cuda-graphs and K3_CUDA_GRAPHS): True (default:
 capture when the conditions hold), False (off), or "eager" (the static-buffer step called directly, without
 capture, on any device: the same buffers, padding and scratch page; for tests and debugging).
@@ -54,7 +61,8 @@ from k3.model.mx_experts import PackedMXExperts
 from k3.ops.mla_decode import default_num_splits, paged_kernel_used
 from k3.ops.moe import grouped_used
 from k3.ops.registry import Target, notice, runs_on
-from k3.serve.cache.views import StaticMLAView
+from k3.model.cache import K3Cache, KDAInputs
+from k3.serve.cache.views import KDAVerifyView, StaticMLAView
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
 # ... and contexts up to this long: every query row of such a step reads its request's whole latent cache, which
@@ -136,6 +144,7 @@ class _Bucket:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the captured step's output [size, V]
         self.hidden: torch.Tensor | None = None  # with keep_hidden: what the draft reads [size, tokens, width]
+        self.inputs: list[KDAInputs] | None = None  # a verification step's: each KDA layer's projected inputs
 
 
 class DecodeGraphs:
@@ -149,7 +158,8 @@ class DecodeGraphs:
     those AttnRes blocks' outputs beside them), what the draft observes, and `run` returns (logits, hidden)."""
 
     def __init__(self, runner, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True,
-                 prefill_lengths: tuple[int, ...] = (), keep_hidden: bool = False, features: tuple[int, ...] = ()):
+                 prefill_lengths: tuple[int, ...] = (), keep_hidden: bool = False, features: tuple[int, ...] = (),
+                 verify_lengths: tuple[int, ...] = ()):
         pool = runner.pool
         if not 0 <= scratch_page < pool.pages.shape[0]:
             raise ValueError(f"scratch_page={scratch_page} is not a page of the pool ({pool.pages.shape[0]} pages)")
@@ -159,6 +169,10 @@ class DecodeGraphs:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         self.runner, self.pool, self.scratch, self.capture = runner, pool, scratch_page, capture
         self.keep_hidden, self.features = keep_hidden, tuple(features)
+        # speculative verifications of this many positions per request (last token + drafts) also run on static
+        # buffers: `run_verify`
+        self.verify_lengths = tuple(sorted(set(int(t) for t in verify_lengths if int(t) > 1)))
+        self.verify_steps = 0
         self.max_model_len = max_model_len
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = decode_buckets(max_batch)
@@ -216,6 +230,41 @@ class DecodeGraphs:
             return logits[:B].clone(), hidden[:B].clone()
         return logits[:B].clone()
 
+    @torch.no_grad()
+    def run_verify(self, tokens: list[list[int]], starts: list[int], slots):
+        """A speculative verification (k3.serve.runner.ModelRunner.verify) over static buffers: every request runs
+        its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
+        [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs), copies; or None when it cannot
+        run here (as `run`): verify eagerly."""
+        if self.disabled is not None:
+            return None
+        B = len(tokens)
+        T = len(tokens[0]) if tokens else 0
+        size = self.bucket_size(B)
+        if size is None or T not in self.verify_lengths or any(len(t) != T for t in tokens):
+            return None
+        if size * T > MAX_PREFILL_GRAPH_TOKENS or max(starts) + T > MAX_PREFILL_GRAPH_CONTEXT:
+            return None
+        width = max((len(t) for s in slots for t in s.mla_tables), default=1)
+        if width > self.max_pages:
+            return None
+        bucket = self._bucket(size, T, verify=True)
+        if bucket is None:
+            return None
+        self._load(bucket, tokens, starts, slots, width)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            self.replays += 1
+            logits, hidden, inputs = bucket.logits, bucket.hidden, bucket.inputs
+        else:
+            logits, hidden, inputs = self._verify_step(bucket)
+        self.steps += 1
+        self.verify_steps += 1
+        self.padded_rows += size - B
+        cut = lambda t: t[:B].clone()  # noqa: E731
+        return cut(logits), cut(hidden), [KDAInputs(tuple(cut(x) for x in i.pre_conv), cut(i.q), cut(i.k), cut(i.v),
+                                                    cut(i.z), cut(i.beta_logits)) for i in inputs]
+
     def warm_up(self) -> int:
         """Set up (capture) every bucket now instead of on first use, so no request waits for a capture; returns
         the number of buckets ready. A server calls this once at startup."""
@@ -240,6 +289,25 @@ class DecodeGraphs:
             return logits, hidden
         return self.runner.run_cached(b.ids, b.kda_pages.t(), views), None
 
+    def _verify_step(self, b: _Bucket):
+        """The verification step that is captured: the model over b's T positions per row with each KDA layer's
+        view keeping its inputs (the states in the pages stay as they are) -> (logits [size, T, V] fp32, hidden,
+        [KDAInputs per KDA layer])."""
+        self.pool.pages[self.scratch].zero_()
+        runner = self.runner
+        per_layer: list = [None] * len(runner.model.model.layers)
+        views = []
+        for g, li in enumerate(runner.kda_layers):
+            view = KDAVerifyView(*self.pool.read_kda(b.kda_pages[:, g]))
+            views.append(view)
+            per_layer[li] = view
+        for g, li in enumerate(runner.mla_layers):
+            per_layer[li] = StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
+        out = runner.model(b.ids, cache=K3Cache(per_layer), logits_to_keep=b.tokens, check_ids=False,
+                           features=self.features)
+        hidden = torch.cat([*out.features, out.hidden_states], -1) if self.features else out.hidden_states
+        return out.logits.float(), hidden, [v.inputs for v in views]
+
     def _load(self, b: _Bucket, tokens, starts, slots, width: int) -> None:
         """Copy a step's inputs into b's buffers; rows past the batch become padding on the scratch page."""
         pad, scr = b.size - len(tokens), self.scratch
@@ -254,20 +322,24 @@ class DecodeGraphs:
             rows += [[[scr] * width] * n_mla] * pad
             b.tables[:, :, :width].copy_(torch.tensor(rows, dtype=torch.long))
 
-    def _bucket(self, size: int, tokens: int = 1) -> _Bucket | None:
-        b = self._static.get((size, tokens))
+    def _bucket(self, size: int, tokens: int = 1, verify: bool = False) -> _Bucket | None:
+        key = (size, tokens, "verify") if verify else (size, tokens)
+        b = self._static.get(key)
         if b is not None:
             return b
         b = _Bucket(size, tokens, len(self.runner.kda_layers), len(self.runner.mla_layers), self.max_pages,
                     self.scratch, self.num_splits(size, tokens), self.runner.device)
-        what = "decode" if tokens == 1 else f"{tokens}-token prefill"
+        what = f"{tokens}-position verification" if verify else "decode" if tokens == 1 else f"{tokens}-token prefill"
         if self.capture:
             t0 = time.perf_counter()
             try:
-                self._capture(b)
+                self._capture(b, verify)
             except Exception as e:  # keep serving, eagerly
                 why = f"capturing the {what} step of {size} requests failed ({type(e).__name__}: {e})"
-                if tokens == 1:
+                if verify:  # decode graphs stay; verifications run eagerly
+                    self.verify_lengths = ()
+                    notice(f"speculative verifications run without CUDA graphs from now on: {why}")
+                elif tokens == 1:
                     self.disabled = why
                     notice(f"decode steps run without CUDA graphs from now on: {why}")
                 else:  # decode graphs stay; prefill chunks run eagerly
@@ -276,22 +348,26 @@ class DecodeGraphs:
                 return None
             notice(f"captured the {what} CUDA graph for batches of up to {size} requests "
                    f"(num_splits {b.num_splits}, {time.perf_counter() - t0:.1f} s)")
-        self._static[(size, tokens)] = b
+        self._static[key] = b
         return b
 
-    def _capture(self, b: _Bucket) -> None:
+    def _capture(self, b: _Bucket, verify: bool = False) -> None:
         """Warm up on a side stream (the buffers hold padding only: just the scratch page is touched), then
-        capture the step into b.graph with b.logits as its output."""
+        capture the step into b.graph with b.logits (b.hidden, b.inputs) as its output."""
         dev = self.runner.device
+        step = self._verify_step if verify else self._step
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(b)
+                step(b)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            b.logits, b.hidden = self._step(b)
+            if verify:
+                b.logits, b.hidden, b.inputs = step(b)
+            else:
+                b.logits, b.hidden = step(b)
         b.graph = graph

@@ -12,8 +12,8 @@ chunks and plain decode steps of the same step run in the step's other forwards)
 states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report §5.4.2), KDA
 checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted length.
 Greedy output is token-identical to decoding without speculation and sampled output has the target's
-distribution. The verifications run eagerly; the plain decode steps of an engine with a draft run on CUDA graphs that
-also output the hidden states the draft observes.
+distribution. With CUDA graphs, the verifications run as graph replays (one graph per batch bucket and number of
+positions) and the plain decode steps on graphs that also output the hidden states the draft observes.
 """
 
 from __future__ import annotations
@@ -158,7 +158,9 @@ class LLMEngine:
                                               scratch_page=cache.scratch_page, capture=graphs == "capture",
                                               prefill_lengths=prefill_graph_lengths(model, graphs,
                                                                                     self.cfg.hash_block_tokens),
-                                              keep_hidden=draft is not None, features=self._draft_features)
+                                              keep_hidden=draft is not None, features=self._draft_features,
+                                              verify_lengths=tuple(range(2, self.cfg.num_draft_tokens + 2))
+                                              if draft is not None else ())
         self.eos_id = mcfg.eos_token_id
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}

@@ -180,7 +180,8 @@ class ModelRunner:
     def verify(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
                features: tuple[int, ...] = ()) -> Verified:
         """Run each request's T tokens (its last sampled token and T - 1 drafts, the same T for all) from its own
-        position as the rows of one batch, eagerly. The MLA views write every position's latent rows into the
+        position as the rows of one batch: a graph replay when `graphs` verifies T positions (and the batch fits),
+        else eagerly. The MLA views write every position's latent rows into the
         pages (rows past the accepted length are overwritten later and released by CacheManager.truncate); the
         KDA states in the pages are not advanced: call `replay` with the accepted lengths. `features`: as in
         `run`, Verified.hidden then holds those blocks' outputs and the hidden states concatenated."""
@@ -190,6 +191,17 @@ class ModelRunner:
         dev = self.device
         kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
                                  device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
+        g = self.graphs
+        if g is not None and g.verify_lengths and tuple(features) == g.features:
+            out = g.run_verify(tokens, starts, slots)
+            if out is not None:  # a graph replay: the same forward over static buffers
+                logits, hidden, inputs = out
+                views = []
+                for i in inputs:
+                    view = KDAVerifyView(None, None)
+                    view.inputs = i
+                    views.append(view)
+                return Verified(logits, hidden, views, kda_pages)
         per_layer: list = [None] * len(self.model.model.layers)
         views = []
         for g, li in enumerate(self.kda_layers):

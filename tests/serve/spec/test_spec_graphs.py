@@ -1,7 +1,8 @@
-"""An engine with a speculative draft runs its plain decode steps on the static-buffer step (`DecodeGraphs` with
-keep_hidden: the hidden states the draft observes come out of the step, as they would out of a captured graph),
-in "eager" mode on CPU: greedy outputs equal decoding without speculation, and the draft sees the same hidden
-states as on the eager runner (the same drafts, the same acceptance)."""
+"""An engine with a speculative draft runs its plain decode steps and its verifications on static-buffer steps
+(`DecodeGraphs` with keep_hidden and verify_lengths: the hidden states the draft observes and the KDA inputs the
+replay reads come out of the step, as they would out of a captured graph), in "eager" mode on CPU: greedy outputs
+equal decoding without speculation, and the draft sees the same hidden states as on the eager runner (the same
+drafts, the same acceptance)."""
 
 import importlib.util
 from pathlib import Path
@@ -34,17 +35,18 @@ class AlternatingSwitch(SpecSwitch):
         return self.n % 2 == 0
 
 
-def _engine(graphs):
+def _engine(graphs, draft=None):
     eng = LLMEngine(fx._model(), fx._tok(), EngineConfig(
         cache_memory_mb=4.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", num_draft_tokens=3,
         cuda_graphs="eager" if graphs else False,
-        scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+        scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)), draft=draft)
     eng.eos_id = None
     eng.spec_switch = AlternatingSwitch()
     return eng
 
 
-def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does():
+@pytest.mark.parametrize("draft", ["mtp", "oracle"])
+def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does(draft):
     model = fx._model()
     model.set_backends(Backends(per_op=GRAPH_OPS))
     try:
@@ -52,7 +54,8 @@ def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does()
         params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
         runs, observed = {}, {}
         for graphs in (True, False):
-            eng = _engine(graphs)
+            # the oracle accepts a prefix of each verification (every third draft wrong): replays of every length
+            eng = _engine(graphs, fx.OracleDraft(wrong_every=3) if draft == "oracle" else None)
             seen = []  # what the draft observes: (request, first position, hidden states)
             observe = eng.draft.observe
             eng.draft.observe = lambda seq, start, h, observe=observe, seen=seen: (
@@ -65,7 +68,9 @@ def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does()
             runs[graphs] = (m.spec_verifications, m.draft_tokens_proposed, m.draft_tokens_accepted)
             observed[graphs] = sorted(seen, key=lambda r: (r[0], r[1]))
             if graphs:
-                assert eng.runner.graphs.steps > 0  # plain decode steps ran on the static buffers
+                g = eng.runner.graphs
+                assert g.verify_lengths == (2, 3, 4)
+                assert g.verify_steps > 0 and g.steps > g.verify_steps  # verifications and plain decode steps
         assert runs[True][0] > 0
         assert runs[True] == runs[False]  # the same drafts were proposed and accepted
         # the same hidden states observed at the same positions (the static step's fixed-split paged attention sums in
@@ -81,7 +86,7 @@ def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does()
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_captured_plain_steps_of_a_speculating_engine():
     """On the GPU: a bf16 engine with the MTP draft captures its plain decode steps with the hidden states as an
-    output and replays them; greedy outputs equal the same engine without graphs, and so do the drafts' acceptance
+    output, and its verifications, and replays them; greedy outputs equal the same engine without graphs, and so do the drafts' acceptance
     counts."""
     import copy
 
@@ -102,5 +107,6 @@ def test_gpu_captured_plain_steps_of_a_speculating_engine():
         if graphs:
             g = eng.runner.graphs
             assert g.disabled is None, g.disabled
-            assert g.keep_hidden and g.replays > 0
+            assert g.keep_hidden and g.replays > 0 and g.verify_steps > 0
+            assert any(len(k) == 3 and b.graph is not None for k, b in g._static.items())  # a captured verification
     assert runs[0] == runs[1]
