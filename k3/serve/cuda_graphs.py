@@ -275,6 +275,10 @@ class DecodeGraphs:
             for size in self.buckets:
                 if self.disabled is None and T in self.prefill_lengths and size * T <= MAX_PREFILL_GRAPH_TOKENS:
                     self._bucket(size, T)
+        for T in self.verify_lengths:
+            for size in self.buckets:
+                if self.disabled is None and T in self.verify_lengths and size * T <= MAX_PREFILL_GRAPH_TOKENS:
+                    self._bucket(size, T, verify=True)
         return len(self._static)
 
     # --- internals -----------------------------------------------------------------------------------------------

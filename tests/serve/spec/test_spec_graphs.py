@@ -110,3 +110,16 @@ def test_gpu_captured_plain_steps_of_a_speculating_engine():
             assert g.keep_hidden and g.replays > 0 and g.verify_steps > 0
             assert any(len(k) == 3 and b.graph is not None for k, b in g._static.items())  # a captured verification
     assert runs[0] == runs[1]
+
+
+def test_warm_up_sets_up_the_verification_buckets_too():
+    model = fx._model()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    try:
+        eng = _engine(True)
+        g = eng.runner.graphs
+        n = g.warm_up()
+        verify = {k for k in g._static if len(k) == 3}
+        assert verify == {(s, t, "verify") for s in g.buckets for t in (2, 3, 4)} and n == len(g._static)
+    finally:
+        model.set_backends(None)
