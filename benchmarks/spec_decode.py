@@ -1,0 +1,146 @@
+"""Speculative decoding against plain decoding on a trained checkpoint, side by side in one run (report §5.4.2).
+
+    python benchmarks/spec_decode.py --ckpt runs/k3                                 # CPU (speed meaningless)
+    python benchmarks/spec_decode.py --ckpt runs/main --batch 1 4 16 64 --max-tokens 128 --json spec.json   # GPU
+
+Prompts: the first --prompt-tokens tokens of held-out documents (the standard library files the training split
+holds out, by the same stable hash). For each batch size, three engines over the same loaded model, greedy:
+
+    off    no speculation (CUDA graphs where the model allows them)
+    spec   --speculative mtp (or --draft DIR: eagle3) on every step
+    auto   the same with --speculative-auto: speculation per batch size where it measures faster
+
+each generates --max-tokens tokens for every request after a warm-up generation (graph capture, compilation).
+Reported: decode tokens/s (from the step where every request has its first token to the end), the speed-up
+against off, the mean accepted length (tokens emitted per verification), whether the outputs equal off's (they
+must: greedy speculation is lossless), and the KDA state bytes one verified request-step moves with replay
+(the committed state read and written once, the projected inputs of the T verified positions kept) against
+per-position snapshots (T states written, one read back at the rollback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _log(msg: str) -> None:
+    print(f"[spec {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def heldout_prompts(tok, n: int, length: int) -> list[list[int]]:
+    from k3.data.corpus import is_heldout, stdlib_files, stdlib_root
+
+    root, out = stdlib_root(), []
+    for path in stdlib_files():
+        if not is_heldout(os.path.relpath(path, root)):
+            continue
+        try:
+            text = open(path, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        ids = tok.encode(text)
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            return out
+    raise SystemExit(f"only {len(out)} held-out documents have {length} tokens; lower --prompt-tokens")
+
+
+def state_bytes(cfg, T: float) -> dict:
+    """KDA bytes one verified request-step of T positions moves, over all KDA layers: replay vs snapshots."""
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    state = H * K * K * 4 + 3 * H * K * (cfg.kda_short_conv_kernel_size - 1) * 4  # fp32 state + conv tails
+    inputs = (3 * H * K + 3 * H * K + H * K + H) * 4  # pre-conv q, k, v; q, k, v; decay logits; beta, per position
+    n = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
+    return {"replay": round(n * (2 * state + T * inputs)), "snapshots": round(n * (T * state + state))}
+
+
+def run(engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
+    from k3.serve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    seqs = [engine.add_request(list(p), params) for p in prompts]
+    t_first = None
+    while engine.has_work():
+        engine.step()
+        if t_first is None and all(s.output_ids for s in seqs):
+            t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    n = sum(len(s.output_ids) - 1 for s in seqs)
+    return [s.output_ids for s in seqs], n / max(t_end - (t_first or t_end), 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", required=True, help="a trained checkpoint (or run directory) with an MTP layer")
+    ap.add_argument("--draft", default=None, help="an EAGLE-3 draft directory (k3 train-draft) instead of the MTP layer")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--cache-mb", type=float, default=8192)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from k3.checkpoint import from_pretrained
+    from k3.cli import _resolve_ckpt
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+
+    ckpt = _resolve_ckpt(args.ckpt)
+    dev = torch.device(args.device)
+    model = from_pretrained(ckpt, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                            packed_experts="auto").eval()
+    tok = load_any_tokenizer(ckpt)
+    prompts = heldout_prompts(tok, max(args.batch), args.prompt_tokens)
+    rows = []
+    for B in args.batch:
+        res = {}
+        for mode in ("off", "spec", "auto"):
+            spec = "off" if mode == "off" else ("eagle3" if args.draft else "mtp")
+            cfg = EngineConfig(cache_memory_mb=args.cache_mb, max_model_len=args.prompt_tokens + args.max_tokens + 64,
+                               speculative=spec, draft=args.draft if spec == "eagle3" else None,
+                               num_draft_tokens=args.num_draft_tokens, speculative_auto=mode == "auto",
+                               scheduler=SchedulerConfig(max_num_seqs=max(B, 1), max_step_tokens=max(8192, 8 * B)))
+            eng = LLMEngine(model, tok, cfg)
+            eng.eos_id = None  # every request generates max_tokens tokens
+            run(eng, prompts[:B], 8)  # warm-up: graphs, compilation
+            m0 = (eng.metrics.spec_verifications, eng.metrics.draft_tokens_accepted)
+            outs, rate = run(eng, prompts[:B], args.max_tokens)
+            v = eng.metrics.spec_verifications - m0[0]
+            acc = eng.metrics.draft_tokens_accepted - m0[1]
+            res[mode] = dict(tokens_per_s=round(rate, 1), outputs=outs,
+                             mean_accepted_length=round((acc + v) / v, 3) if v else None, verifications=v)
+            if mode == "auto" and eng.spec_switch is not None:
+                res[mode]["switch"] = {str(k): st["speculative"] for k, st in eng.spec_switch.state().items()}
+            _log(f"batch {B} {mode}: {rate:.1f} tok/s, accepted length {res[mode]['mean_accepted_length']}")
+            del eng
+        T = res["spec"]["mean_accepted_length"] or 1.0
+        row = dict(batch=B, off_tok_s=res["off"]["tokens_per_s"], spec_tok_s=res["spec"]["tokens_per_s"],
+                   auto_tok_s=res["auto"]["tokens_per_s"],
+                   spec_speedup=round(res["spec"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3),
+                   auto_speedup=round(res["auto"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3),
+                   mean_accepted_length=res["spec"]["mean_accepted_length"],
+                   outputs_equal=res["spec"]["outputs"] == res["off"]["outputs"] == res["auto"]["outputs"],
+                   auto_switch=res["auto"].get("switch"),
+                   kda_bytes_per_request_step=state_bytes(model.config, args.num_draft_tokens + 1),
+                   verified_positions=args.num_draft_tokens + 1, accepted_positions=T)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(ckpt=ckpt, device=str(dev), draft=args.draft, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
