@@ -92,37 +92,47 @@ class MTPDraft:
 
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Each request's first step alone (it runs the request's newly observed positions, a different number
-        each), then the later steps of all requests as one batched forward per step: one new position per request
-        against its own context (rows of different lengths, `_RaggedCache`). Equal to `propose_sequential`, which a
-        single request takes (its context grows in place, nothing is copied)."""
+        """Every drafting step of all requests as one batched forward: the first runs each request's newly observed
+        positions (a different number each, right-padded), the later ones one new position per request, each
+        against its own context (rows of different lengths, `_RaggedCache`). Equal to `propose_sequential`, which
+        a single request takes (its context grows in place, nothing is copied)."""
         if len(seqs) == 1:
             return [self._propose_one(seqs[0], ks[0])]
-        firsts = [self._first(s) for s in seqs]
+        prep = [self._first_inputs(s) for s in seqs]
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[Tensor | None]] = [[] for _ in seqs]
-        for i, (s, f) in enumerate(zip(seqs, firsts)):
-            if f is not None:
-                tok, q = _choose(self.model.head(f[0])[0, -1], s.params, s.generator)
-                tokens[i].append(tok)
-                qs[i].append(q)
-        rows = [i for i, f in enumerate(firsts) if f is not None and ks[i] > 1]
+        rows = [i for i, p in enumerate(prep) if p is not None]
         if rows:
             emb = self.model.model.embed_tokens
-            h = torch.cat([firsts[i][0] for i in rows])  # [B, 1, D]
-            cache = _RaggedCache([firsts[i][1] for i in rows], max(ks[i] for i in rows) - 1)
-            for j in range(1, max(ks[i] for i in rows)):
-                nxt = torch.tensor([[tokens[i][-1]] for i in rows], device=h.device)
-                h = self._step(h, emb(nxt), False, cache)
+            n = [prep[i][1].shape[0] for i in rows]
+            N, K = max(n), max(ks[i] for i in rows)
+            first = prep[rows[0]][1]
+            hid = first.new_zeros(len(rows), N, first.shape[-1])
+            ids = torch.zeros(len(rows), N, dtype=torch.long, device=first.device)
+            for r, i in enumerate(rows):  # right-padded: a row's padding positions come after its own
+                hid[r, :n[r]] = prep[i][1]
+                ids[r, :n[r]] = prep[i][2]
+            cache = _RaggedCache([prep[i][0].cache for i in rows], N)
+            h = self._step(hid, emb(ids), True, cache)
+            cache.settle(n)  # the padding rows are not context
+            for r, i in enumerate(rows):  # the committed positions' rows join the request's own context
+                _extend_context(prep[i][0].cache, cache, r, n[r], self.window)
+            if K > 1:  # the guesses run against the contexts as now kept (the last `window` rows each)
+                cache = _RaggedCache([prep[i][0].cache for i in rows], K - 1)
+            h = h[torch.arange(len(rows), device=h.device), torch.tensor(n, device=h.device) - 1][:, None]
+            for j in range(K):
                 logits = self.model.head(h)[:, -1]
                 for r, i in enumerate(rows):
                     if j < ks[i]:  # a request with fewer drafts draws nothing more: its generator is untouched
                         tok, q = _choose(logits[r], seqs[i].params, seqs[i].generator)
                         tokens[i].append(tok)
                         qs[i].append(q)
+                if j + 1 < K:
+                    nxt = torch.tensor([[tokens[i][-1] if tokens[i] else 0] for i in rows], device=h.device)
+                    h = self._step(h, emb(nxt), False, cache)
         out = []
         for i, (s, k) in enumerate(zip(seqs, ks)):
-            if firsts[i] is None:
+            if prep[i] is None:
                 out.append(Proposal([s.token_range(s.num_computed, s.num_computed + 1)[0]] * k))
             else:
                 out.append(Proposal(tokens[i], None if qs[i][0] is None else torch.stack(qs[i])))
@@ -133,11 +143,11 @@ class MTPDraft:
         """The reference of `propose`: one request at a time, its steps one after another."""
         return [self._propose_one(s, k) for s, k in zip(seqs, ks)]
 
-    def _first(self, seq: Sequence) -> tuple[Tensor, MLACache] | None:
-        """The first drafting step of seq: run its observed positions not yet run through the layer (the target's
-        hidden states and the next tokens), appending their rows to its context; returns (the output at the last
-        position [1, 1, D], the context), or None when nothing is observed up to the last committed position
-        (cannot happen in the engine's order: any tokens are then valid drafts, only unlikely to be accepted)."""
+    def _first_inputs(self, seq: Sequence) -> tuple[_Context, Tensor, Tensor] | None:
+        """What the first drafting step of seq runs: (its context, the observed hidden states not yet run through
+        the layer [n, width] (the last `window`), the next tokens [n]), taken from the pending ones; None when
+        nothing is observed up to the last committed position (cannot happen in the engine's order: any tokens are
+        then valid drafts, only unlikely to be accepted)."""
         ctx = self._ctx.get(seq.request_id)
         C = seq.num_computed
         if ctx is None or not ctx.pending or ctx.next_pos != C:
@@ -145,8 +155,16 @@ class MTPDraft:
         hidden = torch.cat(ctx.pending)[-self.window:]
         first = C - hidden.shape[0]  # MTP position t reads the target's hidden at t and token t + 1
         ctx.pending, ctx.pending_start = [], None
-        nxt = torch.tensor([seq.token_range(first + 1, C + 1)], device=hidden.device)
-        h = self._step(hidden[None], self.model.model.embed_tokens(nxt), True, ctx.cache)
+        return ctx, hidden, torch.tensor(seq.token_range(first + 1, C + 1), device=hidden.device)
+
+    def _first(self, seq: Sequence) -> tuple[Tensor, MLACache] | None:
+        """The first drafting step of seq alone: its observed positions run through the layer, their rows appended
+        to its context; returns (the output at the last position [1, 1, D], the context), or None (`_first_inputs`)."""
+        p = self._first_inputs(seq)
+        if p is None:
+            return None
+        ctx, hidden, nxt = p
+        h = self._step(hidden[None], self.model.model.embed_tokens(nxt[None]), True, ctx.cache)
         ctx.cache.keep_last(self.window)
         return h[:, -1:], ctx.cache
 
@@ -192,30 +210,61 @@ class Eagle3Draft(MTPDraft):
 
 
 class _RaggedCache:
-    """The draft's guesses of a batch of requests, one position per request per step, each after its own committed
-    context (k3.model.cache.MLACache of different lengths): the contexts copied into rows padded to the longest
-    plus room for `extra` guesses; attention reads each row up to its own length. The requests' own contexts are
-    not touched (guesses are never context)."""
+    """The draft's steps for a batch of requests, each after its own committed context (k3.model.cache.MLACache of
+    different lengths): the contexts copied into rows padded to the longest plus room for `extra` positions;
+    attention reads each row up to its own length. A step may add several positions per row (the first step's
+    newly observed ones, right-padded); `settle` then sets each row's length to its valid ones. The requests' own
+    contexts are not touched here (`_extend_context` copies committed rows back; guesses are never context)."""
 
     def __init__(self, caches: list[MLACache], extra: int):
-        lens = [c.length for c in caches]
-        c0, r0 = caches[0].c, caches[0].k_rope
-        L = max(lens) + extra
-        self.c = c0.new_zeros(len(caches), L, c0.shape[-1])
-        self.k_rope = r0.new_zeros(len(caches), L, r0.shape[-1])
-        for i, cc in enumerate(caches):
-            self.c[i, :lens[i]] = cc.c[0]
-            self.k_rope[i, :lens[i]] = cc.k_rope[0]
-        self.lengths = torch.tensor(lens, device=c0.device)
-        self._rows = torch.arange(len(caches), device=c0.device)
+        self.caches, self.extra = caches, extra
+        self.c: Tensor | None = None
+        self.k_rope: Tensor | None = None
+        self.lengths: Tensor | None = None
+        self._rows: Tensor | None = None
+
+    def _allocate(self, c: Tensor, k_rope: Tensor) -> None:
+        lens = [cc.length for cc in self.caches]
+        B, L = len(self.caches), max(lens) + self.extra
+        self.c = c.new_zeros(B, L, c.shape[-1])
+        self.k_rope = k_rope.new_zeros(B, L, k_rope.shape[-1])
+        for i, cc in enumerate(self.caches):
+            if lens[i]:
+                self.c[i, :lens[i]] = cc.c[0]
+                self.k_rope[i, :lens[i]] = cc.k_rope[0]
+        self.lengths = torch.tensor(lens, device=c.device)
+        self._rows = torch.arange(B, device=c.device)
 
     def attend(self, attn, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
-        if q.shape[1] != 1:
-            raise ValueError(f"a ragged draft step takes one position per request, got {q.shape[1]}")
-        self.c[self._rows, self.lengths] = c[:, 0]
-        self.k_rope[self._rows, self.lengths] = k_rope[:, 0]
-        self.lengths = self.lengths + 1
-        return attn.absorbed(q, self.c, self.k_rope, q_start=self.lengths - 1, kv_len=self.lengths)
+        if self.c is None:
+            self._allocate(c, k_rope)
+        T = q.shape[1]
+        pos = self.lengths[:, None] + torch.arange(T, device=c.device)  # [B, T]
+        rows = self._rows[:, None].expand(-1, T)
+        self.c[rows, pos] = c
+        self.k_rope[rows, pos] = k_rope
+        start = self.lengths
+        self.lengths = self.lengths + T
+        return attn.absorbed(q, self.c, self.k_rope, q_start=start, kv_len=self.lengths)
+
+    def settle(self, valid: list[int]) -> None:
+        """After a step of right-padded positions: each row's length counts only its `valid` new ones."""
+        self.lengths = self.lengths - self.lengths.new_tensor([max(valid) - v for v in valid])
+
+    def rows_of(self, r: int, start: int, n: int) -> tuple[Tensor, Tensor]:
+        return self.c[r:r + 1, start:start + n], self.k_rope[r:r + 1, start:start + n]
+
+
+def _extend_context(cache: MLACache, ragged: _RaggedCache, r: int, n: int, window: int) -> None:
+    """Append row r's n newest valid positions of `ragged` to the request's own context, keeping the last
+    `window`."""
+    start = int(ragged.lengths[r]) - n
+    c, kr = (t.clone() for t in ragged.rows_of(r, start, n))
+    if cache.c is None:
+        cache.c, cache.k_rope = c, kr
+    else:
+        cache.c, cache.k_rope = torch.cat([cache.c, c], 1), torch.cat([cache.k_rope, kr], 1)
+    cache.keep_last(window)
 
 
 def _choose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
