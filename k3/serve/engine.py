@@ -32,7 +32,7 @@ from k3.serve.runner import ModelRunner, PromptScore, RunOutput
 from k3.serve.sampling import SamplingParams, sample_batch
 from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
-from k3.serve.spec.accept import accept
+from k3.serve.spec.accept import accept, greedy_targets
 from k3.serve.spec.draft import Draft, Eagle3Draft, MTPDraft
 from k3.serve.spec.switch import SpecSwitch
 
@@ -426,8 +426,9 @@ class LLMEngine:
                                [w.start for w in work], [self.cache.slots(s) for s in seqs],
                                features=self._draft_features)
         outs, emitted = [], []
+        greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0])
         for i, (s, w, p) in enumerate(zip(seqs, work, props)):
-            toks = accept(v.logits[i], p.tokens, p.q, s.params, s.generator)
+            toks = accept(v.logits[i], p.tokens, p.q, s.params, s.generator, target=greedy.get(i))
             got = []
             for j, t in enumerate(toks):  # stop rules token by token: nothing after a stop is kept
                 got.append(self._take(s, t, v.logits[i, j]))

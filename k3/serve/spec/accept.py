@@ -20,16 +20,20 @@ from k3.serve.sampling import SamplingParams, probs
 
 
 def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams,
-           generator: torch.Generator | None = None) -> list[int]:
+           generator: torch.Generator | None = None, target: list[int] | None = None) -> list[int]:
     """Verify one request's drafts. logits [k + 1, V]: the target's at the k + 1 verified positions (row i predicts
     the token after draft i, row 0 the first draft); drafts: the k draft tokens; q: the draft's distributions
-    [k, V] (None: the drafts were chosen deterministically, q one-hot). Returns the emitted tokens: the accepted
-    drafts, then the corrected or bonus token (1 to k + 1 tokens)."""
+    [k, V] (None: the drafts were chosen deterministically, q one-hot). `target` (greedy requests): the argmax of
+    each row when the caller has read them back already (`greedy_targets`, one read-back for a whole batch).
+    Returns the emitted tokens: the accepted drafts, then the corrected or bonus token (1 to k + 1 tokens)."""
     k = len(drafts)
     if logits.shape[0] != k + 1:
         raise ValueError(f"{logits.shape[0]} rows of logits for {k} drafts: need k + 1")
     if params.temperature == 0:
-        target = logits.float().argmax(-1).tolist()  # one read-back
+        if target is None:
+            target = logits.float().argmax(-1).tolist()  # one read-back
+        elif len(target) != k + 1:
+            raise ValueError(f"{len(target)} target tokens for {k} drafts: need k + 1")
         out = []
         for i, d in enumerate(drafts):
             if d != target[i]:
@@ -56,3 +60,11 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
     # against rounding only)
     dist = residual / total if float(total) > 0 else p[n]
     return drafts[:n] + [int(torch.multinomial(dist, 1, generator=generator))]
+
+
+def greedy_targets(logits: torch.Tensor, rows: list[int]) -> dict[int, list[int]]:
+    """The argmax tokens [T] of the verification rows `rows` of logits [B, T, V], read back at once: {row: tokens}."""
+    if not rows:
+        return {}
+    got = logits[torch.tensor(rows, device=logits.device)].float().argmax(-1).tolist()
+    return dict(zip(rows, got))

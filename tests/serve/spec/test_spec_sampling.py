@@ -112,3 +112,26 @@ def test_engine_speculative_sampling_equals_the_target_distribution():
     m = eng.metrics
     assert m.spec_verifications >= N and 0 < m.draft_tokens_accepted < m.draft_tokens_proposed
     assert chi_square_p(counts, joint.flatten()) > ALPHA
+
+
+def test_greedy_acceptance_with_targets_read_back_for_the_batch():
+    """`greedy_targets` reads every greedy row's argmax back at once; `accept` given them emits what it emits when it
+    reads them itself, for every acceptance length, and refuses a target of the wrong length."""
+    import pytest
+
+    from k3.serve.spec.accept import accept, greedy_targets
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 50, generator=g)
+    argmax = logits.argmax(-1).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0)
+    targets = greedy_targets(logits, [0, 2])
+    assert targets == {0: argmax[0], 2: argmax[2]} and greedy_targets(logits, []) == {}
+    for row in (0, 2):
+        for n in range(4):  # the first n drafts right, then a wrong one (or all 3 right)
+            drafts = argmax[row][:n] + [(argmax[row][n] + 1) % 50] * (3 - n) if n < 3 else argmax[row][:3]
+            want = accept(logits[row], drafts, None, params)
+            assert accept(logits[row], drafts, None, params, target=targets[row]) == want
+            assert len(want) == n + 1
+    with pytest.raises(ValueError, match="target tokens"):
+        accept(logits[0], [1, 2, 3], None, params, target=[1, 2])
