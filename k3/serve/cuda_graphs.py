@@ -142,9 +142,10 @@ class _Bucket:
         self.kda_pages = torch.full((size, n_kda), scratch, dtype=torch.long, device=device)
         self.tables = torch.full((size, n_mla, max_pages), scratch, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # the captured step's output [size, V]
-        self.hidden: torch.Tensor | None = None  # with keep_hidden: what the draft reads [size, tokens, width]
-        self.inputs: list[KDAInputs] | None = None  # a verification step's: each KDA layer's projected inputs
+        # the captured step's outputs: (logits [size, V], hidden or None) for a decode or prefill step (hidden, with
+        # keep_hidden: what the draft reads [size, tokens, width]); (logits [size, T, V], hidden, each KDA layer's
+        # KDAInputs) for a verification
+        self.out: tuple | None = None
 
 
 class DecodeGraphs:
@@ -201,31 +202,10 @@ class DecodeGraphs:
         the logits of each request's last token [B, V] fp32 (with keep_hidden: (logits, hidden [B, T, width])),
         or None when it cannot run here (another T, too many requests, a block table longer than max_pages,
         graphs disabled): run it eagerly."""
-        if self.disabled is not None:
+        got = self._run_static(tokens, starts, slots, verify=False)
+        if got is None:
             return None
-        B = len(tokens)
-        T = len(tokens[0]) if tokens else 0
-        size = self.bucket_size(B)
-        if size is None or (T != 1 and T not in self.prefill_lengths) or any(len(t) != T for t in tokens):
-            return None
-        if T > 1 and (size * T > MAX_PREFILL_GRAPH_TOKENS  # each such bucket would hold a large graph's memory
-                      or max(starts) + T > MAX_PREFILL_GRAPH_CONTEXT):  # each query row reads its whole context
-            return None
-        width = max((len(t) for s in slots for t in s.mla_tables), default=1)
-        if width > self.max_pages:
-            return None
-        bucket = self._bucket(size, T)
-        if bucket is None:
-            return None
-        self._load(bucket, tokens, starts, slots, width)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            self.replays += 1
-            logits, hidden = bucket.logits, bucket.hidden
-        else:
-            logits, hidden = self._step(bucket)
-        self.steps += 1
-        self.padded_rows += size - B
+        B, (logits, hidden) = got
         if self.keep_hidden:
             return logits[:B].clone(), hidden[:B].clone()
         return logits[:B].clone()
@@ -236,31 +216,11 @@ class DecodeGraphs:
         its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
         [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs), copies; or None when it cannot
         run here (as `run`): verify eagerly."""
-        if self.disabled is not None:
+        got = self._run_static(tokens, starts, slots, verify=True)
+        if got is None:
             return None
-        B = len(tokens)
-        T = len(tokens[0]) if tokens else 0
-        size = self.bucket_size(B)
-        if size is None or T not in self.verify_lengths or any(len(t) != T for t in tokens):
-            return None
-        if size * T > MAX_PREFILL_GRAPH_TOKENS or max(starts) + T > MAX_PREFILL_GRAPH_CONTEXT:
-            return None
-        width = max((len(t) for s in slots for t in s.mla_tables), default=1)
-        if width > self.max_pages:
-            return None
-        bucket = self._bucket(size, T, verify=True)
-        if bucket is None:
-            return None
-        self._load(bucket, tokens, starts, slots, width)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            self.replays += 1
-            logits, hidden, inputs = bucket.logits, bucket.hidden, bucket.inputs
-        else:
-            logits, hidden, inputs = self._verify_step(bucket)
-        self.steps += 1
+        B, (logits, hidden, inputs) = got
         self.verify_steps += 1
-        self.padded_rows += size - B
         cut = lambda t: t[:B].clone()  # noqa: E731
         return cut(logits), cut(hidden), [KDAInputs(tuple(cut(x) for x in i.pre_conv), cut(i.q), cut(i.k), cut(i.v),
                                                     cut(i.z), cut(i.beta_logits)) for i in inputs]
@@ -282,6 +242,37 @@ class DecodeGraphs:
         return len(self._static)
 
     # --- internals -----------------------------------------------------------------------------------------------
+    def _run_static(self, tokens, starts, slots, verify: bool):
+        """The step of `run` (verify=False) or `run_verify` over the buffers of its bucket, replayed when captured ->
+        (B, the step's outputs over the whole bucket), or None when it cannot run here."""
+        if self.disabled is not None:
+            return None
+        B = len(tokens)
+        T = len(tokens[0]) if tokens else 0
+        size = self.bucket_size(B)
+        allowed = T in self.verify_lengths if verify else (T == 1 or T in self.prefill_lengths)
+        if size is None or not allowed or any(len(t) != T for t in tokens):
+            return None
+        if T > 1 and (size * T > MAX_PREFILL_GRAPH_TOKENS  # each such bucket would hold a large graph's memory
+                      or max(starts) + T > MAX_PREFILL_GRAPH_CONTEXT):  # each query row reads its whole context
+            return None
+        width = max((len(t) for s in slots for t in s.mla_tables), default=1)
+        if width > self.max_pages:
+            return None
+        bucket = self._bucket(size, T, verify=verify)
+        if bucket is None:
+            return None
+        self._load(bucket, tokens, starts, slots, width)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            self.replays += 1
+            out = bucket.out
+        else:
+            out = (self._verify_step if verify else self._step)(bucket)
+        self.steps += 1
+        self.padded_rows += size - B
+        return B, out
+
     def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step that is captured: device work only, every input from b's buffers -> (logits, hidden or None)."""
         self.pool.pages[self.scratch].zero_()
@@ -357,7 +348,7 @@ class DecodeGraphs:
 
     def _capture(self, b: _Bucket, verify: bool = False) -> None:
         """Warm up on a side stream (the buffers hold padding only: just the scratch page is touched), then
-        capture the step into b.graph with b.logits (b.hidden, b.inputs) as its output."""
+        capture the step into b.graph with b.out as its outputs."""
         dev = self.runner.device
         step = self._verify_step if verify else self._step
         side = torch.cuda.Stream(dev)
@@ -370,8 +361,5 @@ class DecodeGraphs:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            if verify:
-                b.logits, b.hidden, b.inputs = step(b)
-            else:
-                b.logits, b.hidden = step(b)
+            b.out = step(b)
         b.graph = graph

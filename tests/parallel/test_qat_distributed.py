@@ -19,53 +19,18 @@ fx = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fx)
 
 
-def qat_worker(rank: int, world: int, store: str, ep: int, out: str) -> None:
-    import torch.distributed as dist
-
-    from k3.parallel.mesh import ParallelDims
-    from k3.parallel.parallelize import ParallelizeOptions, parallelize
-    from k3.train.distributed import DistributedTrainer
-    from k3.train.qat import apply_qat
-
-    fx.init(rank, world, store)
-    try:
-        model, loader, tcfg = fx.train_setup()
-        tcfg.out, tcfg.qat, tcfg.balance = out, "mxfp4", "none"
-        apply_qat(model, "mxfp4")
-        mesh = ParallelDims.from_flags(world, None, ep=ep).build_mesh("cpu")
-        parallelize(model, mesh, ParallelizeOptions())
-        if ep > 1:
-            from k3.parallel.expert_parallel import ExpertParallelExperts
-
-            ex = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-            assert ex and all(e.weights == "mxfp4" and e.activations == "mxfp8" for e in ex)
-        trainer = DistributedTrainer(model, tcfg, loader, mesh)
-        steps = [fx.step_record(trainer.train_step()) for _ in range(fx.STEPS)]
-        trainer.save()
-        if rank == 0:
-            torch.save(steps, f"{out}/steps.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def qat_reference():
-    from k3.train.qat import apply_qat
-    from k3.train.trainer import Trainer
-
     torch.set_num_threads(1)
-    model, loader, tcfg = fx.train_setup()
-    tcfg.qat, tcfg.balance = "mxfp4", "none"
-    apply_qat(model, "mxfp4")
-    trainer = Trainer(model, tcfg, loader)
-    return [fx.step_record(trainer.train_step()) for _ in range(fx.STEPS)], model, trainer
+    return fx.single_process_run(qat=True)
 
 
 @pytest.mark.parametrize("ep", [1, 2], ids=["fsdp", "fsdp+ep2"])
 def test_qat_trainer_matches_single_process_and_exports_alike(tmp_path, qat_reference, ep):
     out = str(tmp_path / "run")
-    mp.start_processes(qat_worker, args=(2, str(tmp_path / "store"), ep, out), nprocs=2, start_method="fork")
-    ref_steps, ref_model, ref_trainer = qat_reference
+    mp.start_processes(fx.trainer_worker, args=(2, str(tmp_path / "store"), ep, out, 1, False, True), nprocs=2,
+                       start_method="fork")
+    ref_steps, ref_model, _ = qat_reference
     steps = torch.load(f"{out}/steps.pt")
     # Step 1 runs the same weights: only the summation order differs, so a fake-quantization missing or misapplied
     # on some rank (MXFP4 moves a weight by up to 1/8 of its block's largest) would show here at once.
@@ -75,8 +40,7 @@ def test_qat_trainer_matches_single_process_and_exports_alike(tmp_path, qat_refe
     # difference), so fp32 summation-order differences grow faster than without it. Measured here: losses within
     # 5e-7 relative and max logits within 3e-5; in one process, perturbing the initial embedding by 1e-7 relative
     # moves the losses by 2e-6 and the routed experts' weights by up to 4.7% of their largest entry after 5 steps
-    # (1.3e-4 without QAT). Balancing is off: Quantile Balancing's histogram bins would add discrete flips of
-    # their own.
+    # (1.3e-4 without QAT). Balancing is off (fx.train_setup).
     for s_, (a, b) in enumerate(zip(steps, ref_steps), start=1):
         for key, tol in (("loss", 1e-5), ("mtp_loss", 1e-5), ("max_logit", 1e-4)):
             assert abs(a[key] - b[key]) <= tol * abs(b[key]), f"step {s_}: {key} {a[key]} vs single-process {b[key]}"

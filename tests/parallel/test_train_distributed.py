@@ -228,7 +228,10 @@ STEPS, SEQ, ROWS = 5, 32, 4  # global batch of 4 rows; 2 data ranks of 2 rows ea
 CLIP_TAU = 0.09
 
 
-def train_setup(cp: int = 1, quarters: bool = False):
+def train_setup(cp: int = 1, quarters: bool = False, qat: bool = False):
+    """(model, loader, TrainConfig) of every run of these tests. `qat`: MXFP4 quantization-aware training of the
+    routed experts (test_qat_distributed.py), with balancing off: Quantile Balancing's histogram bins would add
+    discrete flips of their own to QAT's discontinuous rounding."""
     import numpy as np
 
     from k3.data.packing import PackedLoader
@@ -252,6 +255,11 @@ def train_setup(cp: int = 1, quarters: bool = False):
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(torch.randn(b.shape, generator=gen) * 1e-2)
+    if qat:
+        from k3.train.qat import apply_qat
+
+        tcfg.qat, tcfg.balance = "mxfp4", "none"
+        apply_qat(model, "mxfp4")
     return model, loader, tcfg
 
 
@@ -260,17 +268,23 @@ def step_record(m) -> dict:
     return {"loss": m.loss, "mtp_loss": m.mtp_loss, "max_logit": m.max_logit, "clipped_heads": m.clipped_heads}
 
 
-def trainer_worker(rank: int, world: int, store: str, ep: int, out: str, cp: int = 1, quarters: bool = False) -> None:
+def trainer_worker(rank: int, world: int, store: str, ep: int, out: str, cp: int = 1, quarters: bool = False,
+                   qat: bool = False) -> None:
     from k3.parallel.mesh import ParallelDims
     from k3.parallel.parallelize import ParallelizeOptions, parallelize
     from k3.train.distributed import DistributedTrainer
 
     init(rank, world, store)
     try:
-        model, loader, tcfg = train_setup(cp, quarters)
+        model, loader, tcfg = train_setup(cp, quarters, qat)
         tcfg.out = out
         mesh = ParallelDims.from_flags(world, None, ep=ep, cp=cp).build_mesh("cpu")
         parallelize(model, mesh, ParallelizeOptions())
+        if qat and ep > 1:  # the expert-parallel slices keep the formats they are trained in
+            from k3.parallel.expert_parallel import ExpertParallelExperts
+
+            ex = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+            assert ex and all(e.weights == "mxfp4" and e.activations == "mxfp8" for e in ex)
         trainer = DistributedTrainer(model, tcfg, loader, mesh)
         if cp > 1:  # the first batch's gradients, as the optimizer would see them
             grads = first_gradients(trainer)
@@ -303,11 +317,12 @@ def first_gradients(trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
-def single_process_run(cp: int = 1, quarters: bool = False) -> tuple[list[dict], K3ForCausalLM, dict | None]:
+def single_process_run(cp: int = 1, quarters: bool = False, qat: bool = False
+                       ) -> tuple[list[dict], K3ForCausalLM, dict | None]:
     """(every step's record, the trained model, the first batch's gradients under cp > 1)."""
     from k3.train.trainer import Trainer
 
-    model, loader, tcfg = train_setup(cp, quarters)
+    model, loader, tcfg = train_setup(cp, quarters, qat)
     trainer = Trainer(model, tcfg, loader)
     grads = first_gradients(trainer) if cp > 1 else None
     return [step_record(trainer.train_step()) for _ in range(STEPS)], model, grads
