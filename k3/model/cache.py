@@ -109,12 +109,18 @@ class MLACache:
 
     def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
         past = self.length
+        self.append(c, k_rope)
+        if not past:
+            return attn.expanded(q, c, k_rope)  # nothing cached before: the prefill form
+        return attn.absorbed(q, self.c, self.k_rope, q_start=past)
+
+    def append(self, c: Tensor, k_rope: Tensor) -> None:
+        """Keep rows c [B, T, kv_lora_rank] and k_rope [B, T, qk_rope_head_dim] after the cached ones."""
         if self.c is None:
             self.c, self.k_rope = c, k_rope
-            return attn.expanded(q, c, k_rope)  # nothing cached before: the prefill form
-        self.c = torch.cat([self.c, c], dim=1)
-        self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
-        return attn.absorbed(q, self.c, self.k_rope, q_start=past)
+        else:
+            self.c = torch.cat([self.c, c], dim=1)
+            self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (drop rows written past them, e.g. a draft's own guesses)."""

@@ -177,6 +177,7 @@ class Trainer:
         self._stop_requested = False
         self._stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once a signal asked the run to stop
         self._stop_at: float | None = None  # time.monotonic() of that signal
+        self._eval_extra: dict = {}  # what the last evaluation adds to its record beside val_loss (eval_record)
         self._saved_step: int | None = None  # the step whose checkpoint is on disk (nothing changed since)
         self.writes_files = True  # metrics.jsonl, loss.png, the progress bar (one process of a distributed run)
         self.retries_oom = True  # out of memory: halve the micro-batch and retry (not on one rank of many)
@@ -396,7 +397,7 @@ class Trainer:
     # --- evaluation ----------------------------------------------------------------------------
     def eval_record(self) -> dict:
         """What the last `evaluate` adds to its metrics record beside val_loss (a subclass's per-domain figures)."""
-        return dict(getattr(self, "_eval_extra", {}))
+        return dict(self._eval_extra)
 
     def evaluate(self) -> float | None:
         if self.eval_stream is None:

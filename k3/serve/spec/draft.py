@@ -114,9 +114,11 @@ class MTPDraft:
                 ids[r, :n[r]] = prep[i][2]
             cache = _RaggedCache([prep[i][0].cache for i in rows], N)
             h = self._step(hid, emb(ids), True, cache)
-            cache.settle(n)  # the padding rows are not context
             for r, i in enumerate(rows):  # the committed positions' rows join the request's own context
-                _extend_context(prep[i][0].cache, cache, r, n[r], self.window)
+                ctx = prep[i][0].cache
+                L = ctx.length  # where row r's new positions start in the ragged rows
+                ctx.append(cache.c[r:r + 1, L:L + n[r]].clone(), cache.k_rope[r:r + 1, L:L + n[r]].clone())
+                ctx.keep_last(self.window)
             if K > 1:  # the guesses run against the contexts as now kept (the last `window` rows each)
                 cache = _RaggedCache([prep[i][0].cache for i in rows], K - 1)
             h = h[torch.arange(len(rows), device=h.device), torch.tensor(n, device=h.device) - 1][:, None]
@@ -128,7 +130,7 @@ class MTPDraft:
                         tokens[i].append(tok)
                         qs[i].append(q)
                 if j + 1 < K:
-                    nxt = torch.tensor([[tokens[i][-1] if tokens[i] else 0] for i in rows], device=h.device)
+                    nxt = torch.tensor([[tokens[i][-1]] for i in rows], device=h.device)
                     h = self._step(h, emb(nxt), False, cache)
         out = []
         for i, (s, k) in enumerate(zip(seqs, ks)):
@@ -213,8 +215,9 @@ class _RaggedCache:
     """The draft's steps for a batch of requests, each after its own committed context (k3.model.cache.MLACache of
     different lengths): the contexts copied into rows padded to the longest plus room for `extra` positions;
     attention reads each row up to its own length. A step may add several positions per row (the first step's
-    newly observed ones, right-padded); `settle` then sets each row's length to its valid ones. The requests' own
-    contexts are not touched here (`_extend_context` copies committed rows back; guesses are never context)."""
+    newly observed ones, right-padded: a row's padding lies after its own positions, which never see it). The
+    requests' own contexts are not touched here (the proposal copies committed rows back; guesses are never
+    context)."""
 
     def __init__(self, caches: list[MLACache], extra: int):
         self.caches, self.extra = caches, extra
@@ -246,25 +249,6 @@ class _RaggedCache:
         start = self.lengths
         self.lengths = self.lengths + T
         return attn.absorbed(q, self.c, self.k_rope, q_start=start, kv_len=self.lengths)
-
-    def settle(self, valid: list[int]) -> None:
-        """After a step of right-padded positions: each row's length counts only its `valid` new ones."""
-        self.lengths = self.lengths - self.lengths.new_tensor([max(valid) - v for v in valid])
-
-    def rows_of(self, r: int, start: int, n: int) -> tuple[Tensor, Tensor]:
-        return self.c[r:r + 1, start:start + n], self.k_rope[r:r + 1, start:start + n]
-
-
-def _extend_context(cache: MLACache, ragged: _RaggedCache, r: int, n: int, window: int) -> None:
-    """Append row r's n newest valid positions of `ragged` to the request's own context, keeping the last
-    `window`."""
-    start = int(ragged.lengths[r]) - n
-    c, kr = (t.clone() for t in ragged.rows_of(r, start, n))
-    if cache.c is None:
-        cache.c, cache.k_rope = c, kr
-    else:
-        cache.c, cache.k_rope = torch.cat([cache.c, c], 1), torch.cat([cache.k_rope, kr], 1)
-    cache.keep_last(window)
 
 
 def _choose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
