@@ -75,7 +75,7 @@ def run_arm(name: str, args) -> list[dict]:
     lr = args.clip_lr if kw.pop("lr", None) == "clip" else args.lr
     tcfg = TrainConfig(out=out, max_steps=args.steps, seq_len=args.seq_len, batch_tokens=args.batch_tokens, lr=lr,
                        seed=args.seed, eval_every=max(1, args.steps // 10), eval_batches=args.eval_batches,
-                       save_every_minutes=1e9, keep_checkpoints=1, device=args.device_resolved,
+                       save_checkpoints=False, device=args.device_resolved,
                        autocast_bf16=args.device_resolved.startswith("cuda"), **kw)
     _log(f"{name}: {kw} lr {lr}")
     shared_tok = os.path.join(args.out, "tokenizer.json")  # every arm reads the same tokens: train the BPE once

@@ -256,5 +256,5 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
     msg += f" ({summary['epochs']:.2f} epochs of the training data)"
     if first is not None and last is not None:
         msg += f": held-out loss {first:.3f} -> {last:.3f}"
-    log(f"{msg}; checkpoint {summary['checkpoint']}")
+    log(f"{msg}; checkpoint {summary['checkpoint']}" if summary["checkpoint"] else f"{msg} (no checkpoint written)")
     return summary

@@ -74,6 +74,8 @@ class TrainConfig:
     eval_batches: int = 64  # x 16 rows x seq_len tokens: the whole held-out set of the default corpus
     save_every_minutes: float = 5.0
     keep_checkpoints: int = 2
+    # False: no checkpoint is written at all (a study that keeps only metrics.jsonl; a signal then just stops)
+    save_checkpoints: bool = True
     log_every: int = 1
     max_bad_steps: int = 5
     seed: int = 0
@@ -118,6 +120,10 @@ class TrainConfig:
             bad("activation_checkpointing", "must be True or False")
         if self.qat not in (None, "mxfp4"):
             bad("qat", "must be mxfp4 or none")
+        if not isinstance(self.save_checkpoints, bool):
+            bad("save_checkpoints", "must be True or False")
+        if self.qat is not None and not self.save_checkpoints:
+            bad("save_checkpoints", "a QAT run exports its final checkpoint: it cannot run without checkpoints")
         if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
             bad("keep_checkpoints", "must be an integer >= 1")
 
@@ -530,10 +536,10 @@ class Trainer:
                         metrics.record(rec)
                     summary["last_loss"] = m.loss
                     bar.update(m, self.elapsed)
-                    if self._agree(time.monotonic() - last_save > 60 * c.save_every_minutes):
+                    if c.save_checkpoints and self._agree(time.monotonic() - last_save > 60 * c.save_every_minutes):
                         self.save()
                         last_save = time.monotonic()
-                path = self.save()
+                path = self.save() if c.save_checkpoints else None
                 summary.update(step=self.step, checkpoint=path, interrupted=self._stop_requested,
                                signal=self._stop_signal, epochs=self.epochs_seen())
         finally:

@@ -137,6 +137,18 @@ def test_stop_request_saves_and_exits(tmp_path):
     assert os.path.isdir(tmp_path / "checkpoints" / "step-0000003")
 
 
+def test_a_run_without_checkpoints_writes_none_and_logs_the_same_steps(tmp_path):
+    # what benchmarks/training_claims.py runs: metrics only (a checkpoint of k3-mini takes ~35 s to write)
+    summary = _trainer(tmp_path / "a", 4, save_checkpoints=False).fit(progress_bar=False)
+    assert summary["checkpoint"] is None and summary["step"] == 4
+    assert not any((tmp_path / "a" / "checkpoints").glob("step-*"))
+    _trainer(tmp_path / "b", 4).fit(progress_bar=False)
+    a, b = ([json.loads(l) for l in open(tmp_path / d / "metrics.jsonl")] for d in ("a", "b"))
+    assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
+    with pytest.raises(ValueError, match="save_checkpoints"):
+        TrainConfig(max_steps=1, qat="mxfp4", save_checkpoints=False).validate()
+
+
 def test_corrupted_checkpoint_is_refused(tmp_path):
     tr = _trainer(tmp_path, 2)
     tr.fit(progress_bar=False)
