@@ -316,11 +316,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _keep_logs() -> None:
+    """Progress lines reach a redirected log as they are printed (a block-buffered stdout loses its last lines when
+    the process dies hard), and a fatal signal in native code (CUDA, compiled kernels) prints the Python traceback
+    of every thread on stderr instead of ending the process without a word."""
+    import faulthandler
+
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and not stream.line_buffering:
+            try:
+                stream.reconfigure(line_buffering=True)
+            except (ValueError, OSError):  # a stream that cannot be reconfigured (closed, or not a text file)
+                pass
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (ValueError, OSError, AttributeError):  # e.g. a stderr without a file descriptor (tests capture it)
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     from k3.checkpoint import CheckpointError
     from k3.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    _keep_logs()
     try:
         return args.fn(args)
     except (ConfigError, CheckpointError, ValueError) as e:

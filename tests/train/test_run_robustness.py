@@ -117,7 +117,8 @@ def test_sigterm_finishes_the_step_saves_exits_143_and_resume_continues(tmp_path
     out = str(tmp_path / "run")
     argv = _cli_train(tmp_path, out)
     log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "k3"] + argv + ["--max-steps", "100000"], cwd=ROOT, env=_env(),
+    env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}  # a log file as a user's shell gives it
+    proc = subprocess.Popen([sys.executable, "-m", "k3"] + argv + ["--max-steps", "100000"], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     metrics = os.path.join(out, "metrics.jsonl")
     deadline = time.monotonic() + 900  # only a guard against a hung child; nothing here is timed
@@ -126,6 +127,8 @@ def test_sigterm_finishes_the_step_saves_exits_143_and_resume_continues(tmp_path
             assert proc.poll() is None, open(tmp_path / "train.log").read()
             assert time.monotonic() < deadline, "no training step recorded"
             time.sleep(0.2)
+        # the log is written as it goes (a block-buffered stdout would hold these lines until exit)
+        assert "model: " in open(tmp_path / "train.log").read()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=900)
     finally:
