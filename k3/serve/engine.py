@@ -7,9 +7,10 @@ background thread. A request with `SamplingParams.prompt_logprobs` has its promp
 prefill it (the runner scores the chunk's positions, `PromptScore`), and so never takes a prefix-cache hit.
 
 Speculative decoding (`EngineConfig.speculative`, k3.serve.spec): a decoding request's step feeds its last token
-and up to `num_draft_tokens` draft tokens, verified in one batched forward of their own within the step (prefill
-chunks and plain decode steps of the same step run in the step's other forwards). The verification leaves the KDA
-states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report §5.4.2), KDA
+and up to `num_draft_tokens` draft tokens. When the step also prefills chunks (and they run eagerly), the
+verifications join the chunks' packed forward, so the step passes over the weights once for both; otherwise they
+run as one batched forward of their own (plain decode steps run in the step's other forward). The verification
+leaves the KDA states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report §5.4.2), KDA
 checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted length.
 Greedy output is token-identical to decoding without speculation and sampled output has the target's
 distribution. With CUDA graphs, the verifications run as graph replays (one graph per batch bucket and number of
@@ -244,7 +245,13 @@ class LLMEngine:
                     w.draft = 0
                 spec = []
             work = [w for w in work if not w.draft]
-            logits = self._run_batched(work) if work else {}
+            mixed = None  # (proposals, Verified) of verifications run in the same forward as prefill chunks
+            if spec and self._mixes_verify(work):
+                props = self._propose(spec)
+                logits, v = self._run_batched(work, verify=(spec, props))
+                mixed = (props, v)
+            else:
+                logits = self._run_batched(work) if work else {}
             due = []
             for w in work:
                 self.metrics.prompt_tokens_computed += max(0, min(w.end, len(w.seq.prompt_ids)) - w.start)
@@ -261,7 +268,9 @@ class LLMEngine:
                     if first and s.params.prompt_logprobs is not None:
                         out.prompt_logprobs = s.prompt_logprobs
                     outputs.append(out)
-            if spec:
+            if mixed is not None:
+                outputs += self._accept(spec, *mixed)
+            elif spec:
                 outputs += self._speculate(spec)
             self.cache.mark_landed()
             if self.spec_switch is not None and decode_only and decode:
@@ -282,24 +291,43 @@ class LLMEngine:
         bounds = [w.start, aligned, w.end] if w.start < aligned < w.end else [w.start, w.end]
         return list(zip(bounds, bounds[1:]))
 
-    def _run_batched(self, work: list[Work]) -> dict[str, tuple[torch.Tensor, int]]:
+    def _mixes_verify(self, work: list[Work]) -> bool:
+        """Whether this step's verifications join its first round of prefill chunks in one packed forward (one pass
+        over the weights instead of two): when there is such a round, and it runs eagerly anyway (no CUDA graphs,
+        or chunks of different lengths, which are packed); a chunk that would be a graph replay keeps its graph and
+        the verifications theirs."""
+        lengths = [b - a for w in work if not _is_decode(w) for a, b in self._segments(w)[:1] if b - a > 1]
+        return bool(lengths) and (self.runner.graphs is None or len(set(lengths)) > 1)
+
+    def _run_batched(self, work: list[Work], verify=None):
         """Run every request's segments in rounds (a request's second segment runs only after its first). In a
         round, the single-token decode steps run as one batched forward and all prefill segments as another:
         of one length they are the rows of a batch, of different lengths they are packed into one row.
-        Returns {request id: (the forward's logits [B, V], the request's row)}."""
+        Returns {request id: (the forward's logits [B, V], the request's row)}. `verify` (speculating works,
+        their proposals): the verifications run in the first round's prefill forward (`ModelRunner.run_mixed`;
+        `_mixes_verify` says when there is one); then returns (that dict, the verifications' `Verified`)."""
         segs = {id(w): self._segments(w) for w in work}
         logits: dict[str, tuple[torch.Tensor, int]] = {}
+        verified = None
         for r in range(max(len(v) for v in segs.values())):
             groups: dict[bool, list[tuple[Work, int, int]]] = {}
             for w in work:
                 if r < len(segs[id(w)]):
                     a, b = segs[id(w)][r]
                     groups.setdefault(b - a == 1, []).append((w, a, b))
-            for group in groups.values():
+            for one, group in groups.items():
                 scores = [self._prompt_score(w.seq, a, b) for w, a, b in group]
                 args = ([w.seq.token_range(a, b) for w, a, b in group], [a for _, a, _ in group],
                         [self.cache.slots(w.seq) for w, _, _ in group])
-                if self.draft is not None:  # the draft reads the target's hidden states
+                if verify is not None and r == 0 and not one:
+                    vw, props = verify
+                    for w, p in zip(vw, props):
+                        args[0].append(w.seq.token_range(w.start, w.end) + p.tokens)
+                        args[1].append(w.start)
+                        args[2].append(self.cache.slots(w.seq))
+                    res, verified = self.runner.run_mixed(*args, len(vw), scores + [None] * len(vw),
+                                                          keep_hidden=True, features=self._draft_features)
+                elif self.draft is not None:  # the draft reads the target's hidden states
                     res = self.runner.run(*args, scores if any(scores) else None, keep_hidden=True,
                                           features=self._draft_features)
                 elif any(scores):
@@ -315,6 +343,10 @@ class LLMEngine:
                     logits[w.seq.request_id] = (res.logits, i)
                     if res.hidden is not None:
                         self.draft.observe(w.seq, a, res.hidden[i])
+        if verify is not None:
+            if verified is None:
+                raise RuntimeError("the verifications had no prefill forward to join (see _mixes_verify)")
+            return logits, verified
         return logits
 
     @staticmethod
@@ -405,15 +437,21 @@ class LLMEngine:
             self.draft.forget(seq)
 
     # --- speculative decoding ----------------------------------------------------------------------------------
+    def _propose(self, work: list[Work]) -> list:
+        """The draft's proposals for the speculating works, checked against the number each asked for."""
+        props = self.draft.propose([w.seq for w in work], [w.draft for w in work])
+        for w, p in zip(work, props):
+            if len(p.tokens) != w.draft:
+                raise RuntimeError(f"the draft proposed {len(p.tokens)} tokens for {w.seq.request_id}, "
+                                   f"{w.draft} were asked for")
+        return props
+
     def _speculate(self, work: list[Work]) -> list[RequestOutput]:
         """Draft, verify, accept and commit the speculative decode steps of this step. Requests with the same
         number of drafts are verified as the rows of one batched forward (all of them, but near max_tokens)."""
-        props = self.draft.propose([w.seq for w in work], [w.draft for w in work])
+        props = self._propose(work)
         groups: dict[int, list[int]] = {}
         for i, w in enumerate(work):
-            if len(props[i].tokens) != w.draft:
-                raise RuntimeError(f"the draft proposed {len(props[i].tokens)} tokens for {w.seq.request_id}, "
-                                   f"{w.draft} were asked for")
             groups.setdefault(w.draft, []).append(i)
         outputs = []
         for idx in groups.values():
@@ -425,10 +463,19 @@ class LLMEngine:
         v = self.runner.verify([s.token_range(w.start, w.end) + p.tokens for s, w, p in zip(seqs, work, props)],
                                [w.start for w in work], [self.cache.slots(s) for s in seqs],
                                features=self._draft_features)
+        return self._accept(work, props, v)
+
+    def _accept(self, work: list[Work], props, v) -> list[RequestOutput]:
+        """Accept each verified request's drafts (row i of the verification `v`), emit the tokens, commit the
+        accepted positions' KDA states by replay and truncate the MLA cache to them."""
+        seqs = [w.seq for w in work]
         outs, emitted = [], []
         greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0])
         for i, (s, w, p) in enumerate(zip(seqs, work, props)):
-            toks = accept(v.logits[i], p.tokens, p.q, s.params, s.generator, target=greedy.get(i))
+            n = len(p.tokens) + 1  # a mixed forward's rows are padded to its longest verification
+            tgt = greedy.get(i)
+            toks = accept(v.logits[i, :n], p.tokens, p.q, s.params, s.generator,
+                          target=None if tgt is None else tgt[:n])
             got = []
             for j, t in enumerate(toks):  # stop rules token by token: nothing after a stop is kept
                 got.append(self._take(s, t, v.logits[i, j]))

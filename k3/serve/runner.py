@@ -6,10 +6,11 @@ the pages), and writes the new KDA states back. Batches of single-token decode s
 CUDA-graph replay over static buffers (`ModelRunner.graphs`, a k3.serve.cuda_graphs.DecodeGraphs the engine
 sets up).
 
-Speculative decoding (k3.serve.spec) adds two calls: `verify` runs every request's last token and its drafts in
-one batched forward, eagerly (never a graph step), with KDA views that keep the projected inputs and leave the
-committed states as they are; `replay` then rebuilds the states after each request's accepted prefix from them
-(k3.ops.kda_replay) and writes them into the running-state pages once.
+Speculative decoding (k3.serve.spec) adds three calls: `verify` runs every request's last token and its drafts in
+one batched forward (a graph replay when the runner's graphs verify that many positions), with KDA views that keep
+the projected inputs and leave the committed states as they are; `run_mixed` runs verifications in the same packed
+forward as prefill chunks, with the same effect on each; `replay` then rebuilds the states after each request's
+accepted prefix from the kept inputs (k3.ops.kda_replay) and writes them into the running-state pages once.
 """
 
 from __future__ import annotations
@@ -216,6 +217,70 @@ class ModelRunner:
         return Verified(out.logits.float(), hidden, views, kda_pages)
 
     @torch.no_grad()
+    def run_mixed(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots], n_verify: int,
+                  scores: list[PromptScore | None] | None = None, keep_hidden: bool = False,
+                  features: tuple[int, ...] = ()) -> tuple[RunOutput, Verified]:
+        """Prefill chunks and verifications in one packed forward (speculative decoding mixed with prefill, report
+        §5.4.2): the last `n_verify` requests are verifications (their last sampled token and their drafts, any
+        number of them per request), the others run as `run` runs them. Returns (`run`'s output for the others,
+        their logits rows first and then one row per verification, which callers skip; the `Verified` of the
+        verifications, padded to the longest: rows past a request's own length repeat its last position and are
+        never accepted). As in `verify`, the verifications' KDA states stay as they were in their pages (only
+        the other requests' new states are written back) and their projected inputs are kept for `replay`."""
+        B = len(tokens)
+        nv = n_verify
+        if not 0 < nv < B:
+            raise ValueError(f"a mixed forward needs prefill requests and verifications ({B} requests, {nv} "
+                             "verifications)")
+        if any(not t for t in tokens):
+            raise ValueError("every request of a forward must add at least one token")
+        if scores is not None and any(sc is not None for sc in scores[B - nv:]):
+            raise ValueError("a verification scores no prompt tokens")
+        scores = scores if scores is not None and any(scores) else None
+        dev = self.device
+        lengths = [len(t) for t in tokens]
+        kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
+                                 device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
+        per_layer: list = [None] * len(self.model.model.layers)
+        kda_views = []
+        for g, li in enumerate(self.kda_layers):
+            view = _KDAMixedView(*self.pool.read_kda(kda_pages[g]))
+            kda_views.append(view)
+            per_layer[li] = view
+        for g, li in enumerate(self.mla_layers):
+            per_layer[li] = PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev, lengths)
+        ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
+        info = BatchInfo.from_lengths(lengths, device=dev, logits_at_ends=True)
+        out = self.model(ids, cache=K3Cache(per_layer, packed=True), batch=info, check_ids=False, features=features)
+        hidden = out.hidden_states  # [1, total, D]
+        kept = torch.cat([*out.features, hidden], -1) if features else hidden
+        # the verifications' positions in the packed row, [nv, T] (a shorter one repeats its last position)
+        offs = [sum(lengths[:i]) for i in range(B)]
+        T = max(lengths[B - nv:])
+        pos = torch.tensor([[offs[i] + min(t, lengths[i] - 1) for t in range(T)] for i in range(B - nv, B)],
+                           device=dev)
+        keep = torch.arange(B - nv, device=dev)
+        views = []
+        for g, view in enumerate(kda_views):
+            self.pool.write_kda(kda_pages[g, keep], view.state[keep], view.conv_stacked()[keep])
+            inp = view.inputs
+            kept_inputs = KDAVerifyView(None, None)
+            kept_inputs.inputs = type(inp)(tuple(x[0, pos] for x in inp.pre_conv), inp.q[0, pos], inp.k[0, pos],
+                                           inp.v[0, pos], inp.z[0, pos], inp.beta_logits[0, pos])
+            views.append(kept_inputs)
+        verified = Verified(self.model.head(hidden[0, pos]).float(), kept[0, pos], views, kda_pages[:, B - nv:])
+        logits = out.logits[0].float()
+        scored = None
+        if scores is not None:
+            scored = []
+            for i, sc in enumerate(scores):
+                scored.append(None if sc is None else self._score(hidden[0, offs[i] + sc.first:
+                                                                         offs[i] + sc.first + len(sc.targets)],
+                                                                  sc.targets, sc.k))
+        rows = list(kept[0].split(lengths)[:B - nv]) if keep_hidden else None
+        return RunOutput(logits, scored, rows), verified
+
+    @torch.no_grad()
     def replay(self, v: Verified, rows: list[int], offsets: list[int], lengths: list[int]) -> None:
         """Advance the running states of verified requests `rows` by their positions offsets[i] .. offsets[i] +
         lengths[i] - 1 of the verification (KDA rollback by replay, report §5.4.2): from the state now in each
@@ -253,3 +318,19 @@ class ModelRunner:
             top_v.append(top.values)
             top_i.append(top.indices)
         return torch.cat(lp), torch.cat(top_v), torch.cat(top_i)
+
+
+class _KDAMixedView(KDAPageView):
+    """A KDA layer's view for `ModelRunner.run_mixed`: the new states of every request of the packed forward (the
+    runner writes back only the prefill requests') and the projected inputs of every position (the verifications'
+    are kept for replay)."""
+
+    def __init__(self, state: torch.Tensor, conv: torch.Tensor):
+        super().__init__(state, conv)
+        self.inputs = None
+
+    def update(self, state, conv, inputs=None) -> None:
+        if inputs is None:
+            raise ValueError("a mixed forward's KDA layer must hand its projected inputs to the cache")
+        super().update(state, conv)
+        self.inputs = inputs

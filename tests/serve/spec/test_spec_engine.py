@@ -214,3 +214,68 @@ def test_preemption_under_speculation_matches_plain_decoding():
     results = _run(eng, [list(zip(prompts, params))])
     assert eng.metrics.preemptions > 0 and eng.metrics.draft_tokens_accepted > 0
     _check(results, params)
+
+
+def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(monkeypatch):
+    # With prefill chunks in a step (and no CUDA graphs), the step's verifications join the chunks' packed forward
+    # (ModelRunner.run_mixed): one pass over the weights. Each such forward is replayed here from the same pool as
+    # the two forwards it replaces (`run` for the chunks, `verify` per number of drafts): the chunks' logits,
+    # hidden states and new KDA states, and the verifications' logits, kept inputs and untouched KDA states agree
+    # to fp32 rounding (packed vs batched KDA chunking; logits are ~1e2 here, lm_head x 40).
+    from k3.serve.runner import ModelRunner
+
+    seen = []
+    orig = ModelRunner.run_mixed
+
+    def checked(self, tokens, starts, slots, n_verify, scores=None, keep_hidden=False, features=()):
+        before = self.pool.pages.clone()
+        res, v = orig(self, tokens, starts, slots, n_verify, scores, keep_hidden, features)
+        after = self.pool.pages.clone()
+        nb = len(tokens) - n_verify
+        pages = v.kda_pages
+        self.pool.pages.copy_(before)
+        ref = self.run(tokens[:nb], starts[:nb], slots[:nb], keep_hidden=True, features=features)
+        torch.testing.assert_close(res.logits[:nb], ref.logits, rtol=1e-5, atol=2e-3)
+        for a, b in zip(res.hidden, ref.hidden):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for g in range(pages.shape[0]):
+            # the verifications' states are the committed ones: the mixed forward wrote none of them
+            torch.testing.assert_close(_kda_of(self, after, pages[g]), _kda_of(self, before, pages[g]),
+                                       rtol=0, atol=0)
+        by_len: dict[int, list[int]] = {}
+        for j in range(n_verify):
+            by_len.setdefault(len(tokens[nb + j]), []).append(j)
+        for T, rows in by_len.items():
+            ref_v = self.verify([tokens[nb + j] for j in rows], [starts[nb + j] for j in rows],
+                                [slots[nb + j] for j in rows], features=features)
+            torch.testing.assert_close(v.logits[rows, :T], ref_v.logits, rtol=1e-5, atol=2e-3)
+            for g in range(len(v.kda_views)):
+                got, want = v.kda_views[g].inputs, ref_v.kda_views[g].inputs
+                for x, y in zip([*got.pre_conv, got.q, got.k, got.v, got.z, got.beta_logits],
+                                [*want.pre_conv, want.q, want.k, want.v, want.z, want.beta_logits]):
+                    torch.testing.assert_close(x[rows, :T], y, rtol=1e-4, atol=1e-4)
+        kda_prefill = [[s.kda_pages[g] for s in slots[:nb]] for g in range(pages.shape[0])]
+        for g, pg in enumerate(kda_prefill):
+            pg = torch.tensor(pg)
+            torch.testing.assert_close(_kda_of(self, after, pg), _kda_of(self, self.pool.pages, pg),
+                                       rtol=1e-4, atol=1e-5)
+        self.pool.pages.copy_(after)  # go on from the mixed forward's pool
+        seen.append((nb, n_verify, sorted(by_len)))
+        return res, v
+
+    def _kda_of(runner, pages_tensor, ids):
+        keep = runner.pool.pages
+        runner.pool.pages = pages_tensor
+        try:
+            state, conv = runner.pool.read_kda(ids)
+            return torch.cat([state.flatten(1), conv.flatten(1)], 1).clone()
+        finally:
+            runner.pool.pages = keep
+
+    monkeypatch.setattr(ModelRunner, "run_mixed", checked)
+    prompts = _prompts(1, 5)
+    params = [SamplingParams(max_tokens=LONGEST, temperature=0, logprobs=1)] * len(prompts)
+    eng = _engine(OracleDraft(wrong_every=3), k=3, step_tokens=64)
+    results = _run(eng, [list(zip(prompts[:2], params[:2])), list(zip(prompts[2:], params[2:]))])
+    assert seen and all(nb > 0 and nv > 0 for nb, nv, _ in seen), seen
+    _check(results, params)
