@@ -57,6 +57,9 @@ class EngineConfig:
     # (k3.serve.spec.switch). `k3 serve` and `k3 generate` turn it on (--no-speculative-auto: off); off here, so
     # that an engine built in code speculates on every step it can, as configured.
     speculative_auto: bool = False
+    # With speculation: verifications join the step's prefill forward when it runs eagerly (one pass over the weights
+    # for both, `ModelRunner.run_mixed`); False: they always run as a forward of their own.
+    mix_verify: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -69,8 +72,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
-        if not isinstance(self.speculative_auto, bool):
-            raise ValueError(f"speculative_auto={self.speculative_auto!r} is invalid: use True or False")
+        for name in ("speculative_auto", "mix_verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use True or False")
         if self.draft is not None and self.speculative != "eagle3":
             raise ValueError(f"a draft directory ({self.draft}) is for speculative='eagle3', not "
                              f"{self.speculative!r}")
@@ -296,6 +300,8 @@ class LLMEngine:
         over the weights instead of two): when there is such a round, and it runs eagerly anyway (no CUDA graphs,
         or chunks of different lengths, which are packed); a chunk that would be a graph replay keeps its graph and
         the verifications theirs."""
+        if not self.cfg.mix_verify:
+            return False
         lengths = [b - a for w in work if not _is_decode(w) for a, b in self._segments(w)[:1] if b - a > 1]
         return bool(lengths) and (self.runner.graphs is None or len(set(lengths)) > 1)
 

@@ -279,3 +279,22 @@ def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(m
     results = _run(eng, [list(zip(prompts[:2], params[:2])), list(zip(prompts[2:], params[2:]))])
     assert seen and all(nb > 0 and nv > 0 for nb, nv, _ in seen), seen
     _check(results, params)
+
+
+def test_mix_verify_off_runs_verifications_apart_with_the_same_output(monkeypatch):
+    from k3.serve.runner import ModelRunner
+
+    def never(*a, **k):
+        raise AssertionError("mix_verify=False must not run a mixed forward")
+
+    monkeypatch.setattr(ModelRunner, "run_mixed", never)
+    prompts = _prompts(1, 3)
+    params = [SamplingParams(max_tokens=12, temperature=0)] * len(prompts)
+    eng = _engine(OracleDraft(wrong_every=3), k=3, step_tokens=64)
+    eng.cfg.mix_verify = False
+    _check(_run(eng, [list(zip(prompts[:1], params[:1])), list(zip(prompts[1:], params[1:]))]), params)
+    assert eng.metrics.spec_verifications > 0
+    import pytest
+
+    with pytest.raises(ValueError, match="mix_verify"):
+        EngineConfig(mix_verify="yes").validate()
