@@ -23,11 +23,11 @@ from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as st_save_bytes
 
 from k3.config import K3Config, expert_activation_format
 from k3.ops.mx import mxfp4_dequantize, mxfp4_quantize
 from k3.files import read_json_file, replace_dir, write_synced
+from k3.tensor_files import write_safetensors
 
 PREFIX = "language_model."
 # The routed experts of a backbone layer or of an MTP layer's block (stored per expert on disk alike).
@@ -133,11 +133,14 @@ def state_dict_for_disk(model: torch.nn.Module, dtype: torch.dtype | None = None
 
 # --- saving ----------------------------------------------------------------------------------------
 def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 4 << 30, extra_files: dict[str, bytes] | None = None) -> None:
+                    max_shard_bytes: int = 4 << 30,
+                    extra_files: dict[str, bytes | dict[str, torch.Tensor]] | None = None) -> None:
     """Write config.json + `model-000NN-of-0000MM.safetensors` shards + index atomically: everything goes to
     a sibling temporary directory that replaces `path` only once complete. Every file and the directory are
     fsynced before the rename and the parent after it, so after a power loss `path` is the old checkpoint or
-    the complete new one. The index records each shard's SHA-256 (`metadata.k3_sha256`), checked on load."""
+    the complete new one. The index records each shard's SHA-256 (`metadata.k3_sha256`), checked on load. Shards
+    are written straight from the tensors' memory (k3.tensor_files). `extra_files`: name -> bytes, or -> a dict of
+    tensors written as a safetensors file."""
     path = os.path.abspath(os.fspath(path))
     tmp = path + ".partial"
     if os.path.exists(tmp):
@@ -158,10 +161,7 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
         weight_map, total, sums = {}, 0, {}
         for i, shard in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{n:06d}.safetensors"  # the release's 5-digit/6-digit mix
-            data = st_save_bytes(shard, metadata={"format": "pt"})
-            sums[fname] = hashlib.sha256(data).hexdigest()
-            write_synced(os.path.join(tmp, fname), data)
-            del data
+            sums[fname] = write_safetensors(os.path.join(tmp, fname), shard, metadata={"format": "pt"})
             for k, t in shard.items():
                 weight_map[k] = fname
                 total += t.numel() * t.element_size()
@@ -172,7 +172,10 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
         save_cfg = cfg.replace(dtype=_dtype_name(stored))
         write_synced(os.path.join(tmp, "config.json"), (json.dumps(save_cfg.to_dict(), indent=2) + "\n").encode("utf-8"))
         for fname, data in (extra_files or {}).items():
-            write_synced(os.path.join(tmp, fname), data)
+            if isinstance(data, dict):  # tensors (e.g. the trainer state), written as a safetensors file
+                write_safetensors(os.path.join(tmp, fname), data)
+            else:
+                write_synced(os.path.join(tmp, fname), data)
         replace_dir(tmp, path)  # syncs the directory's entries first: the renamed one never misses a file
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -160,10 +160,12 @@ def test_failed_save_keeps_the_last_good_checkpoint(tiny_cfg, tmp_path, monkeypa
     model = _save(tiny_cfg, tmp_path / "ck")
     import k3.checkpoint as ck
 
-    def boom(*a, **k):
+    def boom(path, *a, **k):  # the disk fills up in the middle of a shard
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck, "st_save_bytes", boom)
+    monkeypatch.setattr(ck, "write_safetensors", boom)
     other = randomize_(K3ForCausalLM(tiny_cfg), seed=9)
     with pytest.raises(OSError):
         save_pretrained(other, tmp_path / "ck")

@@ -77,6 +77,25 @@ class ModelRunner:
         out = self.run(tokens, starts, slots, scores)
         return out.logits if out.scored is None else (out.logits, out.scored)
 
+    def _kda_pages(self, slots: list[SeqSlots]) -> torch.Tensor:
+        """The requests' KDA running-state pages, [n_kda, B] on the device."""
+        n = len(self.kda_layers)
+        return torch.tensor([[s.kda_pages[g] for s in slots] for g in range(n)], device=self.device,
+                            dtype=torch.long).reshape(n, len(slots))
+
+    def _views(self, kda_view, kda_pages: torch.Tensor, slots: list[SeqSlots], starts: list[int],
+               lengths: list[int] | None = None) -> tuple[list, list]:
+        """(every layer's cache view, the KDA layers' views): `kda_view` over each KDA layer's states read from
+        `kda_pages`, a PagedMLAView (packed when `lengths` is given) for each MLA layer."""
+        per_layer: list = [None] * len(self.model.model.layers)
+        kda_views = []
+        for g, li in enumerate(self.kda_layers):
+            kda_views.append(kda_view(*self.pool.read_kda(kda_pages[g])))
+            per_layer[li] = kda_views[-1]
+        for g, li in enumerate(self.mla_layers):
+            per_layer[li] = PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, self.device, lengths)
+        return per_layer, kda_views
+
     @torch.no_grad()
     def run(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
             scores: list[PromptScore | None] | None = None, keep_hidden: bool = False,
@@ -112,8 +131,7 @@ class ModelRunner:
             if out is not None:
                 return RunOutput(out[0], None, list(out[1].unbind(0))) if keep_hidden else RunOutput(out)
         dev = self.device
-        kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
-                                 device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
+        kda_pages = self._kda_pages(slots)
         mla_views = [PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev, lengths if packed else None)
                      for g in range(len(self.mla_layers))]
         if packed:
@@ -190,8 +208,7 @@ class ModelRunner:
         if any(len(t) != T for t in tokens):
             raise ValueError("every request of a verification adds the same number of tokens")
         dev = self.device
-        kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
-                                 device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
+        kda_pages = self._kda_pages(slots)
         g = self.graphs
         if g is not None and g.verify_lengths and tuple(features) == g.features:
             out = g.run_verify(tokens, starts, slots)
@@ -203,14 +220,7 @@ class ModelRunner:
                     view.inputs = i
                     views.append(view)
                 return Verified(logits, hidden, views, kda_pages)
-        per_layer: list = [None] * len(self.model.model.layers)
-        views = []
-        for g, li in enumerate(self.kda_layers):
-            view = KDAVerifyView(*self.pool.read_kda(kda_pages[g]))
-            views.append(view)
-            per_layer[li] = view
-        for g, li in enumerate(self.mla_layers):
-            per_layer[li] = PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev)
+        per_layer, views = self._views(KDAVerifyView, kda_pages, slots, starts)
         out = self.model(torch.tensor(tokens, device=dev), cache=K3Cache(per_layer), logits_to_keep=T,
                          check_ids=False, features=features)
         hidden = torch.cat([*out.features, out.hidden_states], -1) if features else out.hidden_states
@@ -239,16 +249,8 @@ class ModelRunner:
         scores = scores if scores is not None and any(scores) else None
         dev = self.device
         lengths = [len(t) for t in tokens]
-        kda_pages = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(len(self.kda_layers))],
-                                 device=dev, dtype=torch.long).reshape(len(self.kda_layers), B)
-        per_layer: list = [None] * len(self.model.model.layers)
-        kda_views = []
-        for g, li in enumerate(self.kda_layers):
-            view = _KDAMixedView(*self.pool.read_kda(kda_pages[g]))
-            kda_views.append(view)
-            per_layer[li] = view
-        for g, li in enumerate(self.mla_layers):
-            per_layer[li] = PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, dev, lengths)
+        kda_pages = self._kda_pages(slots)
+        per_layer, kda_views = self._views(_KDAMixedView, kda_pages, slots, starts, lengths)
         ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
         info = BatchInfo.from_lengths(lengths, device=dev, logits_at_ends=True)
         out = self.model(ids, cache=K3Cache(per_layer, packed=True), batch=info, check_ids=False, features=features)

@@ -29,11 +29,11 @@ def checkpoint_path(out: str, step: int) -> str:
     return os.path.join(out, "checkpoints", checkpoint_name(step))
 
 
-def save_checkpoint(model, out: str, step: int, trainer_state: tuple[bytes, bytes], tokenizer_json: bytes | None,
+def save_checkpoint(model, out: str, step: int, trainer_state: tuple, tokenizer_json: bytes | None,
                     keep: int, log=print, extra_files: dict[str, bytes] | None = None) -> str:
-    """Write the checkpoint of `step` (the model, `trainer_state` as k3.train.state.dumps gives it, the tokenizer,
-    `extra_files` such as the chat template), then `latest.json`, then prune to the `keep` newest. Returns its
-    path."""
+    """Write the checkpoint of `step` (the model, `trainer_state` as k3.train.state.dumps or dump_parts gives it, the
+    tokenizer, `extra_files` such as the chat template), then `latest.json`, then prune to the `keep` newest.
+    Returns its path."""
     ckdir = os.path.join(out, "checkpoints")
     name = checkpoint_name(step)
     path = os.path.join(ckdir, name)

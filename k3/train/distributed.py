@@ -198,7 +198,7 @@ class DistributedTrainer(Trainer):
         if self.rank == 0:
             plain = K3ForCausalLM(self.model.config)
             plain.load_state_dict(sd, strict=True)
-            state = state_io.dumps(self.state_dict())
+            state = state_io.dump_parts(self.state_dict())
             save_checkpoint(plain, self.cfg.out, self.step, state, tokenizer_json=self.tokenizer_json,
                             keep=self.cfg.keep_checkpoints, log=self.log)
         dist.barrier()

@@ -53,8 +53,15 @@ def unflatten(tensors: dict[str, torch.Tensor] | None, doc: Any) -> Any:
 
 def dumps(obj: Any) -> tuple[bytes, bytes]:
     """(safetensors bytes, JSON bytes)."""
+    tensors, doc = dump_parts(obj)
+    return st_save(tensors), doc
+
+
+def dump_parts(obj: Any) -> tuple[dict[str, torch.Tensor], bytes]:
+    """(the tensors, JSON bytes): `dumps` before the tensors are serialized, for writing them straight to a file
+    (k3.tensor_files.write_safetensors; `loads` reads that file's bytes)."""
     tensors, doc = flatten(obj)
-    return st_save(tensors), json.dumps(doc).encode("utf-8")
+    return tensors, json.dumps(doc).encode("utf-8")
 
 
 def loads(tensor_bytes: bytes, json_bytes: bytes) -> Any:

@@ -438,7 +438,7 @@ class Trainer:
         path = checkpoint_path(self.cfg.out, self.step)
         if self._saved_step == self.step and os.path.isdir(path):
             return path  # e.g. the final save right after a periodic one: rewriting it would only add risk
-        state = state_io.dumps(self.state_dict())
+        state = state_io.dump_parts(self.state_dict())
         save_checkpoint(self.model, self.cfg.out, self.step, state, tokenizer_json=self.tokenizer_json,
                         keep=self.cfg.keep_checkpoints, log=self.log, extra_files=self.extra_files)
         self._saved_step = self.step
