@@ -47,12 +47,12 @@ def save_checkpoint(model, out: str, step: int, trainer_state: tuple, tokenizer_
     return path
 
 
-def load_checkpoint(model, ckpt_dir: str, verify: bool = True) -> tuple[bytes, bytes]:
+def load_checkpoint(model, ckpt_dir: str, verify: bool = True) -> tuple[str, bytes]:
     """Load the checkpoint's weights into `model` (`verify`: check the shards' SHA-256 digests) and return its
-    trainer state as stored (for k3.train.state.loads)."""
+    trainer state as k3.train.state.loads takes it: (the path of its tensors' safetensors file, its JSON bytes)."""
     load_state_into(model, ckpt_dir, verify=verify)
-    blobs = []
-    for fname in TRAINER_STATE_FILES:
-        with open(os.path.join(ckpt_dir, fname), "rb") as f:
-            blobs.append(f.read())
-    return blobs[0], blobs[1]
+    tensors, doc = (os.path.join(ckpt_dir, f) for f in TRAINER_STATE_FILES)
+    if not os.path.isfile(tensors):
+        raise FileNotFoundError(f"{tensors} is missing: the checkpoint is incomplete")
+    with open(doc, "rb") as f:
+        return tensors, f.read()

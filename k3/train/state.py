@@ -4,10 +4,12 @@ safetensors blob (the tensors) and a JSON document (everything else, with refere
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 
 _REF = "__tensor__"
@@ -64,5 +66,11 @@ def dump_parts(obj: Any) -> tuple[dict[str, torch.Tensor], bytes]:
     return tensors, json.dumps(doc).encode("utf-8")
 
 
-def loads(tensor_bytes: bytes, json_bytes: bytes) -> Any:
-    return unflatten(st_load(tensor_bytes), json.loads(json_bytes.decode("utf-8")))
+def loads(tensors: bytes | str | os.PathLike, json_bytes: bytes) -> Any:
+    """The object `dumps` stored: `tensors` the safetensors bytes, or the path of that file (read through a memory
+    map: no copy of the whole file in memory)."""
+    if isinstance(tensors, (bytes, bytearray, memoryview)):
+        loaded = st_load(bytes(tensors))
+    else:
+        loaded = st_load_file(os.fspath(tensors))
+    return unflatten(loaded, json.loads(json_bytes.decode("utf-8")))

@@ -165,6 +165,13 @@ def test_corrupted_checkpoint_is_refused(tmp_path):
     (ck2 / "trainer_state.json").write_text("{broken")
     with pytest.raises(TrainingError, match="damaged"):
         _trainer(tmp_path / "x", 4).load(str(ck2))
+    tr3 = _trainer(tmp_path / "y", 2)
+    tr3.fit(progress_bar=False)
+    ck3 = tmp_path / "y" / "checkpoints" / "step-0000002"
+    st = ck3 / "trainer_state.safetensors"  # read through a memory map now: a truncated file is still named
+    st.write_bytes(st.read_bytes()[:200])
+    with pytest.raises(TrainingError, match="damaged"):
+        _trainer(tmp_path / "y", 4).load(str(ck3))
 
 
 def test_bad_options_are_named():
