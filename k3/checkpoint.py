@@ -148,23 +148,34 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
     os.makedirs(tmp)
     try:
         cfg: K3Config = model.config
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
+        # Each shard is written as soon as it is full (its tensors copied to the host one at a time), under a
+        # temporary name: the final names hold the shard count, known at the end.
+        written: list[tuple[str, list[str], str]] = []  # (temporary name, tensor names, SHA-256)
+        shard: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush() -> None:
+            name = f"shard-{len(written) + 1:05d}.partial"
+            written.append((name, list(shard), write_safetensors(os.path.join(tmp, name), shard,
+                                                                 metadata={"format": "pt"})))
+            shard.clear()
+
         for name, t in state_dict_for_disk(model, dtype):
             nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
+            if shard and size + nbytes > max_shard_bytes:
+                flush()
                 size = 0
-            shards[-1][name] = t.cpu()
+            shard[name] = t
             size += nbytes
-        n = len(shards)
-        weight_map, total, sums = {}, 0, {}
-        for i, shard in enumerate(shards, start=1):
+            total += nbytes
+        flush()
+        n = len(written)
+        weight_map, sums = {}, {}
+        for i, (tmp_name, names, digest) in enumerate(written, start=1):
             fname = f"model-{i:05d}-of-{n:06d}.safetensors"  # the release's 5-digit/6-digit mix
-            sums[fname] = write_safetensors(os.path.join(tmp, fname), shard, metadata={"format": "pt"})
-            for k, t in shard.items():
-                weight_map[k] = fname
-                total += t.numel() * t.element_size()
+            os.replace(os.path.join(tmp, tmp_name), os.path.join(tmp, fname))
+            sums[fname] = digest
+            weight_map.update(dict.fromkeys(names, fname))
         index = {"metadata": {"total_size": total, CHECKSUM_KEY: sums}, "weight_map": dict(sorted(weight_map.items()))}
         write_synced(os.path.join(tmp, INDEX), json.dumps(index, indent=2).encode("utf-8"))
         # The config records the dtype the tensors are stored in (fp32 master weights save as float32).

@@ -198,11 +198,17 @@ def test_every_file_and_the_directories_are_synced_around_the_rename(tmp_path, m
     assert len(renames) == 1
     before = {e[1] for e in events[: renames[0]] if e[0] == "fsync"}
     after = {e[1] for e in events[renames[0]:] if e[0] == "fsync"}
+    # shards are synced under a temporary name and renamed inside the staging directory (their final names hold
+    # the shard count); the directory is synced after those renames, before its own
+    inner = {e[2]: e[1] for e in events[: renames[0]] if e[0] == "replace"}
+    dir_sync = max(i for i, e in enumerate(events[: renames[0]]) if e == ("fsync", dst + ".partial"))
+    assert all(i < dir_sync for i, e in enumerate(events) if e[0] == "replace" and e[2] in inner)
     files = sorted(os.listdir(dst))
     assert len([f for f in files if f.endswith(".safetensors")]) > 1  # several shards
     assert {"config.json", INDEX, "tokenizer.json", "x.json"} <= set(files)
     for f in files:
-        assert os.path.join(dst + ".partial", f) in before, f
+        staged = os.path.join(dst + ".partial", f)
+        assert inner.get(staged, staged) in before, f
     assert dst + ".partial" in before  # the directory's entries
     assert str(tmp_path) in after  # the rename itself
 
@@ -296,3 +302,32 @@ def test_hashing_streams_in_8_mib_blocks(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
     assert updates == [8 << 20, 8 << 20, (4 << 20) + 5]
+
+
+def test_shards_are_written_as_they_fill_not_after_the_whole_state_is_gathered(tmp_path, monkeypatch):
+    # a shard's tensors (copied to the host one at a time by write_safetensors) are written before the next
+    # shard's are produced: the host holds at most one shard's worth of references, never the whole model
+    import k3.checkpoint as ck
+
+    model = K3ForCausalLM(_cfg()).init_weights(seed=0)
+    order = []
+    real_dict, real_write = ck.state_dict_for_disk, ck.write_safetensors
+
+    def producing(*a, **k):
+        for name, t in real_dict(*a, **k):
+            order.append(("yield", name))
+            yield name, t
+
+    def writing(path, tensors, **k):
+        order.append(("write", sorted(tensors)))
+        return real_write(path, tensors, **k)
+
+    monkeypatch.setattr(ck, "state_dict_for_disk", producing)
+    monkeypatch.setattr(ck, "write_safetensors", writing)
+    save_pretrained(model, tmp_path / "ck", max_shard_bytes=1 << 20)
+    writes = [i for i, e in enumerate(order) if e[0] == "write"]
+    yields = [i for i, e in enumerate(order) if e[0] == "yield"]
+    assert len(writes) > 2 and writes[0] < yields[-1]  # the first shard is on disk before the last tensor exists
+    loaded = from_pretrained(tmp_path / "ck")
+    for (n, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(loaded.state_dict().items())):
+        assert torch.equal(a, b), n

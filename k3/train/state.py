@@ -21,7 +21,7 @@ def flatten(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
     def walk(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
             key = f"t{len(tensors)}"
-            tensors[key] = o.detach().cpu().contiguous()
+            tensors[key] = o.detach()  # where it is: dumps copies to the host, write_safetensors one at a time
             return {_REF: key}
         if isinstance(o, dict):
             if any(not isinstance(k, (str, int)) for k in o):
@@ -56,7 +56,7 @@ def unflatten(tensors: dict[str, torch.Tensor] | None, doc: Any) -> Any:
 def dumps(obj: Any) -> tuple[bytes, bytes]:
     """(safetensors bytes, JSON bytes)."""
     tensors, doc = dump_parts(obj)
-    return st_save(tensors), doc
+    return st_save({k: t.cpu().contiguous() for k, t in tensors.items()}), doc
 
 
 def dump_parts(obj: Any) -> tuple[dict[str, torch.Tensor], bytes]:
