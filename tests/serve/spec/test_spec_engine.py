@@ -298,3 +298,36 @@ def test_mix_verify_off_runs_verifications_apart_with_the_same_output(monkeypatc
 
     with pytest.raises(ValueError, match="mix_verify"):
         EngineConfig(mix_verify="yes").validate()
+
+
+def test_a_prompt_scored_in_a_mixed_forward_has_the_plain_engines_prompt_logprobs(monkeypatch):
+    # a request asking for prompt logprobs prefills while another speculates: its chunks share the packed forward
+    # with the verification, and its prompt logprobs are those of an engine without speculation (1e-3, as above)
+    from k3.serve.runner import ModelRunner
+
+    mixed = []
+    orig = ModelRunner.run_mixed
+    monkeypatch.setattr(ModelRunner, "run_mixed", lambda self, *a, **k: mixed.append(1) or orig(self, *a, **k))
+    prompts = _prompts(2, 3)
+    decoding = SamplingParams(max_tokens=16, temperature=0)
+    scored = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+
+    def go(eng):
+        a = eng.add_request(prompts[0], decoding)
+        for _ in range(3):
+            eng.step()
+        b = eng.add_request(prompts[2], scored)
+        while eng.has_work():
+            eng.step()
+        return a, b
+
+    a, b = go(_engine(OracleDraft(wrong_every=3), k=3, step_tokens=64))
+    assert mixed
+    ra, rb = go(_engine())
+    assert (a.output_ids, b.output_ids) == (ra.output_ids, rb.output_ids)
+    assert len(b.prompt_logprobs) == len(rb.prompt_logprobs)
+    for x, y in zip(b.prompt_logprobs, rb.prompt_logprobs):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x["token"] == y["token"] and [i for i, _ in x["top"]] == [i for i, _ in y["top"]]
+            assert abs(x["logprob"] - y["logprob"]) < 1e-3
