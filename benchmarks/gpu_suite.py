@@ -45,7 +45,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_rms_norm.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
-KDA_TEST_FILES = ["tests/ops/test_kda_backend.py"]
+KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/parallel/test_context_parallel.py"]
 # every fast backend inside k3-mini against the reference, site by site (one case per backend, then all at once)
 MODEL_TEST_FILE = "tests/model/test_fast_backends_gpu.py"
 PYTEST = [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "-rs"]

@@ -52,9 +52,9 @@ class ContextParallel(Protocol):
     lengths: tuple[int, ...]  # every segment's length in rank order (they sum to the row's)
 
     def kda(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, A_log: Tensor, dt_bias: Tensor,
-            lower_bound: float, cu_seqlens: Tensor) -> Tensor:
+            lower_bound: float, cu_seqlens: Tensor, backends=None) -> Tensor:
         """k3.ops.kda_backend.kda's math (raw logits, [1, T_i, ...]) for this segment, its incoming state from the
-        earlier segments: the output o [1, T_i, H, V]."""
+        earlier segments: the output o [1, T_i, H, V]. `backends`: the layer's (which implementations run)."""
         ...
 
     def conv_halo(self, x: Tensor, width: int, cu_seqlens: Tensor) -> Tensor:

@@ -83,7 +83,7 @@ class KimiDeltaAttention(nn.Module):
         # L2 norm of q/k, the lower-bounded gate and the beta sigmoid happen inside (fused on the fla backend).
         if context is not None:  # KCP: this segment's incoming state from the earlier segments
             o = context.kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z, beta_logits.contiguous(),
-                            self.A_log, self.dt_bias, self.lower_bound, local_cu)
+                            self.A_log, self.dt_bias, self.lower_bound, local_cu, backends=self.backends)
         else:
             o, new_state = kda_mix(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), z,
                                    beta_logits.contiguous(), self.A_log, self.dt_bias, self.lower_bound,

@@ -129,6 +129,26 @@ def short_conv_fla(x, weight, conv_state=None, cu_seqlens=None, cu_seqlens_cpu=N
     return y, (final[..., 1:].float() if output_state else None)
 
 
+def kda_chunk_fla(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, g_min=None):
+    """k3.ops.kda.kda_chunk's contract (q, k L2-normalized, g the log-decay, beta after its sigmoid; returns (o,
+    final state [N, H, K, V] fp32)) on fla-core's ``chunk_kda``: what KDA context parallelism runs its fragment pass
+    and segments with (k3.parallel.context_parallel, op ``kda_chunk``). `g_min`: a lower bound of g, which lets fla
+    take its bounded-gate path."""
+    from fla.ops.kda import chunk_kda
+
+    bounded = dict(safe_gate=True, lower_bound=g_min) if g_min is not None else {}
+    o, final = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                         cu_seqlens=cu_seqlens, **bounded)
+    return o, final.float()
+
+
+register(Op(
+    "kda_chunk", reference=ref.kda_chunk,
+    # not validated until its GPU test (tests/parallel/test_context_parallel.py, marked gpu) has passed: `auto` keeps
+    # the reference, `--backend fast` or per_op={"kda_chunk": "fla"} asks for it
+    fast=(Fast("fla", kda_chunk_fla, lambda t: importable("fla.ops.kda"), validated=False),),
+    tolerance="as op kda: fp32 inputs 5e-3 of the largest entry (the kernel's dot products run in reduced "
+              "precision), gradients 1e-2"))
 register(Op(
     "kda", reference=kda_torch,
     fast=(Fast("fla", kda_fla, lambda t: importable("fla.ops.kda"), validated=True),),

@@ -290,13 +290,16 @@ def kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 
 def kda_cp(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, A_log: Tensor, dt_bias: Tensor,
            lower_bound: float, cu_seqlens_local: Tensor, group: dist.ProcessGroup | None,
-           continued: bool) -> tuple[Tensor, Tensor]:
+           continued: bool, backends=None) -> tuple[Tensor, Tensor]:
     """The layer's op entry (k3.ops.kda_backend.kda: raw decay logits z and beta logits, q, k before their L2 norm)
-    under KCP: the gate, norms and sigmoid as its reference applies them, then kda_context_parallel."""
+    under KCP: the gate, norms and sigmoid as its reference applies them, then kda_context_parallel with the
+    chunked KDA the registry picks (op ``kda_chunk``: the reference, or fla-core's chunk_kda when asked for)."""
+    from k3.ops.registry import dispatch
+
     g = kda_gate(z, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(beta_logits.float())
     # g >= lower_bound by construction: the chunked form need not read min(g) back to pick its tiled pair scores
-    chunk = functools.partial(kda_chunk, g_min=lower_bound)
+    chunk = functools.partial(dispatch("kda_chunk", q, backends).fn, g_min=lower_bound)
     return kda_context_parallel(l2norm(q.float()), l2norm(k.float()), v, g, beta, None, cu_seqlens_local, group,
                                 continued, chunk)
 
@@ -422,9 +425,9 @@ class ContextParallelRecord:
     continued: bool
     lengths: tuple[int, ...]
 
-    def kda(self, q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens):
+    def kda(self, q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens, backends=None):
         return kda_cp(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens, self.group,
-                      self.continued)[0]
+                      self.continued, backends)[0]
 
     def conv_halo(self, x, width, cu_seqlens):
         return conv_halo(x, width, cu_seqlens, self.group, self.continued)
