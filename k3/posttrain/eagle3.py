@@ -89,20 +89,63 @@ def ttt_mask(step: int, doc: torch.Tensor) -> torch.Tensor:
     return seen[None] & same
 
 
+def shifted(x: torch.Tensor, d: int) -> torch.Tensor:
+    """x [B, T, ...] moved d >= 0 positions later along T (row p holds row p - d; the first d rows are zeros)."""
+    return x if d == 0 else torch.cat([torch.zeros_like(x[:, :d]), x[:, :-d]], 1)
+
+
+def ttt_attention(attn, q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
+                  doc: torch.Tensor) -> torch.Tensor:
+    """Step j = len(keys)'s attention under `ttt_mask` without its zero entries: of the j T keys the mask offers a
+    query (j, p), it sees the step-1 rows at positions <= p - (j - 1) (a causal band) and one row of each later step
+    i (position p - (j - i)). So the scores are one [T, T] block over the step-1 keys and j - 1 diagonals (a dot
+    product per query), joined in one softmax in fp32: the math of `attn.masked` with `ttt_mask` (the same finite
+    scores, the -inf ones left out), in O(T^2 + j T) instead of O(j T^2). `keys`: each step's expanded (keys
+    [B, T, H, dk], values [B, T, H, dv]); q [B, T, H, dk]; doc [B, T] the rows' document ids."""
+    j = len(keys)
+    T = q.shape[1]
+    dev = q.device
+    qf = q.float()
+    p = torch.arange(T, device=dev)
+    k1, v1 = keys[0]
+    band = (p[None, :] <= p[:, None] - (j - 1))[None] & (doc[:, :, None] == doc[:, None, :])  # [B, T, T]
+    s1 = torch.einsum("bthd,blhd->bhtl", qf, k1.float()) * attn.scale
+    parts = [s1.masked_fill(~band[:, None], float("-inf"))]
+    vals = []
+    for i in range(2, j + 1):
+        d = j - i  # query p sees step i's row at p - d
+        k_i, v_i = (shifted(t.float(), d) for t in keys[i - 1])
+        ok = (p >= d)[None] & (doc == shifted(doc, d))  # [B, T]: that row exists and is of p's document
+        s = torch.einsum("bthd,bthd->bht", qf, k_i) * attn.scale
+        parts.append(s.masked_fill(~ok[:, None], float("-inf"))[..., None])
+        vals.append(v_i)
+    w = torch.softmax(torch.cat(parts, -1), dim=-1)  # [B, H, T, T + j - 1]
+    o = torch.einsum("bhtl,blhd->bthd", w[..., :T], v1.float())
+    for n, v_i in enumerate(vals):
+        o = o + w[..., T + n].transpose(1, 2)[..., None] * v_i
+    return o.to(q.dtype)
+
+
 class TTTContext:
     """The MLA cache protocol (k3.model.cache.MLALayerCache) for the unrolled draft: each `attend` is the next
-    step; it keeps the step's latent rows and attends with `ttt_mask` over every step's rows so far."""
+    step; it keeps the step's latent rows, expanded to keys and values once, and attends as `ttt_mask` says
+    (`ttt_attention`; `exact_mask=True`: through the explicit mask over every step's rows, the reference)."""
 
-    def __init__(self, doc: torch.Tensor):
+    def __init__(self, doc: torch.Tensor, exact_mask: bool = False):
         self.doc = doc
+        self.exact_mask = exact_mask
         self.c: list[torch.Tensor] = []
         self.k_rope: list[torch.Tensor] = []
+        self.keys: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def attend(self, attn, q, c, k_rope):
         self.c.append(c)
         self.k_rope.append(k_rope)
-        mask = ttt_mask(len(self.c), self.doc)
-        return attn.masked(q, torch.cat(self.c, 1), torch.cat(self.k_rope, 1), mask)
+        if self.exact_mask:
+            mask = ttt_mask(len(self.c), self.doc)
+            return attn.masked(q, torch.cat(self.c, 1), torch.cat(self.k_rope, 1), mask)
+        self.keys.append(attn._expand(c, k_rope))
+        return ttt_attention(attn, q, self.keys, self.doc)
 
 
 @dataclass
@@ -124,8 +167,10 @@ def target_features(target, ids: torch.Tensor, seg: torch.Tensor, blocks) -> tup
         return torch.cat(list(out.features) + [out.hidden_states], -1), out.logits
 
 
-def unroll(target, draft: Eagle3Layer, ids: torch.Tensor, seg: torch.Tensor, steps: int = TTT_STEPS) -> Unrolled:
-    """The training-time test over a batch ids / seg [B, T] (module docstring)."""
+def unroll(target, draft: Eagle3Layer, ids: torch.Tensor, seg: torch.Tensor, steps: int = TTT_STEPS,
+           exact_mask: bool = False) -> Unrolled:
+    """The training-time test over a batch ids / seg [B, T] (module docstring); `exact_mask`: attention through the
+    explicit mask (TTTContext's reference form)."""
     feats, logits = target_features(target, ids, seg, draft.blocks)
     n = ids.shape[1] - 2  # rows p = 0 .. T - 3: token p + 1 read, the target's p + 1 distribution (token p + 2)
     if n < 1:
@@ -136,7 +181,7 @@ def unroll(target, draft: Eagle3Layer, ids: torch.Tensor, seg: torch.Tensor, ste
     # 0 reading token 1); it counts when the target token p + 2 is in that document too
     doc = seg[:, :n]
     base = seg[:, 2:n + 2] == doc
-    ctx = TTTContext(doc)
+    ctx = TTTContext(doc, exact_mask=exact_mask)
     pos = torch.arange(n, device=ids.device)
     res = Unrolled([], [], logits[:, 1:n + 1])
     h, fused = feats[:, :n], True

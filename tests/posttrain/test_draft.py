@@ -161,6 +161,38 @@ def test_unroll_feeds_each_step_the_previous_steps_outputs():
             assert bool(ok[0, p]) == want, (j, p)
 
 
+def test_banded_ttt_attention_equals_the_explicit_mask_forward_and_backward():
+    """`ttt_attention` (a causal band over the step-1 keys and one diagonal per later step, O(T^2 + j T)) against
+    the explicit `ttt_mask` over every step's rows (O(j T^2)), for all 7 steps, rows of three documents: outputs
+    and the gradients of q and of every step's latent rows within 1e-5 (fp32; the same finite scores summed in
+    another order)."""
+    from k3.posttrain.eagle3 import TTTContext
+
+    m = _target()
+    attn = next(mod for mod in Eagle3Layer.from_target(m).modules() if hasattr(mod, "masked"))
+    g = torch.Generator().manual_seed(3)
+    B, T, H = 2, 33, attn.num_heads
+    doc = torch.zeros(B, T, dtype=torch.long)
+    doc[:, 9:] = 1
+    doc[1, 20:] = 2
+    R, dr = attn.kv_b_proj.weight.shape[1], attn.dr
+    steps = [(torch.randn(B, T, H, attn.dn + dr, generator=g).requires_grad_(),
+              torch.randn(B, T, R, generator=g).requires_grad_(), torch.randn(B, T, dr, generator=g).requires_grad_())
+             for _ in range(7)]
+    w = torch.randn(7, B, T, H, attn.dv, generator=g)
+
+    def run(exact):
+        ctx = TTTContext(doc, exact_mask=exact)
+        outs = [ctx.attend(attn, q, c, kr) for q, c, kr in steps]
+        loss = sum((o * w[i]).sum() for i, o in enumerate(outs))
+        grads = torch.autograd.grad(loss, [t for st in steps for t in st])
+        return [o.detach() for o in outs], grads
+
+    (got, dgot), (want, dwant) = run(False), run(True)
+    for a, b in zip(got + list(dgot), want + list(dwant)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_ttt_mask_equals_recurrent_drafting():
     """Draft outputs of the training path at step j, position p equal those of drafting recurrently from the
     committed position a = p - (j - 1) with a decode cache, as the serving draft does. fp32: the training path
