@@ -10,8 +10,9 @@ Speculative decoding (`EngineConfig.speculative`, k3.serve.spec): a decoding req
 and up to `num_draft_tokens` draft tokens. When the step also prefills chunks (and they run eagerly), the
 verifications join the chunks' packed forward, so the step passes over the weights once for both; otherwise they
 run as one batched forward of their own (plain decode steps run in the step's other forward). The verification
-leaves the KDA states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report §5.4.2), KDA
-checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted length.
+leaves the KDA states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report
+§5.4.2), KDA checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted
+length.
 Greedy output is token-identical to decoding without speculation and sampled output has the target's
 distribution. With CUDA graphs, the verifications run as graph replays (one graph per batch bucket and number of
 positions) and the plain decode steps on graphs that also output the hidden states the draft observes.
