@@ -35,6 +35,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_mx_moe.py",
     "tests/ops/test_mx_triton.py",
     "tests/serve/spec/test_replay.py",
+    "tests/serve/spec/test_spec_graphs.py",
     "tests/ops/test_mla_decode.py",
     "tests/serve/test_cuda_graphs.py",
     "tests/ops/test_mla_flex.py",

@@ -66,3 +66,12 @@ def test_run_step_substitutes_the_out_folder_and_logs(suite, tmp_path):
     rc, _ = suite.run_step("probe", [cmd], 60, str(tmp_path), dict(os.environ))
     assert rc == 0
     assert f"arg={tmp_path}/trace.json.gz" in (tmp_path / "probe.log").read_text()
+
+
+def test_every_test_file_with_gpu_tests_is_in_a_suite_step(suite):
+    # a GPU test the suite does not run is a GPU test nobody runs: every file marking a test gpu is in a step
+    mark = "pytest.mark." + "gpu"  # split, so that this file does not match itself
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if mark in p.read_text(encoding="utf-8")}
+    listed = set(suite.GPU_TEST_FILES) | set(suite.KDA_TEST_FILES) | {suite.MODEL_TEST_FILE}
+    assert marked <= listed, sorted(marked - listed)
