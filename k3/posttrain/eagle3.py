@@ -128,8 +128,9 @@ def ttt_attention(attn, q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Te
 
 class TTTContext:
     """The MLA cache protocol (k3.model.cache.MLALayerCache) for the unrolled draft: each `attend` is the next
-    step; it keeps the step's latent rows, expanded to keys and values once, and attends as `ttt_mask` says
-    (`ttt_attention`; `exact_mask=True`: through the explicit mask over every step's rows, the reference)."""
+    step; it keeps the step's latent rows expanded to keys and values (once per step) and attends as `ttt_mask`
+    says (`ttt_attention`; `exact_mask=True`: keeps the latent rows and attends through the explicit mask over
+    every step's rows, the reference)."""
 
     def __init__(self, doc: torch.Tensor, exact_mask: bool = False):
         self.doc = doc
@@ -139,9 +140,9 @@ class TTTContext:
         self.keys: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def attend(self, attn, q, c, k_rope):
-        self.c.append(c)
-        self.k_rope.append(k_rope)
         if self.exact_mask:
+            self.c.append(c)
+            self.k_rope.append(k_rope)
             mask = ttt_mask(len(self.c), self.doc)
             return attn.masked(q, torch.cat(self.c, 1), torch.cat(self.k_rope, 1), mask)
         self.keys.append(attn._expand(c, k_rope))

@@ -239,12 +239,13 @@ class ModelRunner:
         the other requests' new states are written back) and their projected inputs are kept for `replay`."""
         B = len(tokens)
         nv = n_verify
+        nb = B - nv  # the prefill requests come first
         if not 0 < nv < B:
             raise ValueError(f"a mixed forward needs prefill requests and verifications ({B} requests, {nv} "
                              "verifications)")
         if any(not t for t in tokens):
             raise ValueError("every request of a forward must add at least one token")
-        if scores is not None and any(sc is not None for sc in scores[B - nv:]):
+        if scores is not None and any(sc is not None for sc in scores[nb:]):
             raise ValueError("a verification scores no prompt tokens")
         scores = scores if scores is not None and any(scores) else None
         dev = self.device
@@ -258,19 +259,18 @@ class ModelRunner:
         kept = torch.cat([*out.features, hidden], -1) if features else hidden
         # the verifications' positions in the packed row, [nv, T] (a shorter one repeats its last position)
         offs = [sum(lengths[:i]) for i in range(B)]
-        T = max(lengths[B - nv:])
-        pos = torch.tensor([[offs[i] + min(t, lengths[i] - 1) for t in range(T)] for i in range(B - nv, B)],
+        T = max(lengths[nb:])
+        pos = torch.tensor([[offs[i] + min(t, lengths[i] - 1) for t in range(T)] for i in range(nb, B)],
                            device=dev)
-        keep = torch.arange(B - nv, device=dev)
-        views = []
+        views = []  # only the prefill requests' new states are written back
         for g, view in enumerate(kda_views):
-            self.pool.write_kda(kda_pages[g, keep], view.state[keep], view.conv_stacked()[keep])
+            self.pool.write_kda(kda_pages[g, :nb], view.state[:nb], view.conv_stacked()[:nb])
             inp = view.inputs
             kept_inputs = KDAVerifyView(None, None)
             kept_inputs.inputs = type(inp)(tuple(x[0, pos] for x in inp.pre_conv), inp.q[0, pos], inp.k[0, pos],
                                            inp.v[0, pos], inp.z[0, pos], inp.beta_logits[0, pos])
             views.append(kept_inputs)
-        verified = Verified(self.model.head(hidden[0, pos]).float(), kept[0, pos], views, kda_pages[:, B - nv:])
+        verified = Verified(self.model.head(hidden[0, pos]).float(), kept[0, pos], views, kda_pages[:, nb:])
         logits = out.logits[0].float()
         scored = None
         if scores is not None:
@@ -279,7 +279,7 @@ class ModelRunner:
                 scored.append(None if sc is None else self._score(hidden[0, offs[i] + sc.first:
                                                                          offs[i] + sc.first + len(sc.targets)],
                                                                   sc.targets, sc.k))
-        rows = list(kept[0].split(lengths)[:B - nv]) if keep_hidden else None
+        rows = list(kept[0].split(lengths)[:nb]) if keep_hidden else None
         return RunOutput(logits, scored, rows), verified
 
     @torch.no_grad()

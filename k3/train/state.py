@@ -60,8 +60,8 @@ def dumps(obj: Any) -> tuple[bytes, bytes]:
 
 
 def dump_parts(obj: Any) -> tuple[dict[str, torch.Tensor], bytes]:
-    """(the tensors, JSON bytes): `dumps` before the tensors are serialized, for writing them straight to a file
-    (k3.tensor_files.write_safetensors; `loads` reads that file's bytes)."""
+    """(the tensors, where they live, and the JSON bytes): `dumps` before the tensors are serialized, for writing
+    them straight to a file (k3.tensor_files.write_safetensors; `loads` reads that file by its path)."""
     tensors, doc = flatten(obj)
     return tensors, json.dumps(doc).encode("utf-8")
 

@@ -6,6 +6,7 @@ strings."""
 
 import functools
 
+import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -294,8 +295,6 @@ def test_mix_verify_off_runs_verifications_apart_with_the_same_output(monkeypatc
     eng.cfg.mix_verify = False
     _check(_run(eng, [list(zip(prompts[:1], params[:1])), list(zip(prompts[1:], params[1:]))]), params)
     assert eng.metrics.spec_verifications > 0
-    import pytest
-
     with pytest.raises(ValueError, match="mix_verify"):
         EngineConfig(mix_verify="yes").validate()
 
