@@ -58,6 +58,8 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
 # name -> (commands, time limit in seconds for the whole step)
 STEPS = {
     "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 520),  # flex max-autotune compiles for a minute or two
+    # every task's GPU expert on every case in-process (fla compiles and autotunes each held-out shape)
+    "tests_kernel_reward": ([PYTEST + ["tests/kernel_reward/test_tasks.py"]], 420),
     "tests_kda": ([KDA_PYTEST + ["-k", "not fp32", f] for f in KDA_TEST_FILES], 480),
     "tests_model": ([[a for a in PYTEST if a != "-q"] + ["-v", MODEL_TEST_FILE]], 480),
     # fla's chunk lists from host offsets (Backends.kda_host_offsets): the KDA and conv op tests of that form, the

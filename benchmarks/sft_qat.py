@@ -72,11 +72,15 @@ def pretrain(work: str, args) -> str:
 
 def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str | None) -> str:
     from k3.posttrain.sft import SFTOptions, run_sft
-    from k3.run_dir import latest_checkpoint
+    from k3.run_dir import INDEX, complete_checkpoints, latest_checkpoint
 
     out = os.path.join(work, name)
-    if latest_checkpoint(out) is None:
-        run_sft(SFTOptions(ckpt=base, data=[train], heldout=[held], device=args.device),
+    done = complete_checkpoints(os.path.join(out, "checkpoints"))
+    finished = bool(done) and done[-1][0] >= args.sft_steps and (not qat or os.path.isfile(os.path.join(out, "mxfp4", INDEX)))
+    if not finished:  # a fresh run, or one an earlier (interrupted) invocation left short: resume it
+        if done:
+            _log(f"{name}: resuming the run left at step {done[-1][0]} of {args.sft_steps}")
+        run_sft(SFTOptions(ckpt=base, data=[train], heldout=[held], device=args.device, resume=bool(done)),
                 _tcfg(out, args.sft_steps, args, qat=qat), progress_bar=False, log=_log)
     return os.path.join(out, "mxfp4") if qat else latest_checkpoint(out)
 
