@@ -3,6 +3,11 @@ noise), our own kernel where it is not the expert, and the naive reference; plus
 candidate. Prints a table and writes JSON.
 
     python benchmarks/kernel_reward.py [--device cuda|cpu] [--tasks rms_norm,softmax] [--out kernel_reward.json]
+    python benchmarks/kernel_reward.py --anchor 3 [--tasks ...]   # how steady the reward's 0.5 anchor is
+
+`--anchor N`: for each task, N rounds of (the expert timed alone in a fresh process, as the harness times its anchor;
+then the expert scored as a candidate: checked, then timed in the same process). If the second is slower in every
+round, the checks leave something behind that slows the timed calls; if the two alternate, it is run-to-run noise.
 
 Each implementation is scored like any candidate (its own process, every check and detector, timed on fresh
 inputs), except that calling the task's expert or reference is allowed. Record results in BENCHMARKS.md with the
@@ -18,6 +23,27 @@ import sys
 import torch
 
 from k3.kernel_reward import Limits, all_tasks, expert_time, score, source_of
+from k3.kernel_reward import scoring
+
+
+def anchor(names, tasks, device, limits, rounds: int, out_path: str) -> int:
+    rows = []
+    for name in names:
+        task = tasks[name]
+        for k in range(rounds):
+            scoring._expert_times.clear()  # measure the anchor again, in a new process
+            impl, alone = expert_time(task, device, limits=limits)
+            r = score(task, source_of(impl), device, name=impl, limits=limits, expert=(impl, alone), trusted=True)
+            ratio = r.time_s / alone if r.time_s else float("nan")
+            rows.append({"task": name, "round": k, "alone_s": alone, "scored_s": r.time_s, "ratio": ratio,
+                         "reward": r.reward, "reason": r.reason})
+            print(f"{name:<20} round {k}: alone {alone * 1e3:9.4g} ms, scored {(r.time_s or 0) * 1e3:9.4g} ms, "
+                  f"ratio {ratio:5.2f}, reward {r.reward if r.reward is not None else 0:.3f} {r.reason[:80]}",
+                  flush=True)
+    with open(out_path, "w") as f:
+        json.dump({"device": device, "anchor": rows}, f, indent=1)
+    print(f"wrote {out_path}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -26,10 +52,16 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", default="", help="comma-separated task names (default: all)")
     p.add_argument("--out", default="kernel_reward.json")
     p.add_argument("--time-limit", type=float, default=600.0)
+    p.add_argument("--anchor", type=int, default=0, metavar="N", help="measure the expert anchor's steadiness instead")
     args = p.parse_args(argv)
     tasks = all_tasks()
     names = [n for n in args.tasks.split(",") if n] or sorted(tasks)
+    unknown = [n for n in names if n not in tasks]
+    if unknown:
+        p.error(f"unknown task(s) {', '.join(unknown)}; the tasks are {', '.join(sorted(tasks))}")
     limits = Limits(check_s=args.time_limit, time_s=args.time_limit)
+    if args.anchor:
+        return anchor(names, tasks, args.device, limits, args.anchor, args.out)
     rows, out = [], []
     for name in names:
         task = tasks[name]
