@@ -2,6 +2,7 @@
 speed at several batch sizes against the memory-bandwidth floor.
 
     python benchmarks/serve_bench.py --preset k3-mini --ttft 8192 32768 --decode-batch 1 16 64 [--backend fast]
+    python benchmarks/serve_bench.py --preset k3-mini --ttft --decode-batch 1 16 64 --backend fast --compile-decode both
 
 TTFT: a first request primes the cache with the first N-512 tokens of a prompt; a second request sends the
 full N-token prompt, so all but its last 512 tokens are cached. "cold" is the same prompt on an engine
@@ -59,8 +60,8 @@ def _maybe_profile(label: str, dev):
     print(out.getvalue())
 
 
-def _engine(model, enable, mb, chunk):
-    e = LLMEngine(model, None, EngineConfig(cache_memory_mb=mb, enable_prefix_cache=enable,
+def _engine(model, enable, mb, chunk, compile_decode=False):
+    e = LLMEngine(model, None, EngineConfig(cache_memory_mb=mb, enable_prefix_cache=enable, compile_decode=compile_decode,
                                             scheduler=SchedulerConfig(max_step_tokens=chunk, prefill_chunk=chunk,
                                                                       max_num_seqs=128, long_prompt_tokens=10**9)))
     e.eos_id = None
@@ -112,12 +113,12 @@ def _ttft_once(model, n, dev, mb, chunk, seed, profile=False) -> dict:
     return res
 
 
-def decode(model, batch, dev, mb, ctx=1024, steps=32) -> dict:
+def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False) -> dict:
     cfg = model.config
     V = cfg.vocab_size
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(1, V, (ctx,), generator=g).tolist() for _ in range(batch)]
-    eng = _engine(model, False, mb, 8192)
+    eng = _engine(model, False, mb, 8192, compile_decode)
     p = SamplingParams(max_tokens=steps + 100, temperature=0)  # every request runs through the timed steps
     seqs = [eng.add_request(pr, p) for pr in prompts]
     while any(len(s.output_ids) < 4 for s in seqs):  # prefill, then two decode steps (graph capture) as warm-up
@@ -141,7 +142,9 @@ def decode(model, batch, dev, mb, ctx=1024, steps=32) -> dict:
     state = n_kda * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 * 2 * batch
     mla = len(cfg.full_attn_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * ctx * batch
     floor = (wbytes * (other + routed * touched) + state + mla) / COPY_BW
-    return {"batch": batch, "step_ms": round(dt * 1e3, 3), "tokens_per_s": round(batch / dt, 1),
+    graphs = eng.runner.graphs
+    compiled = "failed: " + graphs.compile_failed if graphs is not None and graphs.compile_failed else compile_decode
+    return {"batch": batch, "compile_decode": compiled, "step_ms": round(dt * 1e3, 3), "tokens_per_s": round(batch / dt, 1),
             "floor_ms": round(floor * 1e3, 4), "fraction_of_floor": round(floor / dt, 4)}
 
 
@@ -150,6 +153,9 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--ttft", type=int, nargs="*", default=[2048])
     ap.add_argument("--decode-batch", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--compile-decode", choices=["off", "on", "both"], default="off",
+                    help="torch.compile the static decode step before capture (EngineConfig.compile_decode); both: "
+                         "each decode batch size without and with it")
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--cache-mb", type=float, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -173,8 +179,10 @@ def main() -> None:
     model = model.to(dev).eval()
     for n in args.ttft:
         print(json.dumps({"preset": args.preset, "prompt_tokens": n, **ttft(model, n, dev, args.cache_mb, args.chunk)}))
-    for b in args.decode_batch:
-        print(json.dumps({"preset": args.preset, **decode(model, b, dev, args.cache_mb)}))
+    for b in args.decode_batch:  # with --compile-decode both: uncompiled and compiled side by side per batch size
+        for comp in {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode]:
+            print(json.dumps({"preset": args.preset, **decode(model, b, dev, args.cache_mb, compile_decode=comp)}),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
     s.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly instead of as CUDA-graph replays (same as K3_CUDA_GRAPHS=off)")
+    s.add_argument("--compile-decode", action="store_true",
+                   help="torch.compile the decode step before its CUDA-graph capture (fewer, fused kernels; a compile "
+                        "per batch bucket at start-up; experimental)")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=_cmd_serve)
 

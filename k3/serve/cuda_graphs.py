@@ -46,6 +46,11 @@ advanced; k3.serve.runner.ModelRunner.replay commits the accepted prefix after),
 written, and the logits of all T positions come out. A verification capture that fails turns off verification
 graphs only.
 
+`EngineConfig.compile_decode` (default off): the decode step (T = 1) is compiled with torch.compile (static shapes,
+one compile per bucket, done in the warm-up runs before capture) so that Inductor fuses its elementwise work (norms,
+gates, casts, residual sums) into fewer kernels; the graph then captures the compiled step. Prefill and verification
+steps stay uncompiled. A compile that fails turns it off with a notice, and the step runs uncompiled.
+
 `EngineConfig.cuda_graphs` (the command line fills it from --no-cuda-graphs and K3_CUDA_GRAPHS): True (default:
 capture when the conditions hold), False (off), or "eager" (the static-buffer step called directly, without
 capture, on any device: the same buffers, padding and scratch page; for tests and debugging).
@@ -160,7 +165,7 @@ class DecodeGraphs:
 
     def __init__(self, runner, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True,
                  prefill_lengths: tuple[int, ...] = (), keep_hidden: bool = False, features: tuple[int, ...] = (),
-                 verify_lengths: tuple[int, ...] = ()):
+                 verify_lengths: tuple[int, ...] = (), compile_step: bool = False):
         pool = runner.pool
         if not 0 <= scratch_page < pool.pages.shape[0]:
             raise ValueError(f"scratch_page={scratch_page} is not a page of the pool ({pool.pages.shape[0]} pages)")
@@ -187,6 +192,28 @@ class DecodeGraphs:
         self.steps = 0  # steps run on the static buffers
         self.replays = 0  # of those, graph replays
         self.padded_rows = 0
+        # the decode step compiled (compile_decode), or None: uncompiled; `compile_failed` says why it was dropped
+        self._compiled = None
+        if compile_step:
+            import torch._dynamo
+
+            # one compile per bucket, all of the same function: keep dynamo from giving up on the larger buckets
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, 2 * len(self.buckets))
+            self._compiled = torch.compile(self._step, dynamic=False)
+        self.compile_failed: str | None = None
+
+    def _decode_step(self, b: _Bucket):
+        """The decode step of bucket b, compiled when asked (a compile that fails drops it, once, with a notice)."""
+        if self._compiled is not None:
+            try:
+                return self._compiled(b)
+            except Exception as e:
+                self._compiled = None
+                self.compile_failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                notice(f"the decode step runs uncompiled from now on: torch.compile failed ({self.compile_failed})")
+                self.pool.pages[self.scratch].zero_()  # what the failed call may have left on the scratch page
+        return self._step(b)
 
     def bucket_size(self, batch: int) -> int | None:
         """The smallest bucket holding `batch` requests (None: larger than every bucket)."""
@@ -268,7 +295,7 @@ class DecodeGraphs:
             self.replays += 1
             out = bucket.out
         else:
-            out = (self._verify_step if verify else self._step)(bucket)
+            out = self._verify_step(bucket) if verify else self._decode_step(bucket) if T == 1 else self._step(bucket)
         self.steps += 1
         self.padded_rows += size - B
         return B, out
@@ -350,7 +377,7 @@ class DecodeGraphs:
         """Warm up on a side stream (the buffers hold padding only: just the scratch page is touched), then
         capture the step into b.graph with b.out as its outputs."""
         dev = self.runner.device
-        step = self._verify_step if verify else self._step
+        step = self._verify_step if verify else self._decode_step if b.tokens == 1 else self._step
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):

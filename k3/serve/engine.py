@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.ops.registry import notice
 from k3.serve.cache.manager import CacheManager
 from k3.serve.cuda_graphs import DecodeGraphs, decode_graphs_mode, prefill_graph_lengths
 from k3.serve.metrics import SampleWindow
@@ -50,6 +51,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     cuda_graphs: bool | str = True  # CUDA-graph decode steps where possible; False: off; "eager": no capture (tests)
+    # torch.compile the static decode step before its capture (fewer, fused kernels; a compile per bucket at warm-up).
+    # Needs the static-buffer steps (cuda_graphs True or "eager"); k3.serve.cuda_graphs
+    compile_decode: bool = False
     speculative: str = "off"  # "mtp": draft with the model's MTP layer and verify (k3.serve.spec); "eagle3": with
     # the EAGLE-3 draft in directory `draft` (k3 train-draft; k3.draft_checkpoint)
     draft: str | None = None
@@ -73,7 +77,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
-        for name in ("speculative_auto", "mix_verify"):
+        for name in ("speculative_auto", "mix_verify", "compile_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use True or False")
         if self.draft is not None and self.speculative != "eagle3":
@@ -166,7 +170,11 @@ class LLMEngine:
                                                                                     self.cfg.hash_block_tokens),
                                               keep_hidden=draft is not None, features=self._draft_features,
                                               verify_lengths=tuple(range(2, self.cfg.num_draft_tokens + 2))
-                                              if draft is not None else ())
+                                              if draft is not None else (),
+                                              compile_step=self.cfg.compile_decode)
+        elif self.cfg.compile_decode:
+            notice("compile_decode has no effect: decode steps do not run on static buffers here (cuda_graphs is off, "
+                   "or the conditions for them do not hold)")
         self.eos_id = mcfg.eos_token_id
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}

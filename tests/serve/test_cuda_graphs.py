@@ -258,6 +258,92 @@ def test_serve_flag_turns_graphs_off(monkeypatch):
         args.fn(args)
 
 
+def test_serve_flag_compile_decode_reaches_the_engine(monkeypatch):
+    from k3 import cli
+    from k3.serve import cli as serve_cli
+
+    seen = []
+
+    def fake_build(*a, **kw):
+        seen.append(kw["compile_decode"])
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(serve_cli, "build_engine", fake_build)
+    parse = cli.build_parser().parse_args
+    for argv, want in ((["serve", "--ckpt", "x"], False), (["serve", "--ckpt", "x", "--compile-decode"], True)):
+        args = parse(argv)
+        assert serve_cli.cmd_serve(args) == 2 and seen[-1] is want
+
+
+def _fake_compile(monkeypatch, fail: bool = False):
+    """torch.compile replaced by a wrapper that records each call's bucket (tokens per row) and calls the function
+    uncompiled, or raises (fail) as a compile error would: the wiring of compile_decode without a compile's cost."""
+    calls = []
+
+    def fake(fn, **kw):
+        assert kw.get("dynamic") is False  # one static-shape compile per bucket
+
+        def compiled(b):
+            calls.append(b.tokens)
+            if fail:
+                raise RuntimeError("backend compiler failed\nmore detail")
+            return fn(b)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake)
+    return calls
+
+
+def test_compile_decode_compiles_the_decode_step_only(static_mode, monkeypatch, capsys):
+    # Decode steps (T = 1) go through the compiled step; hash-block prefill chunks on the static buffers do not;
+    # the outputs are the reference's.
+    calls = _fake_compile(monkeypatch)
+    monkeypatch.setattr(registry, "_notices", set())
+    eng = _engine(compile_decode=True)
+    graphs = eng.runner.graphs
+    prompts = _prompts((44, 46, 10, 94))
+    seqs = [eng.add_request(p, GREEDY) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == reference(tuple(p))
+    assert calls and set(calls) == {1} and len(calls) == graphs.steps
+    # a prompt whose uncached tail is one hash block: that chunk runs on the static buffers, uncompiled
+    base = _prompts((5 * HB,), seed=11)[0]
+    eng.generate([base[: 4 * HB] + [7]], GREEDY)
+    steps, n = graphs.steps, len(calls)
+    out = eng.generate([base], GREEDY)
+    assert out[0].output_ids == reference(tuple(base)) and (1, HB) in graphs._static
+    assert graphs.steps - steps == len(calls) - n + 1  # every static step but the prefill chunk was compiled
+    assert set(calls) == {1}
+    assert graphs.compile_failed is None and "uncompiled" not in capsys.readouterr().err
+
+
+def test_a_failed_decode_compile_runs_uncompiled_with_a_notice(static_mode, monkeypatch, capsys):
+    calls = _fake_compile(monkeypatch, fail=True)
+    monkeypatch.setattr(registry, "_notices", set())
+    capsys.readouterr()
+    eng = _engine(compile_decode=True)
+    prompts = _prompts((44, 10))
+    seqs = [eng.add_request(p, GREEDY) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == reference(tuple(p))
+    assert len(calls) == 1  # tried once, then dropped
+    graphs = eng.runner.graphs
+    assert graphs.compile_failed == "RuntimeError: backend compiler failed" and graphs.steps > 1
+    err = capsys.readouterr().err
+    assert "the decode step runs uncompiled from now on: torch.compile failed (RuntimeError: backend compiler failed)" in err
+
+
+def test_compile_decode_without_static_steps_says_it_has_no_effect(monkeypatch, capsys):
+    eng, err = _notice_after(monkeypatch, capsys, cuda_graphs=False, compile_decode=True)
+    assert eng.runner.graphs is None and "compile_decode has no effect" in err
+    with pytest.raises(ValueError, match="compile_decode"):
+        EngineConfig(compile_decode="yes").validate()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_captured_decode_equals_the_eager_engine():
@@ -337,3 +423,34 @@ def test_warm_up_sets_up_every_bucket_at_once(static_mode):
         eng.step()
     assert [s.output_ids for s in seqs] == [reference(tuple(p)) for p in prompts]
     assert set(graphs._static) == want  # nothing new was set up while serving
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compiled_captured_decode_equals_the_uncompiled_one():
+    # compile_decode on a bf16 model on the GPU: the compiled step captured and replayed gives the greedy outputs of
+    # the uncompiled captured step, and one step's logits agree to bf16 noise (Inductor fuses the elementwise work,
+    # so roundings between fused ops are skipped: 2e-2 relative to the largest logit).
+    model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16).set_backends(Backends(per_op=GRAPH_OPS))
+    prompts = _prompts((44, 46, 10, 94))
+    outputs, logits = [], []
+    for compiled in (True, False):
+        eng = _engine(model, compile_decode=compiled)
+        seqs = [eng.add_request(p, GREEDY) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        outputs.append([s.output_ids for s in seqs])
+        graphs = eng.runner.graphs
+        assert graphs.disabled is None and graphs.compile_failed is None, (graphs.disabled, graphs.compile_failed)
+        assert graphs.replays == graphs.steps > 0
+
+        eng = _engine(model, compile_decode=compiled)
+        seqs = [eng.add_request(p, GREEDY) for p in prompts[:3]]
+        for s in seqs:
+            assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
+        slots = [eng.cache.slots(s) for s in seqs]
+        for p, sl in zip(prompts, slots):
+            eng.runner.forward([p[:-1]], [0], [sl])
+        logits.append(eng.runner.forward([p[-1:] for p in prompts[:3]], [len(p) - 1 for p in prompts[:3]], slots))
+    assert outputs[0] == outputs[1]
+    assert rel_err(logits[0], logits[1]) < 2e-2
