@@ -56,8 +56,13 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
          "--vocab-size", "32768", "--backend", "fast"]
 
 # name -> (commands, time limit in seconds for the whole step)
+COMPILE_TEST_FILE = "tests/serve/test_cuda_graphs.py"
 STEPS = {
-    "tests": ([PYTEST + [f] for f in GPU_TEST_FILES], 520),  # flex max-autotune compiles for a minute or two
+    # flex max-autotune compiles for a minute or two; the compiled decode step's test has a step of its own
+    "tests": ([PYTEST + [f] + (["-k", "not compiled_captured"] if f == COMPILE_TEST_FILE else [])
+               for f in GPU_TEST_FILES], 520),
+    # torch.compile of the decode step (EngineConfig.compile_decode): Inductor's compiles, one per bucket
+    "tests_compile_decode": ([PYTEST + ["-k", "compiled_captured", COMPILE_TEST_FILE]], 420),
     # every task's GPU expert on every case in-process (fla compiles and autotunes each held-out shape)
     "tests_kernel_reward": ([PYTEST + ["tests/kernel_reward/test_tasks.py"]], 420),
     "tests_kda": ([KDA_PYTEST + ["-k", "not fp32", f] for f in KDA_TEST_FILES], 480),
