@@ -51,6 +51,16 @@ def _engine(model=None, max_num_seqs=4, max_model_len=2048, mb=8.0, **kw):
     return eng
 
 
+def _serve_to_the_reference(eng, prompts):
+    """Run `prompts` through `eng` to the end; each greedy output must be the cache-free reference's."""
+    seqs = [eng.add_request(p, GREEDY) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == reference(tuple(p))
+    return seqs
+
+
 def _prompts(lengths, seed=3):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 512, (n,), generator=g).tolist() for n in lengths]
@@ -193,11 +203,7 @@ def test_batches_beyond_the_largest_bucket_or_table_run_eagerly(static_mode):
     assert big.run([[1] * 4096], [cuda_graphs.MAX_PREFILL_GRAPH_CONTEXT], [None]) is None  # too long a context
     assert graphs.steps == 0
     prompts = _prompts((40, 44))
-    seqs = [eng.add_request(p, GREEDY) for p in prompts]
-    while eng.has_work():
-        eng.step()
-    for s, p in zip(seqs, prompts):
-        assert s.output_ids == reference(tuple(p))
+    _serve_to_the_reference(eng, prompts)
     assert graphs.steps > 0
 
 
@@ -302,11 +308,7 @@ def test_compile_decode_compiles_the_decode_step_only(static_mode, monkeypatch, 
     eng = _engine(compile_decode=True)
     graphs = eng.runner.graphs
     prompts = _prompts((44, 46, 10, 94))
-    seqs = [eng.add_request(p, GREEDY) for p in prompts]
-    while eng.has_work():
-        eng.step()
-    for s, p in zip(seqs, prompts):
-        assert s.output_ids == reference(tuple(p))
+    _serve_to_the_reference(eng, prompts)
     assert calls and set(calls) == {1} and len(calls) == graphs.steps
     # a prompt whose uncached tail is one hash block: that chunk runs on the static buffers, uncompiled
     base = _prompts((5 * HB,), seed=11)[0]
@@ -325,11 +327,7 @@ def test_a_failed_decode_compile_runs_uncompiled_with_a_notice(static_mode, monk
     capsys.readouterr()
     eng = _engine(compile_decode=True)
     prompts = _prompts((44, 10))
-    seqs = [eng.add_request(p, GREEDY) for p in prompts]
-    while eng.has_work():
-        eng.step()
-    for s, p in zip(seqs, prompts):
-        assert s.output_ids == reference(tuple(p))
+    _serve_to_the_reference(eng, prompts)
     assert len(calls) == 1  # tried once, then dropped
     graphs = eng.runner.graphs
     assert graphs.compile_failed == "RuntimeError: backend compiler failed" and graphs.steps > 1
@@ -342,6 +340,18 @@ def test_compile_decode_without_static_steps_says_it_has_no_effect(monkeypatch, 
     assert eng.runner.graphs is None and "compile_decode has no effect" in err
     with pytest.raises(ValueError, match="compile_decode"):
         EngineConfig(compile_decode="yes").validate()
+
+
+def _one_decode_step(eng, prompts):
+    """At the runner: every prompt but its last token prefilled, then one decode step of those last tokens (a
+    batch of len(prompts)) -> its logits."""
+    seqs = [eng.add_request(p, GREEDY) for p in prompts]
+    for s in seqs:
+        assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
+    slots = [eng.cache.slots(s) for s in seqs]
+    for p, sl in zip(prompts, slots):
+        eng.runner.forward([p[:-1]], [0], [sl])
+    return eng.runner.forward([p[-1:] for p in prompts], [len(p) - 1 for p in prompts], slots)
 
 
 @pytest.mark.gpu
@@ -373,13 +383,7 @@ def test_gpu_captured_decode_equals_the_eager_engine():
         eng = _engine(model)
         if not capture:
             eng.runner.graphs = DecodeGraphs(eng.runner, 4, eng.max_model_len, eng.runner.graphs.scratch, capture=False)
-        seqs = [eng.add_request(p, GREEDY) for p in prompts[:3]]
-        for s in seqs:
-            assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
-        slots = [eng.cache.slots(s) for s in seqs]
-        for p, sl in zip(prompts, slots):
-            eng.runner.forward([p[:-1]], [0], [sl])
-        out = eng.runner.forward([p[-1:] for p in prompts[:3]], [len(p) - 1 for p in prompts[:3]], slots)
+        out = _one_decode_step(eng, prompts[:3])
         assert eng.runner.graphs.replays == int(capture)
         results.append(out)
     assert rel_err(results[0], results[1]) < 1e-3
@@ -445,12 +449,6 @@ def test_gpu_compiled_captured_decode_equals_the_uncompiled_one():
         assert graphs.replays == graphs.steps > 0
 
         eng = _engine(model, compile_decode=compiled)
-        seqs = [eng.add_request(p, GREEDY) for p in prompts[:3]]
-        for s in seqs:
-            assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
-        slots = [eng.cache.slots(s) for s in seqs]
-        for p, sl in zip(prompts, slots):
-            eng.runner.forward([p[:-1]], [0], [sl])
-        logits.append(eng.runner.forward([p[-1:] for p in prompts[:3]], [len(p) - 1 for p in prompts[:3]], slots))
+        logits.append(_one_decode_step(eng, prompts[:3]))
     assert outputs[0] == outputs[1]
     assert rel_err(logits[0], logits[1]) < 2e-2
