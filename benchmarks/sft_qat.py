@@ -2,12 +2,12 @@
 
     python benchmarks/sft_qat.py --work runs/sft_qat                         # CPU, tiny, a few minutes
     python benchmarks/sft_qat.py --work runs/sft_qat --preset k3-mini --pretrain-steps 2000 --sft-steps 300 \
-        --seq-len 2048 --batch-tokens 65536 --records 20000 --generate 200   # one H200
+        --seq-len 2048 --batch-tokens 65536 --records 20000 --source installation --generate 200   # one H200
     python benchmarks/sft_qat.py --work DIR --base CKPT ...                   # start from an existing checkpoint
 
 Steps (every model a checkpoint under --work):
-  1. data: `k3 data sft-from-source` on the standard library (held out by file), capped at --records training and
-     --heldout held-out conversations;
+  1. data: `k3 data sft-from-source` on the standard library (--source installation: and the installed packages; held
+     out by file), capped at --records training and --heldout held-out conversations;
   2. base: `k3 train` of --preset on the standard library for --pretrain-steps (unless --base);
   3. SFT: `k3 sft` of the base on the training conversations, unquantized, for --sft-steps;
   4. SFT + QAT: the same run with --qat mxfp4 (MXFP4 expert weights, MXFP8 expert inputs throughout), exported;
@@ -35,12 +35,23 @@ def _log(msg: str) -> None:
     print(f"[sft_qat {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_data(work: str, records: int, heldout: int) -> tuple[str, str]:
+def source_paths(source: str) -> list[str]:
+    """The trees the conversations come from: [] (the standard library, sft_from_source's default) or, for
+    "installation", the standard library's tree and every site-packages directory outside it."""
+    if source == "stdlib":
+        return []
+    from k3.data.sources import site_roots, stdlib_root
+
+    root = stdlib_root()
+    return [root] + [p for p in site_roots() if not p.startswith(root + os.sep)]
+
+
+def make_data(work: str, records: int, heldout: int, source: str = "stdlib") -> tuple[str, str]:
     from k3.data.sft_from_source import sft_from_source, write_jsonl
 
     train_path, held_path = os.path.join(work, "train.jsonl"), os.path.join(work, "heldout.jsonl")
     if not (os.path.isfile(train_path) and os.path.isfile(held_path)):
-        train, held, st = sft_from_source([], max_records=records, max_heldout=heldout)
+        train, held, st = sft_from_source(source_paths(source), max_records=records, max_heldout=heldout)
         write_jsonl(train, train_path)
         write_jsonl(held, held_path)
         _log(f"data: {st.train} training, {st.heldout} held-out conversations ({st.files} files)")
@@ -149,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--records", type=int, default=3000, help="training conversations")
+    p.add_argument("--source", choices=["stdlib", "installation"], default="stdlib",
+                   help="the conversations' code: the standard library, or it and every installed package")
     p.add_argument("--heldout", type=int, default=150, help="held-out conversations")
     p.add_argument("--generate", type=int, default=40, help="held-out prompts completed for the compile rate")
     p.add_argument("--max-new-tokens", type=int, default=192)
@@ -159,7 +172,7 @@ def main(argv=None) -> int:
 
     os.makedirs(args.work, exist_ok=True)
     t0 = time.perf_counter()
-    train, held = make_data(args.work, args.records, args.heldout)
+    train, held = make_data(args.work, args.records, args.heldout, args.source)
     base = args.base or pretrain(args.work, args)
     sft_ck = sft(args.work, "sft", base, train, held, args, None)
     qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
