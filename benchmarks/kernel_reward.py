@@ -23,7 +23,6 @@ import sys
 import torch
 
 from k3.kernel_reward import Limits, all_tasks, expert_time, score, source_of
-from k3.kernel_reward import scoring
 
 
 def anchor(names, tasks, device, limits, rounds: int, out_path: str) -> int:
@@ -31,8 +30,7 @@ def anchor(names, tasks, device, limits, rounds: int, out_path: str) -> int:
     for name in names:
         task = tasks[name]
         for k in range(rounds):
-            scoring._expert_times.clear()  # measure the anchor again, in a new process
-            impl, alone = expert_time(task, device, limits=limits)
+            impl, alone = expert_time(task, device, limits=limits, refresh=True)  # again, in a new process
             r = score(task, source_of(impl), device, name=impl, limits=limits, expert=(impl, alone), trusted=True)
             ratio = r.time_s / alone if r.time_s else float("nan")
             rows.append({"task": name, "round": k, "alone_s": alone, "scored_s": r.time_s, "ratio": ratio,

@@ -61,9 +61,9 @@ def _maybe_profile(label: str, dev):
 
 
 def _engine(model, enable, mb, chunk, compile_decode=False):
-    e = LLMEngine(model, None, EngineConfig(cache_memory_mb=mb, enable_prefix_cache=enable, compile_decode=compile_decode,
-                                            scheduler=SchedulerConfig(max_step_tokens=chunk, prefill_chunk=chunk,
-                                                                      max_num_seqs=128, long_prompt_tokens=10**9)))
+    sched = SchedulerConfig(max_step_tokens=chunk, prefill_chunk=chunk, max_num_seqs=128, long_prompt_tokens=10**9)
+    e = LLMEngine(model, None, EngineConfig(cache_memory_mb=mb, enable_prefix_cache=enable,
+                                            compile_decode=compile_decode, scheduler=sched))
     e.eos_id = None
     return e
 
@@ -144,8 +144,9 @@ def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False) -> d
     floor = (wbytes * (other + routed * touched) + state + mla) / COPY_BW
     graphs = eng.runner.graphs
     compiled = "failed: " + graphs.compile_failed if graphs is not None and graphs.compile_failed else compile_decode
-    return {"batch": batch, "compile_decode": compiled, "step_ms": round(dt * 1e3, 3), "tokens_per_s": round(batch / dt, 1),
-            "floor_ms": round(floor * 1e3, 4), "fraction_of_floor": round(floor / dt, 4)}
+    return {"batch": batch, "compile_decode": compiled, "step_ms": round(dt * 1e3, 3),
+            "tokens_per_s": round(batch / dt, 1), "floor_ms": round(floor * 1e3, 4),
+            "fraction_of_floor": round(floor / dt, 4)}
 
 
 def main() -> None:

@@ -87,7 +87,8 @@ def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str |
 
     out = os.path.join(work, name)
     done = complete_checkpoints(os.path.join(out, "checkpoints"))
-    finished = bool(done) and done[-1][0] >= args.sft_steps and (not qat or os.path.isfile(os.path.join(out, "mxfp4", INDEX)))
+    exported = not qat or os.path.isfile(os.path.join(out, "mxfp4", INDEX))
+    finished = bool(done) and done[-1][0] >= args.sft_steps and exported
     if not finished:  # a fresh run, or one an earlier (interrupted) invocation left short: resume it
         if done:
             _log(f"{name}: resuming the run left at step {done[-1][0]} of {args.sft_steps}")

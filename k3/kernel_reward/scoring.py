@@ -121,12 +121,13 @@ _expert_times: dict[tuple, tuple[str, float]] = {}
 
 
 def expert_time(task: Task | str, device: str | None = None, *, timing: dict | None = None,
-                limits: Limits = Limits()) -> tuple[str, float]:
-    """(the expert's "module:function", its median time) for `task` on `device`, measured once per process."""
+                limits: Limits = Limits(), refresh: bool = False) -> tuple[str, float]:
+    """(the expert's "module:function", its median time) for `task` on `device`, measured once per process
+    (`refresh`: measured again, in a new process, and kept)."""
     task = get(task) if isinstance(task, str) else task
     device = _device(device)
     key = (task.name, device, tuple(sorted((timing or {}).items())))
-    if key not in _expert_times:
+    if refresh or key not in _expert_times:
         impl = task.expert(device)
         with tempfile.TemporaryDirectory(prefix="k3-kr-") as d:
             path = os.path.join(d, "expert.py")

@@ -113,10 +113,11 @@ def fla_available(target: Target) -> tuple[bool, str]:
 def attn_res_fla(sources: Sequence[Tensor], w: Tensor, eps: float = 1e-5) -> Tensor:
     """``attn_res`` on fla-core's fused kernel: one read of every source computes the scores, the depth
     softmax and the mix (fp32 inside), and the backward recomputes instead of storing the normalized
-    sources. Sources must be CUDA tensors of one shape and dtype."""
+    sources. Sources must be CUDA tensors of one shape and dtype. The kernel reads each from a 16-byte aligned
+    address, so a source that does not start on one (a slice of a larger tensor) is copied first."""
     from fla.ops.attnres import fused_attnres
 
-    sources = list(sources)
+    sources = [s if s.data_ptr() % 16 == 0 else s.clone() for s in sources]
     v = sources[0]
     _check_query("w", w, v.shape[-1])
     ones = torch.ones(v.shape[-1], device=v.device, dtype=torch.float32)

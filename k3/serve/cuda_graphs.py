@@ -203,16 +203,16 @@ class DecodeGraphs:
             self._compiled = torch.compile(self._step, dynamic=False)
         self.compile_failed: str | None = None
 
-    def _decode_step(self, b: _Bucket):
-        """The decode step of bucket b, compiled when asked (a compile that fails drops it, once, with a notice)."""
-        if self._compiled is not None:
+    def _plain_step(self, b: _Bucket):
+        """`_step` of bucket b; for decode buckets (T = 1) compiled when asked (a compile that fails is dropped, once,
+        with a notice; `_step` zeroes the scratch page first, so a failed call leaves nothing behind)."""
+        if self._compiled is not None and b.tokens == 1:
             try:
                 return self._compiled(b)
             except Exception as e:
                 self._compiled = None
                 self.compile_failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 notice(f"the decode step runs uncompiled from now on: torch.compile failed ({self.compile_failed})")
-                self.pool.pages[self.scratch].zero_()  # what the failed call may have left on the scratch page
         return self._step(b)
 
     def bucket_size(self, batch: int) -> int | None:
@@ -295,7 +295,7 @@ class DecodeGraphs:
             self.replays += 1
             out = bucket.out
         else:
-            out = self._verify_step(bucket) if verify else self._decode_step(bucket) if T == 1 else self._step(bucket)
+            out = (self._verify_step if verify else self._plain_step)(bucket)
         self.steps += 1
         self.padded_rows += size - B
         return B, out
@@ -377,7 +377,7 @@ class DecodeGraphs:
         """Warm up on a side stream (the buffers hold padding only: just the scratch page is touched), then
         capture the step into b.graph with b.out as its outputs."""
         dev = self.runner.device
-        step = self._verify_step if verify else self._decode_step if b.tokens == 1 else self._step
+        step = self._verify_step if verify else self._plain_step
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):

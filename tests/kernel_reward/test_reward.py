@@ -33,3 +33,13 @@ def test_expert_at_or_past_the_roofline_still_scores_half():
 def test_rejects_nonpositive_times():
     with pytest.raises(ValueError, match="positive"):
         reward(0.0, 1.0, 0.1)
+
+
+def test_expert_time_is_measured_once_per_process_unless_refreshed():
+    from k3.kernel_reward import expert_time
+
+    first = expert_time("softmax", "cpu")
+    assert expert_time("softmax", "cpu") is first  # kept for the process
+    again = expert_time("softmax", "cpu", refresh=True)  # a new measurement in a new process, now kept
+    assert again is not first and again[0] == first[0] and again[1] > 0
+    assert expert_time("softmax", "cpu") is again

@@ -332,7 +332,8 @@ def test_a_failed_decode_compile_runs_uncompiled_with_a_notice(static_mode, monk
     graphs = eng.runner.graphs
     assert graphs.compile_failed == "RuntimeError: backend compiler failed" and graphs.steps > 1
     err = capsys.readouterr().err
-    assert "the decode step runs uncompiled from now on: torch.compile failed (RuntimeError: backend compiler failed)" in err
+    assert ("the decode step runs uncompiled from now on: torch.compile failed (RuntimeError: backend compiler "
+            "failed)") in err
 
 
 def test_compile_decode_without_static_steps_says_it_has_no_effect(monkeypatch, capsys):

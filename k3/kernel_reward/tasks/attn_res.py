@@ -28,18 +28,13 @@ MIN_FLA_D = 16  # fla's fused_attnres does not compile a 1-wide row block (D = 1
 
 
 def expert(sources, w):
-    """fla-core's fused kernel (timed on the benchmark shape). Two held-out shapes are outside what that kernel takes,
-    and the expert must still be correct there: rows narrower than MIN_FLA_D go to k3's torch implementation, and
-    sources whose slice of the stacked tensor does not start 16-byte aligned (T * D * 2 bytes not a multiple of 16,
-    which fla asserts against) are copied into fresh buffers first."""
+    """fla-core's fused kernel (timed on the benchmark shape); rows narrower than MIN_FLA_D, which that kernel does not
+    compile (the held-out D = 1), go to k3's torch implementation, so that the expert is correct on every case. (Two
+    held-out shapes slice the stacked sources at addresses fla cannot read from; attn_res_fla copies those.)"""
     from k3.ops.attn_res import attn_res, attn_res_fla
 
     parts = list(sources.unbind(0))
-    if sources.shape[-1] < MIN_FLA_D:
-        return attn_res(parts, w)
-    if any(p.data_ptr() % 16 for p in parts):
-        parts = [p.clone() for p in parts]
-    return attn_res_fla(parts, w)
+    return attn_res(parts, w) if sources.shape[-1] < MIN_FLA_D else attn_res_fla(parts, w)
 
 
 TASK = Task(
