@@ -7,7 +7,8 @@
 
 The harness, not the candidate's process, computes every reference (on the scoring device, in float64) and judges
 every output: the correctness cases, the detectors' calls, and the timed calls' outputs. The expert's time is
-measured the same way (its own process, the same timed calls) once per task and device in this process.
+measured the same way (its own process, checked and then timed like a candidate) once per task and device in this
+process.
 """
 
 from __future__ import annotations
@@ -121,20 +122,33 @@ _expert_times: dict[tuple, tuple[str, float]] = {}
 
 
 def expert_time(task: Task | str, device: str | None = None, *, timing: dict | None = None,
-                limits: Limits = Limits(), refresh: bool = False) -> tuple[str, float]:
+                limits: Limits = Limits(), refresh: bool = False, checked: bool = True) -> tuple[str, float]:
     """(the expert's "module:function", its median time) for `task` on `device`, measured once per process
-    (`refresh`: measured again, in a new process, and kept)."""
+    (`refresh`: measured again, in a new process, and kept).
+
+    The expert is timed the way a candidate is: its own process runs every correctness case and detector call
+    first, the harness judges them (an expert that fails raises, naming the check: its time would be no anchor),
+    and then the same process is timed. Whatever the checks leave behind in a process (compiled and autotuned
+    kernels, the allocator's pool, the device's clocks) is then the same for the anchor as for every candidate.
+    `checked=False` times a process that runs nothing before the timed calls (to study the anchor)."""
     task = get(task) if isinstance(task, str) else task
     device = _device(device)
-    key = (task.name, device, tuple(sorted((timing or {}).items())))
+    key = (task.name, device, tuple(sorted((timing or {}).items())), checked)
     if refresh or key not in _expert_times:
         impl = task.expert(device)
         with tempfile.TemporaryDirectory(prefix="k3-kr-") as d:
             path = os.path.join(d, "expert.py")
             with open(path, "w") as f:
                 f.write(source_of(impl))
-            run = Run(task.name, path, device, d, phases=("time",), limits=limits, timing=timing, trusted=True)
+            run = Run(task.name, path, device, d, phases=("check", "time") if checked else ("time",), limits=limits,
+                      timing=timing, trusted=True)
             try:
+                if checked:
+                    res = Result(task.name, impl, device)
+                    _check(res, run, task, device)
+                    if not res.passed:
+                        raise RuntimeError(f"the expert of {task.name} ({impl}) failed its checks on {device}: "
+                                           f"{res.reason}")
                 got = run.time()
             finally:
                 run.close()

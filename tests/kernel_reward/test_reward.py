@@ -43,3 +43,34 @@ def test_expert_time_is_measured_once_per_process_unless_refreshed():
     again = expert_time("softmax", "cpu", refresh=True)  # a new measurement in a new process, now kept
     assert again is not first and again[0] == first[0] and again[1] > 0
     assert expert_time("softmax", "cpu") is again
+
+
+def test_the_expert_is_checked_then_timed_in_one_process_like_a_candidate(monkeypatch):
+    """The anchor's process runs the checks before its timed calls, as every candidate's does, so that what the checks
+    leave behind (compiled kernels, the allocator's pool) is the same on both sides of the ratio."""
+    from k3.kernel_reward import scoring
+
+    started = []
+
+    class Recorded(scoring.Run):
+        def __init__(self, *a, phases=("check", "time"), **k):
+            started.append(tuple(phases))
+            super().__init__(*a, phases=phases, **k)
+
+    monkeypatch.setattr(scoring, "Run", Recorded)
+    impl, t = scoring.expert_time("softmax", "cpu", refresh=True, timing={"warmup": 1, "repeats": 5})
+    alone = scoring.expert_time("softmax", "cpu", refresh=True, timing={"warmup": 1, "repeats": 5}, checked=False)
+    assert started == [("check", "time"), ("time",)]
+    assert impl == alone[0] and t > 0 and alone[1] > 0
+
+
+def test_an_expert_that_fails_its_checks_is_no_anchor():
+    """An expert whose output is wrong on this device raises with the failing check, rather than giving a time."""
+    import dataclasses
+
+    from k3.kernel_reward import scoring
+    from k3.kernel_reward.tasks import get
+
+    wrong = dataclasses.replace(get("softmax"), experts={"cpu": "torch:exp"})  # exp(x), not softmax(x)
+    with pytest.raises(RuntimeError, match=r"expert of softmax \(torch:exp\) failed its checks on cpu: wrong result"):
+        scoring.expert_time(wrong, "cpu", refresh=True)
