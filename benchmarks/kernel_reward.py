@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     limits = Limits(check_s=args.time_limit, time_s=args.time_limit)
     if args.anchor:
         return anchor(names, tasks, args.device, limits, args.anchor, args.out)
-    rows, out = [], []
+    out = []
+    print(f"{'task':<20} {'role':<7} {'time ms':>10} {'expert ms':>10} {'roof ms':>10} {'roof %':>7} {'reward':>7} "
+          f"{'overhead s':>10}  implementation / reason", flush=True)
     for name in names:
         task = tasks[name]
         try:
@@ -85,16 +87,13 @@ def main(argv=None) -> int:
             d = r.to_dict()
             d["role"] = label
             out.append(d)
-            rows.append((name, label, impl, r))
-    print(f"{'task':<20} {'role':<7} {'time ms':>10} {'expert ms':>10} {'roof ms':>10} {'roof %':>7} {'reward':>7} "
-          f"{'overhead s':>10}  implementation / reason")
-    for name, label, impl, r in rows:
-        t = lambda x: f"{x * 1e3:10.4g}" if x is not None else f"{'-':>10}"
-        frac = f"{r.roofline_fraction:7.1%}" if r.roofline_fraction is not None else f"{'-':>7}"
-        print(f"{name:<20} {label:<7} {t(r.time_s)} {t(r.expert_time_s)} {t(r.roofline_time_s)} {frac} "
-              f"{r.reward if r.reward is not None else 0:7.3f} {r.overhead_s:10.1f}  {impl} {r.reason[:120]}")
-    with open(args.out, "w") as f:
-        json.dump({"device": args.device, "results": out}, f, indent=1)
+            t = lambda x: f"{x * 1e3:10.4g}" if x is not None else f"{'-':>10}"
+            frac = f"{r.roofline_fraction:7.1%}" if r.roofline_fraction is not None else f"{'-':>7}"
+            print(f"{name:<20} {label:<7} {t(r.time_s)} {t(r.expert_time_s)} {t(r.roofline_time_s)} {frac} "
+                  f"{r.reward if r.reward is not None else 0:7.3f} {r.overhead_s:10.1f}  {impl} {r.reason[:120]}",
+                  flush=True)
+            with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+                json.dump({"device": args.device, "results": out}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

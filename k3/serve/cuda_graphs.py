@@ -211,7 +211,10 @@ class DecodeGraphs:
                 return self._compiled(b)
             except Exception as e:
                 self._compiled = None
-                self.compile_failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                # the first line and, when there is more (a compile subprocess's traceback), the cause in the last
+                why = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "") if lines else ""
+                self.compile_failed = f"{type(e).__name__}: {why[:500]}"
                 notice(f"the decode step runs uncompiled from now on: torch.compile failed ({self.compile_failed})")
         return self._step(b)
 
