@@ -64,6 +64,11 @@ def main(argv=None) -> int:
     if args.anchor:
         return anchor(names, tasks, args.device, limits, args.anchor, args.out)
     out = []
+
+    def save():  # after every row: a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump({"device": args.device, "results": out}, f, indent=1)
+
     print(f"{'task':<20} {'role':<7} {'time ms':>10} {'expert ms':>10} {'roof ms':>10} {'roof %':>7} {'reward':>7} "
           f"{'overhead s':>10}  implementation / reason", flush=True)
     for name in names:
@@ -73,6 +78,7 @@ def main(argv=None) -> int:
         except RuntimeError as e:  # the expert failed its checks or its process: no anchor, say so, keep going
             print(f"{name}: {e}", file=sys.stderr, flush=True)
             out.append({"task": name, "role": "expert", "error": str(e)})
+            save()
             continue
         impls = {"expert": task.expert(args.device)}
         for label, impl in task.variants.items():
@@ -92,8 +98,8 @@ def main(argv=None) -> int:
             print(f"{name:<20} {label:<7} {t(r.time_s)} {t(r.expert_time_s)} {t(r.roofline_time_s)} {frac} "
                   f"{r.reward if r.reward is not None else 0:7.3f} {r.overhead_s:10.1f}  {impl} {r.reason[:120]}",
                   flush=True)
-            with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
-                json.dump({"device": args.device, "results": out}, f, indent=1)
+            save()
+    save()
     print(f"wrote {args.out}")
     return 0
 
