@@ -12,6 +12,10 @@ Steps (every model a checkpoint under --work):
   3. SFT: `k3 sft` of the base on the training conversations, unquantized, for --sft-steps;
   4. SFT + QAT: the same run with --qat mxfp4 (MXFP4 expert weights, MXFP8 expert inputs throughout), exported;
   5. SFT + PTQ: `k3 quantize` of the SFT checkpoint (MXFP4 weights, MXFP8 expert inputs);
+A finished stage keeps only what the later steps read (the SFT model's files, the QAT run's export), not its
+run's checkpoints with their optimizer state (~2x the model each); before any stage runs, the free disk space is
+checked against what the remaining stages write. --base takes a checkpoint or a run directory (its newest complete
+checkpoint; a `.partial` one left by an interrupted save never counts).
 then for base, SFT, SFT+PTQ and SFT+QAT: the held-out loss over the assistant's tokens (nats/token) and, for
 --generate held-out prompts, the fraction of greedy completions (up to --max-new-tokens, cut at the template's
 stop strings) that `compile()`. `qat_recovery` = (PTQ loss - QAT loss) / (PTQ loss - SFT loss): the share of the
@@ -25,6 +29,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -81,20 +86,117 @@ def pretrain(work: str, args) -> str:
     return ck
 
 
+def resolve_base(base: str) -> str:
+    """--base as a checkpoint: a run directory's newest complete checkpoint, else the path itself."""
+    from k3.run_dir import latest_checkpoint
+
+    if os.path.isdir(os.path.join(base, "checkpoints")):
+        ck = latest_checkpoint(base)
+        if ck is None:
+            raise SystemExit(f"sft_qat: --base {base} is a run directory without a complete checkpoint")
+        return ck
+    return base
+
+
+def stage_result(work: str, name: str, qat: str | None) -> str:
+    """What a finished stage leaves for the later steps: the QAT run's MXFP4 export, the SFT run's model."""
+    return os.path.join(work, name, "mxfp4" if qat else "model")
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def keep_model_only(ckpt: str, dest: str) -> str:
+    """`dest`: the checkpoint `ckpt` without its trainer state (hard links where the file system has them, else
+    copies), written as dest.partial and renamed, so an interrupted call leaves no half model behind."""
+    import shutil
+
+    from k3.train.checkpointing import TRAINER_STATE_FILES
+
+    tmp = dest + ".partial"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    for f in sorted(os.listdir(ckpt)):
+        src = os.path.join(ckpt, f)
+        if f in TRAINER_STATE_FILES or not os.path.isfile(src):
+            continue
+        try:
+            os.link(src, os.path.join(tmp, f))
+        except OSError:
+            shutil.copy2(src, os.path.join(tmp, f))
+    os.rename(tmp, dest)
+    return dest
+
+
+def drop_run_checkpoints(out: str) -> None:
+    """A finished stage's run checkpoints (weights and optimizer state) go; its result stays."""
+    import shutil
+
+    ckdir = os.path.join(out, "checkpoints")
+    if os.path.isdir(ckdir):
+        freed = _dir_bytes(ckdir)
+        shutil.rmtree(ckdir)
+        _log(f"{os.path.basename(out)}: removed its run checkpoints ({freed / 2**30:.1f} GiB), kept its result")
+
+
 def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str | None) -> str:
     from k3.posttrain.sft import SFTOptions, run_sft
     from k3.run_dir import INDEX, complete_checkpoints, latest_checkpoint
+    from k3.train.qat import export_checkpoint
 
     out = os.path.join(work, name)
+    result = stage_result(work, name, qat)
+    if os.path.isfile(os.path.join(result, INDEX)):  # finished by an earlier invocation
+        drop_run_checkpoints(out)
+        return result
     done = complete_checkpoints(os.path.join(out, "checkpoints"))
-    exported = not qat or os.path.isfile(os.path.join(out, "mxfp4", INDEX))
-    finished = bool(done) and done[-1][0] >= args.sft_steps and exported
-    if not finished:  # a fresh run, or one an earlier (interrupted) invocation left short: resume it
+    if not (done and done[-1][0] >= args.sft_steps):  # a fresh run, or one an earlier invocation left short
         if done:
             _log(f"{name}: resuming the run left at step {done[-1][0]} of {args.sft_steps}")
         run_sft(SFTOptions(ckpt=base, data=[train], heldout=[held], device=args.device, resume=bool(done)),
                 _tcfg(out, args.sft_steps, args, qat=qat), progress_bar=False, log=_log)
-    return os.path.join(out, "mxfp4") if qat else latest_checkpoint(out)
+    if qat and not os.path.isfile(os.path.join(result, INDEX)):  # trained, the export cut short: from its checkpoint
+        export_checkpoint(latest_checkpoint(out), out, log=_log)
+    elif not qat:
+        keep_model_only(latest_checkpoint(out), result)
+    drop_run_checkpoints(out)
+    return result
+
+
+def disk_needed(work: str, base: str, args) -> int:
+    """Bytes the stages not yet finished will write: per training stage one checkpoint (fp32 weights and the
+    optimizer state; the base run's own trainer state gives its size, else ~2x the weights); the exports (MXFP4
+    QAT and PTQ) at most half the fp32 weights each."""
+    from k3.checkpoint import INDEX, load_config
+    from k3.model.model import K3ForCausalLM
+    from k3.train.checkpointing import TRAINER_STATE_FILES
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in K3ForCausalLM(load_config(base)).parameters())
+    weights = 4 * n
+    state_file = os.path.join(base, TRAINER_STATE_FILES[0])
+    state = os.path.getsize(state_file) if os.path.isfile(state_file) else 2 * weights
+    need = 0
+    for name, qat in (("sft", None), ("sft_qat", "mxfp4")):
+        if not os.path.isfile(os.path.join(stage_result(work, name, qat), INDEX)):
+            have = _dir_bytes(os.path.join(work, name, "checkpoints"))
+            need += max(weights + state - have, 0) + (weights // 2 if qat else 0)
+    if not os.path.isdir(os.path.join(work, "sft_ptq")):
+        need += weights // 2
+    return need
+
+
+def check_disk(work: str, base: str, args) -> None:
+    import shutil
+
+    need, free = disk_needed(work, base, args), shutil.disk_usage(work).free
+    _log(f"disk: the remaining stages write up to {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB free")
+    if need > free:
+        raise SystemExit(f"sft_qat: the remaining stages need up to {need / 2**30:.1f} GiB in {work}, and its disk "
+                         f"has {free / 2**30:.1f} GiB free. Free space (a base run keeps --keep-checkpoints "
+                         f"checkpoints, 2 by default: keep only the one passed as --base) or choose another --work.")
 
 
 def heldout_loss(ckpt: str, held: str, args) -> float:
@@ -139,7 +241,9 @@ def compile_rate(ckpt: str, held: str, args) -> float:
         for s in template.stop:
             text = text.split(s)[0]
         try:
-            compile(text, "<generated>", "exec", dont_inherit=True)
+            with warnings.catch_warnings():  # the generated program's own warnings (an invalid escape, ...)
+                warnings.simplefilter("ignore")
+                compile(text, "<generated>", "exec", dont_inherit=True)
             ok += 1
         except (SyntaxError, ValueError):
             pass
@@ -174,7 +278,8 @@ def main(argv=None) -> int:
     os.makedirs(args.work, exist_ok=True)
     t0 = time.perf_counter()
     train, held = make_data(args.work, args.records, args.heldout, args.source)
-    base = args.base or pretrain(args.work, args)
+    base = resolve_base(args.base) if args.base else pretrain(args.work, args)
+    check_disk(args.work, base, args)
     sft_ck = sft(args.work, "sft", base, train, held, args, None)
     qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
     ptq_ck = os.path.join(args.work, "sft_ptq")

@@ -29,7 +29,7 @@ def _backends(choice: str, device):
 
 TRAIN_FLAGS = ["max_steps", "max_minutes", "epochs", "seq_len", "batch_tokens", "lr", "seed", "micro_batch_rows",
                "balance", "mtp_weight", "qk_clip_tau", "eval_every", "grad_clip", "save_every_minutes",
-               "activation_checkpointing", "qat", "balance_diagnostics", "optimizer"]
+               "activation_checkpointing", "qat", "balance_diagnostics", "optimizer", "keep_checkpoints"]
 
 
 def _saved_train_config(ck: str) -> dict:
@@ -109,6 +109,9 @@ def _add_trainer_flags(s) -> None:
     s.add_argument("--grad-clip", type=_positive_float)
     s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50 on a CPU, 200 on a GPU)")
     s.add_argument("--save-every-minutes", type=_positive_float)
+    s.add_argument("--keep-checkpoints", type=_positive_int,
+                   help="how many of the newest checkpoints the run keeps; each holds the weights and the optimizer "
+                        "state, ~2-3x the model in fp32 (default 2)")
     s.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="recompute each sublayer in backward instead of storing its activations: trades ~1 extra "
                         "forward of compute for much less activation memory; needed for long contexts "

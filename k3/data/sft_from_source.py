@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import textwrap
+import warnings
 from dataclasses import dataclass
 
 from k3.data.corpus import _relpath, is_heldout, stdlib_files, stdlib_root
@@ -70,7 +71,9 @@ def conversation(prompt_code: str, code: str) -> list[dict]:
 def file_records(text: str, name: str, max_chars: int, stats: SourceStats) -> list[dict]:
     """The conversations of one source file (`name`: its path relative to the root)."""
     try:
-        tree = ast.parse(text)
+        with warnings.catch_warnings():  # a source's own warnings (an invalid escape, ...) are not the user's, and
+            warnings.simplefilter("ignore")  # a filter turning them into errors must not change the data
+            tree = ast.parse(text)
     except (SyntaxError, ValueError):
         stats.unparsable_files += 1
         return []
@@ -86,7 +89,9 @@ def file_records(text: str, name: str, max_chars: int, stats: SourceStats) -> li
             stats.too_long += 1
             continue
         try:
-            compile(code, name, "exec", dont_inherit=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                compile(code, name, "exec", dont_inherit=True)
         except (SyntaxError, ValueError):
             stats.not_standalone += 1
             continue

@@ -342,6 +342,15 @@ def test_cli_resume_after_a_crash_recovers_retention_and_the_newest_checkpoint(t
     assert steps == [1, 2, 3, 4, 5]
 
 
+def test_keep_checkpoints_flag_sets_the_retention(tmp_path):
+    out = str(tmp_path / "run")
+    assert main(_cli_train(tmp_path, out) + ["--max-steps", "3", "--save-every-minutes", "1e-9",
+                                             "--keep-checkpoints", "1"]) == 0
+    assert _complete(out) == [3]
+    with pytest.raises(SystemExit):
+        main(["train", "--keep-checkpoints", "0"])
+
+
 def test_damaged_trainer_state_on_resume_is_one_line(tmp_path, capsys):
     out = str(tmp_path / "run")
     _fake_checkpoint(os.path.join(out, "checkpoints", "step-0000001"))

@@ -1,0 +1,73 @@
+"""benchmarks/sft_qat.py end to end on a tiny model: every stage runs once, a finished stage keeps only its result
+(not its run's checkpoints with their optimizer state), a second invocation reuses them all, and a disk too small
+for the remaining stages is refused before any of them runs."""
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("sft_qat", ROOT / "benchmarks" / "sft_qat.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ARGS = ["--pretrain-steps", "2", "--sft-steps", "2", "--records", "60", "--heldout", "8", "--generate", "1",
+        "--max-new-tokens", "4", "--corpus-mb", "0.5", "--seq-len", "256", "--batch-tokens", "512",
+        "--vocab-size", "512", "--device", "cpu"]
+
+
+def test_stages_keep_their_results_only_and_a_rerun_reuses_them(bench, tmp_path, capsys):
+    work = str(tmp_path / "w")
+    out1, out2 = str(tmp_path / "r1.json"), str(tmp_path / "r2.json")
+    assert bench.main(["--work", work, "--out", out1] + ARGS) == 0
+    first = json.load(open(out1))
+    assert set(first["heldout_reply_loss"]) == {"base", "sft", "sft_ptq_mxfp4", "sft_qat_mxfp4"}
+    for name, result in (("sft", "model"), ("sft_qat", "mxfp4")):
+        assert not os.path.exists(os.path.join(work, name, "checkpoints"))  # weights + optimizer state, gone
+        kept = sorted(os.listdir(os.path.join(work, name, result)))
+        assert "config.json" in kept and "tokenizer.json" in kept and "chat_template.json" in kept
+        assert not any(f.startswith("trainer_state") for f in kept)
+    capsys.readouterr()
+    assert bench.main(["--work", work, "--out", out2] + ARGS) == 0
+    err = capsys.readouterr().err
+    assert "finished at step" not in err  # nothing trained again
+    second = json.load(open(out2))
+    assert second["heldout_reply_loss"] == first["heldout_reply_loss"]
+
+    # --base takes the run directory: its newest complete checkpoint, never the folder of a save cut short
+    base_run = os.path.join(work, "base")
+    ck = bench.resolve_base(base_run)
+    assert os.path.basename(ck) == "step-0000002"
+    shutil.copytree(ck, os.path.join(base_run, "checkpoints", "step-0000009.partial"))
+    assert bench.resolve_base(base_run) == ck
+    assert bench.resolve_base(ck) == ck
+
+
+def test_a_disk_too_small_is_refused_before_any_stage(bench, tmp_path, monkeypatch):
+    from k3.model.model import K3ForCausalLM
+    from k3.config import K3Config
+    from k3.checkpoint import save_pretrained
+
+    base = str(tmp_path / "base")
+    save_pretrained(K3ForCausalLM(K3Config.from_preset("tiny")), base)
+    work = str(tmp_path / "w")
+    os.makedirs(work)
+    need = bench.disk_needed(work, base, None)
+    assert need > 0
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 * need, 10 * need - 1, 1))
+    with pytest.raises(SystemExit) as e:
+        bench.check_disk(work, base, None)
+    assert "GiB free" in str(e.value) and "--keep-checkpoints" in str(e.value)
+    # what a finished stage already wrote no longer counts
+    os.makedirs(os.path.join(work, "sft_ptq"))
+    assert bench.disk_needed(work, base, None) < need
