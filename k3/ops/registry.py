@@ -20,6 +20,10 @@ it to the ops, None meaning ``Backends()``. The choice never changes the math, o
 the ops that read them (fla's host-side chunk lists for KDA, the flex MLA kernels' compilation, the SiTU kernel's
 autotuning). The command line fills a `Backends` from ``--backend`` and the environment with `backends_from_env`,
 the only place k3 reads K3_* variables for this.
+
+Under torch.compile a fast implementation is opaque: the compiled code calls it as it is (a graph break there)
+and fuses only the PyTorch code around it; its kernels are its own, already tuned, and tracing their launchers
+gains nothing. A CUDA graph captured afterwards replays the breaks at no cost.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Callable, Mapping
 import torch
 
 __all__ = ["DEFAULT", "FLEX_OPTION_KEYS", "Backends", "Fast", "Impl", "Op", "Target", "backends_from_env", "dispatch",
-           "importable", "notice", "ops", "register", "runs_on"]
+           "importable", "notice", "opaque_under_compile", "ops", "register", "runs_on"]
 
 REFERENCE = "torch"  # how Backends names the reference of every op
 MODES = ("auto", "torch", "fast")
@@ -104,7 +108,27 @@ def register(op: Op) -> Op:
         raise ValueError(f"op {op.name!r}: fast implementation names must be distinct and not auto, torch or fast, "
                          f"got {names}")
     _ops[op.name] = op
+    if _opaque:
+        _opaque.update({(op.name, f.name): torch.compiler.disable(f.fn) for f in op.fast})
     return op
+
+
+# Each fast implementation as torch.compile sees it: opaque (run as it is, between compiled regions), so that a
+# compiled region (the serving engine's decode step) fuses only the PyTorch glue around the kernels and never
+# traces into fla's or our Triton launchers (their autotuners, caches and launch-time checks). Filled by
+# `opaque_under_compile`, which every k3 caller of torch.compile calls first (building it imports torch's compiler,
+# seconds that a process which never compiles should not pay).
+_opaque: dict[tuple[str, str], Callable] = {}
+
+
+def opaque_under_compile() -> None:
+    """Make every fast implementation opaque to torch.compile from now on (see `_opaque`)."""
+    _load_all()
+    _opaque.update({(name, f.name): torch.compiler.disable(f.fn) for name, op in _ops.items() for f in op.fast})
+
+
+def _fast_impl(op: str, f: Fast) -> Impl:
+    return Impl(f.name, _opaque[(op, f.name)] if _opaque and torch.compiler.is_compiling() else f.fn)
 
 
 def ops() -> Mapping[str, Op]:
@@ -230,7 +254,7 @@ def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = 
         ok, why = f.available(target)
         if not ok:
             raise ValueError(f"{op}={f.name}: {why}")
-        return Impl(f.name, f.fn)
+        return _fast_impl(op, f)
     if target.device.type != "cuda":
         return reference
     reasons = []
@@ -241,7 +265,7 @@ def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = 
                               f"(per_op={{{op!r}: {f.name!r}}}, K3_{op.upper()}_BACKEND={f.name} or --backend fast "
                               "forces it)")
         if ok:
-            return Impl(f.name, f.fn)
+            return _fast_impl(op, f)
         reasons.append(why)
     notice(f"{op} runs on its reference path: {reasons[0]}")
     return reference

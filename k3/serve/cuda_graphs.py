@@ -65,7 +65,7 @@ import torch
 from k3.model.mx_experts import PackedMXExperts
 from k3.ops.mla_decode import default_num_splits, paged_kernel_used
 from k3.ops.moe import grouped_used
-from k3.ops.registry import Target, notice, runs_on
+from k3.ops.registry import Target, notice, opaque_under_compile, runs_on
 from k3.model.cache import K3Cache, KDAInputs
 from k3.serve.cache.views import KDAVerifyView, StaticMLAView
 
@@ -196,6 +196,8 @@ class DecodeGraphs:
         self._compiled = None
         if compile_step:
             import torch._dynamo
+
+            opaque_under_compile()  # the compiled step fuses the PyTorch code between the kernels, not the kernels
 
             # one compile per bucket, all of the same function: keep dynamo from giving up on the larger buckets
             limit = torch._dynamo.config.recompile_limit

@@ -198,3 +198,36 @@ def test_importable_names_the_missing_module():
     assert registry.importable("json") == (True, "")
     ok, why = registry.importable("fla_missing_module_xyz")
     assert not ok and "fla_missing_module_xyz is not importable" in why and "pip install k3[gpu]" in why
+
+
+def test_fast_implementations_are_opaque_to_torch_compile_once_asked(monkeypatch):
+    # A compiled region (the serving engine's decode step) calls a fast implementation as it is, not traced: the
+    # implementation runs outside the compiler (is_compiling() False inside it) and the result is the same.
+    seen = []
+
+    def fast(x):
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    op = Op("plus_one", reference=lambda x: x + 1, tolerance="exact: integer arithmetic",
+            fast=(Fast("kernel", fast, YES, validated=True, cpu=True),))
+    monkeypatch.setitem(registry._ops, "plus_one", op)
+    monkeypatch.setattr(registry, "_opaque", {})
+    b = Backends(per_op={"plus_one": "kernel"})
+
+    def step(x):
+        return dispatch("plus_one", x, b).fn(x * 2) - 1
+
+    x = torch.arange(4.0)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="eager")(x), x * 2)
+    assert seen and seen[0] is True  # not asked: traced into
+    seen.clear()
+    registry.opaque_under_compile()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="eager")(x), x * 2)
+    assert seen == [False]  # called as it is, between compiled regions
+    seen.clear()
+    assert torch.equal(step(x), x * 2) and seen == [False]  # uncompiled calls are untouched
+    assert dispatch("plus_one", x, b).fn is fast
+    torch._dynamo.reset()
