@@ -38,6 +38,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/serve/spec/test_spec_graphs.py",
     "tests/ops/test_mla_decode.py",
     "tests/serve/test_cuda_graphs.py",
+    "tests/model/test_stack_projections.py",
     "tests/ops/test_mla_flex.py",
     "tests/train/test_per_head_muon.py",
     "tests/ops/test_muon_update.py",

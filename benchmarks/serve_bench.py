@@ -60,10 +60,10 @@ def _maybe_profile(label: str, dev):
     print(out.getvalue())
 
 
-def _engine(model, enable, mb, chunk, compile_decode=False):
+def _engine(model, enable, mb, chunk, compile_decode=False, stack=True):
     sched = SchedulerConfig(max_step_tokens=chunk, prefill_chunk=chunk, max_num_seqs=128, long_prompt_tokens=10**9)
     e = LLMEngine(model, None, EngineConfig(cache_memory_mb=mb, enable_prefix_cache=enable,
-                                            compile_decode=compile_decode, scheduler=sched))
+                                            compile_decode=compile_decode, stack_projections=stack, scheduler=sched))
     e.eos_id = None
     return e
 
@@ -113,12 +113,12 @@ def _ttft_once(model, n, dev, mb, chunk, seed, profile=False) -> dict:
     return res
 
 
-def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False) -> dict:
+def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False, stack=True) -> dict:
     cfg = model.config
     V = cfg.vocab_size
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(1, V, (ctx,), generator=g).tolist() for _ in range(batch)]
-    eng = _engine(model, False, mb, 8192, compile_decode)
+    eng = _engine(model, False, mb, 8192, compile_decode, stack)
     p = SamplingParams(max_tokens=steps + 100, temperature=0)  # every request runs through the timed steps
     seqs = [eng.add_request(pr, p) for pr in prompts]
     while any(len(s.output_ids) < 4 for s in seqs):  # prefill, then two decode steps (graph capture) as warm-up
@@ -144,7 +144,7 @@ def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False) -> d
     floor = (wbytes * (other + routed * touched) + state + mla) / COPY_BW
     graphs = eng.runner.graphs
     compiled = "failed: " + graphs.compile_failed if graphs is not None and graphs.compile_failed else compile_decode
-    return {"batch": batch, "compile_decode": compiled, "step_ms": round(dt * 1e3, 3),
+    return {"batch": batch, "compile_decode": compiled, "stack_projections": stack, "step_ms": round(dt * 1e3, 3),
             "tokens_per_s": round(batch / dt, 1), "floor_ms": round(floor * 1e3, 4),
             "fraction_of_floor": round(floor / dt, 4)}
 
@@ -156,6 +156,9 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, nargs="*", default=[1, 4])
     ap.add_argument("--compile-decode", choices=["off", "on", "both"], default="off",
                     help="torch.compile the static decode step before capture (EngineConfig.compile_decode); both: "
+                         "each decode batch size without and with it")
+    ap.add_argument("--stack-projections", choices=["off", "on", "both"], default="on",
+                    help="each layer's projections of one input as one GEMM (EngineConfig.stack_projections); both: "
                          "each decode batch size without and with it")
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--cache-mb", type=float, default=4096)
@@ -180,10 +183,12 @@ def main() -> None:
     model = model.to(dev).eval()
     for n in args.ttft:
         print(json.dumps({"preset": args.preset, "prompt_tokens": n, **ttft(model, n, dev, args.cache_mb, args.chunk)}))
-    for b in args.decode_batch:  # with --compile-decode both: uncompiled and compiled side by side per batch size
-        for comp in {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode]:
-            print(json.dumps({"preset": args.preset, **decode(model, b, dev, args.cache_mb, compile_decode=comp)}),
-                  flush=True)
+    choices = {"off": [False], "on": [True], "both": [False, True]}
+    for b in args.decode_batch:  # with "both": without and with, side by side per batch size
+        for comp in choices[args.compile_decode]:
+            for stack in choices[args.stack_projections]:
+                print(json.dumps({"preset": args.preset, **decode(model, b, dev, args.cache_mb, compile_decode=comp,
+                                                                  stack=stack)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -223,3 +223,15 @@ def stop_after(trainer, step: int):
 
     trainer.train_step = step_then_stop
     return trainer
+
+
+def load_benchmark(name: str):
+    """The module benchmarks/<name>.py (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.ops.registry import Backends
+from k3.ops.registry import Backends, notice
 from k3.ops.rms_norm import rms_norm_any
 from k3.ops.situ import situ_glu_any
 from k3.ops.weight_cast import WeightCasts, stacked_weight, weight
@@ -69,9 +69,17 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     with zero rows to a multiple of 16 outputs, so that the returned views' row stride stays 16-element aligned
     (kernels that take strided inputs, like fla's convolution, specialize on that).
     Without gradients (serving, evaluation) the layers run one by one: a per-call copy of the weights would be
-    most of a decode step's traffic and would sit in every captured CUDA graph's memory."""
+    most of a decode step's traffic and would sit in every captured CUDA graph's memory. Unless the layers' weights
+    already are one tensor's rows (:func:`stack_projections`, done by the serving engine): then one GEMM against it.
+    """
     groups = [entry if isinstance(entry, tuple) else (entry,) for entry in layers]
     if not torch.is_grad_enabled():
+        flat = [layer for g in groups for layer in g]
+        stack = _serving_stack(flat)
+        if stack is not None:
+            sizes = [sum(layer.out_features for layer in g) for g in groups]
+            pad = stack.shape[0] - sum(sizes)
+            return F.linear(x, stack).split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
         outs = [[layer(x) for layer in g] for g in groups]
         return tuple(o[0] if len(o) == 1 else torch.cat(o, dim=-1) for o in outs)
     ws = [layer.weight for g in groups for layer in g]
@@ -80,6 +88,76 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     casts = next((layer.weight_casts for g in groups for layer in g if isinstance(layer, CastsWeights)), None)
     y = F.linear(x, stacked_weight(ws, pad, casts))
     return y.split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
+
+
+def _serving_stack(layers: list[nn.Module], quiet: bool = False) -> torch.Tensor | None:
+    """The one tensor whose rows are `layers`' weights, in this order (`stack_projections`), or None: never
+    stacked, stacked as another group, or stale (a weight replaced since, e.g. by ``.to()``: said once)."""
+    got = getattr(layers[0], "serving_stack", None)
+    if got is None:
+        return None
+    stack, members, ptrs = got
+    if len(members) != len(layers) or any(a is not b for a, b in zip(members, layers)):
+        return None
+    if any(layer.weight.data_ptr() != p for layer, p in zip(layers, ptrs)):
+        if not quiet:
+            notice("stacked projections: a weight was replaced after stack_projections; its group runs one GEMM "
+                   "per projection (call stack_projections again)")
+        return None
+    return stack
+
+
+def _in_a_stack(layer: nn.Module) -> bool:
+    got = getattr(layer, "serving_stack", None)
+    return got is not None and _serving_stack(list(got[1]), quiet=True) is not None
+
+
+def serving_stack(*layers: nn.Module) -> torch.Tensor | None:
+    """The stacked weight of exactly these layers, in this order (see `stack_projections`), or None."""
+    return _serving_stack(list(layers))
+
+
+def stack_projections(model: nn.Module, on: bool = True) -> int:
+    """For serving: every group of bias-free projections that a layer computes from one input (its
+    ``projection_groups()``: KDA's q, k, v, decay, beta and gate; MLA's q_a, kv_a and gate; an MoE layer's latent
+    down-projection and shared gate and up, led by the router where one GEMM can write fp32; an MLP's gate and up)
+    gets its weights copied into the rows of one tensor (zero rows padding it to a multiple of 16, as in training)
+    and each weight becomes a view of its rows, so that `stacked_linear` runs one GEMM per group instead of one per
+    projection, reading the same bytes. The parameters stay the same objects with the same names and values (only
+    their storage moves: an optimizer holding them goes on updating them), and no memory is added. Call it once the
+    model has its device and dtype. Groups already stacked stay as they are. `on=False` undoes it (each
+    weight its own tensor again). Returns the number of groups stacked afterwards."""
+    n = 0
+    for m in model.modules():
+        for group in getattr(m, "projection_groups", lambda: ())():
+            if not on:
+                if getattr(group[0], "serving_stack", None) is not None:
+                    for l in group:
+                        l.weight.data = l.weight.data.clone()
+                        del l.serving_stack
+                continue
+            if _serving_stack(list(group), quiet=True) is not None:
+                n += 1
+                continue
+            if any(_in_a_stack(l) for l in group):
+                continue  # a member already sits in another group's stack (a larger group of its parent's)
+            w0 = group[0].weight
+            if any(getattr(l, "bias", None) is not None or l.weight.dtype != w0.dtype or l.weight.device != w0.device
+                   or l.weight.shape[1] != w0.shape[1] for l in group):
+                continue
+            rows = sum(l.weight.shape[0] for l in group)
+            stack = w0.new_zeros((rows + -rows % 16, w0.shape[1]))
+            at = 0
+            for l in group:  # the Parameter objects stay (an optimizer holding them updates the stack's rows)
+                r = l.weight.shape[0]
+                stack[at:at + r].copy_(l.weight.data)
+                l.weight.data = stack[at:at + r]
+                at += r
+            ptrs = tuple(l.weight.data_ptr() for l in group)
+            for l in group:
+                l.serving_stack = (stack, tuple(group), ptrs)
+            n += 1
+    return n
 
 
 class RMSNorm(nn.Module):
@@ -118,6 +196,14 @@ class SituMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.beta1, self.beta2 = beta1, beta2
 
+    def projection_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
+        """The projections of one input that `stacked_linear` computes together, in its order."""
+        return ((self.gate_proj, self.up_proj),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = stacked_linear(x, self.gate_proj, self.up_proj)
+        return self.from_projections(gate, up)
+
+    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The rest of `forward` once gate_proj(x) and up_proj(x) are computed (by a parent's GEMM of them)."""
         return self.down_proj(situ_glu_any(gate, up, self.beta1, self.beta2, backends=self.backends))

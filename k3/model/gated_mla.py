@@ -33,6 +33,10 @@ class GatedMLA(nn.Module):
         self.g_proj = Linear(D, H * self.dv, bias=False)
         self.o_proj = Linear(H * self.dv, D, bias=False)
 
+    def projection_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
+        """The projections of x that `stacked_linear` computes together, in its order (k3.model.common)."""
+        return ((self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj),)
+
     def forward(self, x: torch.Tensor, cache: MLALayerCache | None = None, batch: BatchInfo | None = None,
                 return_max_logit: bool = False):
         """x [B, T, D] -> [B, T, D]. `batch`: the batch's record (its segment ids keep each query in its own

@@ -41,6 +41,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(K, eps=cfg.rms_norm_eps)
         self.o_proj = Linear(P, D, bias=False)
 
+    def projection_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
+        """The projections of x that `stacked_linear` computes together, in its order (k3.model.common)."""
+        return ((self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj),)
+
     def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None, batch: BatchInfo | None = None):
         """x [B, T, D] -> [B, T, D]. `batch`: the batch's record; with segment ids, the documents (offsets
         `batch.cu_seqlens`) run as separate sequences of one row, state and conv reset at each start. `cache`: a

@@ -13,11 +13,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP
+from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack
 from k3.ops.moe import Routing, moe_experts_any, route
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
 from k3.ops.situ import situ_glu, situ_glu_any, situ_glu_any_fused
+
+
+def fp32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether one GEMM of `dtype` inputs on `device` can write fp32 outputs (aten ``mm.dtype``: CUDA, bf16/fp16)."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bf16 a and b, accumulated and returned in fp32 (one GEMM)."""
+    return torch.mm(a, b, out_dtype=torch.float32)
 
 
 class MoEGate(nn.Module):
@@ -32,6 +42,10 @@ class MoEGate(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         with autocast_off(x.device.type):
             logits = F.linear(x.float(), self.weight.float())  # router in fp32 (report §2.3.3), autocast or not
+        return self.from_logits(logits)
+
+    def from_logits(self, logits: torch.Tensor) -> Routing:
+        """The routing of the router's fp32 logits [N, E]."""
         return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
 
 
@@ -83,11 +97,48 @@ class LatentMoE(nn.Module):
             if cfg.num_shared_experts > 0 else None
         )
 
+    def projection_groups(self) -> tuple[tuple[nn.Module, ...], ...]:
+        """The projections of x computed together once stacked for serving (k3.model.common.stack_projections):
+        the latent down-projection and the shared experts' gate and up, and on CUDA the router in front of them
+        (report §5.4.2: one GEMM with fp32 output, the router's logits exact as in fp32 and the rest rounded as a
+        bf16 GEMM rounds)."""
+        if self.shared_experts is None:
+            return ()
+        w = self.gate.weight
+        head = (self.gate,) if fp32_out_gemm(w.device, w.dtype) else ()
+        return (head + (self.routed_expert_down_proj, self.shared_experts.gate_proj, self.shared_experts.up_proj),)
+
+    def _stacked_projections(self, flat: torch.Tensor):
+        """(router logits fp32, or None: the router runs on its own; z; shared gate; shared up) from one GEMM
+        against the serving stack, or None where there is none (training, unstacked)."""
+        if torch.is_grad_enabled() or self.shared_experts is None:
+            return None
+        sh = self.shared_experts
+        rest = (self.routed_expert_down_proj, sh.gate_proj, sh.up_proj)
+        sizes = [self.routed_expert_down_proj.out_features, sh.gate_proj.out_features, sh.up_proj.out_features]
+        stack = serving_stack(self.gate, *rest) if fp32_out_gemm(flat.device, flat.dtype) else None
+        if stack is not None:
+            E = self.gate.weight.shape[0]
+            y = mm_fp32_out(flat, stack.t())
+            logits, others = y[:, :E], y[:, E:E + sum(sizes)].to(flat.dtype)
+            return (logits, *others.split(sizes, dim=-1))
+        stack = serving_stack(*rest)
+        if stack is None:
+            return None
+        return (None, *F.linear(flat, stack)[:, :sum(sizes)].split(sizes, dim=-1))
+
     def forward(self, x: torch.Tensor, return_routing: bool = False):
         """y [..., D] for x [..., D]; with `return_routing`, (y, the routing of the flattened tokens, detached):
         what load balancing and the expert-load metrics read."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        stacked = self._stacked_projections(flat)
+        if stacked is not None:  # serving: the projections of x from one GEMM
+            logits, z, sg, su = stacked
+            routing = self.gate(flat) if logits is None else self.gate.from_logits(logits)
+            u = self.experts(z, routing)
+            y = self.routed_expert_up_proj(self.routed_expert_norm(u)) + self.shared_experts.from_projections(sg, su)
+            return (y.view(shape), Routing(*(t.detach() for t in routing))) if return_routing else y.view(shape)
         routing = self.gate(flat)
         u = self.experts(self.routed_expert_down_proj(flat), routing)
         y = self.routed_expert_up_proj(self.routed_expert_norm(u))

@@ -371,6 +371,7 @@ def load_teachers(table: TeacherTable, student_cfg, student_tok, device, backend
     """{tag: teacher model} (one model per distinct checkpoint), each checked against the student."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
+    from k3.model.common import stack_projections
 
     loaded: dict[str, Any] = {}
     out = {}
@@ -390,6 +391,10 @@ def load_teachers(table: TeacherTable, student_cfg, student_tok, device, backend
                     raise ValueError(f"--teacher {tag}={ck}: its tokenizer.json differs from the student's: a "
                                      "teacher must share the student's tokenizer")
             model.requires_grad_(False)
+            # inference only: each layer's projections of one input as one GEMM, as the student's are once the
+            # rollout engine has stacked them (the same GEMMs on both sides: a teacher equal to the student scores
+            # every token exactly as the student does)
+            stack_projections(model)
             loaded[ck] = model
             log(f"teacher {tag}: {ck} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
         out[(d, e)] = loaded[ck]

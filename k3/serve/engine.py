@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.model.common import stack_projections
 from k3.ops.registry import notice
 from k3.serve.cache.manager import CacheManager
 from k3.serve.cuda_graphs import DecodeGraphs, decode_graphs_mode, prefill_graph_lengths
@@ -54,6 +55,10 @@ class EngineConfig:
     # torch.compile the static decode step before its capture (fewer, fused kernels; a compile per bucket at warm-up).
     # Needs the static-buffer steps (cuda_graphs True or "eager"); k3.serve.cuda_graphs
     compile_decode: bool = False
+    # The projections a layer computes from one input (KDA's six, MLA's three, an MoE layer's latent down-projection
+    # and shared gate and up, with the router on CUDA) as one GEMM per layer against their weights stacked in place
+    # (k3.model.common.stack_projections: same bytes, fewer kernels); False undoes it on the model.
+    stack_projections: bool = True
     speculative: str = "off"  # "mtp": draft with the model's MTP layer and verify (k3.serve.spec); "eagle3": with
     # the EAGLE-3 draft in directory `draft` (k3 train-draft; k3.draft_checkpoint)
     draft: str | None = None
@@ -77,7 +82,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
-        for name in ("speculative_auto", "mix_verify", "compile_decode"):
+        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use True or False")
         if self.draft is not None and self.speculative != "eagle3":
@@ -134,6 +139,7 @@ class LLMEngine:
         self.cfg = config or EngineConfig()
         self.cfg.validate()
         self.model, self.tokenizer = model.eval(), tokenizer
+        stack_projections(model, self.cfg.stack_projections)
         mcfg = model.config
         device = next(model.parameters()).device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

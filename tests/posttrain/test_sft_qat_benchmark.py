@@ -2,23 +2,17 @@
 (not its run's checkpoints with their optimizer state), a second invocation reuses them all, and a disk too small
 for the remaining stages is refused before any of them runs."""
 
-import importlib.util
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("sft_qat", ROOT / "benchmarks" / "sft_qat.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sft_qat")
 
 
 ARGS = ["--pretrain-steps", "2", "--sft-steps", "2", "--records", "60", "--heldout", "8", "--generate", "1",

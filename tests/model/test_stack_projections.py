@@ -1,0 +1,204 @@
+"""Serving-time stacked projections (k3.model.common.stack_projections): each layer's projections of one input as
+one GEMM against their weights stacked in place. Same outputs as the layers one by one (fp32: 1e-5 of the largest
+logit, the GEMM's blocking over more columns may sum in another order), fewer GEMMs, the same parameters by name and
+value, no extra memory; a stack made stale by a replaced weight is noticed and not used."""
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from k3.config import K3Config
+from k3.model.common import stack_projections
+from k3.model.model import K3ForCausalLM
+from k3.ops import registry
+
+
+class _GEMMs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm", "linear"):
+            self.n[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model():
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
+    return K3ForCausalLM(cfg).init_weights(seed=0).eval()
+
+
+def _parts(model):
+    """(KDA layers, MLA layers, MoE layers with shared experts, dense MLP layers)."""
+    cfg = model.config
+    moe = [m for m in model.modules() if type(m).__name__ == "LatentMoE" and m.shared_experts is not None]
+    inside = {id(m.shared_experts) for m in moe}
+    dense = [m for m in model.modules() if type(m).__name__ == "SituMLP" and id(m) not in inside]
+    return len(cfg.kda_layers), len(cfg.full_attn_layers), len(moe), len(dense)
+
+
+def _forward(model, ids):
+    with torch.no_grad(), _GEMMs() as g:
+        logits = model(ids).logits
+    return logits, sum(g.n.values())
+
+
+def test_stacked_projections_give_the_same_logits_with_fewer_gemms():
+    model = _model()
+    ids = torch.randint(1, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    want, gemms = _forward(model, ids)
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    params_before = {"q": model.model.layers[model.config.kda_layers[0]].self_attn.q_proj.weight}
+    groups = stack_projections(model)
+    cfg = model.config
+    n_kda, n_mla, n_moe, n_dense = _parts(model)
+    assert groups == n_kda + n_mla + n_moe + n_dense
+    got, stacked_gemms = _forward(model, ids)
+    # KDA: q, k, v, decay, beta, gate in one; MLA: q_a, kv_a, gate in one; a dense MLP: gate and up in one; an MoE
+    # layer: the latent down-projection and the shared experts' gate and up in one (on CUDA the router too)
+    assert gemms - stacked_gemms == 5 * n_kda + 2 * n_mla + 2 * n_moe + n_dense
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+    # the weights are views of one tensor per group, rows side by side, padded to a multiple of 16 rows
+    kda = model.model.layers[cfg.kda_layers[0]].self_attn
+    stack = kda.q_proj.serving_stack[0]
+    assert kda.q_proj.weight.data_ptr() == stack.data_ptr() and stack.shape[0] % 16 == 0
+    assert kda.k_proj.weight.data_ptr() == stack[kda.q_proj.out_features:].data_ptr()
+    assert stack_projections(model) == groups  # again: nothing changes
+    assert kda.q_proj.weight is params_before["q"]  # the same Parameter objects (an optimizer holds them)
+    assert kda.q_proj.serving_stack[0] is stack
+
+
+def test_a_stale_stack_is_noticed_and_not_used(monkeypatch, capsys):
+    monkeypatch.setattr(registry, "_notices", set())
+    model = _model()
+    ids = torch.randint(1, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    stack_projections(model)
+    kda = model.model.layers[model.config.kda_layers[0]].self_attn
+    with torch.no_grad():
+        kda.k_proj.weight = nn.Parameter(kda.k_proj.weight * 2)  # replaced: the stack still holds the old rows
+    got, _ = _forward(model, ids)
+    assert "a weight was replaced after stack_projections" in capsys.readouterr().err
+    stack_projections(model, on=False)
+    want, _ = _forward(model, ids)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert not hasattr(kda.q_proj, "serving_stack")
+    # each weight its own tensor again: k's rows no longer follow q's (fp32, 4 bytes an entry)
+    assert kda.k_proj.weight.data_ptr() != kda.q_proj.weight.data_ptr() + 4 * kda.q_proj.weight.numel()
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_engine_decodes_the_same_tokens_stacked_or_not(on):
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    model = _model()
+    prompts = [[3, 5, 7, 11, 13, 17], [2, 4, 6]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ref = LLMEngine(model, None, EngineConfig(cache_memory_mb=16, stack_projections=False))
+    want = [s.output_ids for s in ref.generate(prompts, params)]
+    eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=16, stack_projections=on))
+    assert (getattr(model.model.layers[0].mlp.gate_proj, "serving_stack", None) is not None) == on
+    assert [s.output_ids for s in eng.generate(prompts, params)] == want
+
+
+def test_an_optimizer_made_before_stacking_still_trains_the_model():
+    # an engine built on a model being trained (on-policy rollouts) stacks its projections; the optimizer's
+    # parameters are still the model's, so its steps change what the next forward computes
+    model = _model().train()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ids = torch.randint(1, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    stack_projections(model)
+    kda = model.model.layers[model.config.kda_layers[0]].self_attn
+    stack = kda.q_proj.serving_stack[0]
+    before = stack.clone()
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    assert not torch.equal(stack, before)  # the step moved the stacked rows the engine's GEMM reads
+    assert kda.q_proj.serving_stack[0] is stack and kda.q_proj.weight.data_ptr() == stack.data_ptr()
+
+
+def test_training_after_stacking_gets_the_same_gradients():
+    ids = torch.randint(1, 300, (2, 16), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for stacked in (False, True):
+        model = _model().train()
+        if stacked:
+            stack_projections(model)
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6), n
+
+
+def test_decode_ops_benchmark_counts_the_gemms_stacking_saves(capsys, monkeypatch):
+    import json
+
+    from helpers import load_benchmark
+
+    mod = load_benchmark("decode_ops")
+    monkeypatch.setattr(registry, "_ops", dict(registry._ops))  # the benchmark wraps the registered ops
+    assert mod.main(["--preset", "tiny", "--device", "cpu"]) == 0
+    off, on = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    n_kda, n_mla, n_moe, n_dense = _parts(_model())
+    assert off["stack_projections"] is False and on["stack_projections"] is True
+    assert off["gemms"] - on["gemms"] == 5 * n_kda + 2 * n_mla + 2 * n_moe + n_dense
+    assert off["operations"] - on["operations"] == off["gemms"] - on["gemms"]
+
+
+def _router_stack_on_cpu(monkeypatch):
+    """The CUDA form of the MoE stack (router first, one GEMM with fp32 output) on CPU: the fp32-output GEMM as
+    the fp32 GEMM of the same bf16 values (what aten mm.dtype computes, up to summation order)."""
+    from k3.model import latent_moe
+
+    monkeypatch.setattr(latent_moe, "fp32_out_gemm", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(latent_moe, "mm_fp32_out", lambda a, b: a.float() @ b.float())
+
+
+def test_the_router_joins_the_moe_stack_where_a_gemm_writes_fp32(monkeypatch):
+    _router_stack_on_cpu(monkeypatch)
+    model = _model().set_dtype(torch.bfloat16)
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    moe = next(m for m in model.modules() if type(m).__name__ == "LatentMoE")
+    x = torch.randn(24, model.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        want_routing = moe.gate(x)
+        want, _ = _forward(model, ids)
+        stack_projections(model)
+        assert moe.gate.serving_stack[0] is moe.routed_expert_down_proj.serving_stack[0]
+        logits, z, sg, su = moe._stacked_projections(x)
+        assert logits.dtype == torch.float32 and z.dtype == torch.bfloat16
+        got_routing = moe.gate.from_logits(logits)
+        got, _ = _forward(model, ids)
+    # the router's logits are the fp32 ones; the other outputs rounded as a bf16 GEMM rounds
+    assert torch.equal(got_routing.indices, want_routing.indices)
+    assert torch.allclose(got_routing.weights, want_routing.weights, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(z.float(), moe.routed_expert_down_proj(x).float(), rtol=1e-2, atol=1e-2)
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stacked_projections_with_the_router_match_the_layers_one_by_one():
+    model = _model().set_dtype(torch.bfloat16).cuda()
+    ids = torch.randint(1, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(6)).cuda()
+    moe = next(m for m in model.modules() if type(m).__name__ == "LatentMoE")
+    x = torch.randn(24, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want_logits = torch.nn.functional.linear(x.float(), moe.gate.weight.float())
+        want, _ = _forward(model, ids)
+        stack_projections(model)
+        assert moe.gate.serving_stack[0] is moe.routed_expert_down_proj.serving_stack[0]  # the router in the GEMM
+        logits, z, sg, su = moe._stacked_projections(x)
+        got, _ = _forward(model, ids)
+    # fp32 accumulation on both sides, another summation order: 1e-5 of the largest logit
+    assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
+    assert torch.allclose(z.float(), moe.routed_expert_down_proj(x).float(), rtol=2e-2, atol=1e-2)
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
