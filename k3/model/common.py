@@ -125,10 +125,13 @@ def stack_projections(model: nn.Module, on: bool = True) -> int:
     and each weight becomes a view of its rows, so that `stacked_linear` runs one GEMM per group instead of one per
     projection, reading the same bytes. The parameters stay the same objects with the same names and values (only
     their storage moves: an optimizer holding them goes on updating them), and no memory is added. Call it once the
-    model has its device and dtype. Groups already stacked stay as they are. `on=False` undoes it (each
-    weight its own tensor again). Returns the number of groups stacked afterwards."""
+    model has its device and dtype. The routed experts' gate and up weights likewise become the halves of one tensor
+    (their ``stack_halves``: one grouped GEMM for both). Groups already stacked stay as they are. `on=False` undoes
+    it (each weight its own tensor again). Returns the number of groups stacked afterwards, the experts' included."""
     n = 0
     for m in model.modules():
+        if hasattr(m, "stack_halves"):  # the routed experts: w1 and w3 as the halves of one tensor per expert
+            n += m.stack_halves(on)
         for group in getattr(m, "projection_groups", lambda: ())():
             if not on:
                 if getattr(group[0], "serving_stack", None) is not None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack
-from k3.ops.moe import Routing, moe_experts_any, route
+from k3.ops.moe import Routing, interleaved_halves, moe_experts_any, route
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
 from k3.ops.situ import situ_glu, situ_glu_any, situ_glu_any_fused
@@ -60,6 +60,23 @@ class GroupedExperts(CastsWeights, nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, inter, latent))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, inter))  # down
         self.beta1, self.beta2 = beta1, beta2
+
+    def stack_halves(self, on: bool = True) -> bool:
+        """For serving (k3.model.common.stack_projections): w1 and w3 moved, in place, into the two halves of one
+        [E, 2F, L] tensor per expert (the same Parameter objects, values and memory), so that the grouped path
+        computes gate and up as one grouped GEMM (k3.ops.moe.interleaved_halves); `on=False` gives each its own
+        contiguous tensor again. Returns whether they are stacked afterwards."""
+        w1, w3 = self.w1, self.w3
+        stacked = interleaved_halves(w1.data, w3.data) is not None
+        if on and not stacked and w1.shape == w3.shape and w1.dtype == w3.dtype and w1.device == w3.device:
+            F = w1.shape[1]
+            buf = torch.empty((w1.shape[0], 2 * F, w1.shape[2]), dtype=w1.dtype, device=w1.device)
+            buf[:, :F].copy_(w1.data)
+            buf[:, F:].copy_(w3.data)
+            w1.data, w3.data = buf[:, :F], buf[:, F:]
+        elif not on and stacked:
+            w1.data, w3.data = w1.data.contiguous(), w3.data.contiguous()
+        return interleaved_halves(w1.data, w3.data) is not None
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return situ_glu(gate, up, self.beta1, self.beta2)

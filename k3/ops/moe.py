@@ -259,6 +259,23 @@ register(Op(
               "2e-2, gradients 3e-2 relative (bf16 rounding of the inputs, h13 and the hidden)"))
 
 
+def interleaved_halves(w1: Tensor, w3: Tensor) -> Tensor | None:
+    """The [E, 2F, L] tensor whose per-expert halves w1 and w3 ([E, F, L]) are, where their memory is laid out so
+    (k3.model.latent_moe.GroupedExperts.stack_halves: serving's experts, one grouped GEMM for gate and up); else
+    None. Read from the layout itself: w1 = T[:, :F], w3 = T[:, F:] of one contiguous T."""
+    if w1.dim() != 3 or w3.shape != w1.shape or w3.dtype != w1.dtype or w3.device != w1.device:
+        return None
+    E, F, L = w1.shape
+    want = (2 * F * L, L, 1)
+    if w1.stride() != want or w3.stride() != want:
+        return None
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return None
+    if w3.data_ptr() - w1.data_ptr() != F * L * w1.element_size():
+        return None
+    return w1.as_strided((E, 2 * F, L), want)
+
+
 def moe_experts_any(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                     act: Callable[[Tensor, Tensor], Tensor], act_fast: Callable[[Tensor, Tensor], Tensor],
                     act13: Callable[[Tensor], Tensor], backends: Backends | None = None,
@@ -273,6 +290,8 @@ def moe_experts_any(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
       `act13` on the [gate | up] columns (w1 and w3 then only give the shapes: no separate casts of them)."""
     if dispatch("moe", z, backends).name == "grouped":
         w13 = cached_stack([w1, w3], dim=1, casts=casts)
+        if w13 is None and not torch.is_grad_enabled():
+            w13 = interleaved_halves(w1, w3)  # serving's experts, stacked in place
         return moe_experts_grouped(z, weights, indices, w1, w3, weight(w2, casts), act_fast, w13=w13,
                                    act13=None if w13 is None else act13, backends=backends)
     return moe_experts(z, weights, indices, weight(w1, casts), weight(w3, casts), weight(w2, casts), act)

@@ -40,7 +40,7 @@ from typing import Callable, Mapping
 import torch
 
 __all__ = ["DEFAULT", "FLEX_OPTION_KEYS", "Backends", "Fast", "Impl", "Op", "Target", "backends_from_env", "dispatch",
-           "importable", "notice", "opaque_under_compile", "ops", "register", "runs_on"]
+           "importable", "keep_opaque", "notice", "opaque", "opaque_under_compile", "ops", "register", "runs_on"]
 
 REFERENCE = "torch"  # how Backends names the reference of every op
 MODES = ("auto", "torch", "fast")
@@ -118,13 +118,32 @@ def register(op: Op) -> Op:
 # traces into fla's or our Triton launchers (their autotuners, caches and launch-time checks). Filled by
 # `opaque_under_compile`, which every k3 caller of torch.compile calls first (building it imports torch's compiler,
 # seconds that a process which never compiles should not pay).
-_opaque: dict[tuple[str, str], Callable] = {}
+_opaque: dict = {}  # (op, implementation) or a keep_opaque function -> its opaque version
+
+
+_kernel_entries: list[Callable] = []  # kernel entry points an op file calls besides its Fast.fn (keep_opaque)
+
+
+def keep_opaque(fn: Callable) -> Callable:
+    """Register `fn`, a kernel entry point that an op file calls directly (not as a Fast.fn), to be opaque to
+    torch.compile like the fast implementations; call it through `opaque(fn)`. Returns fn."""
+    _kernel_entries.append(fn)
+    if _opaque:
+        _opaque[fn] = torch.compiler.disable(fn)
+    return fn
+
+
+def opaque(fn: Callable) -> Callable:
+    """`fn` (registered with `keep_opaque`) as a compiled region should call it: opaque once
+    `opaque_under_compile` has run, `fn` itself otherwise."""
+    return _opaque[fn] if _opaque and torch.compiler.is_compiling() else fn
 
 
 def opaque_under_compile() -> None:
     """Make every fast implementation opaque to torch.compile from now on (see `_opaque`)."""
     _load_all()
     _opaque.update({(name, f.name): torch.compiler.disable(f.fn) for name, op in _ops.items() for f in op.fast})
+    _opaque.update({fn: torch.compiler.disable(fn) for fn in _kernel_entries})
 
 
 def _fast_impl(op: str, f: Fast) -> Impl:

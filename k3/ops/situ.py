@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from k3.ops import _triton, situ_triton
-from k3.ops.registry import DEFAULT, Backends, Fast, Op, Target, dispatch, register
+from k3.ops.registry import DEFAULT, Backends, Fast, Op, Target, dispatch, keep_opaque, opaque, register
 
 __all__ = ["situ_glu", "situ_glu_any", "situ_glu_any_fused"]
 
@@ -88,7 +88,11 @@ def situ_glu_any_fused(h13: Tensor, beta1: float = 4.0, beta2: float = 25.0,
     (op ``situ``: the fused Triton kernel on GPU, whose backward writes d(h13) as one tensor)."""
     if h13.shape[-1] % 2:
         raise ValueError(f"h13's last dimension must be even ([gate | up], 2F columns), got {h13.shape[-1]}")
-    if dispatch("situ", h13, backends).name == "triton":
-        return situ_triton.situ_glu_fused(h13, beta1, beta2, autotune=(backends or DEFAULT).situ_autotune)
+    impl = dispatch("situ", h13, backends)
+    if impl.name == "triton":
+        return opaque(_situ_glu_fused)(h13, beta1, beta2, autotune=(backends or DEFAULT).situ_autotune)
     gate, up = h13.chunk(2, dim=-1)
-    return situ_glu(gate, up, beta1, beta2)
+    return impl.fn(gate, up, beta1, beta2)
+
+
+_situ_glu_fused = keep_opaque(situ_triton.situ_glu_fused)

@@ -57,7 +57,7 @@ def test_stacked_projections_give_the_same_logits_with_fewer_gemms():
     groups = stack_projections(model)
     cfg = model.config
     n_kda, n_mla, n_moe, n_dense = _parts(model)
-    assert groups == n_kda + n_mla + n_moe + n_dense
+    assert groups == n_kda + n_mla + 2 * n_moe + n_dense  # an MoE layer: its projections and its experts
     got, stacked_gemms = _forward(model, ids)
     # KDA: q, k, v, decay, beta, gate in one; MLA: q_a, kv_a, gate in one; a dense MLP: gate and up in one; an MoE
     # layer: the latent down-projection and the shared experts' gate and up in one (on CUDA the router too)
@@ -73,6 +73,42 @@ def test_stacked_projections_give_the_same_logits_with_fewer_gemms():
     assert stack_projections(model) == groups  # again: nothing changes
     assert kda.q_proj.weight is params_before["q"]  # the same Parameter objects (an optimizer holds them)
     assert kda.q_proj.serving_stack[0] is stack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_gate_and_up_become_one_grouped_gemm(dtype):
+    from k3.ops.moe import interleaved_halves
+    from k3.ops.registry import Backends
+
+    model = _model().set_dtype(dtype).set_backends(Backends(per_op={"moe": "grouped"}))
+    ids = torch.randint(1, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(7))
+    counts = []
+    outs = []
+    for stacked in (False, True):
+        if stacked:
+            stack_projections(model)
+        with torch.no_grad(), _Grouped() as gr:
+            outs.append(model(ids).logits.float())
+        counts.append(gr.n)
+    n_moe = _parts(model)[2]
+    assert counts[0] - counts[1] == n_moe  # w1 and w3: one grouped GEMM instead of two, in every MoE layer
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (outs[1] - outs[0]).abs().max() <= tol * outs[0].abs().max()
+    ex = next(m for m in model.modules() if type(m).__name__ == "GroupedExperts")
+    w13 = interleaved_halves(ex.w1, ex.w3)
+    F = ex.w1.shape[1]
+    assert w13 is not None and torch.equal(w13[:, :F], ex.w1) and torch.equal(w13[:, F:], ex.w3)
+    assert ex.stack_halves(False) is False and ex.w1.is_contiguous() and interleaved_halves(ex.w1, ex.w3) is None
+
+
+class _Grouped(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket.__name__ == "_grouped_mm"
+        return func(*args, **(kwargs or {}))
 
 
 def test_a_stale_stack_is_noticed_and_not_used(monkeypatch, capsys):
