@@ -137,6 +137,8 @@ def _train_distributed(opts, tcfg, dims, device, progress_bar: bool) -> dict:
     """`k3 train` as one rank of a torchrun launch: the process group (gloo on CPU, NCCL on CUDA) from torchrun's
     environment, the ("dp", "ep", "cp") mesh passed to the run; an error names the rank; the group is destroyed
     on the way out."""
+    import gc
+
     import torch.distributed as dist
 
     from k3.parallel.mesh import backend_for
@@ -154,6 +156,9 @@ def _train_distributed(opts, tcfg, dims, device, progress_bar: bool) -> dict:
     except Exception as e:
         raise RuntimeError(f"rank {rank}: {type(e).__name__}: {e}") from e
     finally:
+        # the run's objects (its model's sharded state, pending collectives' work objects) go while the group still
+        # exists, not at interpreter exit, where the collective library's threads may still reference them
+        gc.collect()
         dist.destroy_process_group()
 
 
