@@ -165,7 +165,7 @@ def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str |
     return result
 
 
-def disk_needed(work: str, base: str, args) -> int:
+def disk_needed(work: str, base: str) -> int:
     """Bytes the stages not yet finished will write: per training stage one checkpoint (fp32 weights and the
     optimizer state; the base run's own trainer state gives its size, else ~2x the weights); the exports (MXFP4
     QAT and PTQ) at most half the fp32 weights each."""
@@ -188,10 +188,10 @@ def disk_needed(work: str, base: str, args) -> int:
     return need
 
 
-def check_disk(work: str, base: str, args) -> None:
+def check_disk(work: str, base: str) -> None:
     import shutil
 
-    need, free = disk_needed(work, base, args), shutil.disk_usage(work).free
+    need, free = disk_needed(work, base), shutil.disk_usage(work).free
     _log(f"disk: the remaining stages write up to {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB free")
     if need > free:
         raise SystemExit(f"sft_qat: the remaining stages need up to {need / 2**30:.1f} GiB in {work}, and its disk "
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     train, held = make_data(args.work, args.records, args.heldout, args.source)
     base = resolve_base(args.base) if args.base else pretrain(args.work, args)
-    check_disk(args.work, base, args)
+    check_disk(args.work, base)
     sft_ck = sft(args.work, "sft", base, train, held, args, None)
     qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
     ptq_ck = os.path.join(args.work, "sft_ptq")

@@ -73,26 +73,25 @@ def stacked_linear(x: torch.Tensor, *layers: nn.Linear | tuple[nn.Linear, ...]) 
     already are one tensor's rows (:func:`stack_projections`, done by the serving engine): then one GEMM against it.
     """
     groups = [entry if isinstance(entry, tuple) else (entry,) for entry in layers]
-    if not torch.is_grad_enabled():
-        flat = [layer for g in groups for layer in g]
-        stack = _serving_stack(flat)
-        if stack is not None:
-            sizes = [sum(layer.out_features for layer in g) for g in groups]
-            pad = stack.shape[0] - sum(sizes)
-            return F.linear(x, stack).split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
-        outs = [[layer(x) for layer in g] for g in groups]
-        return tuple(o[0] if len(o) == 1 else torch.cat(o, dim=-1) for o in outs)
-    ws = [layer.weight for g in groups for layer in g]
+    flat = [layer for g in groups for layer in g]
     sizes = [sum(layer.weight.shape[0] for layer in g) for g in groups]
-    pad = -sum(sizes) % 16
-    casts = next((layer.weight_casts for g in groups for layer in g if isinstance(layer, CastsWeights)), None)
-    y = F.linear(x, stacked_weight(ws, pad, casts))
-    return y.split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
+    if torch.is_grad_enabled():
+        pad = -sum(sizes) % 16
+        casts = next((layer.weight_casts for layer in flat if isinstance(layer, CastsWeights)), None)
+        w = stacked_weight([layer.weight for layer in flat], pad, casts)
+    else:
+        w = serving_stack(*flat)
+        if w is None:
+            outs = [[layer(x) for layer in g] for g in groups]
+            return tuple(o[0] if len(o) == 1 else torch.cat(o, dim=-1) for o in outs)
+        pad = w.shape[0] - sum(sizes)
+    return F.linear(x, w).split(sizes + [pad] if pad else sizes, dim=-1)[:len(sizes)]
 
 
-def _serving_stack(layers: list[nn.Module], quiet: bool = False) -> torch.Tensor | None:
+def serving_stack(*layers: nn.Module, quiet: bool = False) -> torch.Tensor | None:
     """The one tensor whose rows are `layers`' weights, in this order (`stack_projections`), or None: never
-    stacked, stacked as another group, or stale (a weight replaced since, e.g. by ``.to()``: said once)."""
+    stacked, stacked as another group, or stale (a weight replaced since, e.g. by ``.to()``: said once unless
+    `quiet`)."""
     got = getattr(layers[0], "serving_stack", None)
     if got is None:
         return None
@@ -109,12 +108,7 @@ def _serving_stack(layers: list[nn.Module], quiet: bool = False) -> torch.Tensor
 
 def _in_a_stack(layer: nn.Module) -> bool:
     got = getattr(layer, "serving_stack", None)
-    return got is not None and _serving_stack(list(got[1]), quiet=True) is not None
-
-
-def serving_stack(*layers: nn.Module) -> torch.Tensor | None:
-    """The stacked weight of exactly these layers, in this order (see `stack_projections`), or None."""
-    return _serving_stack(list(layers))
+    return got is not None and serving_stack(*got[1], quiet=True) is not None
 
 
 def stack_projections(model: nn.Module, on: bool = True) -> int:
@@ -139,7 +133,7 @@ def stack_projections(model: nn.Module, on: bool = True) -> int:
                         l.weight.data = l.weight.data.clone()
                         del l.serving_stack
                 continue
-            if _serving_stack(list(group), quiet=True) is not None:
+            if serving_stack(*group, quiet=True) is not None:
                 n += 1
                 continue
             if any(_in_a_stack(l) for l in group):

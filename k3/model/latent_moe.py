@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack
+from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack, stacked_linear
 from k3.ops.moe import Routing, interleaved_halves, moe_experts_any, route
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
@@ -139,10 +139,9 @@ class LatentMoE(nn.Module):
             y = mm_fp32_out(flat, stack.t())
             logits, others = y[:, :E], y[:, E:E + sum(sizes)].to(flat.dtype)
             return (logits, *others.split(sizes, dim=-1))
-        stack = serving_stack(*rest)
-        if stack is None:
+        if serving_stack(*rest) is None:
             return None
-        return (None, *F.linear(flat, stack)[:, :sum(sizes)].split(sizes, dim=-1))
+        return (None, *stacked_linear(flat, *rest))
 
     def forward(self, x: torch.Tensor, return_routing: bool = False):
         """y [..., D] for x [..., D]; with `return_routing`, (y, the routing of the flattened tokens, detached):

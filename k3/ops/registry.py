@@ -109,7 +109,7 @@ def register(op: Op) -> Op:
                          f"got {names}")
     _ops[op.name] = op
     if _opaque:
-        _opaque.update({(op.name, f.name): torch.compiler.disable(f.fn) for f in op.fast})
+        _opaque.update({f.fn: torch.compiler.disable(f.fn) for f in op.fast})
     return op
 
 
@@ -118,9 +118,7 @@ def register(op: Op) -> Op:
 # traces into fla's or our Triton launchers (their autotuners, caches and launch-time checks). Filled by
 # `opaque_under_compile`, which every k3 caller of torch.compile calls first (building it imports torch's compiler,
 # seconds that a process which never compiles should not pay).
-_opaque: dict = {}  # (op, implementation) or a keep_opaque function -> its opaque version
-
-
+_opaque: dict[Callable, Callable] = {}  # a fast implementation's function (or a keep_opaque one) -> opaque version
 _kernel_entries: list[Callable] = []  # kernel entry points an op file calls besides its Fast.fn (keep_opaque)
 
 
@@ -134,20 +132,20 @@ def keep_opaque(fn: Callable) -> Callable:
 
 
 def opaque(fn: Callable) -> Callable:
-    """`fn` (registered with `keep_opaque`) as a compiled region should call it: opaque once
-    `opaque_under_compile` has run, `fn` itself otherwise."""
+    """`fn` (a fast implementation's, or registered with `keep_opaque`) as a compiled region should call it:
+    opaque once `opaque_under_compile` has run, `fn` itself otherwise."""
     return _opaque[fn] if _opaque and torch.compiler.is_compiling() else fn
 
 
 def opaque_under_compile() -> None:
     """Make every fast implementation opaque to torch.compile from now on (see `_opaque`)."""
     _load_all()
-    _opaque.update({(name, f.name): torch.compiler.disable(f.fn) for name, op in _ops.items() for f in op.fast})
-    _opaque.update({fn: torch.compiler.disable(fn) for fn in _kernel_entries})
+    fns = [f.fn for op in _ops.values() for f in op.fast] + _kernel_entries
+    _opaque.update({fn: torch.compiler.disable(fn) for fn in fns})
 
 
-def _fast_impl(op: str, f: Fast) -> Impl:
-    return Impl(f.name, _opaque[(op, f.name)] if _opaque and torch.compiler.is_compiling() else f.fn)
+def _fast_impl(f: Fast) -> Impl:
+    return Impl(f.name, opaque(f.fn))
 
 
 def ops() -> Mapping[str, Op]:
@@ -273,7 +271,7 @@ def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = 
         ok, why = f.available(target)
         if not ok:
             raise ValueError(f"{op}={f.name}: {why}")
-        return _fast_impl(op, f)
+        return _fast_impl(f)
     if target.device.type != "cuda":
         return reference
     reasons = []
@@ -284,7 +282,7 @@ def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = 
                               f"(per_op={{{op!r}: {f.name!r}}}, K3_{op.upper()}_BACKEND={f.name} or --backend fast "
                               "forces it)")
         if ok:
-            return _fast_impl(op, f)
+            return _fast_impl(f)
         reasons.append(why)
     notice(f"{op} runs on its reference path: {reasons[0]}")
     return reference

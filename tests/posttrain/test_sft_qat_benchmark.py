@@ -56,12 +56,12 @@ def test_a_disk_too_small_is_refused_before_any_stage(bench, tmp_path, monkeypat
     save_pretrained(K3ForCausalLM(K3Config.from_preset("tiny")), base)
     work = str(tmp_path / "w")
     os.makedirs(work)
-    need = bench.disk_needed(work, base, None)
+    need = bench.disk_needed(work, base)
     assert need > 0
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 * need, 10 * need - 1, 1))
     with pytest.raises(SystemExit) as e:
-        bench.check_disk(work, base, None)
+        bench.check_disk(work, base)
     assert "GiB free" in str(e.value) and "--keep-checkpoints" in str(e.value)
     # what a finished stage already wrote no longer counts
     os.makedirs(os.path.join(work, "sft_ptq"))
-    assert bench.disk_needed(work, base, None) < need
+    assert bench.disk_needed(work, base) < need
