@@ -95,6 +95,9 @@ def resolve_base(base: str) -> str:
         if ck is None:
             raise SystemExit(f"sft_qat: --base {base} is a run directory without a complete checkpoint")
         return ck
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise SystemExit(f"sft_qat: --base {base} is neither a checkpoint (no config.json) nor a run directory "
+                         f"(no checkpoints/): train one first (k3 train --out {base}) or leave --base out")
     return base
 
 

@@ -11,7 +11,7 @@ from k3.model.cache import MLALayerCache
 from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.mla import mla_absorbed, mla_attention, mla_attention_any, split_kv_b
 from k3.ops.mla_decode import mla_decode_absorbed, paged_kernel_used
-from k3.ops.registry import Backends
+from k3.ops.registry import Backends, opaque
 
 
 class GatedMLA(nn.Module):
@@ -106,7 +106,9 @@ class GatedMLA(nn.Module):
         B, T = q.shape[:2]
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.dn, self.dv)
         q_nope, q_rope = q.reshape(B * T, self.num_heads, -1).split([self.dn, self.dr], dim=-1)
-        o = mla_decode_absorbed(q_nope, q_rope, pages, tables, lengths, w_kc, w_vc, self.scale, num_splits=num_splits)
+        # opaque to a compiled decode step (the engine's --compile-decode): Inductor cannot re-emit the Triton kernel
+        o = opaque(mla_decode_absorbed)(q_nope, q_rope, pages, tables, lengths, w_kc, w_vc, self.scale,
+                                        num_splits=num_splits)
         return o.view(B, T, self.num_heads, self.dv)
 
     def paged_kernel_used(self) -> bool:

@@ -231,3 +231,38 @@ def test_fast_implementations_are_opaque_to_torch_compile_once_asked(monkeypatch
     assert torch.equal(step(x), x * 2) and seen == [False]  # uncompiled calls are untouched
     assert dispatch("plus_one", x, b).fn is fast
     torch._dynamo.reset()
+
+
+def test_the_paged_mla_decode_is_opaque_to_a_compiled_decode_step(monkeypatch):
+    # The model calls the paged MLA decode (a Fast.fn) directly, not through dispatch: it must still run outside a
+    # compiled decode step once asked, since Inductor cannot re-emit its Triton kernel (a NameError at compile time).
+    import k3.ops.mla_decode as md
+    from k3.config import K3Config
+    from k3.model.gated_mla import GatedMLA
+
+    seen = []
+    real = md.mla_decode_paged
+
+    def paged(*a, **k):
+        seen.append(torch.compiler.is_compiling())
+        return real(*a, **k)
+
+    monkeypatch.setattr(md, "mla_decode_paged", paged)
+    monkeypatch.setattr(registry, "_opaque", {})
+    cfg = K3Config.from_preset("tiny")
+    attn = GatedMLA(cfg, cfg.full_attn_layers[0]).eval()
+    g = torch.Generator().manual_seed(0)
+    for p in attn.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.05
+    B, page_tokens, R = 2, 16, attn.kv_rank
+    q = torch.randn(B, 1, attn.num_heads, attn.dn + attn.dr, generator=g)
+    pages = torch.randn(4, page_tokens, R + attn.dr, generator=g)
+    tables, lengths = torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 7])
+    want = attn.paged(q, pages, tables, lengths, num_splits=2)
+    registry.opaque_under_compile()
+    seen.clear()
+    torch._dynamo.reset()
+    got = torch.compile(attn.paged, backend="eager")(q, pages, tables, lengths, num_splits=2)
+    torch._dynamo.reset()
+    assert seen == [False]  # called as it is, between compiled regions
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

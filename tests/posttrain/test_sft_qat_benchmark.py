@@ -45,6 +45,8 @@ def test_stages_keep_their_results_only_and_a_rerun_reuses_them(bench, tmp_path,
     shutil.copytree(ck, os.path.join(base_run, "checkpoints", "step-0000009.partial"))
     assert bench.resolve_base(base_run) == ck
     assert bench.resolve_base(ck) == ck
+    with pytest.raises(SystemExit, match="neither a checkpoint"):
+        bench.resolve_base(str(tmp_path / "missing"))
 
 
 def test_a_disk_too_small_is_refused_before_any_stage(bench, tmp_path, monkeypatch):
