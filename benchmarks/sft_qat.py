@@ -12,6 +12,9 @@ Steps (every model a checkpoint under --work):
   3. SFT: `k3 sft` of the base on the training conversations, unquantized, for --sft-steps;
   4. SFT + QAT: the same run with --qat mxfp4 (MXFP4 expert weights, MXFP8 expert inputs throughout), exported;
   5. SFT + PTQ: `k3 quantize` of the SFT checkpoint (MXFP4 weights, MXFP8 expert inputs);
+  6. with --noise-seeds K: K more unquantized SFT runs, seeds --seed+1 .. --seed+K (only the data order differs),
+     whose held-out losses beside the first one's measure the run-to-run noise (`sft_seed_std`): a PTQ loss below
+     it leaves `qat_recovery` undetermined;
 A finished stage keeps only what the later steps read (the SFT model's files, the QAT run's export), not its
 run's checkpoints with their optimizer state (~2x the model each); before any stage runs, the free disk space is
 checked against what the remaining stages write. --base takes a checkpoint or a run directory (its newest complete
@@ -168,10 +171,15 @@ def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str |
     return result
 
 
-def disk_needed(work: str, base: str) -> int:
+def seed_stages(args) -> list[tuple[str, int]]:
+    """The --noise-seeds reference runs: (stage name, seed)."""
+    return [(f"sft_seed{args.seed + i}", args.seed + i) for i in range(1, args.noise_seeds + 1)]
+
+
+def disk_needed(work: str, base: str, extra: tuple[str, ...] = ()) -> int:
     """Bytes the stages not yet finished will write: per training stage one checkpoint (fp32 weights and the
     optimizer state; the base run's own trainer state gives its size, else ~2x the weights); the exports (MXFP4
-    QAT and PTQ) at most half the fp32 weights each."""
+    QAT and PTQ) at most half the fp32 weights each. `extra`: more unquantized SFT stages (the seed runs)."""
     from k3.checkpoint import INDEX, load_config
     from k3.model.model import K3ForCausalLM
     from k3.train.checkpointing import TRAINER_STATE_FILES
@@ -182,7 +190,7 @@ def disk_needed(work: str, base: str) -> int:
     state_file = os.path.join(base, TRAINER_STATE_FILES[0])
     state = os.path.getsize(state_file) if os.path.isfile(state_file) else 2 * weights
     need = 0
-    for name, qat in (("sft", None), ("sft_qat", "mxfp4")):
+    for name, qat in (("sft", None), ("sft_qat", "mxfp4")) + tuple((e, None) for e in extra):
         if not os.path.isfile(os.path.join(stage_result(work, name, qat), INDEX)):
             have = _dir_bytes(os.path.join(work, name, "checkpoints"))
             need += max(weights + state - have, 0) + (weights // 2 if qat else 0)
@@ -191,10 +199,10 @@ def disk_needed(work: str, base: str) -> int:
     return need
 
 
-def check_disk(work: str, base: str) -> None:
+def check_disk(work: str, base: str, extra: tuple[str, ...] = ()) -> None:
     import shutil
 
-    need, free = disk_needed(work, base), shutil.disk_usage(work).free
+    need, free = disk_needed(work, base, extra), shutil.disk_usage(work).free
     _log(f"disk: the remaining stages write up to {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB free")
     if need > free:
         raise SystemExit(f"sft_qat: the remaining stages need up to {need / 2**30:.1f} GiB in {work}, and its disk "
@@ -219,9 +227,9 @@ def heldout_loss(ckpt: str, held: str, args) -> float:
 
 
 def compile_rate(ckpt: str, held: str, args) -> float:
-    from k3.checkpoint import from_pretrained
+    from k3.checkpoint import from_pretrained, load_config
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.devices import pick_device
+    from k3.devices import inference_dtype, pick_device
     from k3.posttrain.chat_data import read_chat_jsonl
     from k3.serve.chat import load_chat_template, render_chat
     from k3.serve.engine import EngineConfig, LLMEngine
@@ -230,7 +238,9 @@ def compile_rate(ckpt: str, held: str, args) -> float:
     if args.generate == 0:
         return float("nan")
     dev = pick_device(args.device)
-    model = from_pretrained(ckpt, device=dev)
+    # as `k3 serve` runs it: bfloat16 on a GPU (its grouped expert GEMMs and CUDA graphs), the stored dtype on a CPU
+    model = from_pretrained(ckpt, dtype=inference_dtype(load_config(ckpt).torch_dtype, dev), device=dev,
+                            packed_experts="auto")
     tok = load_any_tokenizer(ckpt)
     template = load_chat_template(ckpt)
     recs, _ = read_chat_jsonl(held)
@@ -275,14 +285,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--cache-mb", type=float, default=512.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise-seeds", type=int, default=0, metavar="K",
+                   help="K more unquantized SFT runs with other seeds: the run-to-run noise of the held-out loss")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
+    if args.noise_seeds < 0:
+        p.error(f"--noise-seeds must be >= 0, got {args.noise_seeds}")
 
     os.makedirs(args.work, exist_ok=True)
     t0 = time.perf_counter()
     train, held = make_data(args.work, args.records, args.heldout, args.source)
     base = resolve_base(args.base) if args.base else pretrain(args.work, args)
-    check_disk(args.work, base)
+    seeds = seed_stages(args)
+    check_disk(args.work, base, tuple(name for name, _ in seeds))
     sft_ck = sft(args.work, "sft", base, train, held, args, None)
     qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
     ptq_ck = os.path.join(args.work, "sft_ptq")
@@ -290,6 +305,8 @@ def main(argv=None) -> int:
         from k3.train.qat import quantize_checkpoint
 
         quantize_checkpoint(sft_ck, ptq_ck)
+    seed_cks = {name: sft(args.work, name, base, train, held, argparse.Namespace(**{**vars(args), "seed": seed}), None)
+                for name, seed in seeds}
     models = {"base": base, "sft": sft_ck, "sft_ptq_mxfp4": ptq_ck, "sft_qat_mxfp4": qat_ck}
     res = {"preset": args.preset, "sft_steps": args.sft_steps, "seq_len": args.seq_len,
            "batch_tokens": args.batch_tokens, "heldout_reply_loss": {}, "compile_rate": {}}
@@ -298,6 +315,13 @@ def main(argv=None) -> int:
         res["compile_rate"][name] = round(compile_rate(ck, held, args), 3)
         _log(f"{name}: loss {res['heldout_reply_loss'][name]}, compile rate {res['compile_rate'][name]}")
     loss = res["heldout_reply_loss"]
+    if seeds:
+        import statistics
+
+        runs = [loss["sft"]] + [round(heldout_loss(ck, held, args), 4) for ck in seed_cks.values()]
+        res["sft_seed_losses"] = runs
+        res["sft_seed_std"] = round(statistics.stdev(runs), 4)
+        _log(f"SFT over {len(runs)} seeds: losses {runs}, standard deviation {res['sft_seed_std']}")
     lost = loss["sft_ptq_mxfp4"] - loss["sft"]
     res["ptq_loss_increase"] = round(lost, 4)
     res["qat_loss_increase"] = round(loss["sft_qat_mxfp4"] - loss["sft"], 4)

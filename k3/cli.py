@@ -162,13 +162,15 @@ def _train_distributed(opts, tcfg, dims, device, progress_bar: bool) -> dict:
         dist.destroy_process_group()
 
 
-def _load_for_inference(ckpt: str, device: str, verify: bool = True):
-    from k3.checkpoint import from_pretrained
+def _load_for_inference(ckpt: str, device: str, verify: bool = True, generate: bool = False):
+    """`generate`: in the dtype the serving engine runs it in (k3.devices.inference_dtype), else the stored one."""
+    from k3.checkpoint import from_pretrained, load_config
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.devices import pick_device
+    from k3.devices import inference_dtype, pick_device
 
     dev = pick_device(device)
-    model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev), verify=verify,
+    dtype = inference_dtype(load_config(ckpt).torch_dtype, dev) if generate else None
+    model = from_pretrained(ckpt, dtype=dtype, device=dev, backends=_backends("auto", dev), verify=verify,
                             packed_experts="auto")  # MXFP4 experts packed where their kernels run
     try:
         tok = load_any_tokenizer(ckpt)
@@ -202,7 +204,7 @@ def cmd_generate(args) -> int:
     from k3.serve.sampling import SamplingParams
 
     ckpt = _resolve_ckpt(args.ckpt)
-    model, tok, _ = _load_for_inference(ckpt, args.device, verify=args.verify)
+    model, tok, _ = _load_for_inference(ckpt, args.device, verify=args.verify, generate=True)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:

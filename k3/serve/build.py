@@ -17,9 +17,9 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     EngineConfig's; `draft`: the EAGLE-3 draft's directory (default with speculative='eagle3': CK/draft);
     `speculative_auto`: EngineConfig.speculative_auto (on: speculation per batch size where it measures faster);
     `compile_decode`: EngineConfig.compile_decode."""
-    from k3.checkpoint import from_pretrained
+    from k3.checkpoint import from_pretrained, load_config
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.devices import pick_device
+    from k3.devices import inference_dtype, pick_device
     from k3.serve.chat import load_chat_template
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.options import draft_dir
@@ -40,5 +40,6 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     tokenizer = load_any_tokenizer(ckpt_dir)
     template = load_chat_template(ckpt_dir)
     # an MXFP4 checkpoint's routed experts stay packed in memory where their kernels run (from_pretrained)
-    model = from_pretrained(ckpt_dir, device=dev, backends=backends, verify=verify, packed_experts="auto")
+    model = from_pretrained(ckpt_dir, dtype=inference_dtype(load_config(ckpt_dir).torch_dtype, dev), device=dev,
+                            backends=backends, verify=verify, packed_experts="auto")
     return LLMEngine(model, tokenizer, ecfg), tokenizer, template

@@ -38,6 +38,18 @@ def test_stages_keep_their_results_only_and_a_rerun_reuses_them(bench, tmp_path,
     second = json.load(open(out2))
     assert second["heldout_reply_loss"] == first["heldout_reply_loss"]
 
+    # --noise-seeds 1: one more unquantized SFT run (seed 1), beside the first one, and nothing else retrained
+    out3 = str(tmp_path / "r3.json")
+    assert bench.main(["--work", work, "--out", out3, "--noise-seeds", "1"] + ARGS) == 0
+    err = capsys.readouterr().err
+    assert err.count("finished at step") == 1
+    third = json.load(open(out3))
+    assert third["heldout_reply_loss"] == first["heldout_reply_loss"]
+    runs = third["sft_seed_losses"]
+    assert len(runs) == 2 and runs[0] == first["heldout_reply_loss"]["sft"]
+    assert third["sft_seed_std"] == round(abs(runs[1] - runs[0]) / 2 ** 0.5, 4)
+    assert os.path.isfile(os.path.join(work, "sft_seed1", "model", "config.json"))
+
     # --base takes the run directory: its newest complete checkpoint, never the folder of a save cut short
     base_run = os.path.join(work, "base")
     ck = bench.resolve_base(base_run)
@@ -64,6 +76,7 @@ def test_a_disk_too_small_is_refused_before_any_stage(bench, tmp_path, monkeypat
     with pytest.raises(SystemExit) as e:
         bench.check_disk(work, base)
     assert "GiB free" in str(e.value) and "--keep-checkpoints" in str(e.value)
+    assert bench.disk_needed(work, base, ("sft_seed1",)) > need  # a seed run writes one more checkpoint
     # what a finished stage already wrote no longer counts
     os.makedirs(os.path.join(work, "sft_ptq"))
     assert bench.disk_needed(work, base) < need
