@@ -124,11 +124,14 @@ def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False, stac
     while any(len(s.output_ids) < 4 for s in seqs):  # prefill, then two decode steps (graph capture) as warm-up
         eng.step()
     _sync(dev)
+    graphs = eng.runner.graphs
+    replays0 = graphs.replays if graphs is not None else 0
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     _sync(dev)
     dt = (time.perf_counter() - t0) / steps
+    replayed = (graphs.replays - replays0) if graphs is not None else 0  # timed steps that replayed a graph
     with _maybe_profile(f"decode, batch {batch}, 4 steps", dev):
         for _ in range(4):
             eng.step()
@@ -142,10 +145,9 @@ def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False, stac
     state = n_kda * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 * 2 * batch
     mla = len(cfg.full_attn_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * ctx * batch
     floor = (wbytes * (other + routed * touched) + state + mla) / COPY_BW
-    graphs = eng.runner.graphs
     compiled = "failed: " + graphs.compile_failed if graphs is not None and graphs.compile_failed else compile_decode
     return {"batch": batch, "compile_decode": compiled, "stack_projections": stack, "step_ms": round(dt * 1e3, 3),
-            "tokens_per_s": round(batch / dt, 1), "floor_ms": round(floor * 1e3, 4),
+            "graph_replays": f"{replayed}/{steps}", "tokens_per_s": round(batch / dt, 1), "floor_ms": round(floor * 1e3, 4),
             "fraction_of_floor": round(floor / dt, 4)}
 
 

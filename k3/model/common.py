@@ -98,7 +98,9 @@ def serving_stack(*layers: nn.Module, quiet: bool = False) -> torch.Tensor | Non
     stack, members, ptrs = got
     if len(members) != len(layers) or any(a is not b for a, b in zip(members, layers)):
         return None
-    if any(layer.weight.data_ptr() != p for layer, p in zip(layers, ptrs)):
+    # (the staleness check reads addresses, which torch.compile cannot trace: a compiled step, made after the stacking
+    # by the engine, is checked where it is first run eagerly)
+    if not torch.compiler.is_compiling() and any(layer.weight.data_ptr() != p for layer, p in zip(layers, ptrs)):
         if not quiet:
             notice("stacked projections: a weight was replaced after stack_projections; its group runs one GEMM "
                    "per projection (call stack_projections again)")

@@ -212,13 +212,20 @@ def moe_experts_grouped(
     projections are one grouped GEMM and one fused activation: in backward, d(x) is one GEMM (no sum of two) and
     the activation's gradient one [M, 2F] tensor. ``w1`` and ``w3`` then only give the shapes.
 
-    Args: as ``moe_experts``, plus ``w13`` and ``act13`` (both or neither), and ``backends`` for the dispatch and
+    ``act13`` without ``w13`` and without gradients (serving): ``w13`` is w1 and w3 themselves where they are the
+    halves of one tensor (:func:`interleaved_halves`, serving's experts stacked in place), else the two GEMMs. (That
+    layout check reads storage addresses, which torch.compile cannot trace: it belongs inside this function, which
+    a compiled decode step calls as it is.)
+
+    Args: as ``moe_experts``, plus ``w13`` (with ``act13``), ``act13``, and ``backends`` for the dispatch and
     combine (op ``moe_combine``).
     Returns: u [N, L] in ``z.dtype``.
     """
     _check_expert_inputs(z, weights, indices, w1, w3, w2)
-    if (w13 is None) != (act13 is None):
-        raise ValueError("w13 and act13 go together: pass both or neither")
+    if w13 is not None and act13 is None:
+        raise ValueError("w13 and act13 go together: pass act13 with w13")
+    if w13 is None and act13 is not None and not torch.is_grad_enabled():
+        w13 = interleaved_halves(w1, w3)
     if w13 is not None and w13.shape != (w1.shape[0], 2 * w1.shape[1], w1.shape[2]):
         raise ValueError(f"w13 must have shape [E, 2F, L] = {(w1.shape[0], 2 * w1.shape[1], w1.shape[2])} "
                          f"(w1 and w3 stacked per expert), got {tuple(w13.shape)}")
@@ -288,12 +295,13 @@ def moe_experts_any(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
     * ``moe_experts_grouped`` with `act_fast` (the activation on its own fast path); when `casts` holds this
       step's w1 and w3 stacked per expert (training under autocast), gate and up are one grouped GEMM followed by
       `act13` on the [gate | up] columns (w1 and w3 then only give the shapes: no separate casts of them)."""
-    if dispatch("moe", z, backends).name == "grouped":
+    impl = dispatch("moe", z, backends)  # its fn: opaque to a compiled decode step (k3.ops.registry.opaque)
+    if impl.name == "grouped":
         w13 = cached_stack([w1, w3], dim=1, casts=casts)
-        if w13 is None and not torch.is_grad_enabled():
-            w13 = interleaved_halves(w1, w3)  # serving's experts, stacked in place
-        return moe_experts_grouped(z, weights, indices, w1, w3, weight(w2, casts), act_fast, w13=w13,
-                                   act13=None if w13 is None else act13, backends=backends)
+        if w13 is None and torch.is_grad_enabled():
+            act13 = None  # two GEMMs (without gradients: one where w1 and w3 are stacked in place, as in serving)
+        return impl.fn(z, weights, indices, w1, w3, weight(w2, casts), act_fast, w13=w13, act13=act13,
+                       backends=backends)
     return moe_experts(z, weights, indices, weight(w1, casts), weight(w3, casts), weight(w2, casts), act)
 
 

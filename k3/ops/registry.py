@@ -306,12 +306,17 @@ def notice(message: str) -> None:
         print(f"k3: {message}", file=sys.stderr)
 
 
+_imported: set[str] = set()  # modules `importable` found importable (an import, once done, stays done)
+
+
 def importable(module: str) -> tuple[bool, str]:
     """(True, "") when `module` imports, else (False, why): the availability check of a kernel library.
 
     Before fla is first imported, Triton is asked to keep autotuning results on disk (TRITON_CACHE_AUTOTUNING=1,
     unless the variable is already set): fla's KDA kernels otherwise re-autotune in every new process, minutes
     per shape. The setting is read when fla's kernels are defined, so it has to precede the import."""
+    if module in _imported:  # a dict lookup: dispatch, which asks this, runs inside compiled code too
+        return True, ""
     if module.startswith("fla") and "fla" not in sys.modules:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     try:
@@ -319,6 +324,7 @@ def importable(module: str) -> tuple[bool, str]:
     except Exception as e:  # ImportError, or a Triton/driver problem at import
         hint = "; install it with `pip install k3[gpu]`" if module.startswith("fla") else ""
         return False, f"{module} is not importable ({type(e).__name__}: {e}){hint}"
+    _imported.add(module)
     return True, ""
 
 

@@ -1,5 +1,7 @@
 """The in-situ backend comparison used by the GPU model tests (tests/helpers.py: InSituComparison), on CPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from k3.config import K3Config
 from k3.model.attn_res import AttnResStream
 from k3.model.latent_moe import GroupedExperts
 from k3.model.model import K3ForCausalLM
-from k3.ops import moe
+from k3.ops import registry
 from k3.ops.registry import Backends
 
 REF = Backends(default="torch")
@@ -59,8 +61,11 @@ def test_each_site_call_is_compared_and_the_model_runs_on_the_reference(tiny, mo
 def test_a_wrong_fast_path_is_caught_and_named(tiny, monkeypatch):
     # A "fast" MoE that is 10% off must show up at its site with an error of about 0.1.
     model, ids, seg = tiny
-    grouped = moe.moe_experts_grouped
-    monkeypatch.setattr(moe, "moe_experts_grouped", lambda *a, **k: 1.1 * grouped(*a, **k))
+    # the registered fast implementation replaced (the registry hands it out: k3.ops.moe calls what dispatch gives)
+    op = registry.ops()["moe"]
+    grouped = op.fast[0].fn
+    wrong = dataclasses.replace(op.fast[0], fn=lambda *a, **k: 1.1 * grouped(*a, **k))
+    monkeypatch.setitem(registry._ops, "moe", dataclasses.replace(op, fast=(wrong,)))
     cmp = InSituComparison(FAST_MOE).patch(monkeypatch, SITES)
     _loss(model, ids, seg)
     err, site, _, _ = cmp.worst()[0]

@@ -266,3 +266,15 @@ def test_the_paged_mla_decode_is_opaque_to_a_compiled_decode_step(monkeypatch):
     torch._dynamo.reset()
     assert seen == [False]  # called as it is, between compiled regions
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_importable_traces_without_a_graph_break_once_imported():
+    # dispatch asks importable() inside a compiled decode step: once a module has imported, the answer is a lookup
+    # that torch.compile traces (an import statement would break the graph)
+    import torch._dynamo
+
+    assert registry.importable("json") == (True, "")
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + 1 if registry.importable("json")[0] else x, backend="eager", fullgraph=True)
+    assert torch.equal(f(torch.zeros(2)), torch.ones(2))
+    torch._dynamo.reset()

@@ -344,6 +344,27 @@ def test_compile_decode_without_static_steps_says_it_has_no_effect(monkeypatch, 
         EngineConfig(compile_decode="yes").validate()
 
 
+
+def test_compiled_decode_step_breaks_only_at_the_fast_implementations(static_mode, monkeypatch, capsys):
+    # torch.compile traces the real decode step (Dynamo, with its eager backend: no code generation). The only graph
+    # breaks are the calls of the fast implementations, which are opaque by design; no glue around them (the
+    # stacked-projection check, the stacked experts' layout check, the registry's import check) breaks the graph.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    eng = _engine(compile_decode=True)
+    _serve_to_the_reference(eng, _prompts((44, 10)))
+    assert eng.runner.graphs.compile_failed is None and eng.runner.graphs.steps > 1
+    breaks = counters["graph_break"]
+    assert breaks  # the opaque calls: the paged MLA decode, the grouped experts
+    others = [reason for reason in breaks if "torch.compiler.disable" not in reason]
+    assert not others, others[:3]
+    torch._dynamo.reset()
+
 def _one_decode_step(eng, prompts):
     """At the runner: every prompt but its last token prefilled, then one decode step of those last tokens (a
     batch of len(prompts)) -> its logits."""
