@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
+from k3.kernel_reward.outputs import load_outputs
 
 __all__ = ["Failure", "Limits", "Run"]
 
@@ -112,11 +112,11 @@ class Run:
             time.sleep(0.02)
         with open(path) as f:
             payload = json.load(f)
-        pt = os.path.join(self.dir, f"{name}.pt")
+        outputs = os.path.join(self.dir, f"{name}.safetensors")
         try:
-            tensors = torch.load(pt, weights_only=True) if os.path.exists(pt) else []
-        except Exception as e:  # outputs that are not plain tensors
-            return Failure("exception", f"the outputs could not be read back as plain tensors: {e}")
+            tensors = load_outputs(outputs) if os.path.exists(outputs) else []
+        except ValueError as e:  # written by the candidate's process: untrusted
+            return Failure("exception", str(e))
         if payload.get("error"):
             return _classify(payload["error"])
         return payload, tensors

@@ -4,10 +4,10 @@ In order: block the network, install the watches (k3.kernel_reward.guard), impor
 
 * check: call the kernel on every correctness case and on the detectors' calls (a first call, one on fresh
   inputs of the same shape, one on the first call's inputs overwritten in place), writing the outputs
-  (check.pt) and the facts (check.json) into the run directory, never judging them;
+  (check.safetensors) and the facts (check.json) into the run directory, never judging them;
 * time (after the harness writes "time" into the run directory's ``go`` file, when the spec says to wait, so that the harness decides and can serialize):
   k3.kernel_reward.timing on fresh inputs every call, writing the times and a sample of the timed outputs
-  (time.json, time.pt) for the harness to check.
+  (time.json, time.safetensors) for the harness to check.
 
 A kernel exception ends the phase with the error written down; anything worse (a crash, a hang, running out of
 memory) the harness sees from outside.
@@ -24,17 +24,15 @@ import time
 import traceback
 
 from k3.kernel_reward import guard, timing  # bound before the candidate runs (timing's timer functions)
+from k3.kernel_reward.outputs import save_outputs
 
 MAX_KEPT_BYTES = 256 << 20  # timed outputs kept for checking: all of them below this, else a random sample
 SAMPLED = 3
 
 
 def _write(directory: str, name: str, payload: dict, tensors: list | None = None) -> None:
-    import torch
-
-    if tensors is not None:
-        torch.save(tensors, os.path.join(directory, f"{name}.pt.tmp"))
-        os.replace(os.path.join(directory, f"{name}.pt.tmp"), os.path.join(directory, f"{name}.pt"))
+    if tensors is not None:  # first: the harness reads the outputs once the JSON exists
+        save_outputs(os.path.join(directory, f"{name}.safetensors"), tensors)
     path = os.path.join(directory, f"{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f)
@@ -45,7 +43,7 @@ def _cpu(outs: tuple) -> list:
     import torch
 
     return [o.detach().to("cpu") if type(o) is torch.Tensor and o.layout == torch.strided and not o.is_meta else None
-            for o in outs]
+            for o in outs]  # (save_outputs stores what it can hold, None for the rest)
 
 
 def _error(stage: str, e: BaseException) -> dict:
