@@ -307,7 +307,7 @@ class DecodeGraphs:
 
     def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step that is captured: device work only, every input from b's buffers -> (logits, hidden or None)."""
-        self.pool.pages[self.scratch].zero_()
+        self.pool.zero_page(self.scratch)
         views = [StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
                  for g in range(len(self.runner.mla_layers))]
         if self.keep_hidden:
@@ -320,7 +320,7 @@ class DecodeGraphs:
         """The verification step that is captured: the model over b's T positions per row with each KDA layer's
         view keeping its inputs (the states in the pages stay as they are) -> (logits [size, T, V] fp32, hidden,
         [KDAInputs per KDA layer])."""
-        self.pool.pages[self.scratch].zero_()
+        self.pool.zero_page(self.scratch)
         runner = self.runner
         per_layer: list = [None] * len(runner.model.model.layers)
         views = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from k3.config import K3Config
+from k3.ops.registry import keep_opaque, opaque
 
 
 class CachePool:
@@ -46,9 +47,15 @@ class CachePool:
         page_bytes, which can exceed one MLA page)."""
         return self.pages[:, : self.mla_page_bytes].view(self.dtype).view(self.num_pages, self.page_tokens, -1)
 
+    # The writes below run outside a compiled decode step (registry.opaque): traced, each in-place write into a
+    # typed view of the pool's bytes is functionalized into a fresh copy of the whole pool, every step.
     def write_mla(self, page_ids: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
         """Write token rows `values` [n, width] at (page_ids[i], offsets[i])."""
-        self.mla_view()[page_ids, offsets] = values.to(self.dtype)
+        opaque(_write_mla)(self, page_ids, offsets, values)
+
+    def zero_page(self, page: int) -> None:
+        """Zero one page (the scratch page a static decode step starts from)."""
+        opaque(_zero_page)(self, page)
 
     def read_kda(self, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (state [n, H, K, V] fp32, conv [n, 3, P, W-1] fp32), copies. One gather of the KDA bytes only (a
@@ -59,12 +66,8 @@ class CachePool:
 
     def write_kda(self, page_ids: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
         """Write states and conv tails into pages `page_ids`, each straight from its tensor (no staging copy)."""
-        n = len(page_ids)
-        if n == 0:
-            return
-        sb = state[0].numel() * 4
-        self.pages[page_ids, :sb] = state.float().contiguous().view(torch.uint8).view(n, -1)
-        self.pages[page_ids, sb: self.kda_page_bytes] = conv.float().contiguous().view(torch.uint8).view(n, -1)
+        if len(page_ids):
+            opaque(_write_kda)(self, page_ids, state, conv)
 
     def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
         """Copy a whole page, or only the first `tokens` token rows of an MLA page (copy-on-write)."""
@@ -73,3 +76,20 @@ class CachePool:
         else:
             nb = tokens * self.mla_width * (self.mla_page_bytes // (self.page_tokens * self.mla_width))
             self.pages[dst, :nb].copy_(self.pages[src, :nb])
+
+
+@keep_opaque
+def _write_mla(pool: CachePool, page_ids: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
+    pool.mla_view()[page_ids, offsets] = values.to(pool.dtype)
+
+
+@keep_opaque
+def _write_kda(pool: CachePool, page_ids: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
+    n, sb = len(page_ids), state[0].numel() * 4
+    pool.pages[page_ids, :sb] = state.float().contiguous().view(torch.uint8).view(n, -1)
+    pool.pages[page_ids, sb: pool.kda_page_bytes] = conv.float().contiguous().view(torch.uint8).view(n, -1)
+
+
+@keep_opaque
+def _zero_page(pool: CachePool, page: int) -> None:
+    pool.pages[page].zero_()
