@@ -232,7 +232,8 @@ def score_many(task: Task | str, sources: Sequence[tuple[str, str]], device: str
                timed: bool = True, limits: Limits = Limits(), timing: dict | None = None,
                expert: tuple[str, float] | None = None) -> list[Result]:
     """Score many (name, source) candidates: their checks in up to `jobs` processes at a time, then every one
-    that passed timed alone, one after another (nothing else runs while a candidate is timed)."""
+    that passed timed alone, one after another (nothing else runs while a candidate is timed), each in a new
+    process that runs only the timed calls; the expert's anchor is timed the same way (expert_time, checked=False)."""
     task, device = _prepare(task, device)
 
     def check_one(item):
@@ -257,7 +258,8 @@ def score_many(task: Task | str, sources: Sequence[tuple[str, str]], device: str
     for res, calls, process, path, spent in checked:
         t0 = time.monotonic()
         if timed and res.passed:
-            timed_expert = timed_expert or expert_time(task, device, timing=timing, limits=limits)
+            # timed in a fresh process that ran no checks: so is the anchor (the same procedure on both sides)
+            timed_expert = timed_expert or expert_time(task, device, timing=timing, limits=limits, checked=False)
             run = Run(task.name, path, device, os.path.dirname(path), phases=("time",), limits=limits, timing=timing)
             try:
                 _timed(res, run, task, device, calls, process, timed_expert)

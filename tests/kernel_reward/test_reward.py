@@ -74,3 +74,25 @@ def test_an_expert_that_fails_its_checks_is_no_anchor():
     wrong = dataclasses.replace(get("softmax"), experts={"cpu": "torch:exp"})  # exp(x), not softmax(x)
     with pytest.raises(RuntimeError, match=r"expert of softmax \(torch:exp\) failed its checks on cpu: wrong result"):
         scoring.expert_time(wrong, "cpu", refresh=True)
+
+
+def test_batch_scoring_times_the_anchor_as_it_times_the_candidates(monkeypatch):
+    """score_many checks candidates in parallel processes and times each passing one in a fresh process that runs
+    only the timed calls; the expert's anchor is then timed by that procedure too, not after checks."""
+    from k3.kernel_reward import scoring
+
+    started = []
+
+    class Recorded(scoring.Run):
+        def __init__(self, *a, phases=("check", "time"), **k):
+            started.append(tuple(phases))
+            super().__init__(*a, phases=phases, **k)
+
+    monkeypatch.setattr(scoring, "Run", Recorded)
+    monkeypatch.setattr(scoring, "_expert_times", {})
+    honest = "import torch\n\ndef kernel(x):\n    return torch.softmax(x, dim=-1)\n"  # the expert's code, not it
+    results = scoring.score_many("softmax", [("a", honest), ("b", honest)], "cpu", jobs=2,
+                                 timing={"warmup": 1, "repeats": 5})
+    assert all(r.passed and r.reward is not None and r.reward > 0 for r in results), [r.reason for r in results]
+    assert sorted(started[:2]) == [("check",), ("check",)]
+    assert started[2:] == [("time",), ("time",), ("time",)]  # the anchor, then each candidate: timed calls only
