@@ -227,10 +227,10 @@ def heldout_loss(ckpt: str, held: str, args) -> float:
 
 
 def compile_rate(ckpt: str, held: str, args) -> float:
-    from k3.checkpoint import from_pretrained, load_config
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.devices import inference_dtype, pick_device
+    from k3.devices import pick_device
     from k3.posttrain.chat_data import read_chat_jsonl
+    from k3.serve.build import load_for_generation
     from k3.serve.chat import load_chat_template, render_chat
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.sampling import SamplingParams
@@ -238,9 +238,7 @@ def compile_rate(ckpt: str, held: str, args) -> float:
     if args.generate == 0:
         return float("nan")
     dev = pick_device(args.device)
-    # as `k3 serve` runs it: bfloat16 on a GPU (its grouped expert GEMMs and CUDA graphs), the stored dtype on a CPU
-    model = from_pretrained(ckpt, dtype=inference_dtype(load_config(ckpt).torch_dtype, dev), device=dev,
-                            packed_experts="auto")
+    model = load_for_generation(ckpt, dev)  # as `k3 serve` runs it (bfloat16 on a GPU)
     tok = load_any_tokenizer(ckpt)
     template = load_chat_template(ckpt)
     recs, _ = read_chat_jsonl(held)

@@ -163,15 +163,18 @@ def _train_distributed(opts, tcfg, dims, device, progress_bar: bool) -> dict:
 
 
 def _load_for_inference(ckpt: str, device: str, verify: bool = True, generate: bool = False):
-    """`generate`: in the dtype the serving engine runs it in (k3.devices.inference_dtype), else the stored one."""
-    from k3.checkpoint import from_pretrained, load_config
+    """`generate`: as the serving engine runs it (k3.serve.build.load_for_generation), else in the stored dtype."""
+    from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.devices import inference_dtype, pick_device
+    from k3.devices import pick_device
+    from k3.serve.build import load_for_generation
 
     dev = pick_device(device)
-    dtype = inference_dtype(load_config(ckpt).torch_dtype, dev) if generate else None
-    model = from_pretrained(ckpt, dtype=dtype, device=dev, backends=_backends("auto", dev), verify=verify,
-                            packed_experts="auto")  # MXFP4 experts packed where their kernels run
+    if generate:
+        model = load_for_generation(ckpt, dev, backends=_backends("auto", dev), verify=verify)
+    else:
+        model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev), verify=verify,
+                                packed_experts="auto")  # MXFP4 experts packed where their kernels run
     try:
         tok = load_any_tokenizer(ckpt)
     except (FileNotFoundError, ValueError) as e:

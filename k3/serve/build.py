@@ -17,9 +17,8 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     EngineConfig's; `draft`: the EAGLE-3 draft's directory (default with speculative='eagle3': CK/draft);
     `speculative_auto`: EngineConfig.speculative_auto (on: speculation per batch size where it measures faster);
     `compile_decode`: EngineConfig.compile_decode."""
-    from k3.checkpoint import from_pretrained, load_config
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.devices import inference_dtype, pick_device
+    from k3.devices import pick_device
     from k3.serve.chat import load_chat_template
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.options import draft_dir
@@ -39,7 +38,25 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     ecfg.validate()  # before the (possibly slow) load
     tokenizer = load_any_tokenizer(ckpt_dir)
     template = load_chat_template(ckpt_dir)
-    # an MXFP4 checkpoint's routed experts stay packed in memory where their kernels run (from_pretrained)
-    model = from_pretrained(ckpt_dir, dtype=inference_dtype(load_config(ckpt_dir).torch_dtype, dev), device=dev,
-                            backends=backends, verify=verify, packed_experts="auto")
+    model = load_for_generation(ckpt_dir, dev, backends=backends, verify=verify)
     return LLMEngine(model, tokenizer, ecfg), tokenizer, template
+
+
+def load_for_generation(ckpt_dir: str, device, backends=None, verify: bool = True):
+    """The checkpoint's model as the serving engine runs it on `device`: in k3.devices.inference_dtype (a float32
+    checkpoint in bfloat16 on CUDA, said once on stderr), with an MXFP4 checkpoint's routed experts packed in memory
+    where their kernels run (k3.checkpoint.from_pretrained's packed_experts="auto")."""
+    import torch
+
+    from k3.checkpoint import from_pretrained, load_config
+    from k3.devices import inference_dtype
+    from k3.ops.registry import notice
+
+    device = torch.device(device)
+    stored = load_config(ckpt_dir).torch_dtype
+    dtype = inference_dtype(stored, device)
+    if dtype != stored:
+        notice(f"the checkpoint's {str(stored).removeprefix('torch.')} weights run in "
+               f"{str(dtype).removeprefix('torch.')} on {device.type} (the serving cache's and kernels' dtype there)")
+    return from_pretrained(ckpt_dir, dtype=dtype, device=device, backends=backends, verify=verify,
+                           packed_experts="auto")

@@ -53,9 +53,11 @@ def _record_loads(monkeypatch, device):
 
 
 @pytest.mark.parametrize("device, want", [(CUDA, torch.bfloat16), (CPU, torch.float32)])
-def test_serving_and_generation_load_in_the_inference_dtype(fp32_ckpt, monkeypatch, device, want):
+def test_serving_and_generation_load_in_the_inference_dtype(fp32_ckpt, monkeypatch, capsys, device, want):
+    from k3.ops import registry
     from k3.serve.build import build_engine
 
+    monkeypatch.setattr(registry, "_notices", set())
     seen = _record_loads(monkeypatch, device)
     with pytest.raises(Loaded):
         build_engine(fp32_ckpt, device="auto")
@@ -64,3 +66,5 @@ def test_serving_and_generation_load_in_the_inference_dtype(fp32_ckpt, monkeypat
     with pytest.raises(Loaded):  # evaluation: the stored dtype (None: from_pretrained reads it)
         cli._load_for_inference(fp32_ckpt, "auto")
     assert seen == [want, want, None]
+    said = "the checkpoint's float32 weights run in bfloat16 on cuda" in capsys.readouterr().err
+    assert said == (device.type == "cuda")  # a dtype change is said; none on the CPU
