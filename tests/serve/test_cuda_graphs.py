@@ -366,9 +366,14 @@ def test_compiled_decode_step_breaks_only_at_the_fast_implementations(static_mod
     torch._dynamo.reset()
 
 
+_VIEWS = {"getitem", "view", "reshape", "narrow", "select", "permute", "transpose", "t", "unsqueeze", "squeeze",
+          "expand", "as_strided", "flatten", "unflatten"}
+
+
 def _pool_mutations(pages: torch.Tensor, found: list):
     """A torch.compile backend (runs each graph eagerly) that appends to `found` every in-place operation a graph
-    applies to the pool's tensor or to a view of it."""
+    applies to the pool's tensor or to a view of it, and every reinterpretation of such a view as another dtype
+    (Inductor materializes one of a strided view: a copy of the pool)."""
     import operator
 
     def backend(gm, example_inputs):
@@ -376,22 +381,24 @@ def _pool_mutations(pages: torch.Tensor, found: list):
         derived = {n for n, x in zip(placeholders, example_inputs)
                    if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr()}
         for node in gm.graph.nodes:
-            if node.op not in ("call_function", "call_method") or not node.args:
+            if node.op not in ("call_function", "call_method") or not node.args or node.args[0] not in derived:
                 continue
             name = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
-            if node.args[0] in derived:
-                if node.target is operator.setitem or (name.endswith("_") and not name.startswith("_")):
-                    found.append(name)
-                else:
-                    derived.add(node)  # a view (or a read) of the pool
+            if node.target is operator.setitem or (name.endswith("_") and not name.startswith("_")):
+                found.append(name)
+            elif name == "view" and any(isinstance(a, torch.dtype) for a in node.args[1:]):
+                found.append("view as another dtype")
+            elif name in _VIEWS:
+                derived.add(node)  # a view of the pool (a read such as index_select makes a copy of its own)
         return gm.forward
     return backend
 
 
 def test_compiled_decode_step_leaves_the_pool_writes_outside(static_mode, monkeypatch):
     # Traced, an in-place write into a view of the pool's bytes is functionalized into a copy of the whole pool per
-    # write (the compiled step ran 14x slower than the uncompiled one on an H200, 35x on this CPU): the pool's writes
-    # run outside the compiled region, and no compiled graph writes into the pool.
+    # write (the compiled step ran 14x slower than the uncompiled one on an H200, 35x on this CPU), and a strided view
+    # of them reinterpreted as another dtype is materialized: the pool's writes and its typed MLA view are made
+    # outside the compiled region, and no compiled graph writes into the pool or reinterprets it.
     import torch._dynamo
 
     found: list = []

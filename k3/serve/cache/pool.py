@@ -44,8 +44,9 @@ class CachePool:
 
     def mla_view(self) -> torch.Tensor:
         """The whole pool as MLA pages [num_pages, page_tokens, width] (a view, no copy; the page stride is
-        page_bytes, which can exceed one MLA page)."""
-        return self.pages[:, : self.mla_page_bytes].view(self.dtype).view(self.num_pages, self.page_tokens, -1)
+        page_bytes, which can exceed one MLA page). Made outside a compiled decode step: traced, reinterpreting the
+        strided bytes as another dtype is materialized, a copy of every MLA page per layer and step."""
+        return opaque(_mla_view)(self)
 
     # The writes below run outside a compiled decode step (registry.opaque): traced, each in-place write into a
     # typed view of the pool's bytes is functionalized into a fresh copy of the whole pool, every step.
@@ -76,6 +77,11 @@ class CachePool:
         else:
             nb = tokens * self.mla_width * (self.mla_page_bytes // (self.page_tokens * self.mla_width))
             self.pages[dst, :nb].copy_(self.pages[src, :nb])
+
+
+@keep_opaque
+def _mla_view(pool: CachePool) -> torch.Tensor:
+    return pool.pages[:, : pool.mla_page_bytes].view(pool.dtype).view(pool.num_pages, pool.page_tokens, -1)
 
 
 @keep_opaque
