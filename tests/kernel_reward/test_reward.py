@@ -45,11 +45,8 @@ def test_expert_time_is_measured_once_per_process_unless_refreshed():
     assert expert_time("softmax", "cpu") is again
 
 
-def test_the_expert_is_checked_then_timed_in_one_process_like_a_candidate(monkeypatch):
-    """The anchor's process runs the checks before its timed calls, as every candidate's does, so that what the checks
-    leave behind (compiled kernels, the allocator's pool) is the same on both sides of the ratio."""
-    from k3.kernel_reward import scoring
-
+def _record_runs(monkeypatch, scoring) -> list:
+    """scoring.Run recording each process's phases, in the order they start."""
     started = []
 
     class Recorded(scoring.Run):
@@ -58,6 +55,15 @@ def test_the_expert_is_checked_then_timed_in_one_process_like_a_candidate(monkey
             super().__init__(*a, phases=phases, **k)
 
     monkeypatch.setattr(scoring, "Run", Recorded)
+    return started
+
+
+def test_the_expert_is_checked_then_timed_in_one_process_like_a_candidate(monkeypatch):
+    """The anchor's process runs the checks before its timed calls, as every candidate's does, so that what the checks
+    leave behind (compiled kernels, the allocator's pool) is the same on both sides of the ratio."""
+    from k3.kernel_reward import scoring
+
+    started = _record_runs(monkeypatch, scoring)
     impl, t = scoring.expert_time("softmax", "cpu", refresh=True, timing={"warmup": 1, "repeats": 5})
     alone = scoring.expert_time("softmax", "cpu", refresh=True, timing={"warmup": 1, "repeats": 5}, checked=False)
     assert started == [("check", "time"), ("time",)]
@@ -81,14 +87,7 @@ def test_batch_scoring_times_the_anchor_as_it_times_the_candidates(monkeypatch):
     only the timed calls; the expert's anchor is then timed by that procedure too, not after checks."""
     from k3.kernel_reward import scoring
 
-    started = []
-
-    class Recorded(scoring.Run):
-        def __init__(self, *a, phases=("check", "time"), **k):
-            started.append(tuple(phases))
-            super().__init__(*a, phases=phases, **k)
-
-    monkeypatch.setattr(scoring, "Run", Recorded)
+    started = _record_runs(monkeypatch, scoring)
     monkeypatch.setattr(scoring, "_expert_times", {})
     honest = "import torch\n\ndef kernel(x):\n    return torch.softmax(x, dim=-1)\n"  # the expert's code, not it
     results = scoring.score_many("softmax", [("a", honest), ("b", honest)], "cpu", jobs=2,
