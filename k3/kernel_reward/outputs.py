@@ -16,12 +16,13 @@ import os
 
 import torch
 
-__all__ = ["load_outputs", "save_outputs"]
+__all__ = ["load_outputs", "save_outputs", "storable"]
 
 _LAYOUT = "k3_kernel_reward_layout"  # metadata key: per call, per output, present (1) or None (0)
 
 
-def _storable(t) -> bool:
+def storable(t) -> bool:
+    """Whether `t` is an output the file holds: a plain strided tensor of a dtype safetensors stores."""
     return type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta and not t.dtype.is_complex
 
 
@@ -33,7 +34,7 @@ def save_outputs(path: str, calls: list[list]) -> None:
     for i, outs in enumerate(calls):
         row = []
         for j, t in enumerate(outs):
-            if _storable(t):
+            if storable(t):
                 tensors[f"{i}.{j}"] = t.detach().to("cpu").contiguous().clone()  # its own storage: none shared
                 row.append(1)
             else:

@@ -24,7 +24,7 @@ import time
 import traceback
 
 from k3.kernel_reward import guard, timing  # bound before the candidate runs (timing's timer functions)
-from k3.kernel_reward.outputs import save_outputs
+from k3.kernel_reward.outputs import save_outputs, storable
 
 MAX_KEPT_BYTES = 256 << 20  # timed outputs kept for checking: all of them below this, else a random sample
 SAMPLED = 3
@@ -40,10 +40,7 @@ def _write(directory: str, name: str, payload: dict, tensors: list | None = None
 
 
 def _cpu(outs: tuple) -> list:
-    import torch
-
-    return [o.detach().to("cpu") if type(o) is torch.Tensor and o.layout == torch.strided and not o.is_meta else None
-            for o in outs]  # (save_outputs stores what it can hold, None for the rest)
+    return [o.detach().to("cpu") if storable(o) else None for o in outs]
 
 
 def _error(stage: str, e: BaseException) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_tokens: int | None = None,
                  hash_block_tokens: int | None = None, max_num_seqs: int | None = None,
@@ -43,13 +45,10 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
 
 
 def load_for_generation(ckpt_dir: str, device, backends=None, verify: bool = True):
-    """The checkpoint's model as the serving engine runs it on `device`: in k3.devices.inference_dtype (a float32
+    """The checkpoint's model as the serving engine runs it on `device`: in `inference_dtype` (a float32
     checkpoint in bfloat16 on CUDA, said once on stderr), with an MXFP4 checkpoint's routed experts packed in memory
     where their kernels run (k3.checkpoint.from_pretrained's packed_experts="auto")."""
-    import torch
-
     from k3.checkpoint import from_pretrained, load_config
-    from k3.devices import inference_dtype
     from k3.ops.registry import notice
 
     device = torch.device(device)
@@ -60,3 +59,12 @@ def load_for_generation(ckpt_dir: str, device, backends=None, verify: bool = Tru
                f"{str(dtype).removeprefix('torch.')} on {device.type} (the serving cache's and kernels' dtype there)")
     return from_pretrained(ckpt_dir, dtype=dtype, device=device, backends=backends, verify=verify,
                            packed_experts="auto")
+
+
+def inference_dtype(stored: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a checkpoint stored in `stored` is generated from on `device`: its own, except float32 on CUDA,
+    which runs in bfloat16 there. The serving cache is bfloat16 on CUDA, and the GPU's decode path (grouped
+    expert GEMMs, CUDA graphs) takes bfloat16; a float32 model there would run the reference expert loop,
+    eagerly, many times slower. Training keeps float32 master weights (under bf16 autocast), so every trained
+    checkpoint is float32."""
+    return torch.bfloat16 if device.type == "cuda" and stored == torch.float32 else stored

@@ -311,9 +311,11 @@ def test_engine_serves_packed_experts_as_the_training_forward(tmp_path):
 
 def test_serving_packs_the_experts_where_their_kernels_run(tmp_path, monkeypatch, capsys):
     from k3.data.tokenizer import byte_level_tokenizer
+    from k3.ops import registry
     from k3.ops.registry import Backends
     from k3.serve.build import build_engine
 
+    monkeypatch.setattr(registry, "_notices", set())  # said once per process: whichever test loaded one before
     _, path = _exported(tmp_path)
     byte_level_tokenizer(512).save(os.path.join(path, "tokenizer.json"))
     eng, _, _ = build_engine(path, device="cpu")  # the reference on CPU: decoded at load, and said so

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3 import cli
-from k3.devices import inference_dtype
+from k3.serve.build import inference_dtype
 from k3.model.model import K3ForCausalLM
 from k3.config import K3Config
 from k3.checkpoint import save_pretrained
