@@ -199,9 +199,13 @@ class DecodeGraphs:
 
             opaque_under_compile()  # the compiled step fuses the PyTorch code between the kernels, not the kernels
 
-            # one compile per bucket, all of the same function: keep dynamo from giving up on the larger buckets
-            limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, 2 * len(self.buckets))
+            # One compile per bucket of the step, and, because the graph breaks at each opaque kernel, of the code
+            # that resumes after it: each layer's sites (their layer index and the AttnRes block count are static)
+            # in each bucket. Past dynamo's limits (16 per function, 256 in all) the rest would run uncompiled.
+            need = 2 * len(self.buckets) * (runner.model.config.num_hidden_layers + 1)
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, need)
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * need)
             self._compiled = torch.compile(self._step, dynamic=False)
         self.compile_failed: str | None = None
 

@@ -366,6 +366,28 @@ def test_compiled_decode_step_breaks_only_at_the_fast_implementations(static_mod
     torch._dynamo.reset()
 
 
+def test_compiled_decode_step_compiles_every_layer_in_every_bucket(static_mode, monkeypatch):
+    # The graph breaks at each opaque kernel, so the code after it is compiled once per layer (its layer index and
+    # AttnRes block count are static) and per bucket: past dynamo's recompile limit the later layers of the larger
+    # buckets ran uncompiled (k3-mini on an H200 at batch 16 and 64). The engine raises the limits to what its
+    # buckets and layers need; here dynamo starts from a limit of 1 and fails hard if any limit is hit.
+    import torch._dynamo
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    torch._dynamo.reset()
+    eng = _engine(compile_decode=True)
+    graphs = eng.runner.graphs
+    assert len(graphs.buckets) > 1
+    _serve_to_the_reference(eng, _prompts((44, 46, 10, 94)))  # decode steps in several buckets
+    assert graphs.compile_failed is None, graphs.compile_failed
+    assert len({b.size for b in graphs._static.values() if b.tokens == 1}) > 1
+    torch._dynamo.reset()
+
+
 _VIEWS = {"getitem", "view", "reshape", "narrow", "select", "permute", "transpose", "t", "unsqueeze", "squeeze",
           "expand", "as_strided", "flatten", "unflatten"}
 
