@@ -1,5 +1,10 @@
 """Timing a kernel in the candidate's process: warm-up calls, then timed calls each on fresh inputs, the median.
 
+The warm-up is at least `Timing.warmup` calls and, on CUDA, at least `Timing.warmup_s` seconds of them: a GPU
+that was idle runs at lower clocks for a while, and a few calls of a sub-millisecond kernel end before they
+rise (an expert timed in a fresh process after 3 warm-up calls varied by up to 1.5x from process to process on
+an H200).
+
 Every call gets inputs it has never seen (built before the timer starts), so neither a cache of inputs nor of
 outputs can help. On CUDA the L2 cache is flushed before each call (a write of twice its size), the timer starts
 on the current stream and stops after ``torch.cuda.synchronize()``, which waits for every stream of the device:
@@ -29,21 +34,33 @@ L2_FLUSH_BYTES = 256 << 20  # H200: 50 MB of L2; written whole before each timed
 @dataclass(frozen=True)
 class Timing:
     warmup: int = 3
-    repeats: int = 20
+    warmup_s: float | None = None  # warm-up calls until this much time has passed (None: 0.25 on CUDA, 0 on CPU)
+    max_warmup: int = 10_000
+    repeats: int = 50
     min_repeats: int = 5
     budget_s: float = 2.0  # stop after this much timed work once min_repeats are done
 
 
 def time_calls(kernel: Callable, make_args: Callable[[int], tuple], device: str, timing: Timing,
                on_output: Callable[[int, tuple, object], None]) -> list[float]:
-    """Call `kernel(*make_args(i))` for i = 0, 1, ...: `timing.warmup` calls untimed, then timed ones until
-    `timing.repeats` (or the budget, after `timing.min_repeats`). `on_output(i, args, out)` sees every output
-    (i < 0 for warm-up calls). Returns the timed calls' seconds."""
+    """Call `kernel(*make_args(i))`: untimed warm-up calls for i = -1, -2, ... (at least `timing.warmup`, and
+    until `timing.warmup_s` seconds have passed, at most `timing.max_warmup`), then timed ones for i = 0, 1, ...
+    until `timing.repeats` (or the budget, after `timing.min_repeats`). `on_output(i, args, out)` sees every
+    output (i < 0 for warm-up calls). Returns the timed calls' seconds."""
     cuda = device == "cuda"
+    warmup_s = timing.warmup_s if timing.warmup_s is not None else (0.25 if cuda else 0.0)
+    t0, n = _perf_counter(), 0
+    while n < timing.warmup or (n < timing.max_warmup and _perf_counter() - t0 < warmup_s):
+        n += 1
+        args = make_args(-n)
+        out = kernel(*args)
+        if cuda:
+            _cuda_synchronize()  # the time is the device's, not the launch queue's
+        on_output(-n, args, out)
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda") if cuda else None
     times: list[float] = []
     spent = 0.0
-    for i in range(-timing.warmup, timing.repeats):
+    for i in range(timing.repeats):
         if i >= timing.min_repeats and spent > timing.budget_s:
             break
         args = make_args(i)
@@ -62,9 +79,8 @@ def time_calls(kernel: Callable, make_args: Callable[[int], tuple], device: str,
             out = kernel(*args)
             dt = _perf_counter() - t0
         on_output(i, args, out)
-        if i >= 0:
-            times.append(dt)
-            spent += dt
+        times.append(dt)
+        spent += dt
     return times
 
 

@@ -112,8 +112,8 @@ def time_phase(task, kernel, device: str, spec: dict) -> tuple[dict, list]:
         if i in sample:
             kept[i] = _cpu(outs)
 
-    def make_args(i):
-        return task.make(shape, 1000 + i, "normal", device)
+    def make_args(i):  # timed calls: seeds 1000, 1001, ...; warm-up calls (i < 0): 1000001, 1000002, ...
+        return task.make(shape, 1000 + i if i >= 0 else 1_000_000 - i, "normal", device)
 
     try:
         times = timing.time_calls(kernel, make_args, device, opts, on_output)

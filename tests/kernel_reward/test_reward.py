@@ -95,3 +95,26 @@ def test_batch_scoring_times_the_anchor_as_it_times_the_candidates(monkeypatch):
     assert all(r.passed and r.reward is not None and r.reward > 0 for r in results), [r.reason for r in results]
     assert sorted(started[:2]) == [("check",), ("check",)]
     assert started[2:] == [("time",), ("time",), ("time",)]  # the anchor, then each candidate: timed calls only
+
+
+def test_timing_warms_up_for_a_count_and_a_time_then_times_fresh_calls():
+    # At least `warmup` untimed calls and, when asked, at least `warmup_s` seconds of them (a GPU's clocks rise under
+    # load); then `repeats` timed calls. Every call gets its own index, so inputs are never reused.
+    import time
+
+    from k3.kernel_reward.timing import Timing, time_calls
+
+    def kernel(x):
+        time.sleep(0.002)
+        return x
+
+    for warmup_s, least in ((None, 3), (0.0, 3), (0.1, 25)):
+        seen = []
+        times = time_calls(kernel, lambda i: (i,), "cpu", Timing(warmup=3, warmup_s=warmup_s, repeats=7),
+                           lambda i, args, out: seen.append((i, args[0], out)))
+        warm = [i for i, _, _ in seen if i < 0]
+        assert all(i == a == o for i, a, o in seen)
+        assert len(times) == 7 and all(t >= 0.002 for t in times)
+        assert [i for i, _, _ in seen if i >= 0] == list(range(7)) and len(set(warm)) == len(warm)
+        assert len(warm) >= least and (warmup_s or len(warm) == 3)  # on CPU the default is count-only
+        assert len(warm) < 60  # no more than the time asked for (0.1 s of 2 ms calls, with room for a slow machine)

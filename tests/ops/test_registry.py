@@ -278,3 +278,24 @@ def test_importable_traces_without_a_graph_break_once_imported():
     f = torch.compile(lambda x: x + 1 if registry.importable("json")[0] else x, backend="eager", fullgraph=True)
     assert torch.equal(f(torch.zeros(2)), torch.ones(2))
     torch._dynamo.reset()
+
+
+def test_triton_availability_traces_without_a_graph_break(monkeypatch):
+    # dispatch asks a Triton kernel's availability inside a compiled decode step; Triton reads its interpreter flag
+    # through a C function that Dynamo cannot trace (a graph break at every dispatch), so while tracing the check
+    # answers from its latest reading outside
+    import torch._dynamo
+
+    from k3.ops import _triton
+
+    if not registry.importable("triton")[0]:
+        pytest.skip("needs triton")
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", flag)
+        ok = _triton.available(registry.Target(torch.device("cpu")))[0]
+        assert ok == (flag == "1")
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: x + 1 if _triton.available(registry.Target.of(x))[0] else x - 1,
+                          backend="eager", fullgraph=True)
+        assert torch.equal(f(torch.zeros(2)), torch.full((2,), 1.0 if ok else -1.0))
+    torch._dynamo.reset()

@@ -524,23 +524,34 @@ def test_warm_up_sets_up_every_bucket_at_once(static_mode):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_compiled_captured_decode_equals_the_uncompiled_one():
-    # compile_decode on a bf16 model on the GPU: the compiled step captured and replayed gives the greedy outputs of
-    # the uncompiled captured step, and one step's logits agree to bf16 noise (Inductor fuses the elementwise work,
-    # so roundings between fused ops are skipped: 2e-2 relative to the largest logit).
+    # compile_decode on a bf16 model on the GPU: one step's logits agree with the uncompiled step's to bf16 noise
+    # (Inductor fuses the elementwise work, so roundings between fused ops are skipped: 2e-2 relative to the largest
+    # logit). The compiled step, captured and replayed, gives the uncompiled captured step's greedy outputs up to the
+    # first position (if any) where the uncompiled run's best two tokens lie within that noise of each other: there
+    # rounding may pick either, and after it the two runs continue from different tokens.
     model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16).set_backends(Backends(per_op=GRAPH_OPS))
     prompts = _prompts((44, 46, 10, 94))
-    outputs, logits = [], []
+    with_top2 = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0, logprobs=2)
+    runs, logits = [], []
     for compiled in (True, False):
         eng = _engine(model, compile_decode=compiled)
-        seqs = [eng.add_request(p, GREEDY) for p in prompts]
+        seqs = [eng.add_request(p, with_top2) for p in prompts]
         while eng.has_work():
             eng.step()
-        outputs.append([s.output_ids for s in seqs])
+        runs.append([(s.output_ids, s.logprobs) for s in seqs])
         graphs = eng.runner.graphs
         assert graphs.disabled is None and graphs.compile_failed is None, (graphs.disabled, graphs.compile_failed)
         assert graphs.replays == graphs.steps > 0
 
         eng = _engine(model, compile_decode=compiled)
         logits.append(_one_decode_step(eng, prompts[:3]))
-    assert outputs[0] == outputs[1]
-    assert rel_err(logits[0], logits[1]) < 2e-2
+    tol = 2e-2
+    assert rel_err(logits[0], logits[1]) < tol
+    # two logits each moved by at most the bound can swap only if they were closer than twice the bound
+    near_tie = 2 * tol * float(logits[1].float().abs().max())
+    for (ids, _), (ref_ids, ref_lp) in zip(*runs):
+        n = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ref_ids))
+        if n < len(ref_ids):
+            (_, first), (_, second) = ref_lp[n]["top"]
+            print(f"diverged at output {n}: best two {first - second:.4g} apart (near tie below {near_tie:.4g})")
+            assert first - second < near_tie, (n, ids, ref_ids, first - second, near_tie)
