@@ -3,11 +3,12 @@ noise), our own kernel where it is not the expert, and the naive reference; plus
 candidate. Prints a table and writes JSON.
 
     python benchmarks/kernel_reward.py [--device cuda|cpu] [--tasks rms_norm,softmax] [--out kernel_reward.json]
-    python benchmarks/kernel_reward.py --anchor 3 [--tasks ...]   # how steady the reward's 0.5 anchor is
+    python benchmarks/kernel_reward.py --anchor 3 [--anchor-processes P] [--tasks ...]   # how steady the 0.5 is
 
-`--anchor N`: for each task, N rounds of three fresh processes: the expert timed with nothing run before (alone),
-the expert's anchor as the harness takes it (checked, then timed in the same process), and the expert scored as a
-candidate against that anchor (checked, then timed). Scored over anchor is the reward's 0.5 point: its spread is the
+`--anchor N`: for each task, N rounds of fresh processes: the expert timed with nothing run before (alone, one
+process), the expert's anchor as the harness takes it (checked, then timed in the same process; the median of P
+such processes, the harness's default unless `--anchor-processes P`), and the expert scored as a candidate against
+that anchor (checked, then timed). Scored over anchor is the reward's 0.5 point: its spread is the
 run-to-run noise of the anchor. Alone over anchor shows what the checks leave behind in a process.
 
 Each implementation is scored like any candidate (its own process, every check and detector, timed on fresh
@@ -26,13 +27,14 @@ import torch
 from k3.kernel_reward import Limits, all_tasks, expert_time, score, source_of
 
 
-def anchor(names, tasks, device, limits, rounds: int, out_path: str) -> int:
+def anchor(names, tasks, device, limits, rounds: int, out_path: str, processes: int | None = None) -> int:
     rows = []
     for name in names:
         task = tasks[name]
         for k in range(rounds):
-            _, alone = expert_time(task, device, limits=limits, refresh=True, checked=False)
-            impl, anchored = expert_time(task, device, limits=limits, refresh=True)  # again, in a new process
+            _, alone = expert_time(task, device, limits=limits, refresh=True, checked=False, processes=1)
+            # again, in new processes
+            impl, anchored = expert_time(task, device, limits=limits, refresh=True, processes=processes)
             r = score(task, source_of(impl), device, name=impl, limits=limits, expert=(impl, anchored), trusted=True)
             ratio = r.time_s / anchored if r.time_s else float("nan")
             rows.append({"task": name, "round": k, "alone_s": alone, "anchor_s": anchored, "scored_s": r.time_s,
@@ -54,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="kernel_reward.json")
     p.add_argument("--time-limit", type=float, default=600.0)
     p.add_argument("--anchor", type=int, default=0, metavar="N", help="measure the expert anchor's steadiness instead")
+    p.add_argument("--anchor-processes", type=int, default=None, metavar="P",
+                   help="processes the anchor is the median of (default: the harness's, 3 on cuda and 1 on cpu)")
     args = p.parse_args(argv)
     tasks = all_tasks()
     names = [n for n in args.tasks.split(",") if n] or sorted(tasks)
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
         p.error(f"unknown task(s) {', '.join(unknown)}; the tasks are {', '.join(sorted(tasks))}")
     limits = Limits(check_s=args.time_limit, time_s=args.time_limit)
     if args.anchor:
-        return anchor(names, tasks, args.device, limits, args.anchor, args.out)
+        return anchor(names, tasks, args.device, limits, args.anchor, args.out, args.anchor_processes)
     out = []
 
     def save():  # after every row: a run cut short keeps what it measured
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
     for name in names:
         task = tasks[name]
         try:
-            expert = expert_time(task, args.device, limits=limits)
+            expert = expert_time(task, args.device, limits=limits, processes=args.anchor_processes)
         except RuntimeError as e:  # the expert failed its checks or its process: no anchor, say so, keep going
             print(f"{name}: {e}", file=sys.stderr, flush=True)
             out.append({"task": name, "role": "expert", "error": str(e)})

@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     sc.add_argument("--no-timing", action="store_true", help="checks and detectors only (reward null)")
     sc.add_argument("--time-limit", type=float, default=300.0, help="seconds per phase per candidate")
     sc.add_argument("--memory-gib", type=float, default=8.0, help="address-space cap of a CPU candidate's process")
+    sc.add_argument("--anchor-processes", type=int, default=None, metavar="N",
+                    help="fresh processes the expert's anchor time is the median of (default: 3 on cuda, 1 on cpu)")
     sc.add_argument("--forkserver", action="store_true",
                     help="fork candidates from one fresh interpreter that has imported torch (faster batches)")
     sc.set_defaults(fn=cmd_score)
@@ -62,13 +64,17 @@ def cmd_score(args) -> int:
             sources.append((path, f.read()))
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.anchor_processes is not None and args.anchor_processes < 1:
+        raise ValueError(f"--anchor-processes must be >= 1, got {args.anchor_processes}")
     limits = Limits(check_s=args.time_limit, time_s=args.time_limit, memory_bytes=int(args.memory_gib * 2**30),
                     start="forkserver" if args.forkserver else "subprocess")
     timed = not args.no_timing
     if len(sources) == 1:
-        results = [score(task, sources[0][1], args.device, name=sources[0][0], timed=timed, limits=limits)]
+        results = [score(task, sources[0][1], args.device, name=sources[0][0], timed=timed, limits=limits,
+                         anchor_processes=args.anchor_processes)]
     else:
-        results = score_many(task, sources, args.device, jobs=args.jobs, timed=timed, limits=limits)
+        results = score_many(task, sources, args.device, jobs=args.jobs, timed=timed, limits=limits,
+                             anchor_processes=args.anchor_processes)
     if args.json:
         out = [r.to_dict() for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=1))

@@ -119,43 +119,59 @@ def _verdict(res: Result, calls: list[Call], ev: Evidence) -> None:
 # --- timing and the reward ---------------------------------------------------------------------------------------
 
 _expert_times: dict[tuple, tuple[str, float]] = {}
+# fresh processes whose medians the anchor is the median of: on the H200 one process ran the same small kernel up to
+# 1.6x faster or slower than the next (BENCHMARKS.md); on CPU one, since CPU rewards test the harness, not the kernel
+ANCHOR_PROCESSES = {"cuda": 3, "cpu": 1}
 
 
 def expert_time(task: Task | str, device: str | None = None, *, timing: dict | None = None,
-                limits: Limits = Limits(), refresh: bool = False, checked: bool = True) -> tuple[str, float]:
-    """(the expert's "module:function", its median time) for `task` on `device`, measured once per process
-    (`refresh`: measured again, in a new process, and kept).
+                limits: Limits = Limits(), refresh: bool = False, checked: bool = True,
+                processes: int | None = None) -> tuple[str, float]:
+    """(the expert's "module:function", its time) for `task` on `device`, measured once per process (`refresh`:
+    measured again, in new processes, and kept).
 
     The expert is timed the way a candidate is: its own process runs every correctness case and detector call
     first, the harness judges them (an expert that fails raises, naming the check: its time would be no anchor),
     and then the same process is timed. Whatever the checks leave behind in a process (compiled and autotuned
     kernels, the allocator's pool, the device's clocks) is then the same for the anchor as for every candidate.
-    `checked=False` times a process that runs nothing before the timed calls (to study the anchor)."""
+    `checked=False` times processes that run nothing before the timed calls (as batch scoring times candidates).
+    The time is the median over `processes` such processes (default `ANCHOR_PROCESSES` for the device) of each
+    one's median: one process's time of a small kernel varies too much to be the reward's 0.5 alone."""
     task = get(task) if isinstance(task, str) else task
     device = _device(device)
-    key = (task.name, device, tuple(sorted((timing or {}).items())), checked)
+    n = ANCHOR_PROCESSES.get(device, 1) if processes is None else processes
+    if n < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    key = (task.name, device, tuple(sorted((timing or {}).items())), checked, n)
     if refresh or key not in _expert_times:
         impl = task.expert(device)
-        with tempfile.TemporaryDirectory(prefix="k3-kr-") as d:
-            path = os.path.join(d, "expert.py")
-            with open(path, "w") as f:
-                f.write(source_of(impl))
-            run = Run(task.name, path, device, d, phases=("check", "time") if checked else ("time",), limits=limits,
-                      timing=timing, trusted=True)
-            try:
-                if checked:
-                    res = Result(task.name, impl, device)
-                    _check(res, run, task, device)
-                    if not res.passed:
-                        raise RuntimeError(f"the expert of {task.name} ({impl}) failed its checks on {device}: "
-                                           f"{res.reason}")
-                got = run.time()
-            finally:
-                run.close()
-        if isinstance(got, Failure):
-            raise RuntimeError(f"the expert of {task.name} ({impl}) failed on {device}: {got.reason}")
-        _expert_times[key] = (impl, median(got[0]["times"]))
+        medians = [_expert_process_time(task, impl, device, timing, limits, checked) for _ in range(n)]
+        _expert_times[key] = (impl, median(medians))
     return _expert_times[key]
+
+
+def _expert_process_time(task: Task, impl: str, device: str, timing: dict | None, limits: Limits,
+                         checked: bool) -> float:
+    """The median time of the expert `impl` in one fresh process (checked first when `checked`)."""
+    with tempfile.TemporaryDirectory(prefix="k3-kr-") as d:
+        path = os.path.join(d, "expert.py")
+        with open(path, "w") as f:
+            f.write(source_of(impl))
+        run = Run(task.name, path, device, d, phases=("check", "time") if checked else ("time",), limits=limits,
+                  timing=timing, trusted=True)
+        try:
+            if checked:
+                res = Result(task.name, impl, device)
+                _check(res, run, task, device)
+                if not res.passed:
+                    raise RuntimeError(f"the expert of {task.name} ({impl}) failed its checks on {device}: "
+                                       f"{res.reason}")
+            got = run.time()
+        finally:
+            run.close()
+    if isinstance(got, Failure):
+        raise RuntimeError(f"the expert of {task.name} ({impl}) failed on {device}: {got.reason}")
+    return median(got[0]["times"])
 
 
 def _reward(res: Result, task: Task, device: str, times: list[float], expert: tuple[str, float]) -> None:
@@ -191,10 +207,11 @@ def _prepare(task, device):
 
 def score(task: Task | str, source: str, device: str | None = None, *, name: str = "candidate", timed: bool = True,
           limits: Limits = Limits(), timing: dict | None = None, expert: tuple[str, float] | None = None,
-          trusted: bool = False) -> Result:
+          trusted: bool = False, anchor_processes: int | None = None) -> Result:
     """Score one candidate (Python source defining ``kernel``) on `task`. `timed=False` stops after the checks
-    (reward None when they pass). `expert`: (name, seconds) instead of measuring the expert. `trusted` turns off
-    the forbidden-call detector (to score the expert itself)."""
+    (reward None when they pass). `expert`: (name, seconds) instead of measuring the expert (else `expert_time`
+    over `anchor_processes` processes). `trusted` turns off the forbidden-call detector (to score the expert
+    itself)."""
     task, device = _prepare(task, device)
     t0 = time.monotonic()
     res = Result(task.name, name, device)
@@ -207,7 +224,8 @@ def score(task: Task | str, source: str, device: str | None = None, *, name: str
         try:
             calls, process = _check(res, run, task, device)
             if timed and res.passed:
-                timed_expert = expert or expert_time(task, device, timing=timing, limits=limits)
+                timed_expert = expert or expert_time(task, device, timing=timing, limits=limits,
+                                                    processes=anchor_processes)
                 _timed(res, run, task, device, calls, process, timed_expert)
         finally:
             run.close()
@@ -230,10 +248,11 @@ def _check(res: Result, run: Run, task: Task, device: str):
 
 def score_many(task: Task | str, sources: Sequence[tuple[str, str]], device: str | None = None, *, jobs: int = 4,
                timed: bool = True, limits: Limits = Limits(), timing: dict | None = None,
-               expert: tuple[str, float] | None = None) -> list[Result]:
+               expert: tuple[str, float] | None = None, anchor_processes: int | None = None) -> list[Result]:
     """Score many (name, source) candidates: their checks in up to `jobs` processes at a time, then every one
     that passed timed alone, one after another (nothing else runs while a candidate is timed), each in a new
-    process that runs only the timed calls; the expert's anchor is timed the same way (expert_time, checked=False)."""
+    process that runs only the timed calls; the expert's anchor is timed the same way (expert_time, checked=False,
+    over `anchor_processes` processes)."""
     task, device = _prepare(task, device)
 
     def check_one(item):
@@ -259,7 +278,8 @@ def score_many(task: Task | str, sources: Sequence[tuple[str, str]], device: str
         t0 = time.monotonic()
         if timed and res.passed:
             # timed in a fresh process that ran no checks: so is the anchor (the same procedure on both sides)
-            timed_expert = timed_expert or expert_time(task, device, timing=timing, limits=limits, checked=False)
+            timed_expert = timed_expert or expert_time(task, device, timing=timing, limits=limits, checked=False,
+                                                       processes=anchor_processes)
             run = Run(task.name, path, device, os.path.dirname(path), phases=("time",), limits=limits, timing=timing)
             try:
                 _timed(res, run, task, device, calls, process, timed_expert)

@@ -28,3 +28,9 @@ def test_score_json_reports_time_roofline_and_reward(capsys):
 def test_score_rejects_an_unknown_task(capsys):
     assert main(["kernel-reward", "score", "no_such_task", path("softmax_torch"), "--device", "cpu"]) == 2
     assert "no kernel-reward task 'no_such_task'" in capsys.readouterr().err
+
+
+def test_score_rejects_a_nonpositive_anchor_process_count(capsys):
+    assert main(["kernel-reward", "score", "softmax", path("softmax_torch"), "--device", "cpu",
+                 "--anchor-processes", "0"]) == 2
+    assert "--anchor-processes must be >= 1, got 0" in capsys.readouterr().err

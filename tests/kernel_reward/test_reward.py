@@ -70,6 +70,23 @@ def test_the_expert_is_checked_then_timed_in_one_process_like_a_candidate(monkey
     assert impl == alone[0] and t > 0 and alone[1] > 0
 
 
+def test_the_anchor_is_the_median_of_several_fresh_processes(monkeypatch):
+    """One process's time of a small kernel varies too much to anchor the reward alone: the anchor is the median of
+    `processes` fresh processes' medians, each checked then timed (3 by default on CUDA, 1 on CPU)."""
+    from k3.kernel_reward import scoring
+
+    started = _record_runs(monkeypatch, scoring)
+    seen = []
+    one = scoring._expert_process_time
+    monkeypatch.setattr(scoring, "_expert_process_time", lambda *a: seen.append(one(*a)) or seen[-1])
+    impl, t = scoring.expert_time("softmax", "cpu", refresh=True, processes=3, timing={"warmup": 1, "repeats": 5})
+    assert started == [("check", "time")] * 3 and len(seen) == 3 and all(x > 0 for x in seen)
+    assert impl == scoring.get("softmax").expert("cpu") and t == sorted(seen)[1]
+    assert scoring.ANCHOR_PROCESSES == {"cuda": 3, "cpu": 1}
+    with pytest.raises(ValueError, match="processes must be at least 1"):
+        scoring.expert_time("softmax", "cpu", refresh=True, processes=0)
+
+
 def test_an_expert_that_fails_its_checks_is_no_anchor():
     """An expert whose output is wrong on this device raises with the failing check, rather than giving a time."""
     import dataclasses
