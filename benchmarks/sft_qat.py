@@ -15,6 +15,11 @@ Steps (every model a checkpoint under --work):
   6. with --noise-seeds K: K more unquantized SFT runs, seeds --seed+1 .. --seed+K (only the data order differs),
      whose held-out losses beside the first one's measure the run-to-run noise (`sft_seed_std`): a PTQ loss below
      it leaves `qat_recovery` undetermined;
+  7. with --qat-phase N, a paired comparison that the seed noise of step 6 does not blur: from the SFT model, N more
+     steps unquantized (`phase`) and the same N steps, same seed and data, with MXFP4 QAT (`phase_qat`, exported),
+     and `phase` quantized by PTQ (`phase_ptq`). The two runs start from the same weights and see the same rows, so
+     they differ only by the quantization in the forward; with --noise-seeds K also K unquantized phase runs of
+     other seeds (`phase_seed_std`, an upper bound on the pairing's noise);
 A finished stage keeps only what the later steps read (the SFT model's files, the QAT run's export), not its
 run's checkpoints with their optimizer state (~2x the model each); before any stage runs, the free disk space is
 checked against what the remaining stages write. --base takes a checkpoint or a run directory (its newest complete
@@ -22,7 +27,8 @@ checkpoint; a `.partial` one left by an interrupted save never counts).
 then for base, SFT, SFT+PTQ and SFT+QAT: the held-out loss over the assistant's tokens (nats/token) and, for
 --generate held-out prompts, the fraction of greedy completions (up to --max-new-tokens, cut at the template's
 stop strings) that `compile()`. `qat_recovery` = (PTQ loss - QAT loss) / (PTQ loss - SFT loss): the share of the
-loss that PTQ loses which QAT wins back (the issue's goal: >= 2/3). Prints one JSON object (also --out FILE).
+loss that PTQ loses which QAT wins back (the issue's goal: >= 2/3); `qat_phase_recovery` the same for the paired
+phase runs. Prints one JSON object (also --out FILE).
 """
 
 from __future__ import annotations
@@ -147,22 +153,23 @@ def drop_run_checkpoints(out: str) -> None:
         _log(f"{os.path.basename(out)}: removed its run checkpoints ({freed / 2**30:.1f} GiB), kept its result")
 
 
-def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str | None) -> str:
+def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str | None, steps: int | None = None) -> str:
     from k3.posttrain.sft import SFTOptions, run_sft
     from k3.run_dir import INDEX, complete_checkpoints, latest_checkpoint
     from k3.train.qat import export_checkpoint
 
+    steps = args.sft_steps if steps is None else steps
     out = os.path.join(work, name)
     result = stage_result(work, name, qat)
     if os.path.isfile(os.path.join(result, INDEX)):  # finished by an earlier invocation
         drop_run_checkpoints(out)
         return result
     done = complete_checkpoints(os.path.join(out, "checkpoints"))
-    if not (done and done[-1][0] >= args.sft_steps):  # a fresh run, or one an earlier invocation left short
+    if not (done and done[-1][0] >= steps):  # a fresh run, or one an earlier invocation left short
         if done:
-            _log(f"{name}: resuming the run left at step {done[-1][0]} of {args.sft_steps}")
+            _log(f"{name}: resuming the run left at step {done[-1][0]} of {steps}")
         run_sft(SFTOptions(ckpt=base, data=[train], heldout=[held], device=args.device, resume=bool(done)),
-                _tcfg(out, args.sft_steps, args, qat=qat), progress_bar=False, log=_log)
+                _tcfg(out, steps, args, qat=qat), progress_bar=False, log=_log)
     if qat and not os.path.isfile(os.path.join(result, INDEX)):  # trained, the export cut short: from its checkpoint
         export_checkpoint(latest_checkpoint(out), out, log=_log)
     elif not qat:
@@ -171,15 +178,21 @@ def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str |
     return result
 
 
-def seed_stages(args) -> list[tuple[str, int]]:
+def seed_stages(args, prefix: str = "sft") -> list[tuple[str, int]]:
     """The --noise-seeds reference runs: (stage name, seed)."""
-    return [(f"sft_seed{args.seed + i}", args.seed + i) for i in range(1, args.noise_seeds + 1)]
+    return [(f"{prefix}_seed{args.seed + i}", args.seed + i) for i in range(1, args.noise_seeds + 1)]
 
 
-def disk_needed(work: str, base: str, extra: tuple[str, ...] = ()) -> int:
+def _with_seed(args, seed: int):
+    return argparse.Namespace(**{**vars(args), "seed": seed})
+
+
+def disk_needed(work: str, base: str, extra: tuple[str, ...] = (), qat_extra: tuple[str, ...] = (),
+                ptq_extra: tuple[str, ...] = ()) -> int:
     """Bytes the stages not yet finished will write: per training stage one checkpoint (fp32 weights and the
     optimizer state; the base run's own trainer state gives its size, else ~2x the weights); the exports (MXFP4
-    QAT and PTQ) at most half the fp32 weights each. `extra`: more unquantized SFT stages (the seed runs)."""
+    QAT and PTQ) at most half the fp32 weights each. `extra`: more unquantized SFT stages (the seed runs and the
+    phase runs), `qat_extra` more QAT stages, `ptq_extra` more PTQ outputs."""
     from k3.checkpoint import INDEX, load_config
     from k3.model.model import K3ForCausalLM
     from k3.train.checkpointing import TRAINER_STATE_FILES
@@ -190,19 +203,23 @@ def disk_needed(work: str, base: str, extra: tuple[str, ...] = ()) -> int:
     state_file = os.path.join(base, TRAINER_STATE_FILES[0])
     state = os.path.getsize(state_file) if os.path.isfile(state_file) else 2 * weights
     need = 0
-    for name, qat in (("sft", None), ("sft_qat", "mxfp4")) + tuple((e, None) for e in extra):
+    stages = (("sft", None), ("sft_qat", "mxfp4")) + tuple((e, None) for e in extra) \
+        + tuple((e, "mxfp4") for e in qat_extra)
+    for name, qat in stages:
         if not os.path.isfile(os.path.join(stage_result(work, name, qat), INDEX)):
             have = _dir_bytes(os.path.join(work, name, "checkpoints"))
             need += max(weights + state - have, 0) + (weights // 2 if qat else 0)
-    if not os.path.isdir(os.path.join(work, "sft_ptq")):
-        need += weights // 2
+    for name in ("sft_ptq",) + tuple(ptq_extra):
+        if not os.path.isdir(os.path.join(work, name)):
+            need += weights // 2
     return need
 
 
-def check_disk(work: str, base: str, extra: tuple[str, ...] = ()) -> None:
+def check_disk(work: str, base: str, extra: tuple[str, ...] = (), qat_extra: tuple[str, ...] = (),
+               ptq_extra: tuple[str, ...] = ()) -> None:
     import shutil
 
-    need, free = disk_needed(work, base, extra), shutil.disk_usage(work).free
+    need, free = disk_needed(work, base, extra, qat_extra, ptq_extra), shutil.disk_usage(work).free
     _log(f"disk: the remaining stages write up to {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB free")
     if need > free:
         raise SystemExit(f"sft_qat: the remaining stages need up to {need / 2**30:.1f} GiB in {work}, and its disk "
@@ -261,6 +278,12 @@ def compile_rate(ckpt: str, held: str, args) -> float:
     return ok / len(recs)
 
 
+def recovery(plain: float, ptq: float, qat: float) -> float | None:
+    """The share of what PTQ loses against the unquantized model that QAT wins back; None when PTQ loses nothing."""
+    lost = ptq - plain
+    return round((ptq - qat) / lost, 3) if lost > 0 else None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", required=True, help="directory for the data and every checkpoint (reused if present)")
@@ -285,28 +308,45 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise-seeds", type=int, default=0, metavar="K",
                    help="K more unquantized SFT runs with other seeds: the run-to-run noise of the held-out loss")
+    p.add_argument("--qat-phase", type=int, default=0, metavar="N",
+                   help="the paired comparison: N more steps from the SFT model unquantized and with QAT (step 7)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.noise_seeds < 0:
         p.error(f"--noise-seeds must be >= 0, got {args.noise_seeds}")
+    if args.qat_phase < 0:
+        p.error(f"--qat-phase must be >= 0, got {args.qat_phase}")
 
     os.makedirs(args.work, exist_ok=True)
     t0 = time.perf_counter()
     train, held = make_data(args.work, args.records, args.heldout, args.source)
     base = resolve_base(args.base) if args.base else pretrain(args.work, args)
+    from k3.train.qat import quantize_checkpoint
+
     seeds = seed_stages(args)
-    check_disk(args.work, base, tuple(name for name, _ in seeds))
+    phase_seeds = seed_stages(args, "phase") if args.qat_phase else []
+    phase = ("phase",) if args.qat_phase else ()
+    check_disk(args.work, base, tuple(name for name, _ in seeds + phase_seeds) + phase,
+               tuple(f"{n}_qat" for n in phase), tuple(f"{n}_ptq" for n in phase))
     sft_ck = sft(args.work, "sft", base, train, held, args, None)
     qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
     ptq_ck = os.path.join(args.work, "sft_ptq")
     if not os.path.isdir(ptq_ck):
-        from k3.train.qat import quantize_checkpoint
-
         quantize_checkpoint(sft_ck, ptq_ck)
-    seed_cks = {name: sft(args.work, name, base, train, held, argparse.Namespace(**{**vars(args), "seed": seed}), None)
+    seed_cks = {name: sft(args.work, name, base, train, held, _with_seed(args, seed), None)
                 for name, seed in seeds}
     models = {"base": base, "sft": sft_ck, "sft_ptq_mxfp4": ptq_ck, "sft_qat_mxfp4": qat_ck}
-    res = {"preset": args.preset, "sft_steps": args.sft_steps, "seq_len": args.seq_len,
+    if args.qat_phase:  # step 7: both runs from the SFT model, same seed and rows
+        n = args.qat_phase
+        phase_ck = sft(args.work, "phase", sft_ck, train, held, args, None, steps=n)
+        phase_qat_ck = sft(args.work, "phase_qat", sft_ck, train, held, args, "mxfp4", steps=n)
+        phase_ptq_ck = os.path.join(args.work, "phase_ptq")
+        if not os.path.isdir(phase_ptq_ck):
+            quantize_checkpoint(phase_ck, phase_ptq_ck)
+        models.update({"phase": phase_ck, "phase_ptq_mxfp4": phase_ptq_ck, "phase_qat_mxfp4": phase_qat_ck})
+        phase_seed_cks = {name: sft(args.work, name, sft_ck, train, held, _with_seed(args, seed), None, steps=n)
+                          for name, seed in phase_seeds}
+    res = {"preset": args.preset, "sft_steps": args.sft_steps, "qat_phase_steps": args.qat_phase, "seq_len": args.seq_len,
            "batch_tokens": args.batch_tokens, "heldout_reply_loss": {}, "compile_rate": {}}
     for name, ck in models.items():
         res["heldout_reply_loss"][name] = round(heldout_loss(ck, held, args), 4)
@@ -323,7 +363,18 @@ def main(argv=None) -> int:
     lost = loss["sft_ptq_mxfp4"] - loss["sft"]
     res["ptq_loss_increase"] = round(lost, 4)
     res["qat_loss_increase"] = round(loss["sft_qat_mxfp4"] - loss["sft"], 4)
-    res["qat_recovery"] = round((loss["sft_ptq_mxfp4"] - loss["sft_qat_mxfp4"]) / lost, 3) if lost > 0 else None
+    res["qat_recovery"] = recovery(loss["sft"], loss["sft_ptq_mxfp4"], loss["sft_qat_mxfp4"])
+    if args.qat_phase:
+        res["phase_ptq_loss_increase"] = round(loss["phase_ptq_mxfp4"] - loss["phase"], 4)
+        res["phase_qat_loss_increase"] = round(loss["phase_qat_mxfp4"] - loss["phase"], 4)
+        res["qat_phase_recovery"] = recovery(loss["phase"], loss["phase_ptq_mxfp4"], loss["phase_qat_mxfp4"])
+        if phase_seeds:
+            import statistics
+
+            runs = [loss["phase"]] + [round(heldout_loss(ck, held, args), 4) for ck in phase_seed_cks.values()]
+            res["phase_seed_losses"] = runs
+            res["phase_seed_std"] = round(statistics.stdev(runs), 4)
+            _log(f"phase over {len(runs)} seeds: losses {runs}, standard deviation {res['phase_seed_std']}")
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(res, indent=1)
     print(text)

@@ -50,6 +50,25 @@ def test_stages_keep_their_results_only_and_a_rerun_reuses_them(bench, tmp_path,
     assert third["sft_seed_std"] == round(abs(runs[1] - runs[0]) / 2 ** 0.5, 4)
     assert os.path.isfile(os.path.join(work, "sft_seed1", "model", "config.json"))
 
+    # --qat-phase 1: the paired runs from the SFT model (unquantized, QAT), the first's PTQ, and with --noise-seeds 1
+    # one more unquantized phase run; nothing before them retrained
+    out4 = str(tmp_path / "r4.json")
+    assert bench.main(["--work", work, "--out", out4, "--noise-seeds", "1", "--qat-phase", "1"] + ARGS) == 0
+    err = capsys.readouterr().err
+    assert err.count("finished at step") == 3
+    fourth = json.load(open(out4))
+    loss = fourth["heldout_reply_loss"]
+    assert {k: loss[k] for k in first["heldout_reply_loss"]} == first["heldout_reply_loss"]
+    assert {"phase", "phase_ptq_mxfp4", "phase_qat_mxfp4"} <= set(loss) and fourth["qat_phase_steps"] == 1
+    assert fourth["qat_phase_recovery"] == bench.recovery(loss["phase"], loss["phase_ptq_mxfp4"],
+                                                          loss["phase_qat_mxfp4"])
+    assert fourth["phase_ptq_loss_increase"] == round(loss["phase_ptq_mxfp4"] - loss["phase"], 4)
+    assert len(fourth["phase_seed_losses"]) == 2 and fourth["phase_seed_losses"][0] == loss["phase"]
+    for name, result in (("phase", "model"), ("phase_qat", "mxfp4"), ("phase_seed1", "model")):
+        assert os.path.isfile(os.path.join(work, name, result, "config.json"))
+        assert not os.path.exists(os.path.join(work, name, "checkpoints"))
+    assert os.path.isdir(os.path.join(work, "phase_ptq"))
+
     # --base takes the run directory: its newest complete checkpoint, never the folder of a save cut short
     base_run = os.path.join(work, "base")
     ck = bench.resolve_base(base_run)
@@ -59,6 +78,12 @@ def test_stages_keep_their_results_only_and_a_rerun_reuses_them(bench, tmp_path,
     assert bench.resolve_base(ck) == ck
     with pytest.raises(SystemExit, match="neither a checkpoint"):
         bench.resolve_base(str(tmp_path / "missing"))
+
+
+def test_recovery_is_the_share_of_the_ptq_loss_that_qat_wins_back(bench):
+    assert bench.recovery(1.0, 1.3, 1.1) == pytest.approx(2 / 3, abs=1e-3)
+    assert bench.recovery(1.0, 1.3, 1.4) == pytest.approx(-1 / 3, abs=1e-3)  # QAT worse than PTQ
+    assert bench.recovery(1.0, 1.0, 1.2) is None and bench.recovery(1.0, 0.9, 1.0) is None  # PTQ lost nothing
 
 
 def test_a_disk_too_small_is_refused_before_any_stage(bench, tmp_path, monkeypatch):
@@ -77,6 +102,8 @@ def test_a_disk_too_small_is_refused_before_any_stage(bench, tmp_path, monkeypat
         bench.check_disk(work, base)
     assert "GiB free" in str(e.value) and "--keep-checkpoints" in str(e.value)
     assert bench.disk_needed(work, base, ("sft_seed1",)) > need  # a seed run writes one more checkpoint
+    with_phase = bench.disk_needed(work, base, ("phase",), ("phase_qat",), ("phase_ptq",))
+    assert with_phase > bench.disk_needed(work, base, ("phase",)) > need  # and the phase's QAT run and PTQ more
     # what a finished stage already wrote no longer counts
     os.makedirs(os.path.join(work, "sft_ptq"))
     assert bench.disk_needed(work, base) < need
