@@ -18,8 +18,9 @@ Steps (every model a checkpoint under --work):
   7. with --qat-phase N, a paired comparison that the seed noise of step 6 does not blur: from the SFT model, N more
      steps unquantized (`phase`) and the same N steps, same seed and data, with MXFP4 QAT (`phase_qat`, exported),
      and `phase` quantized by PTQ (`phase_ptq`). The two runs start from the same weights and see the same rows, so
-     they differ only by the quantization in the forward; with --noise-seeds K also K unquantized phase runs of
-     other seeds (`phase_seed_std`, an upper bound on the pairing's noise);
+     they differ only by the quantization in the forward; with --noise-seeds K the same pair (and its PTQ) for each
+     of the K other seeds (`phase_seed{s}`, `phase_qat_seed{s}`, `phase_ptq_seed{s}`): one recovery per pair
+     (`qat_phase_recoveries`), whose spread is the pairing's noise;
 A finished stage keeps only what the later steps read (the SFT model's files, the QAT run's export), not its
 run's checkpoints with their optimizer state (~2x the model each); before any stage runs, the free disk space is
 checked against what the remaining stages write. --base takes a checkpoint or a run directory (its newest complete
@@ -28,7 +29,7 @@ then for base, SFT, SFT+PTQ and SFT+QAT: the held-out loss over the assistant's 
 --generate held-out prompts, the fraction of greedy completions (up to --max-new-tokens, cut at the template's
 stop strings) that `compile()`. `qat_recovery` = (PTQ loss - QAT loss) / (PTQ loss - SFT loss): the share of the
 loss that PTQ loses which QAT wins back (the issue's goal: >= 2/3); `qat_phase_recovery` the same for the paired
-phase runs. Prints one JSON object (also --out FILE).
+phase runs (and `qat_phase_recoveries` per seed). Prints one JSON object (also --out FILE).
 """
 
 from __future__ import annotations
@@ -324,10 +325,10 @@ def main(argv=None) -> int:
     from k3.train.qat import quantize_checkpoint
 
     seeds = seed_stages(args)
-    phase_seeds = seed_stages(args, "phase") if args.qat_phase else []
-    phase = ("phase",) if args.qat_phase else ()
-    check_disk(args.work, base, tuple(name for name, _ in seeds + phase_seeds) + phase,
-               tuple(f"{n}_qat" for n in phase), tuple(f"{n}_ptq" for n in phase))
+    # the phase pairs: (suffix, seed); "" is the first one, of --seed
+    pairs = [("", args.seed)] + [(f"_seed{seed}", seed) for _, seed in seeds] if args.qat_phase else []
+    check_disk(args.work, base, tuple(name for name, _ in seeds) + tuple(f"phase{x}" for x, _ in pairs),
+               tuple(f"phase_qat{x}" for x, _ in pairs), tuple(f"phase_ptq{x}" for x, _ in pairs))
     sft_ck = sft(args.work, "sft", base, train, held, args, None)
     qat_ck = sft(args.work, "sft_qat", base, train, held, args, "mxfp4")
     ptq_ck = os.path.join(args.work, "sft_ptq")
@@ -336,16 +337,14 @@ def main(argv=None) -> int:
     seed_cks = {name: sft(args.work, name, base, train, held, _with_seed(args, seed), None)
                 for name, seed in seeds}
     models = {"base": base, "sft": sft_ck, "sft_ptq_mxfp4": ptq_ck, "sft_qat_mxfp4": qat_ck}
-    if args.qat_phase:  # step 7: both runs from the SFT model, same seed and rows
-        n = args.qat_phase
-        phase_ck = sft(args.work, "phase", sft_ck, train, held, args, None, steps=n)
-        phase_qat_ck = sft(args.work, "phase_qat", sft_ck, train, held, args, "mxfp4", steps=n)
-        phase_ptq_ck = os.path.join(args.work, "phase_ptq")
+    for x, seed in pairs:  # step 7: both runs of a pair from the SFT model, same seed and rows
+        a = _with_seed(args, seed)
+        phase_ck = sft(args.work, f"phase{x}", sft_ck, train, held, a, None, steps=args.qat_phase)
+        phase_qat_ck = sft(args.work, f"phase_qat{x}", sft_ck, train, held, a, "mxfp4", steps=args.qat_phase)
+        phase_ptq_ck = os.path.join(args.work, f"phase_ptq{x}")
         if not os.path.isdir(phase_ptq_ck):
             quantize_checkpoint(phase_ck, phase_ptq_ck)
-        models.update({"phase": phase_ck, "phase_ptq_mxfp4": phase_ptq_ck, "phase_qat_mxfp4": phase_qat_ck})
-        phase_seed_cks = {name: sft(args.work, name, sft_ck, train, held, _with_seed(args, seed), None, steps=n)
-                          for name, seed in phase_seeds}
+        models.update({f"phase{x}": phase_ck, f"phase_ptq_mxfp4{x}": phase_ptq_ck, f"phase_qat_mxfp4{x}": phase_qat_ck})
     res = {"preset": args.preset, "sft_steps": args.sft_steps, "qat_phase_steps": args.qat_phase, "seq_len": args.seq_len,
            "batch_tokens": args.batch_tokens, "heldout_reply_loss": {}, "compile_rate": {}}
     for name, ck in models.items():
@@ -364,17 +363,13 @@ def main(argv=None) -> int:
     res["ptq_loss_increase"] = round(lost, 4)
     res["qat_loss_increase"] = round(loss["sft_qat_mxfp4"] - loss["sft"], 4)
     res["qat_recovery"] = recovery(loss["sft"], loss["sft_ptq_mxfp4"], loss["sft_qat_mxfp4"])
-    if args.qat_phase:
+    if pairs:
         res["phase_ptq_loss_increase"] = round(loss["phase_ptq_mxfp4"] - loss["phase"], 4)
         res["phase_qat_loss_increase"] = round(loss["phase_qat_mxfp4"] - loss["phase"], 4)
         res["qat_phase_recovery"] = recovery(loss["phase"], loss["phase_ptq_mxfp4"], loss["phase_qat_mxfp4"])
-        if phase_seeds:
-            import statistics
-
-            runs = [loss["phase"]] + [round(heldout_loss(ck, held, args), 4) for ck in phase_seed_cks.values()]
-            res["phase_seed_losses"] = runs
-            res["phase_seed_std"] = round(statistics.stdev(runs), 4)
-            _log(f"phase over {len(runs)} seeds: losses {runs}, standard deviation {res['phase_seed_std']}")
+        res["qat_phase_recoveries"] = [recovery(loss[f"phase{x}"], loss[f"phase_ptq_mxfp4{x}"],
+                                                loss[f"phase_qat_mxfp4{x}"]) for x, _ in pairs]
+        _log(f"QAT phase of {args.qat_phase} steps, per seed: recovery {res['qat_phase_recoveries']}")
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(res, indent=1)
     print(text)

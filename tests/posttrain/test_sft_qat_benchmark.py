@@ -50,24 +50,27 @@ def test_stages_keep_their_results_only_and_a_rerun_reuses_them(bench, tmp_path,
     assert third["sft_seed_std"] == round(abs(runs[1] - runs[0]) / 2 ** 0.5, 4)
     assert os.path.isfile(os.path.join(work, "sft_seed1", "model", "config.json"))
 
-    # --qat-phase 1: the paired runs from the SFT model (unquantized, QAT), the first's PTQ, and with --noise-seeds 1
-    # one more unquantized phase run; nothing before them retrained
+    # --qat-phase 1: the paired runs from the SFT model (unquantized, QAT) and the first's PTQ, and with --noise-seeds 1
+    # the same pair for seed 1; nothing before them retrained
     out4 = str(tmp_path / "r4.json")
     assert bench.main(["--work", work, "--out", out4, "--noise-seeds", "1", "--qat-phase", "1"] + ARGS) == 0
     err = capsys.readouterr().err
-    assert err.count("finished at step") == 3
+    assert err.count("finished at step") == 4
     fourth = json.load(open(out4))
     loss = fourth["heldout_reply_loss"]
     assert {k: loss[k] for k in first["heldout_reply_loss"]} == first["heldout_reply_loss"]
-    assert {"phase", "phase_ptq_mxfp4", "phase_qat_mxfp4"} <= set(loss) and fourth["qat_phase_steps"] == 1
-    assert fourth["qat_phase_recovery"] == bench.recovery(loss["phase"], loss["phase_ptq_mxfp4"],
-                                                          loss["phase_qat_mxfp4"])
+    for x in ("", "_seed1"):
+        assert {f"phase{x}", f"phase_ptq_mxfp4{x}", f"phase_qat_mxfp4{x}"} <= set(loss)
+    assert fourth["qat_phase_steps"] == 1
+    assert fourth["qat_phase_recoveries"] == [
+        bench.recovery(loss[f"phase{x}"], loss[f"phase_ptq_mxfp4{x}"], loss[f"phase_qat_mxfp4{x}"]) for x in ("", "_seed1")]
+    assert fourth["qat_phase_recovery"] == fourth["qat_phase_recoveries"][0]
     assert fourth["phase_ptq_loss_increase"] == round(loss["phase_ptq_mxfp4"] - loss["phase"], 4)
-    assert len(fourth["phase_seed_losses"]) == 2 and fourth["phase_seed_losses"][0] == loss["phase"]
-    for name, result in (("phase", "model"), ("phase_qat", "mxfp4"), ("phase_seed1", "model")):
+    for name, result in (("phase", "model"), ("phase_qat", "mxfp4"), ("phase_seed1", "model"),
+                         ("phase_qat_seed1", "mxfp4")):
         assert os.path.isfile(os.path.join(work, name, result, "config.json"))
         assert not os.path.exists(os.path.join(work, name, "checkpoints"))
-    assert os.path.isdir(os.path.join(work, "phase_ptq"))
+    assert os.path.isdir(os.path.join(work, "phase_ptq")) and os.path.isdir(os.path.join(work, "phase_ptq_seed1"))
 
     # --base takes the run directory: its newest complete checkpoint, never the folder of a save cut short
     base_run = os.path.join(work, "base")
