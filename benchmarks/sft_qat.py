@@ -348,24 +348,24 @@ def main(argv=None) -> int:
     res = {"preset": args.preset, "sft_steps": args.sft_steps, "qat_phase_steps": args.qat_phase, "seq_len": args.seq_len,
            "batch_tokens": args.batch_tokens, "heldout_reply_loss": {}, "compile_rate": {}}
     for name, ck in models.items():
-        res["heldout_reply_loss"][name] = round(heldout_loss(ck, held, args), 4)
+        res["heldout_reply_loss"][name] = round(heldout_loss(ck, held, args), 6)
         res["compile_rate"][name] = round(compile_rate(ck, held, args), 3)
         _log(f"{name}: loss {res['heldout_reply_loss'][name]}, compile rate {res['compile_rate'][name]}")
     loss = res["heldout_reply_loss"]
     if seeds:
         import statistics
 
-        runs = [loss["sft"]] + [round(heldout_loss(ck, held, args), 4) for ck in seed_cks.values()]
+        runs = [loss["sft"]] + [round(heldout_loss(ck, held, args), 6) for ck in seed_cks.values()]
         res["sft_seed_losses"] = runs
-        res["sft_seed_std"] = round(statistics.stdev(runs), 4)
+        res["sft_seed_std"] = round(statistics.stdev(runs), 6)
         _log(f"SFT over {len(runs)} seeds: losses {runs}, standard deviation {res['sft_seed_std']}")
     lost = loss["sft_ptq_mxfp4"] - loss["sft"]
-    res["ptq_loss_increase"] = round(lost, 4)
-    res["qat_loss_increase"] = round(loss["sft_qat_mxfp4"] - loss["sft"], 4)
+    res["ptq_loss_increase"] = round(lost, 6)
+    res["qat_loss_increase"] = round(loss["sft_qat_mxfp4"] - loss["sft"], 6)
     res["qat_recovery"] = recovery(loss["sft"], loss["sft_ptq_mxfp4"], loss["sft_qat_mxfp4"])
     if pairs:
-        res["phase_ptq_loss_increase"] = round(loss["phase_ptq_mxfp4"] - loss["phase"], 4)
-        res["phase_qat_loss_increase"] = round(loss["phase_qat_mxfp4"] - loss["phase"], 4)
+        res["phase_ptq_loss_increase"] = round(loss["phase_ptq_mxfp4"] - loss["phase"], 6)
+        res["phase_qat_loss_increase"] = round(loss["phase_qat_mxfp4"] - loss["phase"], 6)
         res["qat_phase_recovery"] = recovery(loss["phase"], loss["phase_ptq_mxfp4"], loss["phase_qat_mxfp4"])
         res["qat_phase_recoveries"] = [recovery(loss[f"phase{x}"], loss[f"phase_ptq_mxfp4{x}"],
                                                 loss[f"phase_qat_mxfp4{x}"]) for x, _ in pairs]
