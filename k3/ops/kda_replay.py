@@ -31,6 +31,7 @@ from torch import Tensor
 from k3.ops import _triton
 from k3.ops import kda as ref
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
+from k3.tensors import to_device_async
 
 # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
 tl = None
@@ -51,7 +52,7 @@ def kda_replay(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, 
     N, L = q.shape[:2]
     _check_lengths(lengths, N, L)
     dev = q.device
-    n = torch.tensor(lengths, device=dev)
+    n = to_device_async(torch.tensor(lengths), dev)  # a plain copy from host memory would wait for the device
     live = (torch.arange(L, device=dev)[None] < n[:, None]).float()  # [N, L]
     g = ref.kda_gate(z, A_log, dt_bias, lower_bound) * live[..., None, None]
     beta = torch.sigmoid(beta_logits.float()) * live[..., None]
@@ -129,7 +130,7 @@ def kda_replay_triton(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: T
     if not ok:
         raise RuntimeError(f"the KDA replay kernel cannot run: {why}")
     dev = k.device
-    n = torch.tensor(lengths, device=dev, dtype=torch.int32)
+    n = to_device_async(torch.tensor(lengths, dtype=torch.int32), dev)  # without waiting for the device
     out = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     bv = min(32, 1 << (V - 1).bit_length())
     with torch.cuda.device(dev.index if k.is_cuda else -1):  # the tensors' GPU; -1: no-op

@@ -53,6 +53,7 @@ from k3.ops.mx import mxfp4_fake_quantize_any, mxfp8_fake_quantize_any
 from k3.ops.moe import Routing, moe_experts_any
 from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.parallel.moon_ep import MoonEPPlan, pair_slots, plan_moon_ep, rank_offsets
+from k3.tensors import to_device_async
 
 __all__ = ["all_to_all_autograd", "ExpertParallelExperts", "apply_expert_parallel", "shard_experts", "ep_group"]
 
@@ -98,16 +99,8 @@ def ep_group(ep: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
     return ep
 
 
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on `device` without waiting for the device: on CUDA through pinned memory, asynchronously
-    (the caching host allocator keeps the pinned block until the copy has run)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _plan_to(plan: MoonEPPlan, device: torch.device) -> MoonEPPlan:
-    return dataclasses.replace(plan, **{f.name: _to_device(getattr(plan, f.name), device)
+    return dataclasses.replace(plan, **{f.name: to_device_async(getattr(plan, f.name), device)
                                         for f in dataclasses.fields(plan) if isinstance(getattr(plan, f.name), Tensor)})
 
 
@@ -226,7 +219,7 @@ class ExpertParallelExperts(GroupedExperts):
         send = [[e - me * n for e in row if e >= 0 and e // n == me] for row in red.tolist()]
         mine = red[me][red[me] >= 0]
         recv = torch.bincount(mine // n, minlength=self.ep_size).tolist()
-        idx = _to_device(torch.tensor([i for row in send for i in row], dtype=torch.long), self.w1.device)
+        idx = to_device_async(torch.tensor([i for row in send for i in row], dtype=torch.long), self.w1.device)
         packed = torch.cat([w.reshape(n, -1)[idx] for w in ws], dim=1)
         got = all_to_all_autograd(packed, recv, [len(row) for row in send], self.group)  # rows in `mine` order
         sizes = [w[0].numel() for w in ws]
@@ -270,8 +263,8 @@ class ExpertParallelExperts(GroupedExperts):
                                  f"{(totals // K).tolist()} tokens")
             plan = plan_moon_ep(counts.sum(0), R, N * K)
             # the ids come from the router and the bases from the counts the plan was made of: no checks to read back
-            rank, row = pair_slots(_plan_to(plan, z.device), indices, _to_device(rank_offsets(counts)[me], z.device),
-                                   check=False)
+            base = to_device_async(rank_offsets(counts)[me], z.device)
+            rank, row = pair_slots(_plan_to(plan, z.device), indices, base, check=False)
             key = (rank * (N * K) + row).reshape(-1)  # by computing rank, then row there (expert-grouped)
             copies = self._copies(plan, (w1, w3, w2))
             if copies is not None:
@@ -285,7 +278,8 @@ class ExpertParallelExperts(GroupedExperts):
         send, recv = pairs[me].sum(0).tolist(), pairs[:, :, me].sum(1).tolist()
         self.computed_pairs = pairs.sum((0, 1)).tolist()
         # what arrives from source j is its pairs for this rank, by expert (and, within one, in its stable order)
-        slot = _to_device(slot_of[torch.arange(E).repeat(R).repeat_interleave(pairs[:, :, me].reshape(-1))], z.device)
+        slot = to_device_async(slot_of[torch.arange(E).repeat(R).repeat_interleave(pairs[:, :, me].reshape(-1))],
+                               z.device)
 
         order = torch.argsort(key, stable=True)
         inverse = torch.empty_like(order)

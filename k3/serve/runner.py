@@ -24,6 +24,7 @@ from k3.model.cache import K3Cache
 from k3.ops.kda_replay import kda_replay_any
 from k3.serve.cache.pool import CachePool
 from k3.serve.cache.views import KDAPageView, KDAVerifyView, PagedMLAView, SeqSlots
+from k3.tensors import to_device_async
 
 
 SCORE_ROWS = 128  # prompt positions scored per lm_head call: bounds the fp32 logits held to [SCORE_ROWS, vocab]
@@ -204,7 +205,7 @@ class ModelRunner:
         pages (rows past the accepted length are overwritten later and released by CacheManager.truncate); the
         KDA states in the pages are not advanced: call `replay` with the accepted lengths. `features`: as in
         `run`, Verified.hidden then holds those blocks' outputs and the hidden states concatenated."""
-        B, T = len(tokens), len(tokens[0])
+        T = len(tokens[0])
         if any(len(t) != T for t in tokens):
             raise ValueError("every request of a verification adds the same number of tokens")
         dev = self.device
@@ -291,10 +292,13 @@ class ModelRunner:
         if not rows:
             return
         dev = self.device
-        r = torch.tensor(rows, device=dev)
+        # the host lists go through pinned memory: a copy from pageable memory would wait for the device here and in
+        # every layer's replay (kda_replay copies its lengths the same way)
+        r = to_device_async(torch.tensor(rows), dev)
         L = max(lengths)
         T = v.logits.shape[1]
-        pos = (torch.tensor(offsets, device=dev)[:, None] + torch.arange(L, device=dev)[None]).clamp(max=T - 1)
+        starts = to_device_async(torch.tensor(offsets), dev)
+        pos = (starts[:, None] + torch.arange(L, device=dev)[None]).clamp(max=T - 1)
         idx = (r[:, None], pos)  # [R, L] positions of each replayed row
         for g, li in enumerate(self.kda_layers):
             inp, attn = v.kda_views[g].inputs, self.model.model.layers[li].self_attn

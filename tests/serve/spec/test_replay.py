@@ -177,3 +177,24 @@ def test_gpu_replay_kernel_equals_the_reference(dtype):
     state, conv = kda_replay_triton(*args, lengths)
     assert (state - want_state).abs().max() <= 1e-5 * want_state.abs().max()
     assert torch.equal(conv, want_conv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_replay_does_not_wait_for_the_device():
+    # The fused replay's host list (lengths) reaches the GPU through pinned memory: a copy from pageable memory would
+    # make the host wait for the device's queue, once per KDA layer and verification
+    import warnings
+
+    args = _replay_case(N=4, L=4, H=8, K=128, V=128, P=1024, device="cuda")
+    lengths = [1, 2, 3, 4]
+    kda_replay_triton(*args, lengths)  # warm-up: the kernel's compile, the pinned-memory pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kda_replay_triton(*args, lengths)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
