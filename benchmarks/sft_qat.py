@@ -179,9 +179,9 @@ def sft(work: str, name: str, base: str, train: str, held: str, args, qat: str |
     return result
 
 
-def seed_stages(args, prefix: str = "sft") -> list[tuple[str, int]]:
+def seed_stages(args) -> list[tuple[str, int]]:
     """The --noise-seeds reference runs: (stage name, seed)."""
-    return [(f"{prefix}_seed{args.seed + i}", args.seed + i) for i in range(1, args.noise_seeds + 1)]
+    return [(f"sft_seed{args.seed + i}", args.seed + i) for i in range(1, args.noise_seeds + 1)]
 
 
 def _with_seed(args, seed: int):
@@ -345,8 +345,8 @@ def main(argv=None) -> int:
         if not os.path.isdir(phase_ptq_ck):
             quantize_checkpoint(phase_ck, phase_ptq_ck)
         models.update({f"phase{x}": phase_ck, f"phase_ptq_mxfp4{x}": phase_ptq_ck, f"phase_qat_mxfp4{x}": phase_qat_ck})
-    res = {"preset": args.preset, "sft_steps": args.sft_steps, "qat_phase_steps": args.qat_phase, "seq_len": args.seq_len,
-           "batch_tokens": args.batch_tokens, "heldout_reply_loss": {}, "compile_rate": {}}
+    res = {"preset": args.preset, "sft_steps": args.sft_steps, "qat_phase_steps": args.qat_phase,
+           "seq_len": args.seq_len, "batch_tokens": args.batch_tokens, "heldout_reply_loss": {}, "compile_rate": {}}
     for name, ck in models.items():
         res["heldout_reply_loss"][name] = round(heldout_loss(ck, held, args), 6)
         res["compile_rate"][name] = round(compile_rate(ck, held, args), 3)

@@ -3,9 +3,7 @@
 Triton is imported lazily: every kernel module imports on a CPU-only machine without Triton, and `available` /
 `runnable` say whether the kernels can run. ``TRITON_INTERPRET=1`` runs them on CPU tensors in Triton's interpreter
 (the tests); the flag is read at each call, and the jitted kernels are cached per interpreter setting, because
-``triton.jit`` picks compiled or interpreted when it wraps the function. Inside a region that torch.compile traces
-(the compiled decode step dispatches these kernels) the last answers read outside one are used: Triton reads the
-flag through a C function that Dynamo cannot trace, and the import in `runnable` would break the graph too.
+``triton.jit`` picks compiled or interpreted when it wraps the function.
 
 A kernel is a module-level function that reads ``tl`` (triton.language) and the reduction combine functions
 ``_SUM`` / ``_MAX`` as globals of its own module: Triton's interpreter resolves names only in the kernel's module
@@ -26,38 +24,19 @@ if TYPE_CHECKING:
     from k3.ops.registry import Target
 
 
-_last: dict = {}  # the latest answers of `interpret` and `runnable` outside a compiled region
-
-
 def interpret() -> bool:
-    """Whether Triton's interpreter is on, read from the environment now (while torch.compile traces: the latest
-    answer read outside, or the environment variable when there was none)."""
-    if torch.compiler.is_compiling():
-        got = _last.get("interpret")
-        return os.environ.get("TRITON_INTERPRET", "0") == "1" if got is None else got
+    """Whether Triton's interpreter is on, read from the environment now."""
     import triton
 
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older versions read the variable directly
     if knobs is not None:
-        got = bool(knobs.runtime.interpret)
-    else:
-        got = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    _last["interpret"] = got
-    return got
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def runnable() -> tuple[bool, str]:
     """(True, "") when Triton kernels can run in this process: Triton imports, and there is a CUDA device or
     ``TRITON_INTERPRET=1`` (CPU tensors); else (False, why not)."""
-    if torch.compiler.is_compiling() and "runnable" in _last:
-        return _last["runnable"]
-    got = _runnable()
-    if not torch.compiler.is_compiling():
-        _last["runnable"] = got
-    return got
-
-
-def _runnable() -> tuple[bool, str]:
     try:
         import triton  # noqa: F401
     except Exception as e:  # ImportError, or a broken install failing at import

@@ -252,6 +252,22 @@ class Backends:
 DEFAULT = Backends()  # what None means wherever a function takes `backends`
 
 
+_answers: dict[tuple, tuple[bool, str]] = {}  # availability checks' latest answers outside a compiled region
+
+
+def _available(f: Fast, target: Target) -> tuple[bool, str]:
+    """`f.available(target)`; while torch.compile traces (the compiled decode step dispatches every op), the latest
+    answer given outside a compiled region: the checks read the environment (Triton's interpreter flag, through a C
+    function) and import modules, which would break the graph at every dispatch."""
+    key = (f.available, target)
+    if torch.compiler.is_compiling() and key in _answers:
+        return _answers[key]
+    got = f.available(target)
+    if not torch.compiler.is_compiling():
+        _answers[key] = got
+    return got
+
+
 def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = None) -> Impl:
     """The implementation of `op` for inputs like `where` (a tensor, or a Target) under `backends` (None: the
     default Backends()): the reference or one of the fast implementations, as the module docstring describes.
@@ -268,7 +284,7 @@ def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = 
         f = next(f for f in entry.fast if f.name == req)
         if target.device.type != "cuda" and not f.cpu:
             raise ValueError(f"{op}={f.name} needs CUDA tensors, got device {target.device}")
-        ok, why = f.available(target)
+        ok, why = _available(f, target)
         if not ok:
             raise ValueError(f"{op}={f.name}: {why}")
         return _fast_impl(f)
@@ -276,7 +292,7 @@ def dispatch(op: str, where: torch.Tensor | Target, backends: Backends | None = 
         return reference
     reasons = []
     for f in entry.fast:
-        ok, why = f.available(target)
+        ok, why = _available(f, target)
         if ok and not f.validated:
             ok, why = False, (f"the {f.name} backend is not yet validated against the reference on GPU "
                               f"(per_op={{{op!r}: {f.name!r}}}, K3_{op.upper()}_BACKEND={f.name} or --backend fast "

@@ -282,20 +282,30 @@ def test_importable_traces_without_a_graph_break_once_imported():
 
 def test_triton_availability_traces_without_a_graph_break(monkeypatch):
     # dispatch asks a Triton kernel's availability inside a compiled decode step; Triton reads its interpreter flag
-    # through a C function that Dynamo cannot trace (a graph break at every dispatch), so while tracing the check
-    # answers from its latest reading outside
+    # through a C function that Dynamo cannot trace (a graph break at every dispatch), so while tracing dispatch
+    # answers from the check's latest answer outside
     import torch._dynamo
 
     from k3.ops import _triton
 
     if not registry.importable("triton")[0]:
         pytest.skip("needs triton")
+    fast = next(f for f in ops()["kda_replay"].fast if f.name == "triton")
     for flag in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", flag)
-        ok = _triton.available(registry.Target(torch.device("cpu")))[0]
+        ok = _triton.available(Target(torch.device("cpu")))[0]
         assert ok == (flag == "1")
+        assert registry._available(fast, Target(torch.device("cpu"), torch.float32))[0] == ok  # read outside
         torch._dynamo.reset()
-        f = torch.compile(lambda x: x + 1 if _triton.available(registry.Target.of(x))[0] else x - 1,
+        f = torch.compile(lambda x: x + 1 if registry._available(fast, Target.of(x))[0] else x - 1,
                           backend="eager", fullgraph=True)
         assert torch.equal(f(torch.zeros(2)), torch.full((2,), 1.0 if ok else -1.0))
+    # and through dispatch itself, as the compiled decode step asks
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    b = Backends(per_op={"kda_replay": "triton"})
+    assert dispatch("kda_replay", torch.zeros(2), b).name == "triton"
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + 1 if dispatch("kda_replay", x, b).name == "triton" else x - 1,
+                      backend="eager", fullgraph=True)
+    assert torch.equal(f(torch.zeros(2)), torch.ones(2))
     torch._dynamo.reset()
