@@ -1,7 +1,5 @@
 """Shared test helpers."""
 
-import contextlib
-
 import torch
 
 
@@ -184,32 +182,11 @@ class InSituComparison:
         return sorted(rows, key=lambda r: -r[0])[:n]
 
 
-@contextlib.contextmanager
 def uvicorn_in_thread(app, host: str = "127.0.0.1"):
-    """Serve `app` with uvicorn on a free port of `host` in a daemon thread; yields the port, and stops the server
-    (graceful shutdown, lifespan included) on exit."""
-    import socket
-    import threading
-    import time
+    """Serve `app` on a free port of `host` in a daemon thread (k3.serve.local.serve_in_thread); yields the port."""
+    from k3.serve.local import serve_in_thread
 
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        assert server.started, "uvicorn did not start"
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    return serve_in_thread(app, host)
 
 
 def stop_after(trainer, step: int):
