@@ -1,0 +1,169 @@
+"""The verifiable task families (k3.env.tasks): deterministic instances and disjoint splits, scripted solutions
+that pass the hidden verifier and wrong ones that fail, verdicts taken on forks, hidden material invisible from
+inside the sandbox, the public verifier's feedback and its submission limit, and the refused copy hack."""
+
+import importlib.util
+import inspect
+import os
+import shutil
+import statistics
+import tempfile
+
+import pytest
+
+from k3.env.sandbox import create_sandbox
+from k3.env.task import get_family
+from k3.env.tasks import scripted_solution
+from k3.env.tasks.arith import normalize
+from k3.env.tasks.code_problems import PROBLEMS
+
+KINDS = ["none"] + (["bwrap"] if shutil.which("bwrap") and importlib.util.find_spec("k3.env.bwrap") else [])
+
+
+def sandbox_for(task, kind):
+    """A sandbox whose workspace starts as the task's image."""
+    with tempfile.TemporaryDirectory() as image:
+        for rel, content in task.image.items():
+            path = os.path.join(image, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+        return create_sandbox(kind, image)
+
+
+def play(sandbox, actions):
+    """Carry out scripted actions the way the tools do; returns the submitted answer (None if none)."""
+    answer = None
+    for a in actions:
+        tool, args = a["tool"], a["args"]
+        if tool == "write_file":
+            sandbox.write_file(args["path"], args["content"])
+        elif tool == "shell":
+            assert sandbox.exec(args["command"], timeout=60).ok
+        elif tool == "python":
+            assert sandbox.exec(["python3", "-c", args["code"]], timeout=60).ok
+        elif tool == "submit":
+            answer = args["answer"]
+        else:
+            raise AssertionError(f"unexpected tool {tool!r}")
+    return answer
+
+
+def judge(sandbox, task, answer):
+    """The hidden verdict, taken on a fork (as the episode does), the fork closed after."""
+    fork = sandbox.fork()
+    try:
+        return task.verify(fork, answer)
+    finally:
+        fork.close()
+
+
+@pytest.mark.parametrize("family", ["arith", "code"])
+def test_instances_are_deterministic_and_splits_disjoint(family):
+    fam = get_family(family)
+    a = [(t.id, t.prompt, t.image) for t in fam.instances("train", 12, seed=3)]
+    assert a == [(t.id, t.prompt, t.image) for t in fam.instances("train", 12, seed=3)]
+    assert a != [(t.id, t.prompt, t.image) for t in fam.instances("train", 12, seed=4)]
+    train = list(fam.instances("train", 60, seed=0))
+    test = list(fam.instances("test", 60, seed=0))
+    assert len(train) == len(test) == 60
+    if family == "code":  # a function is never in both splits
+        assert not {t.metadata["problem"] for t in train} & {t.metadata["problem"] for t in test}
+    else:
+        assert not {t.prompt for t in train} & {t.prompt for t in test}
+    with pytest.raises(ValueError, match="split"):
+        list(fam.instances("dev", 1))
+
+
+def test_arith_answers_are_normalized_and_checked():
+    fam = get_family("arith")
+    tasks = list(fam.instances("train", 30, seed=1))
+    assert len({t.metadata["kind"] for t in tasks}) >= 6
+    assert all(len(t.prompt) <= 64 for t in tasks)
+    t = next(t for t in tasks if t.metadata["kind"] in ("mul_add", "mul_sub"))
+    want = t.metadata["expected"]
+    assert t.verify(None, f" {int(want):,}. ").success
+    assert not t.verify(None, str(int(want) + 1)).success
+    assert t.verify(None, None).reward == 0.0
+    assert normalize("`Abc`.") == "abc"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_arith_scripted_solution_runs_and_passes(kind):
+    task = next(get_family("arith").instances("test", 1, seed=0))
+    with sandbox_for(task, kind) as sb:
+        actions = scripted_solution(task)
+        out = sb.exec(["python3", "-c", actions[0]["args"]["code"]])
+        assert normalize(out.stdout) == normalize(task.metadata["expected"])
+        assert judge(sb, task, play(sb, actions)).reward == 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_code_hidden_verifier(kind):
+    task = next(get_family("code").instances("train", 1, seed=0))
+    name = task.metadata["problem"]
+    with sandbox_for(task, kind) as sb:
+        before = sb.read_file("solution.py")
+        stub = judge(sb, task, None)
+        assert not stub.success and stub.data["pass_fraction"] == 0.0
+        assert sb.read_file("solution.py") == before and sb.list_files() == ["solution.py", "test_public.py"]
+        assert not sb.exec("python3 test_public.py").ok
+        answer = play(sb, scripted_solution(task))
+        good = judge(sb, task, answer)
+        assert good.success and good.reward == 1.0 and good.data["pass_fraction"] == 1.0, good.details
+        # right on the public examples only: the hidden tests catch it
+        cases = sb.read_file("test_public.py").decode().split("CASES = [")[1].split("]\n\n")[0]
+        sb.write_file("solution.py", f"CASES = [{cases}]\n"
+                      f"def {name}(*args):\n    return {{repr(a): w for a, w in CASES}}[repr(args)]\n")
+        assert sb.exec("python3 test_public.py").ok
+        memo = judge(sb, task, answer)
+        assert not memo.success and 0.0 < memo.data["pass_fraction"] < 1.0
+        assert [f for f in sb.list_files() if "__pycache__" not in f] == ["solution.py", "test_public.py"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_code_hidden_tests_are_not_visible_in_the_sandbox(kind):
+    task = next(get_family("code").instances("train", 1, seed=0))
+    with sandbox_for(task, kind) as sb:
+        play(sb, scripted_solution(task))
+        judge(sb, task, "solution.py")
+        assert not any(".k3_check" in f for f in sb.list_files())
+        where = "/" if kind == "bwrap" else "."  # "none" sees the whole host: search its own workspace only
+        found = sb.exec(f"find {where} -name '.k3_check' 2>/dev/null; grep -rl 'literal_eval' . 2>/dev/null",
+                        timeout=60)
+        assert found.stdout.strip() == ""
+
+
+def test_code_refuses_the_original_and_says_why():
+    fam = get_family("code")
+    task = next(t for t in fam.instances("train", 46) if t.metadata["problem"] == "median")
+    with sandbox_for(task, "none") as sb:
+        sb.write_file("solution.py", "from statistics import median\n")
+        v = judge(sb, task, None)
+        assert not v.success and "refused" in v.details and "statistics" in v.details
+        sb.write_file("solution.py", "import k3.env.tasks.code_problems as p\nmedian = None\n")
+        assert "'k3" in judge(sb, task, None).details
+        sb.write_file("solution.py", "def median(v):\n    return __import__('stat' + 'istics').median(v)\n")
+        assert "__import__" in judge(sb, task, None).details
+    task = next(t for t in fam.instances("train", 46) if t.metadata["problem"] == "harmonic_mean")
+    with sandbox_for(task, "none") as sb:
+        sb.write_file("solution.py", inspect.getsource(statistics.harmonic_mean))
+        v = judge(sb, task, None)
+        assert not v.success and "copy of statistics.harmonic_mean" in v.details
+
+
+def test_code_problems_are_many_and_consistent():
+    assert len(PROBLEMS) >= 50 and len({p.name for p in PROBLEMS}) == len(PROBLEMS)
+    fam = get_family("code")
+    n_test = sum(1 for _ in {t.metadata["problem"] for t in fam.instances("test", 64)})
+    assert 10 <= n_test <= 25
+
+
+def test_every_code_problem_reference_passes_its_hidden_tests():
+    fam = get_family("code")
+    tasks = list(fam.instances("train", 46)) + list(fam.instances("test", 18))
+    assert len({t.metadata["problem"] for t in tasks}) == len(PROBLEMS)
+    for task in tasks:
+        with sandbox_for(task, "none") as sb:
+            v = judge(sb, task, play(sb, scripted_solution(task)))
+            assert v.success and v.data["pass_fraction"] == 1.0, (task.id, v.details)
