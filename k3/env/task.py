@@ -57,6 +57,7 @@ class Task:
     public_verify: Callable[[Sandbox, str | None], Verdict] | None = None
     max_submissions: int = 1
     metadata: dict = field(default_factory=dict)
+    split: str | None = None                    # "train" or "test" when drawn from a family (kept in trajectories)
 
 
 class TaskFamily(abc.ABC):
