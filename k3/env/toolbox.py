@@ -78,8 +78,10 @@ def _workspace_relative(ctx: ToolContext, path: str) -> str:
 
 
 def _search(ctx: ToolContext, pattern: str, path: str = ".", max_per_file: int = 50) -> str:
-    # grep runs inside the sandbox: the agent's regular expression never runs in the host process.
-    argv = ["grep", "-rnIE", "-m", str(max_per_file), "-e", pattern, "--", _workspace_relative(ctx, path)]
+    # grep runs inside the sandbox, so the agent's regular expression never runs in the host process; without a
+    # path it searches the working directory (the workspace) and prints paths without a "./" prefix.
+    rel = _workspace_relative(ctx, path)
+    argv = ["grep", "-rnIE", "-m", str(max_per_file), "-e", pattern, "--"] + ([] if rel == "." else [rel])
     r = ctx.sandbox.exec(argv, timeout=ctx.time_left(30.0))
     if r.exit_code == 1:
         return f"no match for {pattern!r} under {path}"
