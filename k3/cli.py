@@ -326,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     from k3.kernel_reward.cli import add_parser as add_kernel_reward
 
     add_kernel_reward(sub)
+
+    from k3.env.cli import add_parser as add_env
+
+    add_env(sub)  # k3 env list, k3 env run
     return p
 
 
