@@ -7,7 +7,7 @@ or driven from outside, one turn at a time (as an RL rollout worker does):
 
     messages = ep.reset()
     while not ep.done:
-        completion = policy.complete(ep.observation(), ep.tool_specs(), ...)
+        completion = policy.complete(ep.observation(), ep.tool_specs(), max_tokens=..., temperature=...)
         ep.step(completion.message, completion)
     trajectory = ep.finish()
 
@@ -67,6 +67,7 @@ class Episode:
         self._t0 = time.monotonic()
         self._started_at = ""
         self._deadline = None
+        self._context_info: dict = {}
 
     # -- life cycle ---------------------------------------------------------------------------------------------
     def reset(self) -> list[dict]:
@@ -91,18 +92,21 @@ class Episode:
     def tool_specs(self) -> list[dict]:
         return [t.spec() for t in self.tools.values()]
 
-    def observation(self) -> tuple[list[dict], dict]:
-        """The messages to send to the policy now (the context strategy applied), and what the strategy did."""
+    def observation(self) -> list[dict]:
+        """The messages to send to the policy now: the context strategy applied (what it did is recorded with the
+        next step)."""
         view, info = self.context.view(self.messages, self.policy)
         usage = info.get("summary_usage")
         if usage:   # the summary is the policy's own generation: it counts against the episode's budget
             self.counts["prompt_tokens"] += int(usage.get("prompt_tokens", 0))
             self.counts["completion_tokens"] += int(usage.get("completion_tokens", 0))
-        return view, info
+        self._context_info = info
+        return view
 
-    def step(self, message: dict, completion: Completion | None = None, *, context: dict | None = None,
-             policy_s: float | None = None) -> list[dict]:
+    def step(self, message: dict, completion: Completion | None = None, *, policy_s: float | None = None) -> list[dict]:
         """Record one assistant message, run its tool calls in order, and return their result messages."""
+        if self.ctx is None or self.done:
+            raise RuntimeError(f"step() needs a running episode: call reset() first ({self.end_reason or 'not reset'})")
         turn = self.counts["turns"] + 1
         msg = normalize_message(message, f"call_{turn}")
         self.messages.append(msg)
@@ -112,7 +116,8 @@ class Episode:
         self.counts["completion_tokens"] += int(usage.get("completion_tokens", 0))
         record = {"turn": turn, "message_index": len(self.messages) - 1, "policy_s": policy_s,
                   "finish_reason": completion.finish_reason if completion else None, "usage": usage,
-                  "extras": completion.extras if completion else {}, "context": context or {}, "tool_calls": []}
+                  "extras": completion.extras if completion else {}, "context": self._context_info, "tool_calls": []}
+        self._context_info = {}
         results = []
         for call in msg.get("tool_calls", []):
             name, args = call["function"]["name"], call["function"]["arguments"]
@@ -161,7 +166,7 @@ class Episode:
                 self._end("timeout")
                 break
             try:
-                view, info = self.observation()
+                view = self.observation()
                 left = self.task.budget.tokens - self.counts["completion_tokens"]
                 if left <= 0:
                     self._end("max_tokens")
@@ -173,7 +178,7 @@ class Episode:
             except Exception as e:     # the server is down, refused the request, or returned garbage
                 self._end("error", f"policy failed: {type(e).__name__}: {e}")
                 break
-            self.step(completion.message, completion, context=info, policy_s=policy_s)
+            self.step(completion.message, completion, policy_s=policy_s)
         return self.finish()
 
     def finish(self) -> Trajectory:

@@ -199,3 +199,20 @@ def test_trajectory_jsonl_round_trip(tmp_path):
         read_jsonl(path)
     with pytest.raises(TrajectoryError, match="field 'counts' is missing"):
         Trajectory.from_dict({k: v for k, v in traj.to_dict().items() if k != "counts"})
+
+
+def test_driven_one_step_at_a_time():
+    policy = ScriptedPolicy([])
+    ep = Episode(answer_task(), "terminal", policy, sandbox_kind="none")
+    first = ep.reset()
+    assert [m["role"] for m in first] == ["system", "user"] and "shell" in first[0]["content"]
+    assert ep.observation() == first and not ep.done
+    results = ep.step(assistant_message(None, [tool_call("shell", {"command": "echo 42 > answer.txt"}, id="a")]))
+    assert [(m["role"], m["tool_call_id"]) for m in results] == [("tool", "a")] and not ep.done
+    ep.step({"role": "assistant", "content": None,
+             "tool_calls": [{"function": {"name": "submit", "arguments": {"answer": "42"}}}]})
+    assert ep.done and ep.end_reason == "submitted"
+    with pytest.raises(RuntimeError, match="running episode"):
+        ep.step(assistant_message("more"))
+    traj = ep.finish()
+    assert traj.success and traj.messages[-2]["tool_calls"][0]["id"] == "call_2_0" and policy.calls == []
