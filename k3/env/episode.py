@@ -178,7 +178,10 @@ class Episode:
             except Exception as e:     # the server is down, refused the request, or returned garbage
                 self._end("error", f"policy failed: {type(e).__name__}: {e}")
                 break
-            self.step(completion.message, completion, policy_s=policy_s)
+            try:
+                self.step(completion.message, completion, policy_s=policy_s)
+            except Exception as e:     # tools report their own failures; this is a failure of the episode itself
+                self._end("error", f"step failed: {type(e).__name__}: {e}")
         return self.finish()
 
     def finish(self) -> Trajectory:
@@ -189,7 +192,7 @@ class Episode:
             self.answer = self.ctx.answer
         verdict = None
         try:
-            if self.verify and self.sandbox is not None:
+            if self.verify and self.ctx is not None:      # the episode started: its sandbox is whole
                 verdict = self._hidden_verdict().to_dict()
         finally:
             if self._owns_sandbox and self.sandbox is not None:

@@ -130,7 +130,7 @@ def test_score_kernel_reports_the_kernel_reward(ctx, monkeypatch):
     def fake_score(task, source, device=None):
         seen.update(task=task, source=source, device=device)
         return Result()
-    monkeypatch.setattr(k3.kernel_reward, "score", fake_score, raising=False)
+    monkeypatch.setitem(vars(k3.kernel_reward), "score", fake_score)   # (getattr would import torch)
     ctx.sandbox.write_file("k.py", "def kernel(x): return x\n")
     out = run(ctx, "score_kernel", {"path": "k.py"})
     assert seen == {"task": "rms_norm", "source": "def kernel(x): return x\n", "device": "cpu"}
