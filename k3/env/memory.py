@@ -31,7 +31,8 @@ class MemoryStore:
             return {}
         with open(self.path) as f:
             data = json.load(f)
-        if not isinstance(data, dict) or data.get("version") != MEMORY_VERSION or not isinstance(data.get("notes"), dict):
+        if not (isinstance(data, dict) and data.get("version") == MEMORY_VERSION
+                and isinstance(data.get("notes"), dict)):
             raise ValueError(f"memory file {self.path} is not a version-{MEMORY_VERSION} memory file")
         return {str(k): str(v) for k, v in data["notes"].items()}
 

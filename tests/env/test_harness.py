@@ -201,6 +201,22 @@ def test_delegate_runs_a_sub_episode_on_a_fork():
     assert "delegate" not in traj.subagents[0]["messages"][0]["content"]
 
 
+def test_delegate_on_the_same_sandbox_shares_its_files():
+    cfg = {"name": "boss", "tools": ["delegate", "submit"], "system_prompt": "{tools}",
+           "subagent": {"harness": "terminal", "share_sandbox": True}}
+    script = [assistant_message(None, [tool_call("delegate", {"instructions": "write 42 to answer.txt"})]),
+              assistant_message(None, [tool_call("shell", {"command": "echo 42 > answer.txt"})]),
+              assistant_message(None, [tool_call("submit", {"answer": "written"})]),
+              assistant_message(None, [tool_call("submit", {"answer": "the sub-agent wrote it"})])]
+
+    def verify(sandbox, answer):
+        ok = sandbox.read_file("answer.txt") == b"42\n"
+        return Verdict(float(ok), ok)
+    traj = Episode(_task(verify=verify), cfg, ScriptedPolicy(script), sandbox_kind="none").run()
+    assert traj.success and traj.messages[3]["content"] == "written"
+    assert traj.counts["turns"] == 2 and traj.subagents[0]["counts"]["turns"] == 2
+
+
 # --- context strategies -----------------------------------------------------------------------------------------
 
 def _conversation(n_turns, out_chars=2000):
