@@ -55,8 +55,8 @@ def assistant_message(content: str | None = None, tool_calls: list[dict] | None 
 
 def normalize_message(msg: dict, call_id_prefix: str) -> dict:
     """An assistant message in the form the episode stores: role set, content a string or None, every tool call
-    with an id (`<prefix>_<i>` where the model gave none), type "function" and string arguments (a dict is
-    encoded; anything else is kept as its text so that the call fails validation visibly)."""
+    with an id unique in the message (`<prefix>_<i>` where the model gave none or repeated one), type "function" and
+    its arguments as a string (other JSON values are encoded, so that a call with a list fails validation visibly)."""
     if not isinstance(msg, dict):
         raise PolicyError(f"an assistant message is a JSON object, got {type(msg).__name__}")
     out = {"role": "assistant", "content": msg.get("content")}
@@ -65,15 +65,18 @@ def normalize_message(msg: dict, call_id_prefix: str) -> dict:
     reasoning = msg.get("reasoning_content", msg.get("reasoning"))
     if reasoning:
         out["reasoning_content"] = reasoning
-    calls = []
+    calls, seen = [], set()
     for i, c in enumerate(msg.get("tool_calls") or []):
-        fn = (c or {}).get("function") or {}
+        c = c if isinstance(c, dict) else {}
+        fn = c.get("function") if isinstance(c.get("function"), dict) else {}
         args = fn.get("arguments")
-        if isinstance(args, dict):
+        if args is not None and not isinstance(args, str):
             args = json.dumps(args)
-        elif args is not None and not isinstance(args, str):
-            args = json.dumps(args)
-        calls.append({"id": c.get("id") or f"{call_id_prefix}_{i}", "type": "function",
+        cid = c.get("id")
+        if not cid or cid in seen:      # results name their call by id: ids must be unique within the message
+            cid = f"{call_id_prefix}_{i}"
+        seen.add(cid)
+        calls.append({"id": cid, "type": "function",
                       "function": {"name": str(fn.get("name") or ""), "arguments": args if args is not None else ""}})
     if calls:
         out["tool_calls"] = calls

@@ -79,6 +79,9 @@ def test_scripted_policy_fills_ids_and_encodes_arguments():
     c = p.complete([], TOOLS, max_tokens=5, temperature=1)
     assert c.message["tool_calls"][0] == {"id": "call_1_0", "type": "function",
                                           "function": {"name": "shell", "arguments": "{\"command\": \"ls\"}"}}
+    dup = ScriptedPolicy([assistant_message(None, [tool_call("a", {}, id="x"), tool_call("b", {}, id="x"), "junk"])])
+    ids = [c["id"] for c in dup.complete([], [], max_tokens=5, temperature=1).message["tool_calls"]]
+    assert ids == ["x", "call_1_1", "call_1_2"]
     with pytest.raises(PolicyError, match="only 1 messages"):
         p.complete([], TOOLS, max_tokens=5, temperature=1)
 
