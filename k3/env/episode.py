@@ -16,6 +16,9 @@ calls; its content is the answer), "max_turns", "max_tokens" (completion tokens 
 time), or "error" (the sandbox could not be made, or the policy failed: the message is kept, nothing is raised, so
 one failing episode never stops a batch). Parallel tool calls of one message run in order, each result carrying
 its call's id. The hidden verifier then judges a fork of the final sandbox, and every sandbox is closed.
+
+The wall budget bounds every command (a tool call gets at most the time left) and is checked between turns; a
+policy call itself is bounded by the policy's own timeout.
 """
 
 from __future__ import annotations
