@@ -32,16 +32,17 @@ def sandbox_for(task, kind):
 
 
 def play(sandbox, actions):
-    """Carry out scripted actions the way the tools do; returns the submitted answer (None if none)."""
+    """Carry out scripted actions the way the tools do (a command may fail: a script looks before it fixes);
+    returns the submitted answer (None if none)."""
     answer = None
     for a in actions:
         tool, args = a["tool"], a["args"]
         if tool == "write_file":
             sandbox.write_file(args["path"], args["content"])
         elif tool == "shell":
-            assert sandbox.exec(args["command"], timeout=60).ok
+            sandbox.exec(args["command"], timeout=60)
         elif tool == "python":
-            assert sandbox.exec(["python3", "-c", args["code"]], timeout=60).ok
+            assert sandbox.exec(["python3", "-"], stdin=args["code"], timeout=60).ok
         elif tool == "submit":
             answer = args["answer"]
         else:
@@ -163,7 +164,74 @@ def test_every_code_problem_reference_passes_its_hidden_tests():
     fam = get_family("code")
     tasks = list(fam.instances("train", 46)) + list(fam.instances("test", 18))
     assert len({t.metadata["problem"] for t in tasks}) == len(PROBLEMS)
-    for task in tasks:
-        with sandbox_for(task, "none") as sb:
-            v = judge(sb, task, play(sb, scripted_solution(task)))
+    with create_sandbox("none") as sb:
+        for task in tasks:
+            sb.write_file("solution.py", scripted_solution(task)[0]["args"]["content"])
+            v = task.verify(sb, "solution.py")
             assert v.success and v.data["pass_fraction"] == 1.0, (task.id, v.details)
+
+
+def state(sb):
+    return {f: sb.read_file(f) for f in sb.list_files() if "__pycache__" not in f}
+
+
+def autonomous_task(kind, split="train"):
+    return next(t for t in get_family("autonomous").instances(split, 6, seed=0) if t.metadata["kind"] == kind)
+
+
+def test_autonomous_instances():
+    fam = get_family("autonomous")
+    train, test = list(fam.instances("train", 30)), list(fam.instances("test", 30))
+    assert [t.id for t in train] == [t.id for t in fam.instances("train", 30)]
+    assert {t.metadata["kind"] for t in train} == {"fix_function", "aggregate_csv", "organize_files"}
+    assert not {t.id for t in train} & {t.id for t in test}
+    fixes = lambda ts: {t.metadata["problem"] for t in ts if t.metadata["kind"] == "fix_function"}  # noqa: E731
+    assert not fixes(train) & fixes(test)
+    assert all(t.max_submissions == 3 and t.public_verify is not None for t in train)
+
+
+# a solution right on what the public verifier sees, wrong on what only the hidden one checks; made in the initial
+# state from the state a correct solution reached
+OVERFIT = {
+    "fix_function": lambda task, sb, solved: sb.write_file("lib.py", solved["test_lib.py"].decode().split(
+        "failed = 0")[0].replace(f"from lib import {task.metadata['problem']}", "") +
+        f"def {task.metadata['problem']}(*args):\n    return {{repr(a): w for a, w in CASES}}[repr(args)]\n"),
+    "aggregate_csv": lambda task, sb, solved: sb.write_file(
+        "aggregate.py", f"open('out.csv', 'w').write({solved['out.csv'].decode()!r})\n"),
+    "organize_files": lambda task, sb, solved: [sb.write_file(path, data) for path, data in solved.items()],
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("task_kind", ["fix_function", "aggregate_csv", "organize_files"])
+def test_autonomous_public_feedback_and_hidden_verdict(task_kind, kind):
+    task = autonomous_task(task_kind)
+    with sandbox_for(task, kind) as sb:
+        initial = sb.snapshot()
+        first = task.public_verify(sb, None)
+        assert not first.success and first.reward < 1.0 and first.details
+        assert ("failures" in first.details or "missing" in first.details or "does not exist" in first.details)
+        assert not judge(sb, task, None).success
+        answer = play(sb, scripted_solution(task))
+        before = state(sb)
+        public = task.public_verify(sb, answer)
+        assert public.success and public.reward == 1.0, public.details
+        hidden = judge(sb, task, answer)
+        assert hidden.success and hidden.reward == 1.0, hidden.details
+        assert state(sb) == before  # both verdicts left the sandbox as it was
+        sb.restore(initial)
+        OVERFIT[task_kind](task, sb, before)
+        assert task.public_verify(sb, answer).success
+        overfit = judge(sb, task, answer)
+        assert not overfit.success and overfit.reward == 0.0 and overfit.data["pass_fraction"] < 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_autonomous_held_out_data_never_enters_the_sandbox(kind):
+    task = autonomous_task("aggregate_csv")
+    with sandbox_for(task, kind) as sb:
+        answer = play(sb, scripted_solution(task))
+        task.public_verify(sb, answer)
+        assert judge(sb, task, answer).success
+        where = "/workspace /tmp" if kind == "bwrap" else "."
+        assert sb.exec(f"grep -rl 'fig, dried' {where} 2>/dev/null").stdout.strip() == ""

@@ -59,11 +59,11 @@ RUNNER = '''import ast, json, sys
 nonce = sys.stdin.readline().strip()
 {canon}
 cases = ast.literal_eval(open(".k3_check/cases.txt").read())
-source = open("solution.py").read()
+source = open({path!r}).read()
 for m in {blocked!r}:
     sys.modules[m] = None
 namespace = {{"__name__": "solution"}}
-exec(compile(source, "solution.py", "exec"), namespace)
+exec(compile(source, {path!r}, "exec"), namespace)
 fn = namespace[{name!r}]
 results = []
 for args in cases:
@@ -200,37 +200,37 @@ def refusal(source: str, problem: Problem) -> str | None:
     return None
 
 
-def _verifier(problem: Problem, cases: list[tuple]):
-    def verify(sandbox, answer):
+def judge_cases(sandbox, problem: Problem, cases: list[tuple], *, path: str = "solution.py",
+                what: str = "hidden tests") -> Verdict:
+    """Run the function `problem.name` of the file `path` in `sandbox` (a fork) on `cases` and judge its outputs
+    on the host against the reference's: reward 1 when all pass, the pass fraction in the data. `what` names the
+    cases in the details ("hidden tests", "public tests")."""
+    try:
+        source = sandbox.read_file(path).decode("utf-8", "replace")
+    except Exception as e:  # noqa: BLE001 (a missing or unreadable file is a failed attempt, not an error)
+        return Verdict(0.0, False, f"no {path}: {e}", {"pass_fraction": 0.0})
+    why = refusal(source, problem)
+    if why is not None:
+        return Verdict(0.0, False, f"refused: {path} {why}", {"pass_fraction": 0.0, "refused": why})
+    blocked = sorted(set(ALWAYS_FORBIDDEN) | set(problem.forbid))
+    runner = RUNNER.format(canon=CANON, blocked=blocked, name=problem.name, path=path)
+    got, res = run_check(sandbox, {"run.py": runner, "cases.txt": repr(cases)}, "run.py", timeout=CHECK_SECONDS)
+    if got is None or len(got) != len(cases):
+        return Verdict(0.0, False, f"the {what} did not run: {describe_failure(res)}", {"pass_fraction": 0.0})
+    ref = reference(problem)
+    failures = []
+    for args, out in zip(cases, got):
         try:
-            source = sandbox.read_file("solution.py").decode("utf-8", "replace")
-        except Exception as e:  # noqa: BLE001 (a missing or unreadable file is a failed attempt, not an error)
-            return Verdict(0.0, False, f"no solution.py: {e}", {"pass_fraction": 0.0})
-        why = refusal(source, problem)
-        if why is not None:
-            return Verdict(0.0, False, f"refused: the solution {why}", {"pass_fraction": 0.0, "refused": why})
-        blocked = sorted(set(ALWAYS_FORBIDDEN) | set(problem.forbid))
-        runner = RUNNER.format(canon=CANON, blocked=blocked, name=problem.name)
-        got, res = run_check(sandbox, {"run.py": runner, "cases.txt": repr(cases)}, "run.py", timeout=CHECK_SECONDS)
-        if got is None or len(got) != len(cases):
-            return Verdict(0.0, False, f"the hidden tests did not run: {describe_failure(res)}",
-                           {"pass_fraction": 0.0})
-        ref = reference(problem)
-        failures = []
-        for args, out in zip(cases, got):
-            try:
-                want = canon(ref(*args))
-            except Exception as e:  # noqa: BLE001 (the reference's exception is the expected outcome)
-                want = ["raises", type(e).__name__]
-            if not same(out, want):
-                failures.append(f"{_call(args, problem.name)}: got {show(out)}, expected {show(want)}")
-        passed = len(cases) - len(failures)
-        ok = not failures
-        details = (f"{passed}/{len(cases)} hidden tests passed"
-                   + ("" if ok else "; first failures: " + "; ".join(failures[:3])))
-        return Verdict(float(ok), ok, details, {"pass_fraction": passed / len(cases), "passed": passed,
-                                                "total": len(cases)})
-    return verify
+            want = canon(ref(*args))
+        except Exception as e:  # noqa: BLE001 (the reference's exception is the expected outcome)
+            want = ["raises", type(e).__name__]
+        if not same(out, want):
+            failures.append(f"{_call(args, problem.name)}: got {show(out)}, expected {show(want)}")
+    passed = len(cases) - len(failures)
+    ok = not failures
+    details = f"{passed}/{len(cases)} {what} passed" + ("" if ok else "; failures: " + "; ".join(failures[:3]))
+    return Verdict(float(ok), ok, details, {"pass_fraction": passed / len(cases), "passed": passed,
+                                            "total": len(cases)})
 
 
 def make_task(problem: Problem, variant: int) -> Task:
@@ -241,7 +241,7 @@ def make_task(problem: Problem, variant: int) -> Task:
               "`python3 test_public.py` checks the docstring's examples; hidden tests check more inputs. "
               f"Write the function yourself: do not import {', '.join(forbid)}.")
     return Task(id=f"code/{problem.name}/{variant}", family="code", prompt=prompt,
-                verify=_verifier(problem, hidden),
+                verify=lambda sandbox, answer: judge_cases(sandbox, problem, hidden),
                 image={"solution.py": stub(problem, examples), "test_public.py": public_tests(problem, examples)},
                 budget=Budget(turns=20, tokens=16384, wall_seconds=900.0),
                 metadata={"problem": problem.name, "variant": variant, "original": problem.original,
