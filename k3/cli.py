@@ -74,13 +74,25 @@ def cmd_init(args) -> int:
     return 0
 
 
+def cmd_chat_template(args) -> int:
+    """`k3 chat-template migrate CK`: rewrite a checkpoint's chat_template.json as the current format_version."""
+    from k3.serve.chat import migrate_chat_template
+
+    path, notes = migrate_chat_template(args.ckpt)
+    print(f"{path}:")
+    for n in notes:
+        print(f"  {n}")
+    return 0
+
+
 INIT_BPE_TRAIN_BYTES = 2 << 20  # a few seconds of BPE training on two cores
 
 
 def _init_tokenizer(kind: str, vocab_size: int):
     """The tokenizer `k3 init` writes: exactly `vocab_size` ids, every one with a text, so that everything the
     model can emit decodes. 'bpe': a byte-level BPE trained on the standard library's sources (as `k3 train`
-    does); 'bytes': the 257 byte-level ids, the rest reserved special tokens."""
+    does); 'bytes': the 257 byte-level ids, the rest reserved special tokens. Both hold the chat markup
+    (k3.data.tokenizer.CHAT_MARKUP) as special tokens, which the chat template saved beside it uses."""
     from k3.data.tokenizer import K3Tokenizer, byte_level_tokenizer, train_bpe
 
     if kind == "bpe":
@@ -249,8 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-gib", type=float, default=64.0, help="refuse to write checkpoints larger than this")
     s.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe",
                    help="bpe: a byte-level BPE of the model's vocabulary size trained on the Python standard "
-                        "library (a few seconds); bytes: the 256 bytes, the other ids reserved tokens")
+                        "library (a few seconds); bytes: the 256 bytes, the other ids reserved tokens. Both "
+                        "reserve the chat markup ([open], [sep], [close], [end_of_msg]) as special tokens")
     s.set_defaults(fn=cmd_init)
+
+    s = sub.add_parser("chat-template", help="a checkpoint's chat template (chat_template.json)")
+    s.add_argument("action", choices=["migrate"], help="migrate: rewrite a format_version 1 file as version 2, "
+                   "keeping what maps and naming what it drops")
+    s.add_argument("ckpt", help="checkpoint directory")
+    s.set_defaults(fn=cmd_chat_template)
 
     s = sub.add_parser("train", help="train a model (default: tiny on the Python standard library, on CPU)")
     g = s.add_mutually_exclusive_group()

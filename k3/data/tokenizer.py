@@ -5,6 +5,13 @@
 (`load_any_tokenizer`). Every tokenizer made here is byte-level, so any string round-trips:
 ``tok.decode(tok.encode(s)) == s``. The text "<|endoftext|>" inside a document is encoded as ordinary
 text, never as the end-of-text id, so documents cannot forge a document boundary.
+
+The chat template's four markers (`CHAT_MARKUP`: [open], [sep], [close], [end_of_msg]; k3.serve.chat) are
+reserved special tokens of every tokenizer made here, placed right after the learned vocabulary (bytes and
+merges) and before any "<|reserved_N|>" padding: ids 257..260 in the byte-level tokenizer. Like the end-of-text
+token, their text inside a document is encoded as ordinary bytes; only the chat renderer puts their ids in, and
+each decodes to its text as one id. A tokenizer without them (an older checkpoint's) still serves chats, with the
+markup as plain text.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from k3.files import atomic_write_text
 
 EOS = "<|endoftext|>"
+CHAT_MARKUP = ("[open]", "[sep]", "[close]", "[end_of_msg]")  # the chat template's markers (k3.serve.chat)
 
 # Pre-tokenizer split in the style of cl100k: contractions, letters with one leading non-letter, digits
 # in groups of up to three, punctuation runs (with trailing newlines), newline runs, other whitespace
@@ -38,9 +46,10 @@ DEFAULT_MAX_TRAIN_BYTES = 8_000_000
 
 
 def byte_level_tokenizer(vocab_size: int | None = None) -> Tokenizer:
-    """Id 0 is the end-of-text token; ids 1..256 are the 256 bytes. Every string round-trips.
+    """Id 0 is the end-of-text token; ids 1..256 are the 256 bytes; ids 257..260 the chat markup (CHAT_MARKUP).
+    Every string round-trips.
 
-    With `vocab_size` (> 257), the ids 257.. are filled with reserved special tokens "<|reserved_N|>" (never
+    With `vocab_size` (> 261), the ids 261.. are filled with reserved special tokens "<|reserved_N|>" (never
     produced by encoding), so that a model with that vocabulary has a text for every id it can emit."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
     vocab = {EOS: 0}
@@ -50,6 +59,7 @@ def byte_level_tokenizer(vocab_size: int | None = None) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([EOS])
+    tok.add_special_tokens(list(CHAT_MARKUP))
     if vocab_size is not None:
         _pad_reserved(tok, vocab_size)
     return tok
@@ -113,6 +123,7 @@ class K3Tokenizer:
         self.eos_id: int = eos_id
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size: int = max(vocab.values()) + 1 if vocab else 0  # ids may have gaps
+        self._special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
     # -------------------------------------------------------------------------------- construction
     @classmethod
@@ -143,6 +154,11 @@ class K3Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
+
+    def special_token_id(self, token: str) -> int | None:
+        """The id of `token` when it is a special token (never produced by `encode`), else None. A BPE may have
+        learned the same text as an ordinary merge: that id is not special and is not returned."""
+        return self._special.get(token)
 
     def id_to_token(self, i: int) -> str | None:
         return self.tokenizer.id_to_token(i)
@@ -202,24 +218,28 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, max_train_bytes: int | N
     by `trainers.BpeTrainer`. Only the first `max_train_bytes` bytes of `texts` (default 8 MB; None: all)
     are read, which keeps training to seconds on two cores. Deterministic for the same input.
 
-    If the text runs out of pairs occurring `min_frequency` times before `vocab_size` is reached, the
-    vocabulary is padded with unused special tokens "<|reserved_N|>" (when `pad_to_vocab_size`), so
-    `vocab_size` is always exactly the size asked for.
+    The chat markup (CHAT_MARKUP) follows the merges, so the merges fill `vocab_size` - 4 ids. If the text
+    runs out of pairs occurring `min_frequency` times before that, the vocabulary is padded with unused special
+    tokens "<|reserved_N|>" after the markup (when `pad_to_vocab_size`), so `vocab_size` is always exactly the
+    size asked for.
     """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 1:
-        raise ValueError(f"vocab_size must be at least {len(alphabet) + 1} (eos + 256 bytes), got {vocab_size}")
+    least = len(alphabet) + 1 + len(CHAT_MARKUP)
+    if vocab_size < least:
+        raise ValueError(f"vocab_size must be at least {least} (eos + 256 bytes + {len(CHAT_MARKUP)} chat markup "
+                         f"tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = _byte_level_pre_tokenizer(pattern)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(CHAT_MARKUP),
         min_frequency=min_frequency,
         show_progress=show_progress,
         special_tokens=[EOS],
         initial_alphabet=sorted(alphabet),
     )
     tok.train_from_iterator(_limit_text(texts, max_train_bytes), trainer=trainer)
+    tok.add_special_tokens(list(CHAT_MARKUP))
     if pad_to_vocab_size:
         _pad_reserved(tok, vocab_size)
     out = K3Tokenizer(tok)

@@ -1,23 +1,30 @@
-"""Chat data for supervised fine-tuning (report §4.1.1): OpenAI-style conversations -> packed rows with a loss on the
-assistant's tokens only.
+"""Chat data for supervised fine-tuning (report §4.1.1): OpenAI-style conversations -> packed rows with a loss on
+what the assistant writes.
 
 A data file is JSON Lines, one conversation per line:
 
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
-                  {"role": "assistant", "content": "..."}, ...]}
+                  {"role": "assistant", "content": "...", "reasoning_content": "...", "tool_calls": [...]},
+                  {"role": "tool", "tool_call_id": "...", "content": "..."}, ...],
+     "tools": [...], "reasoning_effort": "high", "thinking": true}
 
-Roles are those of the chat template (system, user, assistant, tool); content is a string or a list of
-{"type": "text", "text": ...} parts; other top-level keys (ids, sources) are ignored. A conversation opens with a
+Messages are those of the chat template (k3.serve.chat): system, user, assistant (content, reasoning_content,
+tool_calls), tool (tool_call_id) and input option messages ({"role": "option", "type": "tool-declare", "tools":
+[...]}); content is a string or a list of {"type": "text", "text": ...} parts. "tools", "reasoning_effort" (the
+global option messages) and "thinking" (thinking mode: every reply opens with its think channel; default false,
+instruct mode) are optional; other top-level keys (ids, sources) are ignored. A conversation opens with a
 non-assistant message and holds at least one assistant message. A bad record is an error naming the file, the line
 and the field; with `skip_bad` it is skipped instead and counted, its message kept for the log.
 
-Each conversation is rendered with the checkpoint's chat template by the server's own `render_chat`
-(k3.serve.chat), so the text trained on is exactly the text `k3 serve` builds. The rendering is cut at every
-assistant reply: the prompt before it ends with the template's generation prefix, the reply is the message content
-followed by the end-of-message marker (what the model must write before the server's stop string matches). Each
-piece is tokenized on its own, so a reply begins at a token boundary as it does when the model generates it after
-the server's prompt; the labels are the reply tokens, -100 everywhere else. A conversation ends with eos
-(untrained), like a pre-training document.
+Each conversation is rendered with the checkpoint's chat template by the server's own renderer
+(`render_chat_segments`), so the tokens trained on are exactly those `k3 serve` builds. The rendering is cut at
+every assistant message: the prompt before it ends with the generation prefix, the reply is what the model writes
+after it (its channels and the end-of-message marker), trained, except a tool call's pure-JSON fallback block
+(inputs only: its loss is masked). Option messages, the markup the template writes around the reply and the other
+messages are not trained. Pieces are cut at markers, which are special tokens (or, in an older tokenizer, texts
+encoded on their own), so a reply begins at a token boundary as it does when the model generates it after the
+server's prompt; the labels are the reply tokens, -100 everywhere else. A conversation ends with eos (untrained),
+like a pre-training document.
 
 Packing: conversations go into `seq_len` rows in file order, a new row when the next one does not fit; each is its
 own segment (document mask: no attention or loss across conversations); the rest of a row is padding (its own
@@ -34,9 +41,14 @@ import numpy as np
 import torch
 
 from k3.data.packing import IGNORE_INDEX, PackedLoader
-from k3.serve.chat import ROLES, ChatTemplate, message_text, render_chat
+from k3.serve.chat import (OPTION_ROLE, ROLES, ChatTemplate, markup_ids, message_text, render_chat_segments,
+                           segment_units)
 
-MESSAGE_KEYS = ("role", "content")
+# The keys each role's message may have (anything else is a mistake in the data, not an extension to ignore).
+MESSAGE_KEYS = {"system": ("role", "content", "name"), "user": ("role", "content", "name"),
+                "assistant": ("role", "content", "reasoning_content", "reasoning", "tool_calls", "name"),
+                "tool": ("role", "content", "tool_call_id", "name"), OPTION_ROLE: ("role", "type", "tools", "effort")}
+RECORD_OPTIONS = ("tools", "reasoning_effort", "thinking")
 
 
 class ChatDataError(ValueError):
@@ -47,10 +59,15 @@ class ChatDataError(ValueError):
 class ChatRecord:
     line: int  # 1-based line of the file
     messages: list[dict]
+    options: dict = field(default_factory=dict)  # render options: tools, reasoning_effort, thinking
 
 
 def check_record(rec) -> list[dict]:
     """The record's messages, or ValueError naming the field that is wrong."""
+    return _check(rec)[0]
+
+
+def _check(rec) -> tuple[list[dict], dict]:
     if not isinstance(rec, dict):
         raise ValueError(f"a record must be a JSON object with a 'messages' list, got a JSON {type(rec).__name__}")
     if "messages" not in rec:
@@ -59,26 +76,31 @@ def check_record(rec) -> list[dict]:
     msgs = rec["messages"]
     if not isinstance(msgs, list) or not msgs:
         raise ValueError(f"field 'messages' must be a non-empty list of messages, got {_short(msgs)}")
+    roles = list(ROLES) + [OPTION_ROLE]
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise ValueError(f"field 'messages[{i}]' must be an object with 'role' and 'content', got {_short(m)}")
-        extra = sorted(set(m) - set(MESSAGE_KEYS))
-        if extra:
-            raise ValueError(f"field 'messages[{i}].{extra[0]}' is not supported (a message has only "
-                             f"{' and '.join(MESSAGE_KEYS)})")
         role = m.get("role")
-        if role not in ROLES:
-            raise ValueError(f"field 'messages[{i}].role' = {_short(role)} is invalid: must be one of {list(ROLES)}")
-        if "content" not in m:
+        if role not in roles:
+            raise ValueError(f"field 'messages[{i}].role' = {_short(role)} is invalid: must be one of {roles}")
+        extra = sorted(set(m) - set(MESSAGE_KEYS[role]))
+        if extra:
+            raise ValueError(f"field 'messages[{i}].{extra[0]}' is not supported (a {role} message has only "
+                             f"{', '.join(MESSAGE_KEYS[role])})")
+        if role != OPTION_ROLE and "content" not in m and not (role == "assistant" and m.get("tool_calls")):
             raise ValueError(f"field 'messages[{i}].content' is missing")
-        if not (m["content"] is None and role == "assistant"):
+        if role != OPTION_ROLE and not (m.get("content") is None and role == "assistant"):
             message_text(m["content"], i)  # names messages[i].content[j] when a part is wrong
     if msgs[0]["role"] == "assistant":
         raise ValueError("field 'messages[0].role' = 'assistant': a conversation opens with a system, user or tool "
                          "message (the assistant replies to a prompt)")
     if not any(m["role"] == "assistant" for m in msgs):
         raise ValueError("field 'messages' has no assistant message: nothing to train on")
-    return msgs
+    options = {k: rec[k] for k in RECORD_OPTIONS if rec.get(k) is not None}
+    if not isinstance(options.get("thinking", False), bool):
+        raise ValueError(f"field 'thinking' must be true or false, got {_short(options['thinking'])}")
+    render_chat_segments(msgs, add_generation_prompt=False, **options)  # the rest (calls, results, options)
+    return msgs, options
 
 
 def _short(v, limit: int = 60) -> str:
@@ -100,54 +122,59 @@ def read_chat_jsonl(path: str, skip_bad: bool = False) -> tuple[list[ChatRecord]
                     rec = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-                msgs = check_record(rec)
+                msgs, options = _check(rec)
             except (ValueError, UnicodeDecodeError) as e:
                 msg = f"{path}:{n}: {e}"
                 if not skip_bad:
                     raise ChatDataError(msg) from None
                 bad.append(msg)
                 continue
-            records.append(ChatRecord(n, msgs))
+            records.append(ChatRecord(n, msgs, options))
     return records, bad
 
 
-def conversation_pieces(messages: list[dict], template: ChatTemplate) -> list[tuple[str, bool]]:
-    """The conversation's rendering (k3.serve.chat.render_chat, no generation prompt) cut into (text, trained)
-    pieces: each assistant reply (content + end-of-message marker) trained, the markup and other messages not.
-    The texts concatenate to the server's rendering exactly."""
-    full = render_chat(messages, template, add_generation_prompt=False)
-    pieces, done = [], 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        prompt = render_chat(messages[:i], template, add_generation_prompt=True)  # what the server sends
-        content = "" if m["content"] is None else message_text(m["content"], i)
-        reply = content + template.end_of_message
-        if not (full.startswith(prompt) and full.startswith(reply, len(prompt))):
-            raise ValueError("the chat template's generation prefix does not open the assistant's message block: "
-                             "a reply cannot be cut out of the rendering")
-        pieces.append((full[done:len(prompt)], False))
-        pieces.append((reply, True))
-        done = len(prompt) + len(reply)
-    pieces.append((full[done:], False))
-    return [(t, trained) for t, trained in pieces if t]
+def conversation_segments(messages: list[dict], template: ChatTemplate, **options) -> list[tuple[list, bool]]:
+    """The conversation's rendering (k3.serve.chat.render_chat_segments, no generation prompt) cut into
+    (segments, trained) pieces: what the model writes of each assistant message trained (fallback blocks
+    excepted), everything else not. The pieces concatenate to the server's rendering exactly."""
+    pieces: list[tuple[list, bool]] = []
+    for s in render_chat_segments(messages, template, add_generation_prompt=False, **options):
+        if pieces and pieces[-1][1] == s.train:
+            pieces[-1][0].append(s)
+        else:
+            pieces.append(([s], s.train))
+    return pieces
 
 
-def tokenize_conversations(tok, conversations: list[list[dict]], template: ChatTemplate
-                           ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(token ids int32, trained bool) of each conversation, eos appended (untrained)."""
-    cut = [conversation_pieces(msgs, template) for msgs in conversations]
-    flat = [t for pieces in cut for t, _ in pieces]
-    ids = []
-    for s in range(0, len(flat), 1024):
-        ids.extend(tok.encode_batch(flat[s:s + 1024]))
+def conversation_pieces(messages: list[dict], template: ChatTemplate, **options) -> list[tuple[str, bool]]:
+    """`conversation_segments` as (text, trained) pieces."""
+    return [("".join(s.text for s in segs), trained) for segs, trained in conversation_segments(messages, template,
+                                                                                                 **options)]
+
+
+def tokenize_conversations(tok, conversations: list[list[dict]], template: ChatTemplate,
+                           options: list[dict] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(token ids int32, trained bool) of each conversation (with its render `options`, if given), eos appended
+    (untrained). Markers become the tokenizer's special ids where it has them; text runs are batch-encoded."""
+    ids_of = markup_ids(tok, template)
+    cut = [[(segment_units(segs, ids_of), trained) for segs, trained in
+            conversation_segments(msgs, template, **((options or [{}] * len(conversations))[k]))]
+           for k, msgs in enumerate(conversations)]
+    texts = [u for pieces in cut for units, _ in pieces for u in units if isinstance(u, str)]
+    enc = []
+    for s in range(0, len(texts), 1024):
+        enc.extend(tok.encode_batch(texts[s:s + 1024]))
     out, k = [], 0
     for pieces in cut:
         toks, mask = [], []
-        for _, trained in pieces:
-            toks.extend(ids[k])
-            mask.extend([trained] * len(ids[k]))
-            k += 1
+        for units, trained in pieces:
+            for u in units:
+                if isinstance(u, str):
+                    u, k = enc[k], k + 1
+                else:
+                    u = [u]
+                toks.extend(u)
+                mask.extend([trained] * len(u))
         toks.append(tok.eos_id)
         mask.append(False)
         out.append((np.asarray(toks, dtype=np.int32), np.asarray(mask, dtype=bool)))

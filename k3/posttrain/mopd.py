@@ -29,10 +29,10 @@ Prompt file (JSON Lines, one record per line):
     {"messages": [{"role": "user", "content": "..."}, ...], "domain": "code", "effort": "high"}
     {"prompt": "raw text, no chat template", "domain": "docs"}
 
-"messages" are rendered with the student's chat template and its generation prefix (k3.serve.chat.render_chat,
-as `k3 serve` does), and the response then ends at the template's stop strings or eos; a trailing assistant message
-(the reference reply of an SFT record) is dropped: the student writes its own. "prompt" is tokenized as it is and
-ends at eos. "effort" is optional; other keys are ignored.
+"messages" are rendered with the student's chat template and its instruct-mode generation prefix
+(k3.serve.chat.render_chat_ids, as `k3 serve` does), and the response then ends at the template's stop strings or
+eos; a trailing assistant message (the reference reply of an SFT record) is dropped: the student writes its own.
+"prompt" is tokenized as it is and ends at eos. "effort" is optional; other keys are ignored.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Prompt:
 
 def check_prompt_record(rec) -> Prompt:
     """One prompt record, or ValueError naming the field that is wrong (`where` is filled in by the reader)."""
-    from k3.serve.chat import ROLES, message_text
+    from k3.serve.chat import ROLES, message_text, render_chat_segments
 
     if not isinstance(rec, dict):
         raise ValueError(f"a record must be a JSON object, got a JSON {type(rec).__name__}")
@@ -189,6 +189,7 @@ def check_prompt_record(rec) -> Prompt:
         msgs = msgs[:-1]  # the reference reply: the student writes its own
     if not msgs:
         raise ValueError("field 'messages' holds only an assistant message: there is no prompt")
+    render_chat_segments(msgs)  # tool calls and results: a ValueError names the field
     return Prompt("", dom, eff, messages=msgs)
 
 
@@ -223,7 +224,7 @@ def read_prompts(paths: list[str], table: TeacherTable | None = None) -> list[Pr
 
 
 def encode_prompt(p: Prompt, tok, template) -> list[int]:
-    """The prompt's token ids, as `k3 serve` would build them."""
-    from k3.serve.chat import render_chat
+    """The prompt's token ids, as `k3 serve` would build them (the chat markup as the tokenizer's special ids)."""
+    from k3.serve.chat import render_chat_ids
 
-    return tok.encode(p.text if p.text is not None else render_chat(p.messages, template))
+    return tok.encode(p.text) if p.text is not None else render_chat_ids(p.messages, tok, template)

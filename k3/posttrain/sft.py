@@ -41,12 +41,13 @@ def load_chat_data(paths: list[str], tok, template, seq_len: int, skip_bad: bool
     """Read, render, tokenize and pack chat .jsonl files (k3.posttrain.chat_data), logging what went in."""
     from k3.posttrain.chat_data import pack_conversations, read_chat_jsonl, tokenize_conversations
 
-    convs, bad = [], []
+    convs, options, bad = [], [], []
     for p in paths:
         recs, b = read_chat_jsonl(p, skip_bad=skip_bad)
         convs.extend(r.messages for r in recs)
+        options.extend(r.options for r in recs)
         bad.extend(b)
-    packed = pack_conversations(tokenize_conversations(tok, convs, template), seq_len, tok.eos_id)
+    packed = pack_conversations(tokenize_conversations(tok, convs, template, options), seq_len, tok.eos_id)
     st = packed.stats
     st["bad_records"] = len(bad)
     log(f"{what}: {st['conversations']} conversations -> {st['rows']} rows of {seq_len} tokens "

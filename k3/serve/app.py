@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, render_chat
+from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_stop, encode_segments, render_chat_segments
 from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
 from k3.serve.guard import (DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyError, BodyGuardMiddleware,
                             JSONRoute, max_token_bytes)
@@ -511,15 +511,26 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         try:
-            text = render_chat(body.messages, srv.template)
+            segments = render_chat_segments(body.messages, srv.template)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = await srv.encode(text, "messages")
+        text_len = sum(len(s.text) for s in segments)
+        srv.check_text_length("".join(s.text for s in segments), "messages")
+        # The markup as special ids, message text as ordinary text (k3.serve.chat: escaping); long prompts are
+        # tokenized off the event loop.
+        if text_len > 16384:
+            ids = await asyncio.to_thread(encode_segments, srv.tokenizer, segments, srv.template)
+        else:
+            ids = encode_segments(srv.tokenizer, segments, srv.template)
         use_mct = body.max_completion_tokens is not None  # the newer name wins
         max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = srv.sampling_params(body, len(ids), "messages", max_tokens, None, list(srv.template.stop), logprobs,
+        stop, stop_ids = chat_stop(srv.tokenizer, srv.template)
+        # Instruct mode without tool calls: the reply is the response channel's text, complete at its close.
+        stop.append(f"{srv.template.close}response{srv.template.sep}")
+        params = srv.sampling_params(body, len(ids), "messages", max_tokens, None, stop, logprobs,
                                      "max_completion_tokens" if use_mct else "max_tokens")
+        params.stop_token_ids = stop_ids
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await srv.run(request, ids, params, chat=True, stream=bool(body.stream), include_usage=include_usage,
                              want_logprobs=bool(body.logprobs))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from k3.data.corpus import default_corpus
 from k3.data.tokenizer import (
+    CHAT_MARKUP,
     DEFAULT_SPLIT_PATTERN,
     EOS,
     K3Tokenizer,
@@ -105,7 +106,7 @@ def test_bpe_pads_to_vocab_size_on_tiny_text():
     assert tok.vocab_size == 400 and tok.eos_id == 0
     assert tok.token_to_id("<|reserved_0|>") is not None
     assert tok.decode(tok.encode("abab <|reserved_0|>")) == "abab <|reserved_0|>"
-    with pytest.raises(ValueError, match="at least 257"):
+    with pytest.raises(ValueError, match="at least 261"):  # eos, 256 bytes and the 4 chat markup tokens
         train_bpe(["x"], 100)
 
 
@@ -136,7 +137,7 @@ def test_byte_level_tokenizer_still_works():
     text = "def f(x):\n    return x + 1  # é"
     assert raw.decode(raw.encode(text).ids) == text
     tok = K3Tokenizer.byte_level()
-    assert tok.eos_id == 0 and tok.vocab_size == 257
+    assert tok.eos_id == 0 and tok.vocab_size == 261  # eos, the 256 bytes, the 4 chat markup tokens
     assert tok.encode(text) == raw.encode(text).ids
     for t in ODD_TEXTS:
         assert tok.decode(tok.encode(t)) == t
@@ -288,3 +289,20 @@ def test_bytes_to_unicode_matches_byte_level_alphabet():
     for b in range(128):
         assert pt.pre_tokenize_str(chr(b))[0][0] == table[b]
     assert pt.pre_tokenize_str("é")[0][0] == table[0xC3] + table[0xA9]
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_chat_markup_tokens(kind, sample_texts):
+    """The chat markup is four reserved special tokens (after the learned vocabulary, before the padding): one id
+    each, decoded whole, never produced by encoding text (k3.serve.chat encodes markup and text apart)."""
+    tok = K3Tokenizer(byte_level_tokenizer(300)) if kind == "bytes" else train_bpe(sample_texts[:20], 600)
+    ids = [tok.special_token_id(m) for m in CHAT_MARKUP]
+    assert len(set(ids)) == 4 and None not in ids and tok.vocab_size == (300 if kind == "bytes" else 600)
+    if kind == "bytes":
+        assert ids == [257, 258, 259, 260] and tok.token_to_id("<|reserved_0|>") == 261
+    text = "a[open]b[sep]c[close]d[end_of_msg]" + "".join(CHAT_MARKUP)
+    enc = tok.encode(text)
+    assert not set(ids) & set(enc) and tok.decode(enc) == text
+    for m, i in zip(CHAT_MARKUP, ids):
+        assert tok.decode([i]) == m and tok.decode([5, i, 5]) == tok.decode([5]) + m + tok.decode([5])
+    assert tok.special_token_id("[open") is None and tok.special_token_id(EOS) == 0

@@ -18,7 +18,8 @@ from k3.model.batch import BatchInfo
 from k3.model.model import K3ForCausalLM
 from k3.posttrain.chat_data import (ChatDataError, ChatLoader, conversation_pieces, pack_conversations,
                                     read_chat_jsonl, tokenize_conversations)
-from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, render_chat, save_chat_template
+from k3.serve.chat import (DEFAULT_CHAT_TEMPLATE, ChatTemplate, encode_segments, render_chat, render_chat_ids,
+                           save_chat_template, split_markup)
 
 VOCAB = 512
 CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "add one to x"},
@@ -55,7 +56,7 @@ def base(tmp_path_factory):
     torch.manual_seed(0)
     model = randomize_(K3ForCausalLM(cfg), seed=0)
     save_pretrained(model, d, extra_files={"tokenizer.json": _tok().to_str().encode()})
-    save_chat_template(d, ChatTemplate(open="<", close="</", sep=">", generation_prefix="<response>"))
+    save_chat_template(d, ChatTemplate(open="<", close="</", sep=">"))
     return str(d)
 
 
@@ -89,23 +90,29 @@ def test_bad_records_name_the_line_and_the_field(tmp_path, line, field):
 
 # --- rendering and labels -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("template", [DEFAULT_CHAT_TEMPLATE,
-                                      ChatTemplate(open="<", close="</", sep=">", generation_prefix="<response>")])
+def _reply(content, t):
+    """What the model writes after the instruct-mode generation prefix (format_version 2): the response channel's
+    text, its close and the end of the message."""
+    return f"{content}{t.close}response{t.sep}{t.end_of_message}"
+
+
+@pytest.mark.parametrize("template", [DEFAULT_CHAT_TEMPLATE, ChatTemplate(open="<", close="</", sep=">")])
 def test_rendering_is_the_servers(template):
-    tok = _tok()
+    tok = _tok()  # has the default markup as special tokens; the second template's markers are plain text
     pieces = conversation_pieces(CONV, template)
     assert "".join(t for t, _ in pieces) == render_chat(CONV, template, add_generation_prompt=False)
-    assert [t for t, trained in pieces if trained] == [m["content"] + template.end_of_message
+    assert [t for t, trained in pieces if trained] == [_reply(m["content"], template)
                                                       for m in CONV if m["role"] == "assistant"]
     (ids, trained), = tokenize_conversations(tok, [CONV], template)
     assert ids[-1] == tok.eos_id and not trained[-1]
     assert tok.decode(ids[:-1].tolist()) == render_chat(CONV, template, add_generation_prompt=False)
+    assert (template is DEFAULT_CHAT_TEMPLATE) == (tok.special_token_id("[open]") in ids.tolist())
     # Every reply starts where the server's prompt for it ends: the prompt tokens are the server's encoding.
     starts = [i for i in range(1, len(ids)) if trained[i] and not trained[i - 1]]
     assistant_at = [i for i, m in enumerate(CONV) if m["role"] == "assistant"]
     assert len(starts) == len(assistant_at)
     for s, i in zip(starts, assistant_at):
-        assert ids[:s].tolist() == tok.encode(render_chat(CONV[:i], template))
+        assert ids[:s].tolist() == render_chat_ids(CONV[:i], tok, template)
 
 
 def test_first_reply_prompt_is_the_servers_with_a_bpe_tokenizer():
@@ -115,8 +122,39 @@ def test_first_reply_prompt_is_the_servers_with_a_bpe_tokenizer():
                     max_train_bytes=None)
     (ids, trained), = tokenize_conversations(tok, [CONV], DEFAULT_CHAT_TEMPLATE)
     s = int(np.argmax(trained))
-    assert ids[:s].tolist() == tok.encode(render_chat(CONV[:2]))
+    assert ids[:s].tolist() == render_chat_ids(CONV[:2], tok)
     assert tok.decode(ids[:-1].tolist()) == render_chat(CONV, add_generation_prompt=False)
+
+
+def test_tool_calls_reasoning_and_options_in_sft_records(tmp_path):
+    """Thinking-mode records with tools: the channels are trained, option messages and the pure-JSON fallback
+    block (inputs only) are not."""
+    conv = [{"role": "user", "content": "list files"},
+            {"role": "assistant", "reasoning_content": "use ls", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "ls", "arguments": '{"path": "/tmp"}'}},
+                {"id": "b", "type": "function", "function": {"name": "ls", "arguments": '["odd"]'}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "x.txt"},
+            {"role": "option", "type": "tool-declare", "tools": [{"type": "function", "function": {"name": "cat"}}]},
+            {"role": "assistant", "content": "x.txt"}]
+    tools = [{"type": "function", "function": {"name": "ls"}}]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": conv, "tools": tools, "reasoning_effort": "low", "thinking": True}) + "\n")
+    (rec,), bad = read_chat_jsonl(str(path))
+    assert rec.options == {"tools": tools, "reasoning_effort": "low", "thinking": True} and not bad
+    trained = "".join(t for t, tr in conversation_pieces(rec.messages, DEFAULT_CHAT_TEMPLATE, **rec.options) if tr)
+    assert trained == ('use ls[close]think[sep][open]tools[sep][open]call tool="ls" index="0"[sep]'
+                       '[open]arg name="path"[sep]/tmp[close]arg[sep][close]call[sep]'
+                       '[open]call tool="ls" index="1"[sep]'
+                       '[close]call[sep][close]tools[sep][end_of_msg]'
+                       '[close]think[sep][open]response[sep]x.txt[close]response[sep][end_of_msg]')
+    tok = _tok()
+    (ids, mask), = tokenize_conversations(tok, [rec.messages], DEFAULT_CHAT_TEMPLATE, [rec.options])
+    assert tok.decode(ids[mask].tolist()) == trained
+    bad_call = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "ls", "arguments": "{oops"}}]}]}
+    path.write_text(json.dumps(bad_call) + "\n")
+    with pytest.raises(ChatDataError, match=r":1: messages\[1\]\.tool_calls\[0\]\.function\.arguments is not valid"):
+        read_chat_jsonl(str(path))
 
 
 def _sft_loss(model, batch, labels):
@@ -137,7 +175,7 @@ def test_only_assistant_tokens_carry_loss():
     trained = np.concatenate([examples[0][1], examples[1][1], np.zeros(512 - n0 - n1, bool)])
     assert torch.equal(labels, torch.where(torch.from_numpy(trained), ids, IGNORE_INDEX))
     assert tok.decode(ids[torch.from_numpy(trained)].tolist()) == "".join(
-        m["content"] + "[end_of_msg]" for c in (CONV, CONV[:3]) for m in c if m["role"] == "assistant")
+        _reply(m["content"], DEFAULT_CHAT_TEMPLATE) for c in (CONV, CONV[:3]) for m in c if m["role"] == "assistant")
 
     cfg = K3Config.from_preset("tiny").replace(vocab_size=VOCAB, eos_token_id=0, num_nextn_predict_layers=0)
     torch.manual_seed(0)
@@ -149,7 +187,7 @@ def test_only_assistant_tokens_carry_loss():
     assert torch.equal(loss, _sft_loss(model, batch, labels[None]))
     text = tok.decode(ids[:n0].tolist())
     for needle, is_reply in (("Be brief", False), ("add one", False), ("[open]user", False), ("return x + 1", True)):
-        pos = len(tok.encode(text[:text.index(needle)])) + 1
+        pos = len(encode_segments(tok, split_markup(text[:text.index(needle)]))) + 1  # markers: one id each
         assert bool(mask[pos]) == is_reply, needle
         changed = targets.clone()
         changed[pos] = (changed[pos] + 7) % VOCAB
@@ -161,7 +199,7 @@ def test_packing_counts_truncation_and_drops():
     tok = _tok()
     long_prompt = [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "ok"}]
     long_reply = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "y" * 300}]
-    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]  # 76 tokens
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]  # 61 tokens
     packed = pack_conversations(tokenize_conversations(tok, [long_prompt, long_reply, short],
                                                        DEFAULT_CHAT_TEMPLATE), 128, tok.eos_id)
     st = packed.stats

@@ -27,7 +27,7 @@ import torch
 from openai import OpenAI
 
 from k3.serve.chat import (CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate, load_chat_template, render_chat,
-                           save_chat_template, stop_strings)
+                           render_chat_ids, save_chat_template, stop_strings)
 from k3.serve.engine import RequestOutput
 from k3.serve.sampling import SamplingParams
 from k3.serve.sequence import Status
@@ -142,16 +142,18 @@ def test_render_chat_and_stop_strings():
             {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
             {"role": "assistant", "content": "Hello."}, {"role": "tool", "content": "42"},
             {"role": "user", "content": "And?"}]
+    # format_version 2 (XTML): the assistant message holds channels; instruct mode's generation prefix opens the
+    # response channel inside a new assistant message (tests/serve/test_chat_template.py covers the rest).
     assert render_chat(msgs) == (
         "[open]system[sep]Be brief.[end_of_msg][close]system[sep]"
         "[open]user[sep]Hi there[end_of_msg][close]user[sep]"
-        "[open]response[sep]Hello.[end_of_msg][close]response[sep]"
+        "[open]assistant[sep][open]response[sep]Hello.[close]response[sep][end_of_msg][close]assistant[sep]"
         "[open]tool[sep]42[end_of_msg][close]tool[sep]"
         "[open]user[sep]And?[end_of_msg][close]user[sep]"
-        "[open]response[sep]")
+        "[open]assistant[sep][open]response[sep]")
     assert render_chat([{"role": "assistant", "content": None}], add_generation_prompt=False).endswith(
-        "[close]response[sep]")
-    assert "[end_of_msg]" in stop_strings()
+        "[open]response[sep][close]response[sep][end_of_msg][close]assistant[sep]")
+    assert stop_strings() == ["[end_of_msg]", "[close]response[sep]"]
 
 
 @pytest.mark.parametrize("messages, words", [
@@ -168,13 +170,16 @@ def test_render_chat_rejects_bad_messages(messages, words):
 
 def test_chat_template_file(tmp_path):
     assert load_chat_template(tmp_path) == DEFAULT_CHAT_TEMPLATE  # no file: the default
-    custom = ChatTemplate(end_of_message="<eom>", stop=("<eom>",))
+    custom = ChatTemplate(end_of_message="<eom>")
     path = save_chat_template(tmp_path, custom)
     assert path.endswith(CHAT_TEMPLATE_FILE)
     loaded = load_chat_template(tmp_path)
     assert loaded == custom and render_chat([{"role": "user", "content": "x"}], loaded).count("<eom>") == 1
-    (tmp_path / CHAT_TEMPLATE_FILE).write_text('{"stop": "oops"}')
-    with pytest.raises(ValueError, match="stop"):
+    (tmp_path / CHAT_TEMPLATE_FILE).write_text('{"format_version": 2, "open": 5}')
+    with pytest.raises(ValueError, match="'open'"):
+        load_chat_template(tmp_path)
+    (tmp_path / CHAT_TEMPLATE_FILE).write_text('{"stop": "oops"}')  # a format_version 1 field that cannot map
+    with pytest.raises(ValueError, match="stop.*k3 chat-template migrate"):
         load_chat_template(tmp_path)
     (tmp_path / CHAT_TEMPLATE_FILE).write_text('{"colour": 1}')
     with pytest.raises(ValueError, match="unknown chat template fields"):
@@ -309,7 +314,7 @@ def test_chat_completion(server, client):
     (c,) = r.choices
     assert c.message.role == "assistant" and isinstance(c.message.content, str)
     assert c.finish_reason in ("length", "stop")
-    n_prompt = len(server.tok.encode(render_chat(msgs, server.template)))
+    n_prompt = len(render_chat_ids(msgs, server.tok, server.template))  # the markup as special ids
     assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens <= 4
     assert not any(s in c.message.content for s in server.template.stop)
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True,

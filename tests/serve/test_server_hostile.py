@@ -400,7 +400,7 @@ def _padded_tokenizer(vocab_size: int) -> K3Tokenizer:
     return K3Tokenizer(tok.tokenizer)
 
 
-@pytest.mark.parametrize("tok_vocab", [257, 5000])
+@pytest.mark.parametrize("tok_vocab", [261, 5000])  # the bare byte-level tokenizer (eos, bytes, chat markup), or more
 def test_prompt_ids_must_be_in_the_model_and_the_tokenizer(ckpt, model, tok_vocab):
     tok = _padded_tokenizer(tok_vocab)
     assert tok.vocab_size == tok_vocab
