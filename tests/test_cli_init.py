@@ -20,6 +20,14 @@ def test_init_tokenizer_covers_the_vocabulary(tmp_path, kind):
     assert len(set(texts[257:])) == tok.vocab_size - 257
     s = "def f(x):\n    return x + 1  # ünïcödé ✓\n"
     assert tok.decode(tok.encode(s)) == s
+    # The chat markup is reserved (one special id each) and the saved chat template is format_version 2.
+    from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, load_chat_template, markup_ids
+
+    assert load_chat_template(out) == DEFAULT_CHAT_TEMPLATE
+    ids = markup_ids(tok)
+    assert ids is not None and [tok.decode([i]) for i in ids.values()] == list(ids)
+    if kind == "bytes":
+        assert list(ids.values()) == [257, 258, 259, 260]
     if kind == "bpe":  # a trained BPE compresses code well below one token per byte
         code = "def area(width, height):\n    return width * height\n"
         assert len(tok.encode(code)) < 0.5 * len(code.encode())

@@ -349,6 +349,13 @@ def test_markup_is_special_only_where_the_template_puts_it():
     old = K3Tokenizer(_old_byte_tokenizer())
     assert render_chat_ids(msgs, old) == old.encode(render_chat(msgs))
     assert chat_stop(old) == (["[end_of_msg]"], [])
+    p = AssistantParser(tokenizer=old)  # its output's markup is text: parsed from the decoded text
+    out = old.encode('é[close]response[sep][open]tools[sep][open]call tool="f" index="0"[sep][close]call[sep]'
+                     "[close]tools[sep]")
+    for i in out:
+        p.feed_ids([i])
+    p.finish()
+    assert p.result().content == "é" and p.result().tool_calls[0].arguments == "{}" and not p.result().errors
 
 
 def _old_byte_tokenizer():
