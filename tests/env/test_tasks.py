@@ -235,3 +235,34 @@ def test_autonomous_held_out_data_never_enters_the_sandbox(kind):
         assert judge(sb, task, answer).success
         where = "/workspace /tmp" if kind == "bwrap" else "."
         assert sb.exec(f"grep -rl 'fig, dried' {where} 2>/dev/null").stdout.strip() == ""
+
+
+def test_kernel_instances():
+    from k3.env.tasks.kernel import kernel_tasks
+
+    fam = get_family("kernel")
+    train, test = list(fam.instances("train", 20)), list(fam.instances("test", 4))
+    names = lambda ts: {t.metadata["kernel_task"] for t in ts}  # noqa: E731
+    assert names(train) | names(test) == set(kernel_tasks()) and not names(train) & names(test)
+    assert [t.id for t in train] == [t.id for t in fam.instances("train", 20)]
+    assert all({"kernel.py", "TASK.md", "reference.py"} <= set(t.image) for t in train + test)
+    stub = next(t for t in train + test if not t.metadata["starts_correct"])
+    assert "NotImplementedError" in stub.image["kernel.py"]
+    with pytest.raises(ValueError, match="no scripted solution"):
+        scripted_solution(stub)
+    with pytest.raises(ValueError, match="device"):
+        type(fam)(device="tpu")
+
+
+def test_kernel_verdict_is_the_kernel_reward():
+    from k3.kernel_reward.examples import source
+
+    task = next(t for t in get_family("kernel").instances("train", 20) if t.metadata["kernel_task"] == "rms_norm")
+    with sandbox_for(task, "none") as sb:
+        sb.write_file("kernel.py", source("wrong"))
+        wrong = judge(sb, task, None)
+        assert not wrong.success and wrong.reward == 0.0 and "wrong result" in wrong.details
+        answer = play(sb, [a for a in scripted_solution(task) if a["tool"] != "score_kernel"])
+        good = judge(sb, task, answer)
+        assert good.success and 0.0 < good.reward <= 1.0 and good.data["hacks"] == [], good.details
+        assert sb.read_file("kernel.py").decode() == source("rms_norm_torch")

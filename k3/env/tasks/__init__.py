@@ -5,7 +5,7 @@ tests and for cold-start trajectories.
 """
 
 from k3.env.task import Task, get_family
-from k3.env.tasks import arith, autonomous, code  # noqa: F401  (registers the families)
+from k3.env.tasks import arith, autonomous, code, kernel  # noqa: F401  (registers the families)
 
 
 def scripted_solution(task: Task) -> list[dict]:
