@@ -16,6 +16,8 @@ from k3.env.task import get_family
 from k3.env.tasks import scripted_solution
 from k3.env.tasks.arith import normalize
 from k3.env.tasks.code_problems import PROBLEMS
+from k3.env.toolbox import BUILTIN_TOOLS
+from k3.env.tools import ToolContext, call_tool
 
 KINDS = ["none"] + (["bwrap"] if shutil.which("bwrap") and importlib.util.find_spec("k3.env.bwrap") else [])
 
@@ -31,23 +33,14 @@ def sandbox_for(task, kind):
         return create_sandbox(kind, image)
 
 
-def play(sandbox, actions):
-    """Carry out scripted actions the way the tools do (a command may fail: a script looks before it fixes);
-    returns the submitted answer (None if none)."""
-    answer = None
-    for a in actions:
-        tool, args = a["tool"], a["args"]
-        if tool == "write_file":
-            sandbox.write_file(args["path"], args["content"])
-        elif tool == "shell":
-            sandbox.exec(args["command"], timeout=60)
-        elif tool == "python":
-            assert sandbox.exec(["python3", "-"], stdin=args["code"], timeout=60).ok
-        elif tool == "submit":
-            answer = args["answer"]
-        else:
-            raise AssertionError(f"unexpected tool {tool!r}")
-    return answer
+def play(sandbox, task, actions=None):
+    """Carry out a task's scripted actions (or `actions`) with the real tools; returns the submitted answer. A
+    command may fail (a script looks before it fixes); a tool call may not."""
+    ctx = ToolContext(sandbox=sandbox, task=task)
+    for a in scripted_solution(task) if actions is None else actions:
+        out = call_tool(BUILTIN_TOOLS, ctx, a["tool"], a["args"], max_output_chars=100_000)
+        assert not out.error, (a, out.text)
+    return ctx.answer
 
 
 def judge(sandbox, task, answer):
@@ -93,10 +86,10 @@ def test_arith_answers_are_normalized_and_checked():
 def test_arith_scripted_solution_runs_and_passes(kind):
     task = next(get_family("arith").instances("test", 1, seed=0))
     with sandbox_for(task, kind) as sb:
-        actions = scripted_solution(task)
-        out = sb.exec(["python3", "-c", actions[0]["args"]["code"]])
-        assert normalize(out.stdout) == normalize(task.metadata["expected"])
-        assert judge(sb, task, play(sb, actions)).reward == 1.0
+        run = scripted_solution(task)[0]
+        out = call_tool(BUILTIN_TOOLS, ToolContext(sandbox=sb, task=task), run["tool"], run["args"], 1000)
+        assert task.metadata["expected"] in out.text  # what the tool printed is the answer
+        assert judge(sb, task, play(sb, task)).reward == 1.0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -109,7 +102,7 @@ def test_code_hidden_verifier(kind):
         assert not stub.success and stub.data["pass_fraction"] == 0.0
         assert sb.read_file("solution.py") == before and sb.list_files() == ["solution.py", "test_public.py"]
         assert not sb.exec("python3 test_public.py").ok
-        answer = play(sb, scripted_solution(task))
+        answer = play(sb, task)
         good = judge(sb, task, answer)
         assert good.success and good.reward == 1.0 and good.data["pass_fraction"] == 1.0, good.details
         # right on the public examples only: the hidden tests catch it
@@ -126,13 +119,18 @@ def test_code_hidden_verifier(kind):
 def test_code_hidden_tests_are_not_visible_in_the_sandbox(kind):
     task = next(get_family("code").instances("train", 1, seed=0))
     with sandbox_for(task, kind) as sb:
-        play(sb, scripted_solution(task))
-        judge(sb, task, "solution.py")
-        assert not any(".k3_check" in f for f in sb.list_files())
-        where = "/" if kind == "bwrap" else "."  # "none" sees the whole host: search its own workspace only
-        found = sb.exec(f"find {where} -name '.k3_check' 2>/dev/null; grep -rl 'literal_eval' . 2>/dev/null",
-                        timeout=60)
-        assert found.stdout.strip() == ""
+        play(sb, task)
+        fork = sb.fork()  # a verification in progress, its hidden cases written into the fork
+        try:
+            assert task.verify(fork, "solution.py").success
+            assert any(".k3_check" in f for f in fork.list_files())
+            assert not any(".k3_check" in f for f in sb.list_files())
+            # "none" sees the whole host: it can only be searched in its workspace; bwrap sees its own world
+            where = "/" if kind == "bwrap" else "."
+            found = sb.exec(f"find {where} -name .k3_check -not -path '/proc/*' 2>/dev/null", timeout=60)
+            assert found.stdout.strip() == ""
+        finally:
+            fork.close()
 
 
 def test_code_refuses_the_original_and_says_why():
@@ -179,6 +177,18 @@ def autonomous_task(kind, split="train"):
     return next(t for t in get_family("autonomous").instances(split, 6, seed=0) if t.metadata["kind"] == kind)
 
 
+def test_autonomous_submit_gives_feedback_within_the_limit():
+    task = autonomous_task("aggregate_csv")
+    with sandbox_for(task, "none") as sb:
+        ctx = ToolContext(sandbox=sb, task=task)
+        texts = [call_tool(BUILTIN_TOOLS, ctx, "submit", {"answer": "try"}, 10_000) for _ in range(3)]
+        assert all(not t.error and "aggregate.py does not exist" in t.text for t in texts)
+        assert ctx.finished and len(ctx.public_verdicts) == task.max_submissions == 3
+        extra = call_tool(BUILTIN_TOOLS, ctx, "submit", {"answer": "again"}, 10_000)
+        assert extra.error and "no submissions left" in extra.text
+        assert sb.list_files() == ["data.csv"]
+
+
 def test_autonomous_instances():
     fam = get_family("autonomous")
     train, test = list(fam.instances("train", 30)), list(fam.instances("test", 30))
@@ -212,7 +222,7 @@ def test_autonomous_public_feedback_and_hidden_verdict(task_kind, kind):
         assert not first.success and first.reward < 1.0 and first.details
         assert ("failures" in first.details or "missing" in first.details or "does not exist" in first.details)
         assert not judge(sb, task, None).success
-        answer = play(sb, scripted_solution(task))
+        answer = play(sb, task)
         before = state(sb)
         public = task.public_verify(sb, answer)
         assert public.success and public.reward == 1.0, public.details
@@ -230,7 +240,7 @@ def test_autonomous_public_feedback_and_hidden_verdict(task_kind, kind):
 def test_autonomous_held_out_data_never_enters_the_sandbox(kind):
     task = autonomous_task("aggregate_csv")
     with sandbox_for(task, kind) as sb:
-        answer = play(sb, scripted_solution(task))
+        answer = play(sb, task)
         task.public_verify(sb, answer)
         assert judge(sb, task, answer).success
         where = "/workspace /tmp" if kind == "bwrap" else "."
@@ -262,7 +272,7 @@ def test_kernel_verdict_is_the_kernel_reward():
         sb.write_file("kernel.py", source("wrong"))
         wrong = judge(sb, task, None)
         assert not wrong.success and wrong.reward == 0.0 and "wrong result" in wrong.details
-        answer = play(sb, [a for a in scripted_solution(task) if a["tool"] != "score_kernel"])
+        answer = play(sb, task, [a for a in scripted_solution(task) if a["tool"] != "score_kernel"])  # scored below
         good = judge(sb, task, answer)
         assert good.success and 0.0 < good.reward <= 1.0 and good.data["hacks"] == [], good.details
         assert sb.read_file("kernel.py").decode() == source("rms_norm_torch")

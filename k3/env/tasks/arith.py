@@ -107,11 +107,11 @@ def _verifier(expected: str):
     return verify
 
 
-def make_task(kind: str, prompt: str, code: str) -> Task:
+def make_task(kind: str, prompt: str, code: str, split: str) -> Task:
     """The task of one generated question; its id is a stable hash of the prompt (the same question, the same id)."""
     expected = solve(code)
     digest = hashlib.sha256(prompt.encode()).hexdigest()[:12]
-    return Task(id=f"arith/{kind}/{digest}", family="arith", prompt=prompt, verify=_verifier(expected),
+    return Task(id=f"arith/{kind}/{digest}", family="arith", prompt=prompt, verify=_verifier(expected), split=split,
                 tools=("python", "submit"), budget=Budget(turns=4, tokens=512, wall_seconds=60.0),
                 metadata={"kind": kind, "code": code, "expected": expected})
 
@@ -130,7 +130,7 @@ class Arith(TaskFamily):
             prompt, code = KINDS[kind](rng)
             if split_of(f"arith/{prompt}", TEST_FRACTION) != split:
                 continue
-            yield make_task(kind, prompt, code)
+            yield make_task(kind, prompt, code, split)
             made += 1
 
     @staticmethod

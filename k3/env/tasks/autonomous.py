@@ -158,7 +158,7 @@ def fix_function_task(rng: random.Random, split: str) -> Task:
         image={"lib.py": f'"""A small library."""\n\n\n{source}', "test_lib.py": _test_file(problem, public)},
         verify=lambda sandbox, answer: judge_cases(sandbox, problem, hidden, path="lib.py"),
         public_verify=lambda sandbox, answer: _judge_in_fork(sandbox, problem, public, "public tests"),
-        max_submissions=MAX_SUBMISSIONS, budget=BUDGET,
+        max_submissions=MAX_SUBMISSIONS, budget=BUDGET, split=split,
         metadata={"kind": "fix_function", "problem": problem.name})
 
 

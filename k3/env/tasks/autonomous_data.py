@@ -16,8 +16,9 @@ import hashlib
 import io
 import random
 
+from k3.env.sandbox import SandboxError
 from k3.env.task import Budget, Task, Verdict
-from k3.env.tasks.common import PYTHON, action, split_of
+from k3.env.tasks.common import PYTHON, action, describe_failure, split_of
 
 TEST_FRACTION = 0.2
 SCRIPT_SECONDS = 30.0
@@ -87,19 +88,22 @@ def compare_table(name: str, text: str | None, key: str, agg: str,
     return name, right, len(want), problems
 
 
-def _run_script(fork, data: str | None) -> str | None:
-    """Run aggregate.py in `fork` (on `data` as data.csv when given) and return out.csv's text."""
+def _check_script(name: str, fork, data: str | None, key: str, agg: str,
+                  want: list[tuple[str, float]]) -> tuple[str, int, int, list[str]]:
+    """Run aggregate.py in `fork` (on `data` as data.csv when given) and compare the out.csv it writes."""
+    if "aggregate.py" not in fork.list_files():
+        return name, 0, len(want), ["aggregate.py does not exist"]
     if data is not None:
         fork.write_file("data.csv", data)
+    res = fork.exec(f"rm -rf out.csv && {PYTHON} aggregate.py", timeout=SCRIPT_SECONDS)
     try:
-        fork.write_file("out.csv", "")
-    except Exception:  # noqa: BLE001 (out.csv may be a directory the agent made: the run then fails)
-        pass
-    fork.exec([PYTHON, "aggregate.py"], timeout=SCRIPT_SECONDS)
-    try:
-        return fork.read_file("out.csv").decode("utf-8", "replace")
-    except Exception:  # noqa: BLE001
-        return None
+        text = fork.read_file("out.csv").decode("utf-8", "replace")
+    except SandboxError:
+        text = None
+    result = compare_table(name, text, key, agg, want)
+    if not res.ok:
+        result[3].insert(0, f"aggregate.py failed ({describe_failure(res)})")
+    return result
 
 
 def _table_verdict(results: list[tuple[str, int, int, list[str]]]) -> Verdict:
@@ -132,7 +136,7 @@ def aggregate_task(rng: random.Random, split: str, max_submissions: int, budget:
     def public_verify(sandbox, answer):
         fork = sandbox.fork()
         try:
-            result = compare_table("data.csv", _run_script(fork, None), key, agg, want)
+            result = _check_script("data.csv", fork, None, key, agg, want)
         finally:
             fork.close()
         return _table_verdict([result])
@@ -140,14 +144,14 @@ def aggregate_task(rng: random.Random, split: str, max_submissions: int, budget:
     def verify(sandbox, answer):
         try:
             final = sandbox.read_file("out.csv").decode("utf-8", "replace")
-        except Exception:  # noqa: BLE001
+        except SandboxError:
             final = None
         return _table_verdict([compare_table("the final out.csv", final, key, agg, want),
-                               compare_table("held-out data", _run_script(sandbox, held_data), key, agg, held_want)])
+                               _check_script("held-out data", sandbox, held_data, key, agg, held_want)])
 
     return Task(id=f"autonomous/aggregate_csv/{key}/{agg}/{digest(data)}", family="autonomous",
                 prompt=prompt, image={"data.csv": data}, verify=verify, public_verify=public_verify,
-                max_submissions=max_submissions, budget=budget,
+                max_submissions=max_submissions, budget=budget, split=split,
                 metadata={"kind": "aggregate_csv", "key": key, "aggregate": agg})
 
 
@@ -238,7 +242,7 @@ def organize_task(rng: random.Random, split: str, max_submissions: int, budget: 
 
     return Task(id=f"autonomous/organize_files/{rule}/{digest(str(sorted(files)))}", family="autonomous",
                 prompt=prompt, image={f"inbox/{name}": content for name, (_, content) in files.items()},
-                verify=verify, public_verify=public_verify, max_submissions=max_submissions, budget=budget,
+                verify=verify, public_verify=public_verify, max_submissions=max_submissions, budget=budget, split=split,
                 metadata={"kind": "organize_files", "rule": rule, "moves": moves})
 
 

@@ -22,6 +22,7 @@ import random
 import textwrap
 from typing import Iterator
 
+from k3.env.sandbox import SandboxError
 from k3.env.task import Budget, Task, TaskFamily, Verdict, register_family
 from k3.env.tasks.code_problems import PROBLEMS, PROBLEMS_BY_NAME, Problem
 from k3.env.tasks.common import action, check_n, describe_failure, run_check, split_of
@@ -207,7 +208,7 @@ def judge_cases(sandbox, problem: Problem, cases: list[tuple], *, path: str = "s
     cases in the details ("hidden tests", "public tests")."""
     try:
         source = sandbox.read_file(path).decode("utf-8", "replace")
-    except Exception as e:  # noqa: BLE001 (a missing or unreadable file is a failed attempt, not an error)
+    except SandboxError as e:  # a missing file is a failed attempt, not an error
         return Verdict(0.0, False, f"no {path}: {e}", {"pass_fraction": 0.0})
     why = refusal(source, problem)
     if why is not None:
@@ -233,14 +234,14 @@ def judge_cases(sandbox, problem: Problem, cases: list[tuple], *, path: str = "s
                                             "total": len(cases)})
 
 
-def make_task(problem: Problem, variant: int) -> Task:
+def make_task(problem: Problem, variant: int, split: str) -> Task:
     examples = _cases(problem, variant, "public", PUBLIC_CASES)
     hidden = examples + _cases(problem, variant, "hidden", HIDDEN_CASES)
     forbid = sorted(set(problem.forbid) | {"k3"})
     prompt = (f"Implement `{problem.name}` in solution.py from its signature and docstring. "
               "`python3 test_public.py` checks the docstring's examples; hidden tests check more inputs. "
               f"Write the function yourself: do not import {', '.join(forbid)}.")
-    return Task(id=f"code/{problem.name}/{variant}", family="code", prompt=prompt,
+    return Task(id=f"code/{problem.name}/{variant}", family="code", prompt=prompt, split=split,
                 verify=lambda sandbox, answer: judge_cases(sandbox, problem, hidden),
                 image={"solution.py": stub(problem, examples), "test_public.py": public_tests(problem, examples)},
                 budget=Budget(turns=20, tokens=16384, wall_seconds=900.0),
@@ -261,7 +262,7 @@ class Code(TaskFamily):
         problems = split_problems(split)
         random.Random(f"code/{split}/{seed}").shuffle(problems)
         for i in range(n):
-            yield make_task(problems[i % len(problems)], seed + i // len(problems))
+            yield make_task(problems[i % len(problems)], seed + i // len(problems), split)
 
     @staticmethod
     def scripted_solution(task: Task) -> list[dict]:

@@ -19,6 +19,7 @@ import random
 import sys
 from typing import Iterator
 
+from k3.env.sandbox import SandboxError
 from k3.env.task import Budget, Task, TaskFamily, Verdict, register_family
 from k3.env.tasks.common import action, check_n, unit_hash
 
@@ -83,7 +84,7 @@ def _verifier(name: str, device: str):
 
         try:
             source = sandbox.read_file("kernel.py").decode("utf-8", "replace")
-        except Exception as e:  # noqa: BLE001 (a missing file is a failed attempt)
+        except SandboxError as e:  # a missing file is a failed attempt, not an error
             return Verdict(0.0, False, f"no kernel.py: {e}")
         res = score(name, source, device=device)
         data = {"passed": res.passed, "time_s": res.time_s, "expert_time_s": res.expert_time_s,
@@ -93,13 +94,14 @@ def _verifier(name: str, device: str):
     return verify
 
 
-def make_task(name: str, repeat: int, device: str) -> Task:
+def make_task(name: str, repeat: int, device: str, split: str) -> Task:
     task = kernel_tasks()[name]
     slow = reference_kernel(name)
     prompt = (f"Make kernel.py's `kernel` a fast, correct implementation of the kernel task `{name}` on {device} "
               "(TASK.md says what it computes and how it is scored; reference.py shows the reference). "
               "`score_kernel` scores a file. The final kernel.py is scored.")
     return Task(id=f"kernel/{name}/{repeat}", family="kernel", prompt=prompt, verify=_verifier(name, device),
+                split=split,
                 image={"kernel.py": slow or _stub(name, task.signature), "TASK.md": _task_md(task, device),
                        "reference.py": inspect.getsource(sys.modules[task.reference.__module__])},
                 budget=Budget(turns=40, tokens=65536, wall_seconds=3600.0),
@@ -120,7 +122,7 @@ class Kernel(TaskFamily):
         names = split_names(split)
         random.Random(f"kernel/{split}/{seed}").shuffle(names)
         for i in range(n):
-            yield make_task(names[i % len(names)], i // len(names), self.device)
+            yield make_task(names[i % len(names)], i // len(names), self.device, split)
 
     @staticmethod
     def scripted_solution(task: Task) -> list[dict]:
