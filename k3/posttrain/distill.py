@@ -10,8 +10,9 @@ the normalization is the step's response-token count). Unfinished samples stay i
 log-probs, and are trained on in the step they finish.
 
 The optimizer, QK-Clip, Quantile Balancing, the learning-rate schedule, the metrics log, the atomic checkpoints and
-the signal handling are the `k3 train` / `k3 sft` Trainer's: `MOPDTrainer` replaces only where a step's batch comes
-from (`_next_batch`: rollouts + teacher scores) and what its loss is (`_accumulate`). A batch row is one sample,
+the signal handling are the `k3 train` / `k3 sft` Trainer's, and so is the micro-batch loop (autocast, weight
+casts, OOM retry): `MOPDTrainer` supplies only where a step's batch comes from (`_next_batch`: rollouts + teacher
+scores) and its loss (`MOPDLoss`, through the Trainer's loss seam, k3.train.losses). A batch row is one sample,
 prompt + response, right-padded (the padding its own segment); `seq_len` is `max_prompt_tokens + max_new_tokens`
 and `batch_tokens` is `rollouts_per_step * seq_len`, so "rows per step" is the rollouts per step and --epochs counts
 passes over the prompts. The in-flight samples are part of the trainer state: --resume continues them.
@@ -43,6 +44,7 @@ from k3.model.batch import BatchInfo
 from k3.posttrain.mopd import Prompt, TeacherTable, encode_prompt, opd_pg_loss, read_prompts, token_logprobs
 from k3.posttrain.rollout import Rollout, RolloutEngine, default_engine_config
 from k3.run_dir import holding_run_dir
+from k3.train.losses import LossOutput, MicroBatch
 from k3.train.trainer import StepMetrics, Trainer, TrainConfig
 
 CPU_DEFAULTS = dict(lr=5e-4)
@@ -212,17 +214,36 @@ def score_rows(model, rows: list[list[int]], device, chunk: int = 8) -> torch.Te
     return torch.cat(parts) * (seg == 0)
 
 
+class MOPDLoss:
+    """Eq. 15's importance-sampled policy-gradient loss (k3.posttrain.mopd.opd_pg_loss) of a micro-batch of
+    `MOPDTrainer` rows: the student's log-probs of the sampled tokens from one forward, against the batch's
+    `teacher` and `behaviour` log-probs at the response tokens (labels != -100). Divided by the step's response-token
+    count, so the micro-batches' losses sum to the step's token mean. Its statistics (`extra`): per row the summed
+    reward, log-ratio and response tokens, and the clipped tokens and largest importance ratio of the micro-batch."""
+
+    def __init__(self, r_max: float):
+        self.r_max = r_max
+
+    def __call__(self, model, mb: MicroBatch) -> LossOutput:
+        t = mb.tensors
+        out = model(t["input_ids"], batch=mb.info, check_ids=False, stats=mb.stats)
+        terms = opd_pg_loss(token_logprobs(out.logits, t["input_ids"]), t["teacher"], t["labels"] != IGNORE,
+                            self.r_max, behaviour_logp=t["behaviour"], normalizer=mb.step_tokens)
+        extra = {"reward_sum": terms.reward_sum, "log_ratio_sum": terms.log_ratio_sum, "tokens": terms.tokens,
+                 "clipped": terms.clipped, "max_ratio": terms.max_ratio}
+        return LossOutput(terms.loss, terms.loss.detach().double(), out.stats, extra=extra)
+
+
 class MOPDTrainer(Trainer):
     """The Trainer with rollouts + teacher scores as its batches and eq. 15's policy gradient as its loss."""
 
     def __init__(self, model, tcfg: TrainConfig, source: PromptSource, rollout: RolloutEngine, teachers: dict,
                  table: TeacherTable, r_max: float, heldout: list[tuple[Prompt, list[int]]] | None = None,
                  eval_samples: int = 2, **kw):
-        super().__init__(model, tcfg, source, **kw)
-        self.rollout, self.teachers, self.table, self.r_max = rollout, teachers, table, r_max
+        super().__init__(model, tcfg, source, loss=MOPDLoss(r_max), **kw)
+        self.rollout, self.teachers, self.table = rollout, teachers, table
         self.heldout, self.eval_samples = list(heldout or []), eval_samples
-        self._info: dict = {}
-        self._terms: list = []
+        self._info: dict = {}  # what the step's `_next_batch` knows of its samples beyond the batch's tensors
 
     # --- held-out evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> float | None:
@@ -279,48 +300,17 @@ class MOPDTrainer(Trainer):
                       "in_flight": len(src.in_flight)}
         return batch
 
-    # --- its loss ----------------------------------------------------------------------------------------------
-    def _accumulate(self, batch: dict, mb: int, bias_now: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + backward of eq. 15's policy-gradient loss in micro-batches of `mb` rows; each micro-batch's
-        loss is divided by the step's response-token count, so the gradients sum to the step's token mean."""
-        c, model = self.cfg, self.model
-        rows = batch["input_ids"].shape[0]
-        mask_all = batch["labels"] != IGNORE
-        n_tok = torch.tensor(float(mask_all.sum()), dtype=torch.float32, device=self.device)
-        self._terms = []
-        losses = []
-        with model.use_weight_casts(self._weight_casts()):
-            for s in range(0, rows, mb):
-                host = {k: v[s:s + mb] for k, v in batch.items()}
-                info = BatchInfo.from_segment_ids(host["segment_ids"]).to(self.device)
-                ids = host["input_ids"].to(self.device)
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16):
-                    out = model(ids, batch=info, check_ids=False, stats=self.forward_stats)
-                logp = token_logprobs(out.logits, ids)
-                terms = opd_pg_loss(logp, host["teacher"].to(self.device), (host["labels"] != IGNORE).to(self.device),
-                                    self.r_max, behaviour_logp=host["behaviour"].to(self.device), normalizer=n_tok)
-                terms.loss.backward()
-                losses.append(terms.loss.detach().double())
-                self._terms.append(terms)
-                if self.max_logits is not None:
-                    self.max_logits.observe(out.stats)
-                for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
-                    routing = out.stats.routing.get(m.layer_idx)
-                    if routing is not None:
-                        bal.observe(routing, b)
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack(losses).sum(), zero
-
-    def train_step(self) -> MOPDStepMetrics:
-        m = super().train_step()
+    # --- its metrics ---------------------------------------------------------------------------------------------
+    def _finish_step(self, m: StepMetrics, extras: list[dict]) -> MOPDStepMetrics:
+        """The step's record with MOPDLoss's statistics (overall and per domain) and the rollouts'; an applied update
+        retires the rollout engine's cache (it holds the old policy's states)."""
         if not m.skipped:
             self.rollout.policy_changed()  # the engine's cache holds the old policy's states: never reuse them
-        t = self._terms
-        reward = torch.cat([x.reward_sum for x in t]).double().cpu()
-        lkl = torch.cat([x.log_ratio_sum for x in t]).double().cpu()
-        toks = torch.cat([x.tokens for x in t]).double().cpu()
-        clipped = float(sum(x.clipped for x in t))
-        max_ratio = float(max(x.max_ratio for x in t))
+        reward = torch.cat([x["reward_sum"] for x in extras]).double().cpu()
+        lkl = torch.cat([x["log_ratio_sum"] for x in extras]).double().cpu()
+        toks = torch.cat([x["tokens"] for x in extras]).double().cpu()
+        clipped = float(sum(x["clipped"] for x in extras))
+        max_ratio = float(max(x["max_ratio"] for x in extras))
         n = float(toks.sum())
         doms: dict = {}
         for d in sorted(set(self._info["domains"])):
@@ -329,9 +319,7 @@ class MOPDTrainer(Trainer):
             doms[d] = {"reward": float(reward[sel].sum()) / max(nd, 1),
                        "reverse_kl": float(lkl[sel].sum()) / max(nd, 1),
                        "response_len": nd / int(sel.sum()), "samples": int(sel.sum())}
-        fields = asdict(m)
-        fields["mtp_loss"] = None
-        out = MOPDStepMetrics(**fields, samples=len(toks), response_len=n / max(len(toks), 1),
+        out = MOPDStepMetrics(**asdict(m), samples=len(toks), response_len=n / max(len(toks), 1),
                               reward=float(reward.sum()) / max(n, 1), reverse_kl=float(lkl.sum()) / max(n, 1),
                               clip_rate=clipped / max(n, 1), max_ratio=max_ratio, stale_tokens=self._info["stale"],
                               in_flight=self._info["in_flight"], rollout_rounds=self._info["rounds"],

@@ -1,6 +1,11 @@
-"""The training loop: data -> model -> Per-Head Muon step -> QK-Clip -> Quantile Balancing, with metrics,
+"""The training loop: data -> model -> loss -> Per-Head Muon step -> QK-Clip -> Quantile Balancing, with metrics,
 atomic checkpoints and exact resume (checkpoints: k3.train.checkpointing; held-out loss: k3.train.evaluate;
 metrics.jsonl, loss.png and the progress bar: k3.train.reporting).
+
+One loop for every kind of run: pre-training and SFT train `NextTokenLoss`, MOPD its policy-gradient loss
+(k3.posttrain.distill); a run supplies its batches (the loader, or `_next_batch`) and its loss (k3.train.losses:
+one call per micro-batch), and the micro-batch loop, autocast, weight casts, statistics, OOM retry, distributed
+hooks and checkpoints are this file's.
 
 The loop is single-device code. Everything a distributed wrapper needs to change is a constructor argument
 (the model, the process group for balancing) or a method to override (`_all_reduce_grads`); there is no
@@ -25,8 +30,10 @@ from k3.ops.weight_cast import WeightCasts
 from k3.run_dir import clean_interrupted, holding_run_dir
 from k3.train import state as state_io
 from k3.train.checkpointing import checkpoint_path, load_checkpoint, save_checkpoint
+from k3.train.config import TrainConfig
 from k3.train.evaluate import evaluate_batches, evaluate_loss
-from k3.train.per_head_muon import OPTIMIZERS, PerHeadMuon, optimizer_groups
+from k3.train.losses import Loss, LossOutput, MicroBatch, NextTokenLoss
+from k3.train.per_head_muon import PerHeadMuon, optimizer_groups
 from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
 from k3.train.quantile_balance import ExpertBalancer, idle_expert_counts, ideal_load_ratios, load_ratios
 from k3.train.reporting import MetricsLog, ProgressBar, plan_messages, projection_messages
@@ -44,92 +51,6 @@ SIGNAL_REPEAT_S = 1.0
 
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. repeated non-finite losses); the last good checkpoint is intact."""
-
-
-@dataclass
-class TrainConfig:
-    out: str = "runs/k3"
-    max_steps: int | None = None
-    max_minutes: float | None = None
-    epochs: float | None = None  # passes over the training data; with the two above, whichever ends first
-    seq_len: int = 256
-    batch_tokens: int = 8192  # tokens per optimizer step
-    micro_batch_rows: int | None = None  # rows per forward/backward (None: the whole batch at once)
-    lr: float = 3e-3  # peak Muon and AdamW learning rate
-    warmup_frac: float = 0.01
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    mtp_weight: float = 0.3
-    balance: str = "histogram"  # histogram | exact | sign | none
-    # Per MoE layer and step, also the load imbalance of the step's batch routed again with the bias computed from
-    # it (the same-batch ideal, k3.train.quantile_balance): tells batch-to-batch variation from balancing error.
-    # Keeps the routing scores of the step and reads one more value per layer back; off by default.
-    balance_diagnostics: bool = False
-    # "per-head-muon" (K3's), "muon" (whole-matrix Muon) or "adamw" (k3.train.per_head_muon.optimizer_groups): the
-    # optimizers the report's §2.5 compares
-    optimizer: str = "per-head-muon"
-    qk_clip_tau: float = 100.0
-    eval_every: int = 50
-    eval_batches: int = 64  # x 16 rows x seq_len tokens: the whole held-out set of the default corpus
-    save_every_minutes: float = 5.0
-    keep_checkpoints: int = 2
-    # False: no checkpoint is written at all (a study that keeps only metrics.jsonl; a signal then just stops)
-    save_checkpoints: bool = True
-    log_every: int = 1
-    max_bad_steps: int = 5
-    seed: int = 0
-    device: str = "cpu"
-    autocast_bf16: bool = False
-    # Recompute each sublayer in backward instead of keeping its activations (K3ForCausalLM.
-    # set_activation_checkpointing): about one extra forward of compute for much less activation memory;
-    # needed for long contexts. Same losses and gradients.
-    activation_checkpointing: bool = False
-    # Quantization-aware training of the routed experts (k3.train.qat): "mxfp4" (MXFP4 weights, MXFP8 expert
-    # inputs, straight-through gradients) or None. The run's builder applies it to the model; kept here so that a
-    # resumed run trains the same way.
-    qat: str | None = None
-
-    def validate(self) -> None:
-        def bad(name, allowed):
-            raise ValueError(f"training option '{name}' = {getattr(self, name)!r} is invalid: {allowed}")
-
-        if self.max_steps is None and self.max_minutes is None and self.epochs is None:
-            bad("max_steps", "give --max-steps, --max-minutes or --epochs (the first one reached ends the run)")
-        if self.max_steps is not None and self.max_steps < 1:
-            bad("max_steps", "must be >= 1")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            bad("max_minutes", "must be > 0")
-        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
-            bad("epochs", "must be a positive number")
-        if self.seq_len < 8:
-            bad("seq_len", "must be >= 8")
-        if self.batch_tokens < self.seq_len:
-            bad("batch_tokens", f"must be >= seq_len ({self.seq_len})")
-        if not self.lr > 0 or not math.isfinite(self.lr):
-            bad("lr", "must be a positive number")
-        if self.balance not in ("histogram", "exact", "sign", "none"):
-            bad("balance", "must be histogram, exact, sign or none")
-        if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
-            bad("micro_batch_rows", "must be >= 1")
-        if not isinstance(self.balance_diagnostics, bool):
-            bad("balance_diagnostics", "must be True or False")
-        if self.optimizer not in OPTIMIZERS:
-            bad("optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
-        if not isinstance(self.activation_checkpointing, bool):
-            bad("activation_checkpointing", "must be True or False")
-        if self.qat not in (None, "mxfp4"):
-            bad("qat", "must be mxfp4 or none")
-        if not isinstance(self.save_checkpoints, bool):
-            bad("save_checkpoints", "must be True or False")
-        if self.qat is not None and not self.save_checkpoints:
-            bad("save_checkpoints", "a QAT run exports its final checkpoint: it cannot run without checkpoints")
-        if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
-            bad("keep_checkpoints", "must be an integer >= 1")
-
-    @property
-    def rows_per_step(self) -> int:
-        return max(1, self.batch_tokens // self.seq_len)
 
 
 @dataclass
@@ -153,11 +74,14 @@ class StepMetrics:
 
 class Trainer:
     def __init__(self, model: K3ForCausalLM, tcfg: TrainConfig, train_loader, eval_stream=None, eos_id: int = 0,
-                 tokenizer_json: bytes | None = None, log=print, extra_files: dict[str, bytes] | None = None):
+                 tokenizer_json: bytes | None = None, log=print, extra_files: dict[str, bytes] | None = None,
+                 loss: Loss | None = None):
         """`eval_stream`: the held-out token stream (windows of seq_len), or a list of labelled batches (SFT rows);
-        `extra_files`: written into every checkpoint beside the tokenizer (e.g. the chat template)."""
+        `extra_files`: written into every checkpoint beside the tokenizer (e.g. the chat template); `loss`: what
+        each micro-batch trains (k3.train.losses; default: next-token cross-entropy + mtp_weight x MTP)."""
         tcfg.validate()
         self.model, self.cfg, self.loader = model, tcfg, train_loader
+        self.loss = loss if loss is not None else NextTokenLoss(tcfg.mtp_weight)
         self.eval_stream, self.eos_id, self.tokenizer_json, self.log = eval_stream, eos_id, tokenizer_json, log
         self.extra_files = dict(extra_files or {})
         self.device = torch.device(tcfg.device)
@@ -230,7 +154,7 @@ class Trainer:
         while True:
             mb = min(c.micro_batch_rows or rows, rows)
             try:
-                loss_sum, mtp_sum = self._accumulate(batch, mb, bias_now)
+                loss_sum, mtp_sum, extras = self._accumulate(batch, mb, bias_now)
                 break
             except _OOM:
                 pass
@@ -257,7 +181,8 @@ class Trainer:
             self.log(f"step {self.step + 1}: out of memory with {mb}-row micro-batches; "
                      f"retrying with {c.micro_batch_rows} rows (kept for the rest of the run)")
         self._all_reduce_grads()
-        loss_sum, mtp_sum = self._reduce_losses(loss_sum, mtp_sum)
+        has_mtp = mtp_sum is not None
+        loss_sum, mtp_sum = self._reduce_losses(loss_sum, mtp_sum if has_mtp else torch.zeros_like(loss_sum))
         with record_function("k3.train.grad_clip"):
             grad_norm = self._clip_grad_norm()
         clip_on = self.max_logits is not None
@@ -268,7 +193,7 @@ class Trainer:
                                                                        load_ratios(self.balancers), maxima)
         metrics = StepMetrics(step=self.step + 1, loss=loss_sum, lr=self.optimizer.param_groups[0]["lr"],
                               grad_norm=grad_norm, tokens_per_s=0.0, elapsed_s=0.0,
-                              mtp_loss=mtp_sum if len(model.mtp) else None)
+                              mtp_loss=mtp_sum if has_mtp else None)
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             # Skip: no parameter, bias or optimizer state changes; the data position moves on.
             self.optimizer.zero_grad(set_to_none=True)
@@ -303,6 +228,11 @@ class Trainer:
         self.elapsed += dt
         metrics.tokens_per_s = n_tokens / max(dt, 1e-9)
         metrics.elapsed_s = self.elapsed
+        return self._finish_step(metrics, extras)
+
+    def _finish_step(self, metrics: StepMetrics, extras: list[dict]) -> StepMetrics:
+        """The step's record: the Trainer's metrics, completed by a run whose loss returns statistics (`extras`: its
+        `LossOutput.extra` of each micro-batch, device tensors, read back here; k3.posttrain.distill)."""
         return metrics
 
     def _read_back(self, loss: torch.Tensor, mtp: torch.Tensor, grad_norm: torch.Tensor, loads: list,
@@ -327,48 +257,50 @@ class Trainer:
             off += t.numel()
         return float(vals[0]), float(vals[1]), float(vals[2]), out_loads, host_maxima
 
-    def _accumulate(self, batch: dict, mb: int, bias_now: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + backward of the whole batch in micro-batches of `mb` rows, gradients summed with each
-        micro-batch weighted by its share of rows. Returns (loss, MTP loss) of the batch as fp64 device scalars
-        (not read back: the step reads everything it needs at once)."""
+    def _accumulate(self, batch: dict, mb: int, bias_now: list) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+        """Forward + backward of the whole batch in micro-batches of `mb` rows through the run's loss
+        (k3.train.losses), which weighs each micro-batch so that their gradients sum to the step's. Returns the
+        batch's loss and MTP loss (None: the loss has none) as fp64 device scalars (not read back: the step reads
+        everything it needs at once), and the loss's statistics of each micro-batch."""
         c, model = self.cfg, self.model
         rows = batch["input_ids"].shape[0]
         # Losses stay on the device until every micro-batch is launched: reading one back after each backward
         # would stall the host until the GPU drained, so the next micro-batch could not be queued behind it.
-        losses, mtps = [], []
+        losses, mtps, extras = [], [], []
         check_token_ids(batch["input_ids"], model.config.vocab_size)  # here, on the host copy (no device read)
+        tokens = torch.tensor(float((batch["labels"][:, 1:] != -100).sum()), dtype=torch.float32)
+        tokens = to_device_async(tokens, self.device)
         # Under autocast the weights are cast once for all micro-batches and their gradients summed straight into
         # the fp32 .grad (bitwise what autograd's cast + accumulation gives; k3.ops.weight_cast).
         with model.use_weight_casts(self._weight_casts()):
             for s in range(0, rows, mb):
                 host = {k: v[s:s + mb] for k, v in batch.items()}
                 info, part, scale = self._micro_batch(host)
-                w = host["input_ids"].shape[0] / rows
+                micro = MicroBatch(part, info, self.forward_stats, host["input_ids"].shape[0] / rows, tokens)
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.autocast_bf16), \
                         record_function("k3.train.forward"):
-                    out = model(part["input_ids"], labels=part["labels"], batch=info, return_logits=False,
-                                check_ids=False, stats=self.forward_stats)
-                    loss = out.loss + (c.mtp_weight * out.mtp_loss if out.mtp_loss is not None else 0.0)
+                    out: LossOutput = self.loss(model, micro)
                 with record_function("k3.train.backward"):
-                    (loss * (w * scale)).backward()
-                losses.append(out.loss.detach().double() * w)
-                if out.mtp_loss is not None:
-                    mtps.append(out.mtp_loss.detach().double() * w)
+                    (out.loss * scale).backward()
+                losses.append(out.value)
+                if out.mtp is not None:
+                    mtps.append(out.mtp)
+                extras.append(out.extra)
                 if self.max_logits is not None:
                     self.max_logits.observe(out.stats)
                 for bal, m, b in zip(self.balancers, self.moe_layers, bias_now):
                     routing = out.stats.routing.get(m.layer_idx)
                     if routing is not None:  # an MTP depth longer than the micro-batch did not run
                         bal.observe(routing, b)
-        zero = torch.zeros((), dtype=torch.float64, device=losses[0].device)
-        return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else zero)
+        return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else None), extras
 
     def _micro_batch(self, host: dict) -> tuple[BatchInfo, dict, float]:
-        """(the micro-batch's record, its token ids and labels on the device, the factor its loss is scaled by in
-        backward). The record's document offsets are computed from the host copy, so the forward never waits for
-        the device; the copies do not wait either."""
+        """(the micro-batch's record, its tensors on the device (all but the document ids: token ids, labels and
+        whatever per-token tensors the run's loss reads), the factor its loss is scaled by in backward). The
+        record's document offsets are computed from the host copy, so the forward never waits for the device; the
+        copies do not wait either."""
         info = BatchInfo.from_segment_ids(host["segment_ids"]).to(self.device)
-        return info, {k: to_device_async(host[k], self.device) for k in ("input_ids", "labels")}, 1.0
+        return info, {k: to_device_async(v, self.device) for k, v in host.items() if k != "segment_ids"}, 1.0
 
     def _weight_casts(self) -> WeightCasts | None:
         """The weight casts of one step's micro-batches (k3.ops.weight_cast): a fresh `WeightCasts` under bf16

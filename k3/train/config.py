@@ -1,0 +1,95 @@
+"""`TrainConfig`: the settings of a training run (`k3 train`, `k3 sft`, `k3 distill`), plain data validated at the
+edge; a checkpoint's trainer state keeps it, so that a resumed run trains the same way."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from k3.train.per_head_muon import OPTIMIZERS
+
+
+@dataclass
+class TrainConfig:
+    out: str = "runs/k3"
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    epochs: float | None = None  # passes over the training data; with the two above, whichever ends first
+    seq_len: int = 256
+    batch_tokens: int = 8192  # tokens per optimizer step
+    micro_batch_rows: int | None = None  # rows per forward/backward (None: the whole batch at once)
+    lr: float = 3e-3  # peak Muon and AdamW learning rate
+    warmup_frac: float = 0.01
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.3
+    balance: str = "histogram"  # histogram | exact | sign | none
+    # Per MoE layer and step, also the load imbalance of the step's batch routed again with the bias computed from
+    # it (the same-batch ideal, k3.train.quantile_balance): tells batch-to-batch variation from balancing error.
+    # Keeps the routing scores of the step and reads one more value per layer back; off by default.
+    balance_diagnostics: bool = False
+    # "per-head-muon" (K3's), "muon" (whole-matrix Muon) or "adamw" (k3.train.per_head_muon.optimizer_groups): the
+    # optimizers the report's §2.5 compares
+    optimizer: str = "per-head-muon"
+    qk_clip_tau: float = 100.0
+    eval_every: int = 50
+    eval_batches: int = 64  # x 16 rows x seq_len tokens: the whole held-out set of the default corpus
+    save_every_minutes: float = 5.0
+    keep_checkpoints: int = 2
+    # False: no checkpoint is written at all (a study that keeps only metrics.jsonl; a signal then just stops)
+    save_checkpoints: bool = True
+    log_every: int = 1
+    max_bad_steps: int = 5
+    seed: int = 0
+    device: str = "cpu"
+    autocast_bf16: bool = False
+    # Recompute each sublayer in backward instead of keeping its activations (K3ForCausalLM.
+    # set_activation_checkpointing): about one extra forward of compute for much less activation memory;
+    # needed for long contexts. Same losses and gradients.
+    activation_checkpointing: bool = False
+    # Quantization-aware training of the routed experts (k3.train.qat): "mxfp4" (MXFP4 weights, MXFP8 expert
+    # inputs, straight-through gradients) or None. The run's builder applies it to the model; kept here so that a
+    # resumed run trains the same way.
+    qat: str | None = None
+
+    def validate(self) -> None:
+        def bad(name, allowed):
+            raise ValueError(f"training option '{name}' = {getattr(self, name)!r} is invalid: {allowed}")
+
+        if self.max_steps is None and self.max_minutes is None and self.epochs is None:
+            bad("max_steps", "give --max-steps, --max-minutes or --epochs (the first one reached ends the run)")
+        if self.max_steps is not None and self.max_steps < 1:
+            bad("max_steps", "must be >= 1")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            bad("max_minutes", "must be > 0")
+        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
+            bad("epochs", "must be a positive number")
+        if self.seq_len < 8:
+            bad("seq_len", "must be >= 8")
+        if self.batch_tokens < self.seq_len:
+            bad("batch_tokens", f"must be >= seq_len ({self.seq_len})")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            bad("lr", "must be a positive number")
+        if self.balance not in ("histogram", "exact", "sign", "none"):
+            bad("balance", "must be histogram, exact, sign or none")
+        if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
+            bad("micro_batch_rows", "must be >= 1")
+        if not isinstance(self.balance_diagnostics, bool):
+            bad("balance_diagnostics", "must be True or False")
+        if self.optimizer not in OPTIMIZERS:
+            bad("optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+        if not isinstance(self.activation_checkpointing, bool):
+            bad("activation_checkpointing", "must be True or False")
+        if self.qat not in (None, "mxfp4"):
+            bad("qat", "must be mxfp4 or none")
+        if not isinstance(self.save_checkpoints, bool):
+            bad("save_checkpoints", "must be True or False")
+        if self.qat is not None and not self.save_checkpoints:
+            bad("save_checkpoints", "a QAT run exports its final checkpoint: it cannot run without checkpoints")
+        if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
+            bad("keep_checkpoints", "must be an integer >= 1")
+
+    @property
+    def rows_per_step(self) -> int:
+        return max(1, self.batch_tokens // self.seq_len)
