@@ -6,7 +6,8 @@ to the loop and awaits the request's outputs on an asyncio.Queue, which the engi
 `loop.call_soon_threadsafe`. The event loop therefore never waits on the engine's lock, and the engine sees every
 request change between two steps, in one thread.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both with server-sent-event streaming), GET /v1/models,
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with server-sent-event streaming; the chat
+endpoint's tools, reasoning and response formats: k3.serve.chat_api), GET /v1/models,
 GET /health, GET /metrics (Prometheus text). Errors use the OpenAI shape
 {"error": {"message", "type", "param", "code"}}. A client that goes away (mid-stream or while waiting for a
 non-streamed answer) has its request aborted, which frees its cache pages.
@@ -29,7 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_stop, encode_segments, render_chat_segments
+from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_stop, encode_segments
+from k3.serve.chat_api import ChatTurn, chat_options
 from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
 from k3.serve.guard import (DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyError, BodyGuardMiddleware,
                             JSONRoute, max_token_bytes)
@@ -264,15 +266,17 @@ class _Server:
             except asyncio.TimeoutError:
                 pass
 
-    async def run(self, request: Request, prompt_ids: list[int], params: SamplingParams, chat: bool,
+    async def run(self, request: Request, prompt_ids: list[int], params: SamplingParams, turn: ChatTurn | None,
                   stream: bool, include_usage: bool, want_logprobs: bool, echo: str | None = None) -> Response:
-        """`echo`: the prompt's text, returned before the generated text (completions, not streamed); its token
-        logprobs come from the engine when params.prompt_logprobs is set."""
+        """`turn`: a chat completion's reply side (None for a completion). `echo`: the prompt's text, returned
+        before the generated text (completions, not streamed); its token logprobs come from the engine when
+        params.prompt_logprobs is set."""
+        chat = turn is not None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         h = self.loop.submit(prompt_ids, params, request_id=rid)
         if stream:
-            return _EngineStream(self._stream(request, h, created, chat, include_usage, want_logprobs),
+            return _EngineStream(self._stream(request, h, created, turn, include_usage, want_logprobs),
                                  on_close=lambda: None if h.finished else self.loop.abort(rid),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -301,7 +305,8 @@ class _Server:
         cut = len(text) if reason == "stop" else None  # logprobs of tokens past a stop string are left out
         base = {"id": rid, "created": created, "model": self.model_name}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+            turn.update(list(h.seq.output_ids), text, True, reason)
+            choice = {"index": 0, "message": turn.message(), "finish_reason": turn.finish_reason(reason),
                       "logprobs": self.chat_logprobs(lps, 0, cut) if want_logprobs else None}
             body = {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(h)}
         elif echo is not None:
@@ -319,14 +324,16 @@ class _Server:
             body = {**base, "object": "text_completion", "choices": [choice], "usage": _usage(h)}
         return JSONResponse(body)
 
-    async def _stream(self, request: Request, h: RequestHandle, created: int, chat: bool, include_usage: bool,
-                      want_logprobs: bool):
+    async def _stream(self, request: Request, h: RequestHandle, created: int, turn: ChatTurn | None,
+                      include_usage: bool, want_logprobs: bool):
+        chat = turn is not None
         base = {"id": h.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": self.model_name}
 
-        def chunk(text: str | None, reason: str | None, lps: list[dict] | None, offset: int, first: bool = False):
+        def chunk(text, reason: str | None, lps: list[dict] | None, offset: int, first: bool = False):
+            """`text`: the new text (a completion) or the delta (chat)."""
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                delta = {"role": "assistant"} if first else (text or {})
                 lp = self.chat_logprobs(lps, offset, None) if lps else None
                 choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
             else:
@@ -351,7 +358,17 @@ class _Server:
                 return
             lps = item.logprobs if want_logprobs else None
             delta = item.new_text
-            if item.finished:
+            reason = _finish_reason(item.finish_reason)
+            if chat:  # the parser's deltas; the item's logprobs ride on the first
+                sent = h.seq.text if item.finished else sent + delta
+                deltas = turn.update(item.new_token_ids, sent, item.finished, reason)
+                for k, d in enumerate((deltas or [None]) if lps else deltas):
+                    yield chunk(d, None, lps if k == 0 else None, 0)
+                if not item.finished:
+                    continue
+                h.finished = True
+                yield chunk(None, turn.finish_reason(reason), None, 0)
+            elif item.finished:
                 h.finished = True
                 final = h.seq.text if h.seq is not None else sent + delta
                 # The engine may hold back a tail (a partial stop string) until the end: send what is left.
@@ -359,7 +376,8 @@ class _Server:
                 if rest or lps:
                     yield chunk(rest, None, lps, len(sent))
                     sent += rest
-                yield chunk(None, _finish_reason(item.finish_reason), None, len(sent))
+                yield chunk(None, reason, None, len(sent))
+            if item.finished:
                 if include_usage:
                     yield _sse({**base, "choices": [], "usage": _usage(h)})
                 yield "data: [DONE]\n\n"
@@ -495,25 +513,18 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
         echo = None
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else srv.tokenizer.decode(ids)
-        return await srv.run(request, ids, params, chat=False, stream=bool(body.stream), include_usage=include_usage,
+        return await srv.run(request, ids, params, None, stream=bool(body.stream), include_usage=include_usage,
                              want_logprobs=body.logprobs is not None, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         srv.check_model(body.model)
         srv.check_unsupported(body)
-        if body.tools:
-            raise APIError(400, "tool definitions are not supported by this server (tool-role messages are)",
-                           param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format {body.response_format.get('type')!r} is not supported "
-                                f"(only 'text')", param="response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        try:
-            segments = render_chat_segments(body.messages, srv.template)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        opts = chat_options(srv.template, body.tools, body.tool_choice, body.parallel_tool_calls,
+                            body.response_format, body.reasoning_effort, body.chat_template_kwargs)
+        segments = opts.render(body.messages, srv.template)
         text_len = sum(len(s.text) for s in segments)
         srv.check_text_length("".join(s.text for s in segments), "messages")
         # The markup as special ids, message text as ordinary text (k3.serve.chat: escaping); long prompts are
@@ -525,14 +536,14 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
         use_mct = body.max_completion_tokens is not None  # the newer name wins
         max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # The message ends at [end_of_msg]; the parser reads its channels and calls from the generated ids.
         stop, stop_ids = chat_stop(srv.tokenizer, srv.template)
-        # Instruct mode without tool calls: the reply is the response channel's text, complete at its close.
-        stop.append(f"{srv.template.close}response{srv.template.sep}")
         params = srv.sampling_params(body, len(ids), "messages", max_tokens, None, stop, logprobs,
                                      "max_completion_tokens" if use_mct else "max_tokens")
         params.stop_token_ids = stop_ids
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await srv.run(request, ids, params, chat=True, stream=bool(body.stream), include_usage=include_usage,
+        turn = ChatTurn(opts, srv.template, srv.tokenizer, stops=bool(params.stop))
+        return await srv.run(request, ids, params, turn, stream=bool(body.stream), include_usage=include_usage,
                              want_logprobs=bool(body.logprobs))
 
     return app

@@ -33,7 +33,7 @@ The context, in order:
    - input option messages, interleaved: {"role": "option", "type": "tool-declare", "tools": [...]} (tools loaded
      mid-session) or {"role": "option", "type": "thinking-effort", "effort": "high"}, rendered like the globals.
 3. One-shot option messages: type="tool_choice" ("none", "required" or a named function; "auto" is the default
-   and renders nothing), then type="response_format" (json_object, or json_schema with its schema object;
+   and renders nothing; parallel_tool_calls=false adds the single-call instruction), then type="response_format" (json_object, or json_schema with its schema object;
    "text" renders nothing). Each is a short natural-language instruction (ChatTemplate's fields).
 4. The generation prompt: `[open]assistant[sep]` and the generation prefix, `[open]think[sep]` (thinking mode)
    or `[open]response[sep]` (instruct mode). The model continues with the message body and ends it with

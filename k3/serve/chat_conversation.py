@@ -10,16 +10,16 @@ from k3.serve.chat_template import DEFAULT_CHAT_TEMPLATE, OPTION_ROLE, RESPONSE,
 
 
 def parse_conversation(rendered, template: ChatTemplate | None = None) -> dict:
-    """The chat request a rendering came from: {"messages", "tools", "tool_choice", "response_format",
-    "reasoning_effort", "thinking", "add_generation_prompt"}, such that rendering it again gives `rendered`.
+    """The chat request a rendering came from: {"messages", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "reasoning_effort", "thinking", "add_generation_prompt"}, such that rendering it again gives `rendered`.
     Calls get ids "call_<message>_<index>", which tool results name. `rendered` is segments (exact) or text
     (exact when no message text holds a marker string). Raises ValueError on anything the renderer would not
     write. "auto" tool_choice and a "text" response_format render nothing and come back as None."""
     t = template or DEFAULT_CHAT_TEMPLATE
     segs = split_markup(rendered, t) if isinstance(rendered, str) else list(rendered)
     tags = {v: k for k, v in t.role_tags.items()}
-    out = {"messages": [], "tools": None, "tool_choice": None, "response_format": None, "reasoning_effort": None,
-           "thinking": None, "add_generation_prompt": False}
+    out = {"messages": [], "tools": None, "tool_choice": None, "parallel_tool_calls": True, "response_format": None,
+           "reasoning_effort": None, "thinking": None, "add_generation_prompt": False}
     msgs, calls, oneshot, pos = out["messages"], None, [], 0
 
     def mark(m):
@@ -97,7 +97,13 @@ def _option(out: dict, kind, body: str, t: ChatTemplate, oneshot: list) -> None:
         oneshot.append(kind)
         if kind == "tool_choice":
             ins = t.tool_choice_instructions
-            rev = {v: k for k, v in ins.items() if k != "function"}
+            single = t.single_call_instruction
+            if body == single or body.endswith(" " + single):
+                out["parallel_tool_calls"] = False
+                body = body[:-len(single)].removesuffix(" ")
+                if not body:
+                    return
+            rev = {v: k for k, v in ins.items() if k not in ("function", "single")}
             head, _, tail = ins["function"].partition("{name}")
             if body in rev:
                 out["tool_choice"] = rev[body]

@@ -289,9 +289,11 @@ def _input_option(out: _Out, m: dict, i: int, t: ChatTemplate) -> None:
 
 def render_chat_segments(messages, template: ChatTemplate | None = None, add_generation_prompt: bool = True, *,
                          tools=None, tool_choice=None, response_format=None, reasoning_effort=None,
-                         thinking: bool = False) -> list[Segment]:
+                         thinking: bool = False, parallel_tool_calls: bool = True) -> list[Segment]:
     """The segments of a chat request (k3.serve.chat documents the format). Raises ValueError naming the field
-    (messages[i]..., tools[j]..., tool_choice, response_format, reasoning_effort) on a bad input."""
+    (messages[i]..., tools[j]..., tool_choice, response_format, reasoning_effort) on a bad input.
+    `parallel_tool_calls=False` (with tools, unless tool_choice is "none") adds the template's single-call
+    instruction to the tool_choice option message."""
     t = template or DEFAULT_CHAT_TEMPLATE
     if not isinstance(messages, list):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
@@ -332,11 +334,15 @@ def render_chat_segments(messages, template: ChatTemplate | None = None, add_gen
             calls = None
         out.message_(t.role_tags[role], text, attrs)
     out.message = -1
-    if tool_choice not in (None, "auto"):  # one-shot options, after the input messages
+    choice = []  # one-shot options, after the input messages
+    if tool_choice not in (None, "auto"):
         ins = t.tool_choice_instructions
-        body = ins[tool_choice] if isinstance(tool_choice, str) else \
-            ins["function"].replace("{name}", tool_choice["function"]["name"])
-        _option(out, "tool_choice", body, t)
+        choice.append(ins[tool_choice] if isinstance(tool_choice, str) else
+                      ins["function"].replace("{name}", tool_choice["function"]["name"]))
+    if not parallel_tool_calls and tools is not None and tool_choice != "none":
+        choice.append(t.single_call_instruction)
+    if choice:
+        _option(out, "tool_choice", " ".join(choice), t)
     if response_format is not None and response_format["type"] != "text":
         ins = t.response_format_instructions
         body = ins["json_object"] if response_format["type"] == "json_object" else \

@@ -49,6 +49,7 @@ def _default_tool_choice() -> dict:
         "none": "Do not call any tool in your next message; answer directly.",
         "required": "Your next message must call at least one tool.",
         "function": "Your next message must call the tool {name}.",
+        "single": "Call at most one tool in your next message.",
     }
 
 
@@ -69,7 +70,8 @@ class ChatTemplate:
     """Markers, message tags and the natural-language instructions of option messages (k3.serve.chat).
 
     `effort_instructions` maps the supported reasoning-effort levels (a subset of EFFORT_LEVELS) to their
-    instruction; `tool_choice_instructions` has "none", "required" and "function" (with a "{name}" slot);
+    instruction; `tool_choice_instructions` has "none", "required" and "function" (with a "{name}" slot), and
+    may have "single" (parallel_tool_calls=false; a file without it gets the default's);
     `response_format_instructions` has "json_object" and "json_schema" (with a "{schema}" slot)."""
 
     open: str = "[open]"
@@ -94,6 +96,11 @@ class ChatTemplate:
         tokens stop on the end-of-message id instead (k3.serve.chat.chat_stop)."""
         return (self.end_of_message, f"{self.close}response{self.sep}")
 
+    @property
+    def single_call_instruction(self) -> str:
+        """The one-shot instruction of parallel_tool_calls=false (a template file may leave it out)."""
+        return self.tool_choice_instructions.get("single") or _default_tool_choice()["single"]
+
     def generation_prefix(self, thinking: bool) -> str:
         """The channel the model is asked to write first: think (thinking mode) or response (instruct mode)."""
         return f"{self.open}{'think' if thinking else 'response'}{self.sep}"
@@ -117,17 +124,18 @@ class ChatTemplate:
                                         "non-empty string without whitespace, quotes or markers")
         self._check_texts("effort_instructions", self.effort_instructions, set(EFFORT_LEVELS), None, subset=True)
         self._check_texts("tool_choice_instructions", self.tool_choice_instructions, {"none", "required", "function"},
-                          ("function", "{name}"))
+                          ("function", "{name}"), optional={"single"})
         self._check_texts("response_format_instructions", self.response_format_instructions,
                           {"json_object", "json_schema"}, ("json_schema", "{schema}"))
         if self.format_version != FORMAT_VERSION:
             raise ChatTemplateError(f"chat template field 'format_version' = {self.format_version!r} is not supported "
                                     f"(this k3 writes {FORMAT_VERSION} and reads 1 and {FORMAT_VERSION})")
 
-    def _check_texts(self, name, d, keys, slot, subset=False) -> None:
-        if not isinstance(d, dict) or (not d if subset else set(d) != keys) or not set(d) <= keys:
+    def _check_texts(self, name, d, keys, slot, subset=False, optional=frozenset()) -> None:
+        if not isinstance(d, dict) or (not d if subset else not keys <= set(d)) or not set(d) <= keys | optional:
+            also = f" (and optionally {sorted(optional)})" if optional else ""
             raise ChatTemplateError(f"chat template field '{name}' must map {'some of ' if subset else ''}"
-                                    f"{sorted(keys)} to instructions, got {d!r}")
+                                    f"{sorted(keys)}{also} to instructions, got {d!r}")
         for k, v in d.items():
             if not isinstance(v, str) or not v or any(m in v for m in self.markers):
                 raise ChatTemplateError(f"chat template field '{name}.{k}' must be a non-empty string without "

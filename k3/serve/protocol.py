@@ -234,7 +234,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
+    parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
+    response_format: Any = None
+    reasoning_effort: Any = None
+    chat_template_kwargs: Any = None  # vLLM's: {"thinking": bool} or {"enable_thinking": bool}
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -488,7 +488,7 @@ BAD_REQUESTS = [
                               "max_completion_tokens": 10**6}, 400, "max_completion_tokens (1000000) is too large",
      "max_completion_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400,
-     "tool definitions are not supported", "tools"),
+     "tools[0] must be {\"type\": \"function\"", "tools"),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404,
      "does not exist", "model"),
 ]
