@@ -1,16 +1,22 @@
 """Sandboxes for tool execution (report §5.3.2): the interface every environment codes against.
 
 A sandbox is a workspace directory plus the processes that tool calls start in it. Its state is its filesystem
-and its environment variables, nothing else: no process outlives the tool call that started it (so "paused" is
-the resting state between calls), which makes `fork`, `snapshot` and `restore` exact.
+and its environment variables, nothing else: no process outlives the tool call that started it, so a sandbox at
+rest is "paused" (AgentENV's pause costs it no CPU or memory; here it holds only its files), and `fork`,
+`snapshot` and `restore` are exact copies of that state.
 
 Inside the sandbox the workspace is at `WORKSPACE` ("/workspace"); paths given to the file methods are relative
 to it (or absolute under it). A path that leaves the workspace (`..`, an absolute path elsewhere, a symlink
 pointing out) raises `SandboxError`.
 
+A call runs to its end with `exec`, or in the background with `start`, which returns a `RunningCall` that can be
+paused (SIGSTOP to its whole process tree), resumed, waited for and killed. The wall-clock limit counts running
+time only: time spent paused does not count, so a call paused while the policy thinks keeps its full budget.
+
 Kinds (`create_sandbox(kind=...)`):
-- "bwrap": isolated with bubblewrap (k3.env.bwrap): new user, PID, network and mount namespaces, the system
-  read-only, the workspace the one writable place, rlimits and a wall-clock limit per call.
+- "bwrap": isolated with bubblewrap (k3.env.bwrap): new PID, network, mount, IPC and UTS namespaces, an
+  unprivileged uid per sandbox, the system read-only, the workspace the one writable place, rlimits and a
+  wall-clock limit per call.
 - "none": no isolation at all (`UnisolatedSandbox`): commands run as the calling user on the host. Only for an
   explicit `--sandbox none`; creating one prints a warning on stderr every time.
 """
@@ -19,16 +25,21 @@ from __future__ import annotations
 
 import abc
 import os
+import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 
 WORKSPACE = "/workspace"
 SANDBOX_KINDS = ("bwrap", "none")
+_DRAIN_S = 2.0     # after the process tree is gone, how long to wait for the last output before closing the pipes
 
 
 class SandboxError(Exception):
@@ -37,7 +48,8 @@ class SandboxError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-call resource limits. `wall_seconds` is enforced by killing the call's whole process tree."""
+    """Per-call resource limits. `wall_seconds` (running time, pauses excluded) is enforced by killing the call's
+    whole process tree; the others are rlimits of every process of the call."""
     cpu_seconds: int = 30
     memory_bytes: int = 1 << 30          # address space per process
     processes: int = 64
@@ -51,10 +63,21 @@ class Limits:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"sandbox limit '{name}' must be a positive number, got {v!r}")
 
+    def prlimit_argv(self, processes: int | None) -> list[str]:
+        """`prlimit` options that set these rlimits on the process it then executes (no limit on processes when
+        `processes` is None). A wrapper process rather than `preexec_fn`, which is unsafe with threads."""
+        prlimit = shutil.which("prlimit")
+        if prlimit is None:
+            raise SandboxError("util-linux's `prlimit` is not on PATH: apt-get install util-linux")
+        argv = [prlimit, f"--cpu={int(self.cpu_seconds)}", f"--as={int(self.memory_bytes)}",
+                f"--fsize={int(self.file_size_bytes)}", "--core=0"]
+        return argv + ([f"--nproc={processes}"] if processes is not None else []) + ["--"]
+
 
 @dataclass
 class ExecResult:
-    """What one tool call's command did. `exit_code` is None when it was killed (timed out or by a signal)."""
+    """What one tool call's command did. `exit_code` is None when it was killed (timed out or by a signal).
+    `wall_s` is its running time; `paused_s` the time it spent paused (not counted against the wall limit)."""
     exit_code: int | None
     stdout: str
     stderr: str
@@ -62,6 +85,7 @@ class ExecResult:
     timed_out: bool = False
     signal: str | None = None            # e.g. "SIGKILL" when a signal ended it
     truncated: bool = False              # stdout or stderr was cut to Limits.output_bytes
+    paused_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -75,9 +99,240 @@ class Snapshot:
     env: dict = field(default_factory=dict)
 
 
+@dataclass
+class Launch:
+    """How to start one call on the host: the full argv, its environment and directory, and file descriptors the
+    child inherits (closed in the parent once it has started)."""
+    argv: list[str]
+    env: dict
+    cwd: str | None = None
+    pass_fds: tuple = ()
+
+
+class RunningCall:
+    """One command started in a sandbox (`Sandbox.start`). A thread pumps its stdin and output and enforces the
+    wall-clock limit over running time: `pause()` stops the clock and the process tree, `resume()` restarts both.
+
+    `wait(timeout)` returns the ExecResult, or None if the call has not ended within `timeout` seconds (the call
+    goes on); `kill()` ends it and returns its result."""
+
+    def __init__(self, launch: Launch, *, stdin: str | None, timeout: float, output_bytes: int):
+        self._timeout = timeout
+        self._cap = output_bytes
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self._paused_at: float | None = None
+        self._paused_total = 0.0
+        self._kill_requested = False
+        self._result: ExecResult | None = None
+        self._done = threading.Event()
+        try:
+            self._p = subprocess.Popen(launch.argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=launch.cwd, env=launch.env,
+                                       pass_fds=launch.pass_fds, start_new_session=True)
+        except OSError as e:
+            self._finish(ExecResult(exit_code=127, stdout="", stderr=f"cannot start {launch.argv[0]!r}: {e}", wall_s=0.0))
+            return
+        finally:
+            for fd in launch.pass_fds:
+                os.close(fd)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._pump, args=(stdin.encode() if stdin is not None else b"",),
+                                        name="k3-sandbox-call", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def pause(self) -> None:
+        """Stop every process of the call (SIGSTOP) and the wall clock. Pausing a paused or finished call does
+        nothing."""
+        with self._lock:
+            if self.done or self._paused_at is not None:
+                return
+            self._paused_at = time.monotonic()
+            _signal_tree(self._p.pid, signal.SIGSTOP)
+        self._wake()
+
+    def resume(self) -> None:
+        """Continue every process of a paused call (SIGCONT) and its wall clock."""
+        with self._lock:
+            if self.done or self._paused_at is None:
+                return
+            _signal_tree(self._p.pid, signal.SIGCONT)
+            self._paused_total += time.monotonic() - self._paused_at
+            self._paused_at = None
+        self._wake()
+
+    def wait(self, timeout: float | None = None) -> ExecResult | None:
+        if timeout is None and self.paused:
+            raise SandboxError("the call is paused: resume() or kill() it first, or wait with a timeout")
+        return self._result if self._done.wait(timeout) else None
+
+    def kill(self) -> ExecResult:
+        with self._lock:
+            self._kill_requested = True
+        self._wake()
+        self._done.wait()
+        return self._result
+
+    # -- the pump thread --------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (OSError, AttributeError):
+            pass    # the call already ended (pipe closed) or never started
+
+    def _remaining(self) -> float | None:
+        """Running time left before the wall limit; None while paused (the clock is stopped)."""
+        with self._lock:
+            if self._paused_at is not None:
+                return None
+            return self._timeout - (time.monotonic() - self._t0 - self._paused_total)
+
+    def _pump(self, stdin: bytes) -> None:
+        sel = selectors.DefaultSelector()
+        bufs = {self._p.stdout.fileno(): bytearray(), self._p.stderr.fileno(): bytearray()}   # stdout, stderr
+        for fd in bufs:
+            sel.register(fd, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        pidfd = os.pidfd_open(self._p.pid)
+        sel.register(pidfd, selectors.EVENT_READ)
+        stdin_fd = self._p.stdin.fileno() if self._p.stdin is not None else None
+        if stdin_fd is not None:
+            sel.register(stdin_fd, selectors.EVENT_WRITE)
+        sent, open_outputs, drain_until, timed_out, killed = 0, len(bufs), None, False, False
+        while open_outputs or drain_until is None:
+            if drain_until is not None:
+                wait = drain_until - time.monotonic()
+                if wait <= 0:
+                    break
+            else:
+                wait = self._remaining()
+                if not killed and ((wait is not None and wait <= 0) or self._kill_requested):
+                    timed_out, killed = not self._kill_requested, True
+                    with self._lock:
+                        _signal_tree(self._p.pid, signal.SIGKILL)
+                    wait = _DRAIN_S
+            for key, _ in sel.select(wait):
+                fd = key.fd
+                if fd == self._wake_r:
+                    os.read(fd, 512)
+                elif fd == pidfd:                  # the process ended: kill what it left behind, then drain
+                    sel.unregister(fd)
+                    _signal_tree(self._p.pid, signal.SIGKILL)
+                    drain_until = time.monotonic() + _DRAIN_S
+                elif fd == stdin_fd:
+                    try:
+                        sent += os.write(fd, stdin[sent:sent + 65536])
+                    except BrokenPipeError:
+                        sent = len(stdin)
+                    if sent >= len(stdin):
+                        sel.unregister(fd)
+                        self._p.stdin.close()
+                else:
+                    data = os.read(fd, 65536)
+                    if not data:
+                        sel.unregister(fd)
+                        open_outputs -= 1
+                    elif len(bufs[fd]) <= self._cap:
+                        bufs[fd] += data[:self._cap + 1 - len(bufs[fd])]
+        sel.close()
+        _signal_tree(self._p.pid, signal.SIGKILL)
+        self._p.wait()
+        for f in (self._p.stdout, self._p.stderr, self._p.stdin):
+            if f is not None and not f.closed:
+                f.close()
+        os.close(pidfd)
+        with self._lock:
+            paused_s = self._paused_total + (time.monotonic() - self._paused_at if self._paused_at else 0.0)
+            self._paused_at = None
+        out, err = (bytes(b) for b in bufs.values())
+        rc = self._p.returncode
+        sig = None
+        if rc < 0:
+            try:
+                sig = signal.Signals(-rc).name
+            except ValueError:
+                sig = f"signal {-rc}"
+        self._finish(ExecResult(
+            exit_code=None if (timed_out or rc < 0) else rc, stdout=out[:self._cap].decode("utf-8", "replace"),
+            stderr=err[:self._cap].decode("utf-8", "replace"), timed_out=timed_out, signal=sig,
+            truncated=len(out) > self._cap or len(err) > self._cap, paused_s=paused_s,
+            wall_s=time.monotonic() - self._t0 - paused_s))
+
+    def _finish(self, result: ExecResult) -> None:
+        self._result = result
+        if hasattr(self, "_wake_r"):
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            del self._wake_w
+        self._done.set()
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def _process_tree(root: int) -> list[int]:
+    kids, out, todo = _children_map(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, ()))
+    return out
+
+
+def _signal_tree(root: int, sig: int) -> None:
+    """Send `sig` to `root`, its process group and all its descendants. For SIGSTOP, repeat until every process
+    of the tree is stopped, so that one forking while it was being stopped leaves no running child behind."""
+    seen: set[int] = set()
+    for _ in range(200):
+        pids = _process_tree(root)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if sig != signal.SIGSTOP or (set(pids) <= seen and all(_state(p) in _STOPPED for p in pids)):
+            break
+        seen |= set(pids)
+        time.sleep(0.001)
+    if sig == signal.SIGKILL:
+        try:
+            os.killpg(root, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+_STOPPED = ("T", "t", "Z", "X", None)      # /proc states of a process that can no longer fork (None: gone)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
 class Sandbox(abc.ABC):
-    """The operations environments use. Subclasses implement `_run` (one command in the sandbox) and may replace
-    the default copy-based fork/snapshot/restore."""
+    """The operations environments use. Subclasses implement `_launch` (how one command starts on the host) and
+    set `owner` when the sandbox's commands run as a uid of their own (files the host writes are given to it)."""
 
     kind: str = ""
 
@@ -86,29 +341,47 @@ class Sandbox(abc.ABC):
         self.env = dict(env or {})
         self.limits = limits or Limits()
         self.limits.validate()
+        self.owner: tuple[int, int] | None = None   # (uid, gid) of the sandbox's commands when not the caller's
         self._root = owns_root            # a host directory removed by close()
         self._closed = False
         self._snapshots: list[str] = []
+        self._calls: weakref.WeakSet[RunningCall] = weakref.WeakSet()
 
     # -- commands ---------------------------------------------------------------------------------------------
     def exec(self, command: list[str] | str, *, stdin: str | None = None, timeout: float | None = None,
              cwd: str = WORKSPACE, env: dict | None = None) -> ExecResult:
         """Run `command` (argv list, or a string run by /bin/sh -c) inside the sandbox and wait for it. Never raises
         for what the command does (non-zero exit, timeout, a signal): that is in the result."""
+        return self.start(command, stdin=stdin, timeout=timeout, cwd=cwd, env=env).wait()
+
+    def start(self, command: list[str] | str, *, stdin: str | None = None, timeout: float | None = None,
+              cwd: str = WORKSPACE, env: dict | None = None) -> RunningCall:
+        """Start `command` as `exec` does and return at once; the call can be paused, resumed, waited for and
+        killed. Its wall limit (`timeout`, at most `limits.wall_seconds`) counts running time only."""
         self._check_open()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         if not argv or not all(isinstance(a, str) for a in argv):
             raise SandboxError(f"a command is a non-empty list of strings or a string, got {command!r}")
+        if not (cwd == WORKSPACE or cwd.startswith(WORKSPACE + "/")):
+            raise SandboxError(f"cwd {cwd!r} is outside the workspace {WORKSPACE}")
+        full_env = {**self.env, **(env or {})}
+        bad = [k for k, v in full_env.items() if not isinstance(k, str) or not k or "=" in k or not isinstance(v, str)]
+        if bad:
+            raise SandboxError(f"environment variables are NAME=str pairs without '=' in NAME, got {bad!r}")
         wall = self.limits.wall_seconds if timeout is None else min(float(timeout), self.limits.wall_seconds)
-        return self._run(argv, stdin=stdin, timeout=wall, cwd=cwd, env={**self.env, **(env or {})})
+        call = RunningCall(self._launch(argv, cwd=cwd, env=full_env), stdin=stdin, timeout=wall,
+                           output_bytes=self.limits.output_bytes)
+        self._calls.add(call)
+        return call
 
     @abc.abstractmethod
-    def _run(self, argv: list[str], *, stdin: str | None, timeout: float, cwd: str, env: dict) -> ExecResult:
+    def _launch(self, argv: list[str], *, cwd: str, env: dict) -> Launch:
         ...
 
     # -- files (host-side access to the workspace, for tools and verifiers) ------------------------------------
     def host_path(self, path: str) -> str:
-        """The host path of a workspace path, refusing anything that resolves outside the workspace."""
+        """The host path of a workspace path, refusing anything that resolves outside the workspace. (Checked when
+        called: a call running in the background at the same time could still swap a directory for a symlink.)"""
         self._check_open()
         if not isinstance(path, str) or "\x00" in path:
             raise SandboxError(f"a path is a string without NUL bytes, got {path!r}")
@@ -134,9 +407,16 @@ class Sandbox(abc.ABC):
         p = self.host_path(path)
         if os.path.isdir(p):
             raise SandboxError(f"{path!r} is a directory")
+        created, d = [], os.path.dirname(p)
+        while not os.path.exists(d):
+            created.append(d)
+            d = os.path.dirname(d)
         os.makedirs(os.path.dirname(p), exist_ok=True)
         with open(p, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+        if self.owner is not None:      # the sandbox's own uid must be able to change what the host wrote
+            for q in created + [p]:
+                os.chown(q, *self.owner, follow_symlinks=False)
 
     def list_files(self, path: str = ".") -> list[str]:
         """Every file under `path`, as workspace-relative paths, sorted."""
@@ -151,19 +431,24 @@ class Sandbox(abc.ABC):
 
     # -- life cycle ---------------------------------------------------------------------------------------------
     def fork(self) -> "Sandbox":
-        """An independent sandbox with a copy of this one's current state (for judging without side effects)."""
+        """An independent sandbox with a copy of this one's current files and environment (for judging without
+        side effects). Calls running in this sandbox are not part of the state: the fork has none."""
         self._check_open()
         root = tempfile.mkdtemp(prefix="k3-sandbox-")
         ws = os.path.join(root, "workspace")
-        _copy_tree(self.workspace, ws)
-        return self._clone(ws, root)
+        try:
+            copy_tree(self.workspace, ws)
+            return self._clone(ws, root)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
 
     def snapshot(self) -> Snapshot:
         """Save the current state; `restore(snapshot)` brings it back exactly. Valid until `close()`."""
         self._check_open()
         d = tempfile.mkdtemp(prefix="k3-snapshot-")
-        _copy_tree(self.workspace, os.path.join(d, "workspace"))
         self._snapshots.append(d)
+        copy_tree(self.workspace, os.path.join(d, "workspace"))
         return Snapshot(path=d, env=dict(self.env))
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -172,7 +457,8 @@ class Sandbox(abc.ABC):
         if not os.path.isdir(src):
             raise SandboxError(f"snapshot {snapshot.path} no longer exists")
         tmp = self.workspace + ".restoring"
-        _copy_tree(src, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        copy_tree(src, tmp, owner=self.owner)
         old = self.workspace + ".old"
         os.replace(self.workspace, old)
         os.replace(tmp, self.workspace)
@@ -183,9 +469,12 @@ class Sandbox(abc.ABC):
         return type(self)(workspace, env=self.env, limits=self.limits, owns_root=root)
 
     def close(self) -> None:
+        """Kill the calls still running, then remove the workspace (when the sandbox owns it) and snapshots."""
         if self._closed:
             return
         self._closed = True
+        for call in list(self._calls):
+            call.kill()
         for d in self._snapshots:
             shutil.rmtree(d, ignore_errors=True)
         if self._root:
@@ -202,69 +491,47 @@ class Sandbox(abc.ABC):
         self.close()
 
 
-def _copy_tree(src: str, dst: str) -> None:
-    """Copy a workspace tree exactly (modes, times, symlinks as symlinks)."""
-    shutil.copytree(src, dst, symlinks=True)
+def copy_tree(src: str, dst: str, owner: tuple[int, int] | None = None) -> None:
+    """Copy a workspace tree exactly: contents, modes, times, symlinks as symlinks, empty directories, FIFOs
+    (sockets and devices are left out: they are not state a command can restore). With `owner`, every entry is
+    given to that (uid, gid), keeping setuid/setgid bits that chown would clear."""
+    shutil.copytree(src, dst, symlinks=True, copy_function=_copy_entry)
+    if owner is not None:
+        chown_tree(dst, owner)
+
+
+def _copy_entry(src: str, dst: str) -> None:
+    mode = os.lstat(src).st_mode
+    if stat.S_ISREG(mode):
+        shutil.copy2(src, dst)
+    elif stat.S_ISFIFO(mode):
+        os.mkfifo(dst)
+        shutil.copystat(src, dst)
+
+
+def chown_tree(root: str, owner: tuple[int, int]) -> None:
+    """Give `root` and everything under it (symlinks themselves, never their targets) to `owner`."""
+    os.chown(root, *owner, follow_symlinks=False)
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            os.chown(p, *owner, follow_symlinks=False)
+            if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(st.st_mode):
+                os.chmod(p, stat.S_IMODE(st.st_mode))
 
 
 class UnisolatedSandbox(Sandbox):
     """Runs commands directly on the host, in the workspace directory, as the calling user. No isolation: only
-    rlimits and the wall-clock limit apply. The path `/workspace` in commands is NOT remapped."""
+    rlimits (not the process count) and the wall-clock limit apply. The path `/workspace` in commands is NOT
+    remapped."""
 
     kind = "none"
 
-    def _run(self, argv, *, stdin, timeout, cwd, env):
-        if cwd == WORKSPACE or cwd.startswith(WORKSPACE + "/"):
-            cwd = self.host_path(cwd)
-        limits = self.limits
-
-        def preexec():
-            import resource
-            resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
-            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_bytes, limits.file_size_bytes))
-
+    def _launch(self, argv, *, cwd, env):
         full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.workspace, "LANG": "C.UTF-8",
                     **env}
-        return run_process(argv, stdin=stdin, timeout=timeout, cwd=cwd, env=full_env, preexec_fn=preexec,
-                           output_bytes=limits.output_bytes)
-
-
-def run_process(argv, *, stdin, timeout, cwd, env, preexec_fn, output_bytes) -> ExecResult:
-    """Run a process in its own session, kill its whole process group at `timeout`, and cut its output."""
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                             env=env, preexec_fn=preexec_fn, start_new_session=True)
-    except OSError as e:
-        return ExecResult(exit_code=127, stdout="", stderr=f"cannot start {argv[0]!r}: {e}",
-                          wall_s=time.perf_counter() - t0)
-    timed_out = False
-    try:
-        out, err = p.communicate(stdin.encode() if stdin is not None else None, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(p.pid)
-        out, err = p.communicate()
-    _kill_group(p.pid)  # anything the command left running in the background
-    truncated = len(out) > output_bytes or len(err) > output_bytes
-    sig = None
-    if p.returncode is not None and p.returncode < 0:
-        try:
-            sig = signal.Signals(-p.returncode).name
-        except ValueError:
-            sig = f"signal {-p.returncode}"
-    return ExecResult(exit_code=None if (timed_out or p.returncode < 0) else p.returncode,
-                      stdout=out[:output_bytes].decode("utf-8", "replace"),
-                      stderr=err[:output_bytes].decode("utf-8", "replace"),
-                      wall_s=time.perf_counter() - t0, timed_out=timed_out, signal=sig, truncated=truncated)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        return Launch(self.limits.prlimit_argv(None) + argv, env=full_env, cwd=self.host_path(cwd))
 
 
 UNISOLATED_WARNING = ("k3: WARNING: --sandbox none: agent commands run UNISOLATED on this machine, as this user, "
@@ -280,15 +547,19 @@ def create_sandbox(kind: str = "bwrap", image: str | None = None, *, limits: Lim
         raise SandboxError(f"sandbox image {image!r} is not a directory")
     root = tempfile.mkdtemp(prefix="k3-sandbox-")
     ws = os.path.join(root, "workspace")
-    if image is not None:
-        _copy_tree(image, ws)
-    else:
-        os.makedirs(ws)
-    if kind == "none":
-        print(UNISOLATED_WARNING, file=sys.stderr, flush=True)
-        return UnisolatedSandbox(ws, env=env, limits=limits, owns_root=root)
-    from k3.env.bwrap import BwrapSandbox
-    return BwrapSandbox(ws, env=env, limits=limits, owns_root=root)
+    try:
+        if image is not None:
+            copy_tree(image, ws)
+        else:
+            os.makedirs(ws)
+        if kind == "none":
+            print(UNISOLATED_WARNING, file=sys.stderr, flush=True)
+            return UnisolatedSandbox(ws, env=env, limits=limits, owns_root=root)
+        from k3.env.bwrap import BwrapSandbox
+        return BwrapSandbox(ws, env=env, limits=limits, owns_root=root)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
 
 
 def with_limits(limits: Limits, **changes) -> Limits:

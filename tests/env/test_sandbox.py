@@ -1,0 +1,246 @@
+"""The sandboxes (k3.env.sandbox, k3.env.bwrap): real escape attempts against bubblewrap, each of which must fail
+and be reported in the ExecResult while this process keeps working; exact fork/snapshot/restore; pause/resume.
+
+The bwrap tests are skipped, with the reason, only where bubblewrap cannot start a sandbox at all."""
+
+import os
+import shutil
+import socket
+import stat
+import sys
+import tempfile
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from k3.env.sandbox import Limits, SandboxError, UNISOLATED_WARNING, create_sandbox
+
+
+def _bwrap_problem() -> str | None:
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed (apt-get install bubblewrap)"
+    try:
+        create_sandbox("bwrap").close()
+    except SandboxError as e:
+        return f"bubblewrap cannot start a sandbox here: {e}"
+    return None
+
+
+_PROBLEM = _bwrap_problem()
+needs_bwrap = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
+SMALL = Limits(cpu_seconds=10, memory_bytes=512 << 20, processes=32, wall_seconds=10.0)
+
+
+@pytest.fixture
+def sb():
+    with create_sandbox("bwrap", limits=SMALL) as s:
+        yield s
+
+
+@pytest.fixture
+def other():
+    with create_sandbox("bwrap", limits=SMALL) as s:
+        s.write_file("secret.txt", "other sandbox's secret\n")
+        yield s
+
+
+def still_works(sandbox):
+    """After an attack, this process and the sandbox both still run commands normally."""
+    r = sandbox.exec("echo alive")
+    assert r.ok and r.stdout == "alive\n", r
+
+
+def tree(root: str) -> dict:
+    """A whole file tree as data: relative path -> (kind, mode, contents or link target)."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st_ = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if stat.S_ISLNK(st_.st_mode):
+                out[rel] = ("link", None, os.readlink(p))
+            elif stat.S_ISDIR(st_.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st_.st_mode), None)
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = ("file", stat.S_IMODE(st_.st_mode), f.read())
+    return out
+
+
+# -- escapes: filesystem ------------------------------------------------------------------------------------------
+@needs_bwrap
+@pytest.mark.parametrize("target", ["/etc/k3_owned", "/usr/k3_owned", "/k3_owned", "/usr/bin/python3"])
+def test_writes_outside_the_workspace_fail(sb, target):
+    existed = os.path.exists(target)
+    r = sb.exec(f"echo owned > {target}")
+    assert r.exit_code != 0 and ("Read-only" in r.stderr or "Permission denied" in r.stderr), r
+    assert os.path.exists(target) == existed
+    still_works(sb)
+
+
+@needs_bwrap
+def test_the_host_tmp_and_another_workspace_are_not_reachable(sb, other):
+    name = f"k3_escape_{os.getpid()}"
+    host_tmp = os.path.join(tempfile.gettempdir(), name)
+    r = sb.exec(f"echo owned > {host_tmp} && cat {host_tmp}")      # lands in the sandbox's private /tmp
+    assert r.ok and not os.path.exists(host_tmp)
+    r = sb.exec(f"echo owned > {other.workspace}/stolen; cat {other.workspace}/secret.txt")
+    assert r.exit_code != 0 and "No such file" in r.stderr and "secret" not in r.stdout, r
+    assert other.list_files() == ["secret.txt"]
+    r = sb.exec(f"ls {os.path.dirname(other.workspace)}")
+    assert r.exit_code != 0, r
+    still_works(sb)
+
+
+@needs_bwrap
+def test_host_files_outside_the_workspace_are_unreadable(sb):
+    home = os.path.expanduser("~")
+    secret_dir = tempfile.mkdtemp(prefix="k3-secret-", dir=home)
+    kept = tempfile.NamedTemporaryFile("w", suffix=".hidden", delete=False)    # a hidden test kept on the host
+    try:
+        with open(os.path.join(secret_dir, "key"), "w") as f:
+            f.write("TOPSECRET")
+        kept.write("HIDDEN_TEST")
+        kept.close()
+        for path in (os.path.join(secret_dir, "key"), kept.name, "/etc/shadow", f"{home}/.bash_history"):
+            r = sb.exec(["cat", path])
+            assert r.exit_code != 0 and r.stdout == "", (path, r)
+        prune = " ".join(f"-path {p} -prune -o" for p in ["/proc", "/dev", "/usr", sys.base_prefix, sys.prefix])
+        r = sb.exec(f"ls -a {home}; find / {prune} -type f -print | xargs grep -l -e TOPSECRET -e HIDDEN_TEST",
+                    timeout=30)
+        assert "k3-secret" not in r.stdout and kept.name not in r.stdout and "grep" not in r.stderr, r
+        for host_dir in ("/work", "/home", "/root/.ssh"):
+            assert sb.exec(["ls", host_dir]).exit_code != 0
+    finally:
+        shutil.rmtree(secret_dir)
+        os.unlink(kept.name)
+    still_works(sb)
+
+
+# -- escapes: network ---------------------------------------------------------------------------------------------
+@needs_bwrap
+def test_no_network_reaches_the_host(sb):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\ns = socket.socket()\ns.settimeout(2)\n"
+                f"try:\n    s.connect(('127.0.0.1', {port}))\n    print('CONNECTED')\n"
+                f"except OSError as e:\n    print('refused', e)\n")
+        r = sb.exec(["python3", "-c", code])
+        assert "refused" in r.stdout and "CONNECTED" not in r.stdout, r
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+    r = sb.exec("cat /proc/net/dev")
+    interfaces = [line.split(":")[0].strip() for line in r.stdout.splitlines()[2:]]
+    assert interfaces == ["lo"], r.stdout
+    r = sb.exec(["python3", "-c", "import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)"])
+    assert r.exit_code != 0 and "unreachable" in r.stderr.lower(), r
+    still_works(sb)
+
+
+# -- escapes: resources -------------------------------------------------------------------------------------------
+@needs_bwrap
+def test_fork_bomb_is_bounded_and_ends(sb, other):
+    t0 = time.monotonic()
+    r = sb.exec("bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=5)
+    assert time.monotonic() - t0 < 15
+    assert "Cannot fork" in r.stderr or r.timed_out, r
+    still_works(other)
+    still_works(sb)
+
+
+@needs_bwrap
+def test_memory_bomb_fails(sb):
+    r = sb.exec(["python3", "-c", "x = bytearray(2 << 30); print('allocated')"])
+    assert r.exit_code != 0 and "MemoryError" in r.stderr and "allocated" not in r.stdout, r
+    r = sb.exec(["python3", "-c", "x = []\nwhile True: x.append(bytearray(16 << 20))"])
+    assert r.exit_code != 0 and "MemoryError" in r.stderr, r
+    still_works(sb)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("command", ["sleep 1000", "python3 -c 'while True: pass'"])
+def test_a_call_that_never_returns_is_killed_at_the_wall_limit(sb, command):
+    t0 = time.monotonic()
+    r = sb.exec(command, timeout=1.0)
+    assert r.timed_out and r.exit_code is None and r.signal == "SIGKILL" and not r.ok, r
+    assert 1.0 <= r.wall_s < 3.0 and time.monotonic() - t0 < 4.0
+    still_works(sb)
+
+
+def _host_processes_with(arg: str) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if arg.encode() in f.read().split(b"\0"):
+                        out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+@needs_bwrap
+def test_background_processes_do_not_outlive_the_call(sb):
+    marker = f"1000.{os.getpid()}"
+    r = sb.exec(f"sleep {marker} & (sleep {marker} &) ; setsid sleep {marker} & echo started")
+    assert r.ok and r.stdout == "started\n", r
+    time.sleep(0.2)
+    assert _host_processes_with(marker) == []
+    still_works(sb)
+
+
+@needs_bwrap
+def test_signals_reach_nothing_outside(sb, other):
+    victim = other.start("sleep 1000")
+    time.sleep(0.3)
+    victim_pids = [p for p in _host_processes_with("1000") if p != os.getpid()]
+    assert victim_pids, "the other sandbox's call should be running"
+    for pid in [os.getpid(), os.getppid(), 1] + victim_pids:
+        r = sb.exec(f"kill -9 {pid}")
+        assert r.exit_code != 0 or pid == 1, (pid, r)     # pid 1 inside is the sandbox's own init, protected
+    r = sb.exec("kill -9 -1; echo after")                 # everything this sandbox's uid may signal
+    assert not victim.done
+    assert victim.kill().signal == "SIGKILL"
+    still_works(sb)
+    still_works(other)
+
+
+# -- the interface ------------------------------------------------------------------------------------------------
+@needs_bwrap
+def test_commands_see_the_workspace_python_and_a_clean_environment(sb):
+    sb.write_file("data/in.txt", "hello\n")
+    sb.env["K3_VAR"] = "yes"
+    r = sb.exec("pwd; cat data/in.txt; echo made > data/out.txt; python3 -c 'import sys; print(sys.version_info[0])'"
+                "; echo $HOME $K3_VAR; env | cut -d= -f1 | sort | tr '\\n' ' '")
+    assert r.ok, r
+    lines = r.stdout.splitlines()
+    assert lines[:5] == ["/workspace", "hello", "3", "/workspace yes"] + lines[4:5]
+    assert set(lines[4].split()) <= {"HOME", "K3_VAR", "LANG", "PATH", "PWD", "TMPDIR", "SHLVL", "_"}, lines[4]
+    assert sb.read_file("data/out.txt") == b"made\n"
+    r = sb.exec("printf '%s' \"$(cat)\"", stdin="from stdin")
+    assert r.stdout == "from stdin"
+    r = sb.exec("head -c 200000 /dev/zero | tr '\\0' x")
+    assert r.truncated and len(r.stdout) == SMALL.output_bytes
+
+
+def test_missing_bwrap_names_the_fix(monkeypatch):
+    from k3.env import bwrap
+    monkeypatch.setattr(bwrap, "_tools", bwrap._tools.__wrapped__)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap.*--sandbox none"):
+        create_sandbox("bwrap")
+
+
+def test_unisolated_sandbox_warns_loudly(capsys):
+    with create_sandbox("none") as s:
+        assert s.exec("echo hi").stdout == "hi\n"
+    assert UNISOLATED_WARNING in capsys.readouterr().err
