@@ -7,6 +7,8 @@ import inspect
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -67,6 +69,26 @@ def test_instances_are_deterministic_and_splits_disjoint(family):
         assert not {t.prompt for t in train} & {t.prompt for t in test}
     with pytest.raises(ValueError, match="split"):
         list(fam.instances("dev", 1))
+
+
+DIGEST = """
+import hashlib, json
+from k3.env.task import get_family
+h = hashlib.sha256()
+for family in ("arith", "code", "autonomous"):
+    for split in ("train", "test"):
+        for t in get_family(family).instances(split, 6, seed=2):
+            image = {k: v if isinstance(v, str) else v.hex() for k, v in t.image.items()}
+            h.update(json.dumps([t.id, t.prompt, image, repr(t.metadata)]).encode())
+print(h.hexdigest())
+"""
+
+
+def test_instances_are_the_same_in_every_process():
+    """No dependence on str hashing (randomized per process) or on anything but (split, n, seed)."""
+    digests = {subprocess.run([sys.executable, "-c", DIGEST], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(s)}).stdout for s in (1, 2)}
+    assert len(digests) == 1 and len(digests.pop().strip()) == 64
 
 
 def test_arith_answers_are_normalized_and_checked():

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from k3.env.task import Budget, Task, TaskFamily, Verdict, register_family
 from k3.env.tasks import autonomous_data
-from k3.env.tasks.code import judge_cases, reference, split_problems
+from k3.env.tasks.code import judge_cases, reference, rules, split_problems
 from k3.env.tasks.code_problems import PROBLEMS_BY_NAME, Problem
 from k3.env.tasks.common import action, check_n
 
@@ -149,9 +149,8 @@ def fix_function_task(rng: random.Random, split: str) -> Task:
             break
     source, public, hidden = got
     prompt = (f"`python3 test_lib.py` fails: lib.py's `{problem.name}` has a bug. Fix lib.py so that the function "
-              "does what its docstring says (leave the tests as they are; do not import a library version of it). "
-              f"`submit` runs the tests and reports; you have {MAX_SUBMISSIONS} submissions. Hidden tests check "
-              "more inputs.")
+              f"does what its docstring says; leave the tests as they are; {rules(problem)}. `submit` runs the "
+              f"tests and reports; you have {MAX_SUBMISSIONS} submissions. Hidden tests check more inputs.")
     return Task(
         id=f"autonomous/fix_function/{problem.name}/{hashlib.sha256(source.encode()).hexdigest()[:12]}",
         family="autonomous", prompt=prompt,

@@ -173,6 +173,12 @@ def _original_dump(problem: Problem) -> str | None:
     return _function_dump(ast.parse(source), fn)
 
 
+def rules(problem: Problem) -> str:
+    """What a solution may not use, as the prompt says it (`refusal` enforces it)."""
+    modules = sorted(set(ALWAYS_FORBIDDEN) | set(problem.forbid))
+    return f"do not import {', '.join(modules)}, and do not use {', '.join(FORBIDDEN_CALLS)}"
+
+
 def refusal(source: str, problem: Problem) -> str | None:
     """Why the solution does not implement the function itself (None when nothing is wrong): it imports the module
     the function comes from (or one that reaches it), calls __import__/exec/eval, or is the original's code."""
@@ -237,16 +243,14 @@ def judge_cases(sandbox, problem: Problem, cases: list[tuple], *, path: str = "s
 def make_task(problem: Problem, variant: int, split: str) -> Task:
     examples = _cases(problem, variant, "public", PUBLIC_CASES)
     hidden = examples + _cases(problem, variant, "hidden", HIDDEN_CASES)
-    forbid = sorted(set(problem.forbid) | {"k3"})
     prompt = (f"Implement `{problem.name}` in solution.py from its signature and docstring. "
               "`python3 test_public.py` checks the docstring's examples; hidden tests check more inputs. "
-              f"Write the function yourself: do not import {', '.join(forbid)}.")
+              f"Write the function yourself: {rules(problem)}.")
     return Task(id=f"code/{problem.name}/{variant}", family="code", prompt=prompt, split=split,
                 verify=lambda sandbox, answer: judge_cases(sandbox, problem, hidden),
                 image={"solution.py": stub(problem, examples), "test_public.py": public_tests(problem, examples)},
                 budget=Budget(turns=20, tokens=16384, wall_seconds=900.0),
-                metadata={"problem": problem.name, "variant": variant, "original": problem.original,
-                          "forbid": forbid})
+                metadata={"problem": problem.name, "variant": variant, "original": problem.original})
 
 
 def split_problems(split: str) -> list[Problem]:
