@@ -20,9 +20,9 @@ import random
 import sys
 from typing import Iterator
 
-from k3.env.task import Budget, Task, TaskFamily, Verdict, register_family
+from k3.env.task import Budget, Task, TaskFamily, register_family
 from k3.env.tasks import autonomous_data
-from k3.env.tasks.code import judge_cases, reference, rules, split_problems
+from k3.env.tasks.code import judge_cases, reference, rules, split_problems, test_file
 from k3.env.tasks.code_problems import PROBLEMS_BY_NAME, Problem
 from k3.env.tasks.common import action, check_n
 
@@ -122,16 +122,6 @@ def buggy_variant(problem: Problem, rng: random.Random) -> tuple[str, list[tuple
     return None
 
 
-def _test_file(problem: Problem, cases: list[tuple]) -> str:
-    ref = reference(problem)
-    rows = "\n".join(f"    ({a!r}, {ref(*a)!r})," for a in cases)
-    return (f'"""Tests of lib.{problem.name}: python3 test_lib.py"""\nfrom lib import {problem.name}\n\n'
-            f"CASES = [\n{rows}\n]\n\nfailed = 0\nfor args, want in CASES:\n"
-            f"    got = {problem.name}(*args)\n    if got != want:\n        failed += 1\n"
-            f"        print(f'FAIL {problem.name}{{args!r}}: got {{got!r}}, expected {{want!r}}')\n"
-            "print(f'{len(CASES) - failed}/{len(CASES)} passed')\nraise SystemExit(1 if failed else 0)\n")
-
-
 def _judge_in_fork(sandbox, problem, cases, what):
     fork = sandbox.fork()
     try:
@@ -154,7 +144,8 @@ def fix_function_task(rng: random.Random, split: str) -> Task:
     return Task(
         id=f"autonomous/fix_function/{problem.name}/{hashlib.sha256(source.encode()).hexdigest()[:12]}",
         family="autonomous", prompt=prompt,
-        image={"lib.py": f'"""A small library."""\n\n\n{source}', "test_lib.py": _test_file(problem, public)},
+        image={"lib.py": f'"""A small library."""\n\n\n{source}',
+               "test_lib.py": test_file(problem, public, "lib", "test_lib.py")},
         verify=lambda sandbox, answer: judge_cases(sandbox, problem, hidden, path="lib.py"),
         public_verify=lambda sandbox, answer: _judge_in_fork(sandbox, problem, public, "public tests"),
         max_submissions=MAX_SUBMISSIONS, budget=BUDGET, split=split,

@@ -136,22 +136,23 @@ def stub(problem: Problem, examples: list[tuple]) -> str:
     return signature + "\n" + textwrap.indent(body, "    ", lambda line: line.strip() != "")
 
 
-def public_tests(problem: Problem, examples: list[tuple]) -> str:
+def test_file(problem: Problem, cases: list[tuple], module: str, filename: str) -> str:
+    """A test script for the workspace: each case's expected value written out, floats compared within 1e-9
+    relative (as the hidden verifier does); prints the failures and exits non-zero when there are any."""
     ref = reference(problem)
-    cases = ",\n    ".join(f"({a!r}, {ref(*a)!r})" for a in examples)
-    return (f'"""The public examples of {problem.name}: python3 test_public.py"""\n'
-            f"from solution import {problem.name}\n\n"
-            f"CASES = [\n    {cases},\n]\n\n"
+    rows = "\n".join(f"    ({a!r}, {ref(*a)!r})," for a in cases)
+    return (f'"""Tests of {module}.{problem.name}: python3 {filename}"""\nfrom {module} import {problem.name}\n\n'
+            f"CASES = [\n{rows}\n]\n\n\n"
             "def same(a, b):\n"
             "    if isinstance(b, float) or isinstance(a, float):\n"
             "        return isinstance(a, (int, float)) and abs(a - b) <= 1e-9 * max(1.0, abs(b))\n"
             "    if isinstance(b, (list, tuple)):\n"
             "        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))\n"
-            "    return type(a) is type(b) and a == b\n\n"
-            "for args, want in CASES:\n"
-            f"    got = {problem.name}(*args)\n"
-            f"    assert same(got, want), f'{problem.name}{{args!r}} returned {{got!r}}, expected {{want!r}}'\n"
-            'print(f"all {len(CASES)} public tests passed")\n')
+            "    return type(a) is type(b) and a == b\n\n\n"
+            "failed = 0\nfor args, want in CASES:\n"
+            f"    got = {problem.name}(*args)\n    if not same(got, want):\n        failed += 1\n"
+            f"        print(f'FAIL {problem.name}{{args!r}}: got {{got!r}}, expected {{want!r}}')\n"
+            "print(f'{len(CASES) - failed}/{len(CASES)} passed')\nraise SystemExit(1 if failed else 0)\n")
 
 
 def _function_dump(tree: ast.AST, name: str) -> str | None:
@@ -174,9 +175,10 @@ def _original_dump(problem: Problem) -> str | None:
 
 
 def rules(problem: Problem) -> str:
-    """What a solution may not use, as the prompt says it (`refusal` enforces it)."""
+    """What a solution may not do, as the prompt says it (`refusal` enforces it)."""
     modules = sorted(set(ALWAYS_FORBIDDEN) | set(problem.forbid))
-    return f"do not import {', '.join(modules)}, and do not use {', '.join(FORBIDDEN_CALLS)}"
+    copy = f", nor copy the source of {problem.original}" if problem.original else ""
+    return f"do not import {', '.join(modules)}, nor use {', '.join(FORBIDDEN_CALLS)}{copy}"
 
 
 def refusal(source: str, problem: Problem) -> str | None:
@@ -248,7 +250,8 @@ def make_task(problem: Problem, variant: int, split: str) -> Task:
               f"Write the function yourself: {rules(problem)}.")
     return Task(id=f"code/{problem.name}/{variant}", family="code", prompt=prompt, split=split,
                 verify=lambda sandbox, answer: judge_cases(sandbox, problem, hidden),
-                image={"solution.py": stub(problem, examples), "test_public.py": public_tests(problem, examples)},
+                image={"solution.py": stub(problem, examples),
+                       "test_public.py": test_file(problem, examples, "solution", "test_public.py")},
                 budget=Budget(turns=20, tokens=16384, wall_seconds=900.0),
                 metadata={"problem": problem.name, "variant": variant, "original": problem.original})
 
