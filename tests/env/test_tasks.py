@@ -135,6 +135,9 @@ def test_code_hidden_verifier(kind):
         memo = judge(sb, task, answer)
         assert not memo.success and 0.0 < memo.data["pass_fraction"] < 1.0
         assert [f for f in sb.list_files() if "__pycache__" not in f] == ["solution.py", "test_public.py"]
+        # a correct solution that prints far more than a command's captured output is still judged
+        sb.write_file("solution.py", "print('x' * 200_000)\n" + scripted_solution(task)[0]["args"]["content"])
+        assert judge(sb, task, answer).success
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -56,13 +56,17 @@ _ns: dict = {}
 exec(CANON, _ns)
 canon = _ns["canon"]
 
-RUNNER = '''import ast, json, sys
+# The hidden-test runner, run in the fork: what the solution prints is discarded (so it cannot push the result line
+# out of the captured output), the modules it may not use are made unimportable, and every case's outcome is printed
+# on one line after the nonce, for the host to judge.
+RUNNER = '''import ast, io, json, sys
 nonce = sys.stdin.readline().strip()
 {canon}
 cases = ast.literal_eval(open(".k3_check/cases.txt").read())
 source = open({path!r}).read()
 for m in {blocked!r}:
     sys.modules[m] = None
+out, sys.stdout = sys.stdout, io.StringIO()
 namespace = {{"__name__": "solution"}}
 exec(compile(source, {path!r}, "exec"), namespace)
 fn = namespace[{name!r}]
@@ -72,7 +76,9 @@ for args in cases:
         results.append(canon(fn(*args)))
     except (Exception, SystemExit) as e:
         results.append(["raises", type(e).__name__])
-print(nonce + json.dumps(results))
+    sys.stdout.seek(0)
+    sys.stdout.truncate()
+out.write(nonce + json.dumps(results) + "\\n")
 '''
 
 
