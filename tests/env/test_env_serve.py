@@ -1,0 +1,91 @@
+"""`k3 env run` against `k3 serve`: the agent environments' policy client, the chat endpoint's tool calling and the
+engine, end to end over HTTP.
+
+A random tiny checkpoint (byte tokenizer) is served by a real uvicorn server in a thread; `k3 env run --endpoint`
+plays 50 episodes of the arith and code families with small-budget copies of the react and terminal harnesses
+(tools declared, tool_choice "auto"). Two models: one whose head is biased to printable ASCII (it answers in plain
+text), and one that may also write the chat markup's special tokens at random (malformed channels and calls, which
+the server must report and the harness must survive). Either way every episode must end without a harness error.
+"""
+
+import json
+import os
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from helpers import uvicorn_in_thread
+from k3.cli import main
+from k3.env.presets import PRESETS
+from k3.env.toolbox import BUILTIN_TOOLS
+from k3.env.trajectory import read_jsonl
+from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, markup_ids, save_chat_template
+
+MODEL = "k3-tiny-env"
+HOST = "127.0.0.1"
+# isolated when bubblewrap and its sandbox module are there, as tests/env/test_episode.py decides
+SANDBOX = "bwrap" if shutil.which("bwrap") and os.path.exists(
+    os.path.join(os.path.dirname(__file__), "../../k3/env/bwrap.py")) else "none"
+
+
+def _bias_head(model, tok, markup: bool) -> None:
+    """Allow only the printable ASCII bytes (and, with `markup`, the four markers) at the head."""
+    ids = sorted({tok.encode(chr(c))[0] for c in range(32, 127)})
+    if markup:
+        ids += sorted(markup_ids(tok, DEFAULT_CHAT_TEMPLATE).values())
+    bias = torch.full((model.config.vocab_size,), -30.0)
+    bias[ids] = 0.0
+    model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+
+
+def _small_harness(tmp_path, preset: str) -> str:
+    d = PRESETS[preset].to_dict()
+    d.update(name=f"{preset}-small", max_tokens_per_turn=24, temperature=1.0)
+    path = tmp_path / f"{preset}-small.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+@pytest.mark.parametrize("markup", [False, True], ids=["text", "markup"])
+def test_env_run_against_k3_serve(tmp_path, markup):
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.serve.app import create_app
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+
+    ckpt = tmp_path / "tiny"
+    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
+    save_chat_template(ckpt)
+    model = from_pretrained(ckpt)
+    tok = load_any_tokenizer(ckpt)
+    _bias_head(model, tok, markup)
+    cfg = EngineConfig(cache_memory_mb=64, page_tokens=64, hash_block_tokens=64, max_model_len=8192,
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_step_tokens=8192, prefill_chunk=8192))
+    app = create_app(LLMEngine(model, tok, cfg), tok, MODEL)
+    out = tmp_path / "run"
+    harnesses = [_small_harness(tmp_path, "react"), _small_harness(tmp_path, "terminal")]
+    with uvicorn_in_thread(app, HOST) as port:
+        assert main(["env", "run", "--endpoint", f"http://{HOST}:{port}/v1", "--model", MODEL,
+                     "--tasks", "arith:13", "code:12", "--harness", harnesses[0], "--harness", harnesses[1],
+                     "--out", str(out), "--sandbox", SANDBOX, "--concurrency", "4", "--no-progress"]) == 0
+        if markup:  # the same kind of request as the episodes': the random markup is reported, not hidden
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Compute 2+2."}], "max_tokens": 24,
+                    "tools": [BUILTIN_TOOLS["shell"].spec()], "tool_choice": "auto"}
+            with httpx.Client(trust_env=False, timeout=60) as c:
+                msgs = [c.post(f"http://{HOST}:{port}/v1/chat/completions", json={**body, "seed": k}).json()
+                        ["choices"][0]["message"] for k in range(8)]
+            assert sum(bool(m.get("tool_call_errors")) for m in msgs) >= 4, msgs
+    summary = json.loads((out / "summary.json").read_text())
+    trajectories = [t.to_dict() for t in read_jsonl(str(out / "trajectories.jsonl"))]  # each one validated
+    assert summary["total"]["episodes"] == len(trajectories) == 50
+    assert summary["total"]["harness_errors"] == 0, [t["error"] for t in trajectories if t["error"]]
+    rows = {(r["family"], r["harness"]): r["episodes"] for r in summary["rows"]}
+    assert rows == {("arith", "react-small"): 13, ("arith", "terminal-small"): 13, ("code", "react-small"): 12,
+                    ("code", "terminal-small"): 12}
+    for t in trajectories:
+        assert t["end_reason"] in ("answered", "submitted", "max_turns", "max_tokens"), t["end_reason"]
+        assistant = [m for m in t["messages"] if m["role"] == "assistant"]
+        assert assistant and all(m["content"] is None or isinstance(m["content"], str) for m in assistant)
