@@ -63,6 +63,8 @@ def tree(root: str) -> dict:
                 out[rel] = ("link", None, os.readlink(p))
             elif stat.S_ISDIR(st_.st_mode):
                 out[rel] = ("dir", stat.S_IMODE(st_.st_mode), None)
+            elif stat.S_ISFIFO(st_.st_mode):
+                out[rel] = ("fifo", stat.S_IMODE(st_.st_mode), None)
             else:
                 with open(p, "rb") as f:
                     out[rel] = ("file", stat.S_IMODE(st_.st_mode), f.read())
@@ -244,3 +246,153 @@ def test_unisolated_sandbox_warns_loudly(capsys):
     with create_sandbox("none") as s:
         assert s.exec("echo hi").stdout == "hi\n"
     assert UNISOLATED_WARNING in capsys.readouterr().err
+
+
+# -- life cycle ---------------------------------------------------------------------------------------------------
+def _populate(sandbox):
+    """A tree with every kind of entry a command can leave: files of several modes, nested and empty directories,
+    symlinks (relative, absolute, dangling, to a directory), made from inside the sandbox."""
+    r = sandbox.exec("mkdir -p a/b/c empty/deeper && echo one > a/one.txt && printf 'x\\0y' > a/b/bin"
+                     " && echo run > a/run.sh && chmod 755 a/run.sh && chmod 600 a/one.txt && chmod 700 a/b"
+                     " && ln -s one.txt a/link && ln -s /workspace/a/b a/dirlink && ln -s missing dangling"
+                     " && mkfifo pipe && chmod 640 pipe")
+    assert r.ok, r
+
+
+@needs_bwrap
+def test_fork_is_an_exact_independent_copy(sb):
+    _populate(sb)
+    sb.env["STAGE"] = "parent"
+    child = sb.fork()
+    try:
+        assert tree(child.workspace) == tree(sb.workspace)
+        assert child.env == {"STAGE": "parent"} and child.owner != sb.owner
+        assert child.exec("cat a/link; echo changed > a/one.txt; rm -r empty; touch new").ok
+        assert sb.exec("echo parent-only > a/b/c/p").ok
+        assert sb.read_file("a/one.txt") == b"one\n" and child.read_file("a/one.txt") == b"changed\n"
+        assert "new" not in sb.list_files() and "a/b/c/p" not in child.list_files()
+        assert os.path.isdir(os.path.join(sb.workspace, "empty/deeper"))
+    finally:
+        child.close()
+    assert not os.path.exists(child.workspace)
+    still_works(sb)
+
+
+@needs_bwrap
+def test_restore_brings_back_the_snapshot_exactly(sb):
+    _populate(sb)
+    sb.env["V"] = "1"
+    before = tree(sb.workspace)
+    snap = sb.snapshot()
+    assert sb.exec("rm -rf a; echo new > a; chmod 777 empty; ln -sf elsewhere dangling; mkdir -p x/y").ok
+    sb.env["V"] = "2"
+    sb.restore(snap)
+    assert tree(sb.workspace) == before and sb.env == {"V": "1"}
+    assert sb.exec("echo again > a/b/c/ok && cat a/link").stdout == "one\n"    # still the sandbox's own files
+    sb.restore(snap)
+    assert tree(sb.workspace) == before
+
+
+_NAMES = st.sampled_from(["a", "b", "c", "d/e", "d/f", "g/h/i"])
+_EDITS = st.lists(st.one_of(
+    st.tuples(st.just("write"), _NAMES, st.binary(max_size=64), st.sampled_from([0o600, 0o644, 0o755, 0o4755])),
+    st.tuples(st.just("mkdir"), _NAMES),
+    st.tuples(st.just("symlink"), _NAMES, st.sampled_from(["a", "../x", "/etc/passwd", "d"])),
+    st.tuples(st.just("remove"), _NAMES),
+), max_size=12)
+
+
+def _apply(root, edits):
+    """Apply edits directly to a workspace tree, as any command could (the host does them here to be fast)."""
+    for kind, name, *rest in edits:
+        p = os.path.join(root, name)
+        if os.path.lexists(p):
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+        if kind == "remove":
+            continue
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        if kind == "write":
+            with open(p, "wb") as f:
+                f.write(rest[0])
+            os.chmod(p, rest[1])
+        elif kind == "mkdir":
+            os.makedirs(p)
+        else:
+            os.symlink(rest[0], p)
+
+
+@needs_bwrap
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=_EDITS, second=_EDITS)
+def test_snapshot_restore_and_fork_are_exact_after_any_edits(sb, first, second):
+    _apply(sb.workspace, first)
+    before = tree(sb.workspace)
+    snap = sb.snapshot()
+    child = sb.fork()
+    try:
+        assert tree(child.workspace) == before
+        _apply(sb.workspace, second)
+        assert tree(child.workspace) == before
+        sb.restore(snap)
+        assert tree(sb.workspace) == before
+    finally:
+        child.close()
+    _apply(sb.workspace, [("remove", name) for name in ("a", "b", "c", "d", "g")])
+
+
+@needs_bwrap
+def test_pause_stops_a_running_call_and_resume_continues_it(sb):
+    call = sb.start("i=0; while true; do i=$((i+1)); echo $i > counter; sleep 0.02; done", timeout=20)
+    time.sleep(0.5)
+    call.pause()
+    time.sleep(0.1)                                     # a write already under way lands
+    paused_at = sb.read_file("counter")
+    time.sleep(0.6)
+    assert sb.read_file("counter") == paused_at and call.paused and not call.done
+    with pytest.raises(SandboxError, match="paused"):
+        call.wait()
+    call.resume()
+    time.sleep(0.5)
+    assert int(sb.read_file("counter")) > int(paused_at)
+    r = call.kill()
+    assert r.signal == "SIGKILL" and not r.timed_out and r.paused_s >= 0.7
+    still_works(sb)
+
+
+@needs_bwrap
+def test_paused_time_does_not_count_against_the_wall_limit(sb):
+    call = sb.start("sleep 0.6; echo finished", timeout=1.0)
+    time.sleep(0.2)
+    call.pause()
+    assert call.wait(timeout=1.2) is None               # paused longer than the whole limit: still not killed
+    call.resume()
+    r = call.wait(timeout=5)
+    assert r.ok and r.stdout == "finished\n" and r.paused_s >= 1.2 and r.wall_s < 1.0, r
+    r = sb.start("sleep 5", timeout=0.5).wait(timeout=5)   # without a pause, the same limit kills
+    assert r.timed_out
+
+
+@needs_bwrap
+def test_close_kills_running_calls_and_refuses_more():
+    sandbox = create_sandbox("bwrap", limits=SMALL)
+    marker = f"999.{os.getpid()}"
+    call = sandbox.start(f"sleep {marker}")
+    time.sleep(0.2)
+    sandbox.close()
+    assert call.done and call.wait().signal == "SIGKILL" and _host_processes_with(marker) == []
+    with pytest.raises(SandboxError, match="closed"):
+        sandbox.exec("true")
+    assert not os.path.exists(sandbox.workspace)
+
+
+@needs_bwrap
+def test_paths_that_leave_the_workspace_are_refused(sb):
+    assert sb.exec("ln -s /etc/passwd out && ln -s .. up").ok
+    for path in ("../x", "/etc/passwd", "out", "up/x", "a\0b"):
+        with pytest.raises(SandboxError):
+            sb.read_file(path)
+    with pytest.raises(SandboxError, match="cwd"):
+        sb.exec("true", cwd="/tmp")
