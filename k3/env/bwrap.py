@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 from k3.env.sandbox import WORKSPACE, Launch, Limits, Sandbox, SandboxError, chown_tree
 
@@ -36,6 +37,8 @@ SANDBOX_UID_COUNT = 1_000_000
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "nsswitch.conf", "hosts",
         "ssl", "ca-certificates", "mime.types", "protocols", "services")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_HELD: set[int] = set()              # uids this process's open sandboxes hold
+_HELD_LOCK = threading.Lock()
 _FIX = "apt-get install bubblewrap (and util-linux), or pass --sandbox none to run commands unisolated explicitly"
 
 
@@ -61,7 +64,7 @@ class BwrapSandbox(Sandbox):
     def close(self) -> None:
         super().close()
         if self._uid_lock is not None:     # the uid is free once its workspace and processes are gone
-            os.close(self._uid_lock)
+            _release_uid(self._uid_lock, self.owner[0])
             self._uid_lock = None
 
 
@@ -111,7 +114,9 @@ def bwrap_launch(bwrap: str, setpriv: str | None, workspace: str, argv: list[str
             made.add(d)
         args += ["--ro-bind", prefix, prefix]
         made.add(prefix)
-    args += ["--bind", workspace, WORKSPACE, "--chdir", cwd, "--"]
+    args += ["--bind", workspace, WORKSPACE,
+             "--remount-ro", "/dev", "--remount-ro", "/",     # the skeleton bwrap built (/, /etc, /dev) is read-only
+             "--chdir", cwd, "--"]
     if owner is not None:
         args += [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
                  "--bounding-set=-all", "--no-new-privs", "--"]
@@ -163,15 +168,26 @@ def _allocate_uid() -> tuple[int, int]:
     so a crashed process frees its uids."""
     d = os.path.join(tempfile.gettempdir(), "k3-sandbox-uids")
     os.makedirs(d, mode=0o700, exist_ok=True)
-    for n in range(SANDBOX_UID_COUNT):
-        uid = SANDBOX_UID_BASE + n
-        fd = os.open(os.path.join(d, str(uid)), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _HELD_LOCK:
+        for n in range(SANDBOX_UID_COUNT):
+            uid = SANDBOX_UID_BASE + n
+            if uid in _HELD:          # this process holds it: no need to ask the kernel
+                continue
+            fd = os.open(os.path.join(d, str(uid)), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _HELD.add(uid)
             return fd, uid
-        except BlockingIOError:
-            os.close(fd)
     raise SandboxError(f"all {SANDBOX_UID_COUNT} sandbox uids from {SANDBOX_UID_BASE} are in use")
+
+
+def _release_uid(fd: int, uid: int) -> None:
+    with _HELD_LOCK:
+        _HELD.discard(uid)
+        os.close(fd)
 
 
 def _processes_of(uid: int) -> int:

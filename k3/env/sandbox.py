@@ -117,8 +117,7 @@ class RunningCall:
     goes on); `kill()` ends it and returns its result."""
 
     def __init__(self, launch: Launch, *, stdin: str | None, timeout: float, output_bytes: int):
-        self._timeout = timeout
-        self._cap = output_bytes
+        self._timeout, self._cap = timeout, output_bytes
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._paused_at: float | None = None
@@ -126,6 +125,7 @@ class RunningCall:
         self._kill_requested = False
         self._result: ExecResult | None = None
         self._done = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
         try:
             self._p = subprocess.Popen(launch.argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=launch.cwd, env=launch.env,
@@ -136,10 +136,8 @@ class RunningCall:
         finally:
             for fd in launch.pass_fds:
                 os.close(fd)
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._pump, args=(stdin.encode() if stdin is not None else b"",),
-                                        name="k3-sandbox-call", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, args=(stdin.encode() if stdin is not None else b"",),
+                         name="k3-sandbox-call", daemon=True).start()
 
     @property
     def done(self) -> bool:
@@ -150,14 +148,13 @@ class RunningCall:
         return self._paused_at is not None
 
     def pause(self) -> None:
-        """Stop every process of the call (SIGSTOP) and the wall clock. Pausing a paused or finished call does
-        nothing."""
+        """Stop every process of the call (SIGSTOP) and its wall clock. Pausing a paused or ended call does nothing."""
         with self._lock:
             if self.done or self._paused_at is not None:
                 return
             self._paused_at = time.monotonic()
             _signal_tree(self._p.pid, signal.SIGSTOP)
-        self._wake()
+            self._wake()
 
     def resume(self) -> None:
         """Continue every process of a paused call (SIGCONT) and its wall clock."""
@@ -167,7 +164,7 @@ class RunningCall:
             _signal_tree(self._p.pid, signal.SIGCONT)
             self._paused_total += time.monotonic() - self._paused_at
             self._paused_at = None
-        self._wake()
+            self._wake()
 
     def wait(self, timeout: float | None = None) -> ExecResult | None:
         if timeout is None and self.paused:
@@ -177,16 +174,16 @@ class RunningCall:
     def kill(self) -> ExecResult:
         with self._lock:
             self._kill_requested = True
-        self._wake()
+            self._wake()
         self._done.wait()
         return self._result
 
     # -- the pump thread --------------------------------------------------------------------------------------
     def _wake(self) -> None:
-        try:
+        """Make the pump look at the clock and requests again. Called with the lock held, which `_finish` takes
+        to close the pipe, so a closed (and maybe reused) descriptor is never written."""
+        if self._wake_w is not None:
             os.write(self._wake_w, b"x")
-        except (OSError, AttributeError):
-            pass    # the call already ended (pipe closed) or never started
 
     def _remaining(self) -> float | None:
         """Running time left before the wall limit; None while paused (the clock is stopped)."""
@@ -195,83 +192,87 @@ class RunningCall:
                 return None
             return self._timeout - (time.monotonic() - self._t0 - self._paused_total)
 
-    def _pump(self, stdin: bytes) -> None:
-        sel = selectors.DefaultSelector()
-        bufs = {self._p.stdout.fileno(): bytearray(), self._p.stderr.fileno(): bytearray()}   # stdout, stderr
+    def _run(self, stdin: bytes) -> None:
+        try:
+            result = self._pump(stdin)
+        except BaseException as e:          # never leave a waiter hanging or a process tree running
+            _signal_tree(self._p.pid, signal.SIGKILL)
+            self._p.wait()
+            result = ExecResult(exit_code=None, stdout="", stderr=f"sandbox error: {e!r}", signal="SIGKILL",
+                                wall_s=time.monotonic() - self._t0 - self._paused_total)
+        self._finish(result)
+
+    def _pump(self, stdin: bytes) -> ExecResult:
+        p, sel = self._p, selectors.DefaultSelector()
+        bufs = {p.stdout.fileno(): bytearray(), p.stderr.fileno(): bytearray()}    # stdout, stderr
         for fd in bufs:
             sel.register(fd, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
-        pidfd = os.pidfd_open(self._p.pid)
+        pidfd = os.pidfd_open(p.pid)         # readable when the process ends: no polling
         sel.register(pidfd, selectors.EVENT_READ)
-        stdin_fd = self._p.stdin.fileno() if self._p.stdin is not None else None
+        stdin_fd = p.stdin.fileno() if p.stdin is not None else None
         if stdin_fd is not None:
             sel.register(stdin_fd, selectors.EVENT_WRITE)
         sent, open_outputs, drain_until, timed_out, killed = 0, len(bufs), None, False, False
-        while open_outputs or drain_until is None:
-            if drain_until is not None:
-                wait = drain_until - time.monotonic()
-                if wait <= 0:
-                    break
-            else:
+        while drain_until is None or (open_outputs and time.monotonic() < drain_until):
+            wait = None if drain_until is None else drain_until - time.monotonic()
+            if drain_until is None and not killed:
                 wait = self._remaining()
-                if not killed and ((wait is not None and wait <= 0) or self._kill_requested):
+                if (wait is not None and wait <= 0) or self._kill_requested:
                     timed_out, killed = not self._kill_requested, True
                     with self._lock:
-                        _signal_tree(self._p.pid, signal.SIGKILL)
+                        _signal_tree(p.pid, signal.SIGKILL)
                     wait = _DRAIN_S
             for key, _ in sel.select(wait):
-                fd = key.fd
-                if fd == self._wake_r:
-                    os.read(fd, 512)
-                elif fd == pidfd:                  # the process ended: kill what it left behind, then drain
-                    sel.unregister(fd)
-                    _signal_tree(self._p.pid, signal.SIGKILL)
+                if key.fd == self._wake_r:
+                    os.read(key.fd, 512)
+                elif key.fd == pidfd:        # the process ended: kill what it left behind, then drain the pipes
+                    sel.unregister(pidfd)
+                    _signal_tree(p.pid, signal.SIGKILL)
                     drain_until = time.monotonic() + _DRAIN_S
-                elif fd == stdin_fd:
+                elif key.fd == stdin_fd:
                     try:
-                        sent += os.write(fd, stdin[sent:sent + 65536])
+                        sent += os.write(stdin_fd, stdin[sent:sent + 65536])
                     except BrokenPipeError:
                         sent = len(stdin)
                     if sent >= len(stdin):
-                        sel.unregister(fd)
-                        self._p.stdin.close()
+                        sel.unregister(stdin_fd)
+                        p.stdin.close()
+                elif data := os.read(key.fd, 65536):
+                    buf = bufs[key.fd]
+                    buf += data[:max(0, self._cap + 1 - len(buf))]
                 else:
-                    data = os.read(fd, 65536)
-                    if not data:
-                        sel.unregister(fd)
-                        open_outputs -= 1
-                    elif len(bufs[fd]) <= self._cap:
-                        bufs[fd] += data[:self._cap + 1 - len(bufs[fd])]
+                    sel.unregister(key.fd)
+                    open_outputs -= 1
         sel.close()
-        _signal_tree(self._p.pid, signal.SIGKILL)
-        self._p.wait()
-        for f in (self._p.stdout, self._p.stderr, self._p.stdin):
+        os.close(pidfd)
+        _signal_tree(p.pid, signal.SIGKILL)
+        p.wait()
+        for f in (p.stdout, p.stderr, p.stdin):
             if f is not None and not f.closed:
                 f.close()
-        os.close(pidfd)
         with self._lock:
             paused_s = self._paused_total + (time.monotonic() - self._paused_at if self._paused_at else 0.0)
             self._paused_at = None
         out, err = (bytes(b) for b in bufs.values())
-        rc = self._p.returncode
         sig = None
-        if rc < 0:
+        if p.returncode < 0:
             try:
-                sig = signal.Signals(-rc).name
+                sig = signal.Signals(-p.returncode).name
             except ValueError:
-                sig = f"signal {-rc}"
-        self._finish(ExecResult(
-            exit_code=None if (timed_out or rc < 0) else rc, stdout=out[:self._cap].decode("utf-8", "replace"),
-            stderr=err[:self._cap].decode("utf-8", "replace"), timed_out=timed_out, signal=sig,
-            truncated=len(out) > self._cap or len(err) > self._cap, paused_s=paused_s,
-            wall_s=time.monotonic() - self._t0 - paused_s))
+                sig = f"signal {-p.returncode}"
+        return ExecResult(exit_code=None if (timed_out or p.returncode < 0) else p.returncode,
+                          stdout=out[:self._cap].decode("utf-8", "replace"),
+                          stderr=err[:self._cap].decode("utf-8", "replace"), timed_out=timed_out, signal=sig,
+                          truncated=len(out) > self._cap or len(err) > self._cap, paused_s=paused_s,
+                          wall_s=time.monotonic() - self._t0 - paused_s)
 
     def _finish(self, result: ExecResult) -> None:
-        self._result = result
-        if hasattr(self, "_wake_r"):
+        with self._lock:
+            self._result = result
             os.close(self._wake_r)
             os.close(self._wake_w)
-            del self._wake_w
+            self._wake_w = None
         self._done.set()
 
 

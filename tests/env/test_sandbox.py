@@ -83,6 +83,13 @@ def test_writes_outside_the_workspace_fail(sb, target):
 
 
 @needs_bwrap
+def test_the_workspace_and_private_tmpfs_are_the_only_writable_places(sb):
+    places = ["/", "/etc", "/dev", "/root", "/usr/lib", "/proc", sys.base_prefix, "/tmp", "/dev/shm", "/workspace"]
+    r = sb.exec("for d in " + " ".join(places) + "; do touch $d/k3_w 2>/dev/null && echo $d; done")
+    assert r.stdout.split() == ["/tmp", "/dev/shm", "/workspace"], r
+
+
+@needs_bwrap
 def test_the_host_tmp_and_another_workspace_are_not_reachable(sb, other):
     name = f"k3_escape_{os.getpid()}"
     host_tmp = os.path.join(tempfile.gettempdir(), name)
@@ -396,3 +403,9 @@ def test_paths_that_leave_the_workspace_are_refused(sb):
             sb.read_file(path)
     with pytest.raises(SandboxError, match="cwd"):
         sb.exec("true", cwd="/tmp")
+
+
+@needs_bwrap
+def test_a_call_that_closes_its_output_still_runs_to_its_end(sb):
+    r = sb.exec("exec >&- 2>&-; sleep 0.3; echo done > marker")
+    assert r.ok and sb.read_file("marker") == b"done\n" and r.wall_s >= 0.3, r
