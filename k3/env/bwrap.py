@@ -16,7 +16,9 @@ unprivileged user namespace and commands run as the caller's uid; RLIMIT_NPROC t
 processes, so it is set to what the user runs now plus `limits.processes` (the best available without root).
 
 The wall limit kills bwrap, whose PID namespace's init dies with it (--die-with-parent), which kills every process
-of the call: nothing outlives a call, background processes included.
+of the call: nothing outlives a call, background processes included. bwrap passes a command's death by signal n
+on as exit status 128 + n; results read it back as that signal (so a command that itself exits 129-192 reads the
+same, the shell's convention).
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def bwrap_launch(bwrap: str, setpriv: str | None, workspace: str, argv: list[str
                  "--bounding-set=-all", "--no-new-privs", "--"]
     path = ":".join(dict.fromkeys(os.path.join(p, "bin") for p in _python_prefixes())) + ":/usr/local/bin:/usr/bin:/bin"
     full_env = {"PATH": path, "HOME": WORKSPACE, "LANG": "C.UTF-8", "TMPDIR": "/tmp", **env}
-    return Launch(limits.prlimit_argv(nproc) + args + argv, env=full_env, cwd="/", pass_fds=tuple(fds))
+    return Launch(limits.prlimit_argv(nproc) + args + argv, env=full_env, cwd="/", pass_fds=tuple(fds),
+                  exit_signals=True)
 
 
 @functools.cache

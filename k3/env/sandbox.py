@@ -107,6 +107,7 @@ class Launch:
     env: dict
     cwd: str | None = None
     pass_fds: tuple = ()
+    exit_signals: bool = False     # the launcher reports its command's death by signal n as exit 128 + n (bwrap)
 
 
 class RunningCall:
@@ -117,7 +118,7 @@ class RunningCall:
     goes on); `kill()` ends it and returns its result."""
 
     def __init__(self, launch: Launch, *, stdin: str | None, timeout: float, output_bytes: int):
-        self._timeout, self._cap = timeout, output_bytes
+        self._timeout, self._cap, self._exit_signals = timeout, output_bytes, launch.exit_signals
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._paused_at: float | None = None
@@ -255,13 +256,18 @@ class RunningCall:
             paused_s = self._paused_total + (time.monotonic() - self._paused_at if self._paused_at else 0.0)
             self._paused_at = None
         out, err = (bytes(b) for b in bufs.values())
+        rc, signum = p.returncode, None
+        if rc < 0:
+            signum = -rc
+        elif self._exit_signals and 128 < rc <= 128 + 64:
+            signum = rc - 128
         sig = None
-        if p.returncode < 0:
+        if signum is not None:
             try:
-                sig = signal.Signals(-p.returncode).name
+                sig = signal.Signals(signum).name
             except ValueError:
-                sig = f"signal {-p.returncode}"
-        return ExecResult(exit_code=None if (timed_out or p.returncode < 0) else p.returncode,
+                sig = f"signal {signum}"
+        return ExecResult(exit_code=None if (timed_out or sig) else rc,
                           stdout=out[:self._cap].decode("utf-8", "replace"),
                           stderr=err[:self._cap].decode("utf-8", "replace"), timed_out=timed_out, signal=sig,
                           truncated=len(out) > self._cap or len(err) > self._cap, paused_s=paused_s,

@@ -184,6 +184,18 @@ def test_a_call_that_never_returns_is_killed_at_the_wall_limit(sb, command):
     still_works(sb)
 
 
+@needs_bwrap
+def test_cpu_limit_and_signals_are_reported():
+    with create_sandbox("bwrap", limits=Limits(cpu_seconds=1, wall_seconds=10)) as s:
+        r = s.exec(["python3", "-c", "while True: pass"])
+        assert r.signal in ("SIGKILL", "SIGXCPU") and r.exit_code is None and not r.timed_out and r.wall_s < 5, r
+        r = s.exec("kill -SEGV $$")
+        assert r.signal == "SIGSEGV" and r.exit_code is None, r
+        assert s.exec("exit 3").exit_code == 3
+        r = s.exec("head -c 100000000 /dev/zero > big")
+        assert r.exit_code != 0 and os.path.getsize(s.host_path("big")) == Limits().file_size_bytes, r
+
+
 def _host_processes_with(arg: str) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
