@@ -541,6 +541,9 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
         params = srv.sampling_params(body, len(ids), "messages", max_tokens, None, stop, logprobs,
                                      "max_completion_tokens" if use_mct else "max_tokens")
         params.stop_token_ids = stop_ids
+        if engine.draft is None:  # a forced call is decoded under its grammar; speculative steps would skip it
+            params.constraint = opts.constraint(srv.tokenizer, srv.template, params.max_tokens, engine.eos_id,
+                                                "max_completion_tokens" if use_mct else "max_tokens")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         turn = ChatTurn(opts, srv.template, srv.tokenizer, stops=bool(params.stop))
         return await srv.run(request, ids, params, turn, stream=bool(body.stream), include_usage=include_usage,

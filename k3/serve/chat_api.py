@@ -2,8 +2,9 @@
 conventions of vLLM and SGLang), on top of the chat template (k3.serve.chat).
 
 Request side: `chat_options` checks the request's tools, tool_choice, parallel_tool_calls, response_format,
-reasoning_effort and chat_template_kwargs (an APIError names the parameter), and `ChatOptions.render` builds the
-prompt. Thinking mode (generation prefix [open]think[sep]) is chosen by chat_template_kwargs {"thinking": bool}
+reasoning_effort and chat_template_kwargs (an APIError names the parameter), `ChatOptions.render` builds the
+prompt, and `ChatOptions.constraint` gives the decoding grammar of a forced call (tool_choice "required" or a
+named function: k3.serve.chat_constrain). Thinking mode (generation prefix [open]think[sep]) is chosen by chat_template_kwargs {"thinking": bool}
 (or vLLM's "enable_thinking"), else by the presence of reasoning_effort.
 
 Reply side: `ChatTurn` feeds the generated token ids to the streaming parser (markup ids are markup, other ids
@@ -23,8 +24,9 @@ import math
 import uuid
 from dataclasses import dataclass
 
-from k3.serve.chat import AssistantParser, ChatEvent, ChatTemplate, render_chat_segments
-from k3.serve.chat_render import check_tools, loads_json, tool_names
+from k3.serve.chat import AssistantParser, ChatEvent, ChatTemplate, markup_ids, render_chat_segments
+from k3.serve.chat_constrain import ToolCallConstraint
+from k3.serve.chat_render import attr_value_ok, check_tools, loads_json, tool_names
 from k3.serve.chat_template import RESPONSE, THINK, TOOLS
 from k3.serve.protocol import APIError
 
@@ -71,6 +73,29 @@ class ChatOptions:
             msg = str(e)
             param = next((p for p in _RENDER_PARAMS if msg.startswith(p)), "messages")
             raise APIError(400, msg, param=param) from None
+
+
+    def constraint(self, tokenizer, template: ChatTemplate, max_tokens: int, eos_id: int | None,
+                   param: str = "max_tokens"):
+        """The decoding constraint that makes a "required" or named tool_choice hold (k3.serve.chat_constrain),
+        or None when the request forces no call or the tokenizer lacks the markup as special tokens. APIError
+        when max_tokens cannot hold the shortest call."""
+        if not (self.named or self.tool_choice == "required") or markup_ids(tokenizer, template) is None:
+            return None
+        allowed = [self.tool_choice] if self.named else tool_names(self.tools)
+        params = {}
+        for tool in self.tools:
+            name = tool["function"]["name"]
+            if name in allowed:
+                props = (tool["function"].get("parameters") or {}).get("properties")
+                props = props if isinstance(props, dict) else {}
+                params[name] = {k: (v.get("type") if isinstance(v, dict) else None) for k, v in props.items()
+                                if k and attr_value_ok(k, template)}
+        c = ToolCallConstraint(tokenizer, template, params, self.thinking, max_tokens, eos_id)
+        if c.min_tokens() > max_tokens:
+            raise APIError(400, f"{param} = {max_tokens} is too small: tool_choice forces a call, and the "
+                                f"shortest one takes {c.min_tokens()} tokens", param=param)
+        return c
 
 
 def chat_options(template: ChatTemplate, tools=None, tool_choice=None, parallel_tool_calls=None,

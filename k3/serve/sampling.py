@@ -20,6 +20,10 @@ class SamplingParams:
     # Score the prompt too: per prompt token (after the first) its logprob and this many top alternatives,
     # computed in the forwards that prefill it. Such a request never takes prefix-cache hits.
     prompt_logprobs: int | None = None
+    # A grammar over the output (e.g. k3.serve.chat_constrain.ToolCallConstraint): `mask(logits [V])` returns the
+    # logits with the tokens it forbids at -inf, `advance(token)` takes each sampled token. Used by `sample_batch`
+    # (the engine's plain decode steps), so a constrained request must not be speculated.
+    constraint: object | None = None
 
     def validate(self) -> None:
         plp = self.prompt_logprobs
@@ -66,9 +70,19 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [N, V], row i with params[i] and generators[i], read back to the host once.
     Greedy rows share one argmax (taken over all rows); each sampled row draws from its own generator, so a
-    request's tokens do not depend on which other requests share its step. Equal to calling `sample` row by row."""
+    request's tokens do not depend on which other requests share its step. Equal to calling `sample` row by row.
+    A row whose params have a constraint samples from its masked logits (a copy: the caller's logits stay as they
+    are, for logprobs), and the constraint then takes the token."""
+    constrained = [i for i, p in enumerate(params) if p.constraint is not None]
+    if constrained:
+        logits = logits.clone()
+        for i in constrained:
+            logits[i] = params[i].constraint.mask(logits[i])
     out = logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)
     for i, p in enumerate(params):
         if p.temperature != 0:
             out[i] = sample(logits[i:i + 1], p, generators[i])[0]
-    return out.tolist()
+    toks = out.tolist()
+    for i in constrained:
+        params[i].constraint.advance(toks[i])
+    return toks

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
@@ -239,14 +240,31 @@ def test_tool_choice_renders_its_option(server, choice, instruction):
         assert "tool_call_errors" not in m
 
 
-def test_broken_tool_choice_is_reported(server):
-    r, _ = _chat(server, "No.[close]response[sep][end_of_msg]", tools=[WEATHER], tool_choice="required")
-    assert _msg(r)["tool_call_errors"] == ["tool_choice is 'required' but the model called no tool"]
-    assert r.choices[0].finish_reason == "stop"
-    named = {"type": "function", "function": {"name": "get_time"}}
-    r, _ = _chat(server, THINK_CALL.replace("Need data.[close]think[sep]", "[close]response[sep]"),
-                 tools=[WEATHER, TIME], tool_choice=named)
-    assert _msg(r)["tool_call_errors"] == ["tool_choice names 'get_time' but the model called ['get_weather']"]
+def test_forced_tool_choice_wins_over_the_model(server):
+    """A model that wants to answer in text under tool_choice "required" is decoded into a call (the grammar of
+    k3.serve.chat_constrain masks its logits)."""
+    r, _ = _chat(server, "No.[close]response[sep][end_of_msg]", tools=[WEATHER, TIME], tool_choice="required")
+    m = _msg(r)
+    assert r.choices[0].finish_reason == "tool_calls" and "tool_call_errors" not in m
+    assert [c["function"]["name"] for c in m["tool_calls"]] in (["get_weather"], ["get_time"])
+
+
+def test_broken_tool_choice_is_reported():
+    """Where nothing constrains the decoding (a speculating engine, a tokenizer without the markup), a reply
+    that breaks tool_choice says so."""
+    def reply(options, output):
+        a = ReplyAssembler(options)
+        p = AssistantParser(T, prefix="response")
+        a.events(p.feed(output) + p.finish())
+        a.finish()
+        return a.message()
+
+    no_call = reply(chat_options(T, tools=[WEATHER], tool_choice="required"), "No.[close]response[sep][end_of_msg]")
+    assert no_call["tool_call_errors"] == ["tool_choice is 'required' but the model called no tool"]
+    named = chat_options(T, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    other = reply(named, THINK_CALL.replace("Need data.[close]think[sep]", "[close]response[sep]"))
+    assert other["tool_call_errors"] == ["tool_choice names 'get_time' but the model called ['get_weather']"]
+    assert [c["function"]["name"] for c in other["tool_calls"]] == ["get_weather"]
 
 
 def test_parallel_tool_calls_false(server):
@@ -553,3 +571,80 @@ def test_schema_subset():
                        ({"anyOf": []}, "s.anyOf"), ({"maxItems": -1}, "s.maxItems")):
         with pytest.raises(ValueError, match=where.replace(".", r"\.")):
             check_schema(bad, "s")
+
+
+# =====================================================================================================================
+# Constrained decoding of a forced call (k3.serve.chat_constrain)
+
+
+def _tools_params(tools):
+    return {t["function"]["name"]: list(t["function"].get("parameters", {}).get("properties", {})) for t in tools}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31), st.booleans(), st.integers(0, 120),
+       st.sampled_from([None, "get_time", "get_weather", "get"]))
+def test_constraint_makes_any_logits_write_one_parseable_call(seed, thinking, extra, named):
+    """Random logits, sampled under the constraint, always give one well-formed call of an allowed tool within
+    the budget."""
+    from k3.data.tokenizer import K3Tokenizer
+
+    tok = K3Tokenizer.byte_level()
+    tools = [WEATHER, TIME, {"type": "function", "function": {"name": "get", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}, "qq": {"type": "array"}, "x": {"type": "number"},
+                                         "ok": {"type": "boolean"}, "nothing": {"type": "null"}}}}}]
+    opts = chat_options(T, tools=tools, reasoning_effort="low" if thinking else None,
+                        tool_choice={"type": "function", "function": {"name": named}} if named else "required")
+    probe = opts.constraint(tok, T, 10**6, None)
+    budget = probe.min_tokens() + extra
+    c = opts.constraint(tok, T, budget, tok.eos_id)
+    g = torch.Generator().manual_seed(seed)
+    eom = tok.special_token_id(T.end_of_message)
+    out = []
+    for _ in range(budget):
+        logits = torch.randn(tok.vocab_size, generator=g) * 4
+        t = int(torch.multinomial(torch.softmax(c.mask(logits), -1), 1, generator=g))
+        c.advance(t)
+        if t == eom:
+            break
+        out.append(t)
+    assert t == eom and c.active and len(out) < budget
+    p = AssistantParser(T, prefix="think" if thinking else "response", tokenizer=tok)
+    p.feed_ids(out)
+    p.finish()
+    r = p.result()
+    assert r.errors == [] and len(r.tool_calls) == 1
+    call = r.tool_calls[0]
+    assert call.name == named if named else call.name in ("get_weather", "get_time", "get")
+    args = json.loads(call.arguments)
+    assert set(args) <= set(_tools_params(tools)[call.name])
+    schema = next(t for t in tools if t["function"]["name"] == call.name)["function"]["parameters"]
+    kinds = {k: v["type"] if v["type"] != "array" else "string" for k, v in schema["properties"].items()}
+    assert schema_errors(args, {"properties": {k: {"type": v} for k, v in kinds.items()}}) == []  # typed values
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("named", [None, "get_weather"])
+def test_random_model_under_a_forced_tool_choice_always_calls(server, thinking, named):
+    """The random model itself (no script) through the server: every reply is one parseable call."""
+    server.script.play(None, [])
+    choice = {"type": "function", "function": {"name": named}} if named else "required"
+    extra = {"chat_template_kwargs": {"thinking": thinking}}
+    for seed in range(2):
+        kw = dict(model=MODEL, messages=USER, tools=[WEATHER, TIME], tool_choice=choice, temperature=1.0,
+                  seed=seed, max_tokens=70 + 40 * seed, extra_body=extra)
+        r = server.client.chat.completions.create(**kw)
+        m = _msg(r)
+        assert "tool_call_errors" not in m, m
+        assert r.choices[0].finish_reason == "tool_calls" and len(m["tool_calls"]) == 1
+        call = m["tool_calls"][0]["function"]
+        assert call["name"] == named if named else call["name"] in ("get_weather", "get_time")
+        args = json.loads(call["arguments"])
+        assert set(args) <= set(_tools_params([WEATHER, TIME])[call["name"]])
+        assert isinstance(args.get("days", 0), int) and isinstance(args.get("city", ""), str)
+        sm, reason, _ = _reassemble(list(server.client.chat.completions.create(stream=True, **kw)))
+        assert reason == "tool_calls" and [c["function"] for c in sm["tool_calls"]] == [call]
+    r = server.http.post(f"{server.base}/v1/chat/completions", json={
+        "model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 20})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "shortest one takes" in r.json()["error"]["message"]
