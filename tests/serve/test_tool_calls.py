@@ -648,3 +648,30 @@ def test_random_model_under_a_forced_tool_choice_always_calls(server, thinking, 
         "model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 20})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "shortest one takes" in r.json()["error"]["message"]
+
+
+def test_reply_of_a_tokenizer_without_the_markup():
+    """An older tokenizer has no markup ids: markers are text, the server stops on the end-of-message string (the
+    engine cuts the text there) and the parser reads the markers from the decoded text."""
+    from k3.data.tokenizer import K3Tokenizer
+    from k3.serve.chat_api import ChatTurn
+
+    class Plain:  # encode and decode only: no special_token_id
+        def __init__(self):
+            self.tok = K3Tokenizer.byte_level()
+
+        def encode(self, text):
+            return self.tok.encode(text)
+
+        def decode(self, ids):
+            return self.tok.decode(ids)
+
+    tok = Plain()
+    out = '[close]response[sep][open]tools[sep]' + _call("get_time", 0, "") + "[close]tools[sep]"
+    turn = ChatTurn(chat_options(T, tools=[TIME]), T, tok, stops=True)
+    ids = tok.encode(out + "[end_of_msg]")
+    deltas = turn.update(ids[:10], out[:10]) + turn.update(ids[10:], out, True, "stop")
+    m = turn.message()
+    assert m["content"] is None and "tool_call_errors" not in m and turn.finish_reason("stop") == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]] == [("get_time", "{}")]
+    assert _sum(deltas, False)["tool_calls"] == m["tool_calls"]
