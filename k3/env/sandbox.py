@@ -387,21 +387,39 @@ class Sandbox(abc.ABC):
 
     # -- files (host-side access to the workspace, for tools and verifiers) ------------------------------------
     def host_path(self, path: str) -> str:
-        """The host path of a workspace path, refusing anything that resolves outside the workspace. (Checked when
-        called: a call running in the background at the same time could still swap a directory for a symlink.)"""
+        """The host path of a workspace path, resolved as a command in the sandbox would resolve it (a symlink to
+        "/workspace/..." stays in the workspace), refusing anything that leads outside it. (Checked when called: a
+        call running in the background at the same time could still swap a directory for a symlink.)"""
         self._check_open()
         if not isinstance(path, str) or "\x00" in path:
             raise SandboxError(f"a path is a string without NUL bytes, got {path!r}")
-        rel = path
-        if os.path.isabs(path):
-            if not (path == WORKSPACE or path.startswith(WORKSPACE + "/")):
-                raise SandboxError(f"path {path!r} is outside the workspace {WORKSPACE}")
-            rel = path[len(WORKSPACE):].lstrip("/")
+        if os.path.isabs(path) and not (path == WORKSPACE or path.startswith(WORKSPACE + "/")):
+            raise SandboxError(f"path {path!r} is outside the workspace {WORKSPACE}")
         root = os.path.realpath(self.workspace)
-        full = os.path.realpath(os.path.join(root, rel))
-        if full != root and not full.startswith(root + os.sep):
-            raise SandboxError(f"path {path!r} resolves outside the workspace")
-        return full
+        todo = list(reversed(path[len(WORKSPACE):].split("/") if os.path.isabs(path) else path.split("/")))
+        parts: list[str] = []
+        links = 0
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if not parts:
+                    raise SandboxError(f"path {path!r} resolves outside the workspace")
+                parts.pop()
+                continue
+            full = os.path.join(root, *parts, name)
+            if not os.path.islink(full):
+                parts.append(name)
+                continue
+            links += 1
+            target = os.readlink(full)
+            if links > 40 or (target.startswith("/") and not (target == WORKSPACE or target.startswith(WORKSPACE + "/"))):
+                raise SandboxError(f"path {path!r} resolves outside the workspace (through {target!r})")
+            if target.startswith("/"):
+                parts, target = [], target[len(WORKSPACE):]
+            todo.extend(reversed(target.split("/")))
+        return os.path.join(root, *parts)
 
     def read_file(self, path: str) -> bytes:
         p = self.host_path(path)
