@@ -57,7 +57,11 @@ class BwrapSandbox(Sandbox):
         if os.geteuid() == 0:
             self._uid_lock, uid = _allocate_uid()
             self.owner = (uid, uid)
-            chown_tree(workspace, self.owner)
+            try:
+                chown_tree(workspace, self.owner)
+            except OSError:
+                self.close()
+                raise
 
     def _launch(self, argv: list[str], *, cwd: str, env: dict) -> Launch:
         return bwrap_launch(self._bwrap, self._setpriv, self.workspace, argv, cwd=cwd, env=env, limits=self.limits,

@@ -227,9 +227,9 @@ class RunningCall:
             for key, _ in sel.select(wait):
                 if key.fd == self._wake_r:
                     os.read(key.fd, 512)
-                elif key.fd == pidfd:        # the process ended: kill what it left behind, then drain the pipes
+                elif key.fd == pidfd:        # the process ended: kill what it left in its group, drain the pipes
                     sel.unregister(pidfd)
-                    _signal_tree(p.pid, signal.SIGKILL)
+                    _kill_group(p.pid)
                     drain_until = time.monotonic() + _DRAIN_S
                 elif key.fd == stdin_fd:
                     try:
@@ -247,7 +247,6 @@ class RunningCall:
                     open_outputs -= 1
         sel.close()
         os.close(pidfd)
-        _signal_tree(p.pid, signal.SIGKILL)
         p.wait()
         for f in (p.stdout, p.stderr, p.stdin):
             if f is not None and not f.closed:
@@ -305,8 +304,9 @@ def _process_tree(root: int) -> list[int]:
 
 
 def _signal_tree(root: int, sig: int) -> None:
-    """Send `sig` to `root`, its process group and all its descendants. For SIGSTOP, repeat until every process
-    of the tree is stopped, so that one forking while it was being stopped leaves no running child behind."""
+    """Send `sig` to `root` (alive: its descendants are found through it) and all its descendants, and SIGKILL
+    to its process group too. For SIGSTOP, repeat until every process of the tree is stopped, so that one forking
+    while it was being stopped leaves no running child behind."""
     seen: set[int] = set()
     for _ in range(200):
         pids = _process_tree(root)
@@ -315,26 +315,34 @@ def _signal_tree(root: int, sig: int) -> None:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        if sig != signal.SIGSTOP or (set(pids) <= seen and all(_state(p) in _STOPPED for p in pids)):
+        if sig != signal.SIGSTOP or (set(pids) <= seen and all(_stopped(p) for p in pids)):
             break
         seen |= set(pids)
         time.sleep(0.001)
     if sig == signal.SIGKILL:
-        try:
-            os.killpg(root, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(root)
 
 
-_STOPPED = ("T", "t", "Z", "X", None)      # /proc states of a process that can no longer fork (None: gone)
-
-
-def _state(pid: int) -> str | None:
+def _kill_group(pgid: int) -> None:
+    """SIGKILL a call's process group: once its first process has ended, its children are no longer its
+    descendants, but those that stayed in its group are still found this way (bwrap's are already gone with its
+    PID namespace)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stopped(pid: int) -> bool:
+    """Whether a process can no longer fork: stopped, dead, gone, or with SIGSTOP pending (one in the middle of an
+    exec is in uninterruptible sleep and stops as soon as it leaves it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return True
+    pending = int(fields.get("SigPnd", "0"), 16) | int(fields.get("ShdPnd", "0"), 16)
+    return fields.get("State", "").split()[0] in ("T", "t", "Z", "X") or bool(pending & (1 << (signal.SIGSTOP - 1)))
 
 
 class Sandbox(abc.ABC):

@@ -424,3 +424,15 @@ def test_host_paths_resolve_as_in_the_sandbox_and_never_leave_it(sb):
 def test_a_call_that_closes_its_output_still_runs_to_its_end(sb):
     r = sb.exec("exec >&- 2>&-; sleep 0.3; echo done > marker")
     assert r.ok and sb.read_file("marker") == b"done\n" and r.wall_s >= 0.3, r
+
+
+@needs_bwrap
+def test_a_call_paused_as_it_starts_stops_at_once(sb):
+    call = sb.start("echo started > s; sleep 0.3; echo finished", timeout=1.0)
+    t0 = time.monotonic()
+    call.pause()                                        # while the call's processes are still being executed
+    assert time.monotonic() - t0 < 0.2
+    assert call.wait(timeout=1.5) is None and not call.done
+    call.resume()
+    r = call.wait(timeout=5)
+    assert r.ok and r.stdout == "finished\n" and r.paused_s >= 1.5, r
