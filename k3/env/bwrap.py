@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 
 from k3.env.sandbox import WORKSPACE, Launch, Limits, Sandbox, SandboxError, chown_tree
 
@@ -53,9 +54,10 @@ class BwrapSandbox(Sandbox):
                  owns_root: str | None = None):
         super().__init__(workspace, env=env, limits=limits, owns_root=owns_root)
         self._bwrap, self._setpriv = _tools()
-        self._uid_lock: int | None = None
+        self._release_uid = None
         if os.geteuid() == 0:
-            self._uid_lock, uid = _allocate_uid()
+            lock, uid = _allocate_uid()
+            self._release_uid = weakref.finalize(self, _release_uid, lock, uid)
             self.owner = (uid, uid)
             try:
                 chown_tree(workspace, self.owner)
@@ -69,9 +71,8 @@ class BwrapSandbox(Sandbox):
 
     def close(self) -> None:
         super().close()
-        if self._uid_lock is not None:     # the uid is free once its workspace and processes are gone
-            _release_uid(self._uid_lock, self.owner[0])
-            self._uid_lock = None
+        if self._release_uid is not None:  # the uid is free once its workspace and processes are gone
+            self._release_uid()
 
 
 def bwrap_launch(bwrap: str, setpriv: str | None, workspace: str, argv: list[str], *, cwd: str, env: dict,

@@ -357,10 +357,11 @@ class Sandbox(abc.ABC):
         self.limits = limits or Limits()
         self.limits.validate()
         self.owner: tuple[int, int] | None = None   # (uid, gid) of the sandbox's commands when not the caller's
-        self._root = owns_root            # a host directory removed by close()
         self._closed = False
         self._snapshots: list[str] = []
         self._calls: weakref.WeakSet[RunningCall] = weakref.WeakSet()
+        # the directories go with close(), or with the object or the interpreter when close() was forgotten
+        self._remove_dirs = weakref.finalize(self, _remove_dirs, [owns_root] if owns_root else [], self._snapshots)
 
     # -- commands ---------------------------------------------------------------------------------------------
     def exec(self, command: list[str] | str, *, stdin: str | None = None, timeout: float | None = None,
@@ -508,10 +509,7 @@ class Sandbox(abc.ABC):
         self._closed = True
         for call in list(self._calls):
             call.kill()
-        for d in self._snapshots:
-            shutil.rmtree(d, ignore_errors=True)
-        if self._root:
-            shutil.rmtree(self._root, ignore_errors=True)
+        self._remove_dirs()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -522,6 +520,12 @@ class Sandbox(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _remove_dirs(*lists: list[str]) -> None:
+    for dirs in lists:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def copy_tree(src: str, dst: str, owner: tuple[int, int] | None = None) -> None:

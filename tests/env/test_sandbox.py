@@ -408,6 +408,17 @@ def test_close_kills_running_calls_and_refuses_more():
 
 
 @needs_bwrap
+def test_a_sandbox_dropped_without_close_leaves_nothing_behind():
+    import gc
+    sandbox = create_sandbox("bwrap")
+    snap = sandbox.snapshot()
+    dirs = [os.path.dirname(sandbox.workspace), snap.path]
+    del sandbox
+    gc.collect()
+    assert not any(os.path.exists(d) for d in dirs)
+
+
+@needs_bwrap
 def test_host_paths_resolve_as_in_the_sandbox_and_never_leave_it(sb):
     assert sb.exec("mkdir -p d/e && echo in > d/e/f && ln -s /workspace/d abs && ln -s d/e rel && ln -s ../d/e d/up"
                    " && ln -s /etc/passwd out && ln -s .. parent && ln -s loop loop").ok
