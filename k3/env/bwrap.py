@@ -27,6 +27,7 @@ import fcntl
 import functools
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -176,6 +177,10 @@ def _allocate_uid() -> tuple[int, int]:
     so a crashed process frees its uids."""
     d = os.path.join(tempfile.gettempdir(), "k3-sandbox-uids")
     os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise SandboxError(f"{d} must be a directory of uid {os.geteuid()} with mode 0700 (another user could "
+                           f"forge its uid locks), got uid {st.st_uid} mode {oct(st.st_mode & 0o7777)}")
     with _HELD_LOCK:
         for n in range(SANDBOX_UID_COUNT):
             uid = SANDBOX_UID_BASE + n
