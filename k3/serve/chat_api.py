@@ -19,27 +19,18 @@ json-typed argument, an unknown channel, text outside any channel, an unclosed c
 
 from __future__ import annotations
 
-import json
-import math
 import uuid
 from dataclasses import dataclass
 
 from k3.serve.chat import AssistantParser, ChatEvent, ChatTemplate, markup_ids, render_chat_segments
 from k3.serve.chat_constrain import ToolCallConstraint
 from k3.serve.chat_render import attr_value_ok, check_tools, loads_json, tool_names
+from k3.serve.chat_schema import check_schema, json_short, schema_errors
 from k3.serve.chat_template import RESPONSE, THINK, TOOLS
 from k3.serve.protocol import APIError
 
 THINKING_KWARGS = ("thinking", "enable_thinking")  # chat_template_kwargs keys that select the mode
 _RENDER_PARAMS = ("tools", "tool_choice", "response_format", "reasoning_effort")
-
-
-def _short(v, limit: int = 80) -> str:
-    try:
-        r = json.dumps(v, ensure_ascii=False)
-    except (TypeError, ValueError):
-        r = repr(v)
-    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 def new_call_id() -> str:
@@ -121,7 +112,7 @@ def chat_options(template: ChatTemplate, tools=None, tool_choice=None, parallel_
                                 f"{names})", param="tool_choice")
         tool_choice, named = name, True
     else:
-        raise APIError(400, f"tool_choice = {_short(tool_choice)} is invalid: 'auto', 'none', 'required' or "
+        raise APIError(400, f"tool_choice = {json_short(tool_choice)} is invalid: 'auto', 'none', 'required' or "
                             "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
     if parallel_tool_calls is None:
         parallel_tool_calls = True
@@ -130,7 +121,7 @@ def chat_options(template: ChatTemplate, tools=None, tool_choice=None, parallel_
     if reasoning_effort is not None:
         levels = list(template.effort_instructions)
         if reasoning_effort not in levels:
-            raise APIError(400, f"reasoning_effort = {_short(reasoning_effort)} is invalid: one of {levels} (this "
+            raise APIError(400, f"reasoning_effort = {json_short(reasoning_effort)} is invalid: one of {levels} (this "
                                 "model's levels) or null", param="reasoning_effort")
         if thinking is False:
             raise APIError(400, f"reasoning_effort = {reasoning_effort!r} needs thinking mode, but "
@@ -144,7 +135,7 @@ def _thinking(kwargs) -> bool | None:
     if kwargs is None:
         return None
     if not isinstance(kwargs, dict):
-        raise APIError(400, f"chat_template_kwargs must be an object like {{\"thinking\": true}}, got {_short(kwargs)}",
+        raise APIError(400, f"chat_template_kwargs must be an object like {{\"thinking\": true}}, got {json_short(kwargs)}",
                        param="chat_template_kwargs")
     unknown = sorted(set(kwargs) - set(THINKING_KWARGS))
     if unknown:
@@ -153,7 +144,7 @@ def _thinking(kwargs) -> bool | None:
     given = {k: v for k, v in kwargs.items() if v is not None}
     for k, v in given.items():
         if not isinstance(v, bool):
-            raise APIError(400, f"chat_template_kwargs.{k} = {_short(v)} is invalid: true or false",
+            raise APIError(400, f"chat_template_kwargs.{k} = {json_short(v)} is invalid: true or false",
                            param="chat_template_kwargs")
     if len(set(given.values())) > 1:
         raise APIError(400, f"chat_template_kwargs.thinking and .enable_thinking disagree ({given}): give one",
@@ -170,14 +161,14 @@ def _response_format(fmt) -> dict | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind != "json_schema":
-        raise APIError(400, f"response_format = {_short(fmt)} is invalid: its type is 'text', 'json_object' or "
+        raise APIError(400, f"response_format = {json_short(fmt)} is invalid: its type is 'text', 'json_object' or "
                             "'json_schema'", param="response_format")
     js = fmt.get("json_schema")
     if not isinstance(js, dict):
         raise APIError(400, "response_format.json_schema must be an object like {\"name\": ..., \"schema\": {...}}, "
-                            f"got {_short(js)}", param="response_format")
+                            f"got {json_short(js)}", param="response_format")
     if "name" in js and not isinstance(js["name"], str):
-        raise APIError(400, f"response_format.json_schema.name must be a string, got {_short(js['name'])}",
+        raise APIError(400, f"response_format.json_schema.name must be a string, got {json_short(js['name'])}",
                        param="response_format")
     schema = js.get("schema", {})
     try:
@@ -185,129 +176,6 @@ def _response_format(fmt) -> dict | None:
     except ValueError as e:
         raise APIError(400, str(e), param="response_format") from None
     return {"type": "json_schema", "json_schema": js}
-
-
-# =====================================================================================================================
-# JSON schemas: the subset response_format checks
-
-
-JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf")
-_NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_COUNT_KEYS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
-
-
-def check_schema(schema, where: str) -> None:
-    """Raise ValueError naming the place of the first keyword of `schema` with a wrong shape. Checked: type, enum,
-    const, properties, required, additionalProperties, items, anyOf/oneOf/allOf, numeric and length bounds;
-    other keywords are accepted and not enforced."""
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise ValueError(f"{where} must be a JSON schema object, got {_short(schema)}")
-    t = schema.get("type")
-    if t is not None:
-        ts = t if isinstance(t, list) else [t]
-        if not ts or any(x not in JSON_TYPES for x in ts):
-            raise ValueError(f"{where}.type = {_short(t)} is invalid: one of {list(JSON_TYPES)} or a list of them")
-    if "enum" in schema and not isinstance(schema["enum"], list):
-        raise ValueError(f"{where}.enum must be a list, got {_short(schema['enum'])}")
-    if "required" in schema and not (isinstance(schema["required"], list) and
-                                     all(isinstance(x, str) for x in schema["required"])):
-        raise ValueError(f"{where}.required must be a list of property names, got {_short(schema['required'])}")
-    for k in _NUMBER_KEYS:
-        if k in schema and (isinstance(schema[k], bool) or not isinstance(schema[k], (int, float))):
-            raise ValueError(f"{where}.{k} must be a number, got {_short(schema[k])}")
-    for k in _COUNT_KEYS:
-        if k in schema and (isinstance(schema[k], bool) or not isinstance(schema[k], int) or schema[k] < 0):
-            raise ValueError(f"{where}.{k} must be a non-negative integer, got {_short(schema[k])}")
-    for k in _SCHEMA_MAPS:
-        if k in schema:
-            if not isinstance(schema[k], dict):
-                raise ValueError(f"{where}.{k} must be an object of schemas, got {_short(schema[k])}")
-            for name, sub in schema[k].items():
-                check_schema(sub, f"{where}.{k}.{name}")
-    for k in _SCHEMA_LISTS:
-        if k in schema:
-            if not isinstance(schema[k], list) or not schema[k]:
-                raise ValueError(f"{where}.{k} must be a non-empty list of schemas, got {_short(schema[k])}")
-            for j, sub in enumerate(schema[k]):
-                check_schema(sub, f"{where}.{k}[{j}]")
-    for k in ("items", "additionalProperties"):
-        if k in schema:
-            check_schema(schema[k], f"{where}.{k}")
-
-
-def _type_ok(v, t: str) -> bool:
-    if t == "object":
-        return isinstance(v, dict)
-    if t == "array":
-        return isinstance(v, list)
-    if t == "string":
-        return isinstance(v, str)
-    if t == "boolean":
-        return isinstance(v, bool)
-    if t == "null":
-        return v is None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    return t == "number" or isinstance(v, int) or (math.isfinite(v) and v == int(v))
-
-
-def schema_errors(v, schema, where: str = "$") -> list[str]:
-    """Where `v` breaks `schema` (a schema check_schema accepts), as messages naming the place ($ is the root)."""
-    if schema is True or schema == {}:
-        return []
-    if schema is False:
-        return [f"{where}: no value is allowed here"]
-    errs: list[str] = []
-    t = schema.get("type")
-    if t is not None:
-        ts = t if isinstance(t, list) else [t]
-        if not any(_type_ok(v, x) for x in ts):
-            return [f"{where}: {_short(v, 40)} is not of type {' or '.join(ts)}"]
-    if "enum" in schema and v not in schema["enum"]:
-        errs.append(f"{where}: {_short(v, 40)} is not one of {_short(schema['enum'])}")
-    if "const" in schema and v != schema["const"]:
-        errs.append(f"{where}: {_short(v, 40)} is not {_short(schema['const'])}")
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        for k, bad in (("minimum", lambda b: v < b), ("maximum", lambda b: v > b),
-                       ("exclusiveMinimum", lambda b: v <= b), ("exclusiveMaximum", lambda b: v >= b)):
-            if k in schema and bad(schema[k]):
-                errs.append(f"{where}: {v} breaks {k} {schema[k]}")
-    size = len(v) if isinstance(v, (str, list, dict)) else None
-    kinds = {str: ("minLength", "maxLength"), list: ("minItems", "maxItems"), dict: ("minProperties", "maxProperties")}
-    if size is not None:
-        lo, hi = kinds[type(v)]
-        if lo in schema and size < schema[lo]:
-            errs.append(f"{where}: has {size}, fewer than {lo} {schema[lo]}")
-        if hi in schema and size > schema[hi]:
-            errs.append(f"{where}: has {size}, more than {hi} {schema[hi]}")
-    if isinstance(v, dict):
-        props = schema.get("properties", {})
-        for k in schema.get("required", []):
-            if k not in v:
-                errs.append(f"{where}: the required property {k!r} is missing")
-        extra = schema.get("additionalProperties", True)
-        for k, x in v.items():
-            if k in props:
-                errs += schema_errors(x, props[k], f"{where}.{k}")
-            elif extra is False:
-                errs.append(f"{where}: the property {k!r} is not allowed (additionalProperties is false)")
-            elif isinstance(extra, dict):
-                errs += schema_errors(x, extra, f"{where}.{k}")
-    if isinstance(v, list) and isinstance(schema.get("items"), (dict, bool)):
-        for j, x in enumerate(v):
-            errs += schema_errors(x, schema["items"], f"{where}[{j}]")
-    for sub in schema.get("allOf", []):
-        errs += schema_errors(v, sub, where)
-    for k in ("anyOf", "oneOf"):
-        if k in schema:
-            ok = sum(not schema_errors(v, sub, where) for sub in schema[k])
-            if ok == 0 or (k == "oneOf" and ok > 1):
-                errs.append(f"{where}: matches {ok} of the {len(schema[k])} schemas of {k}")
-    return errs
 
 
 def response_format_errors(content: str | None, fmt: dict | None) -> list[str]:

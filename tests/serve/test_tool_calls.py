@@ -27,7 +27,8 @@ from openai import OpenAI
 from helpers import uvicorn_in_thread
 from k3.serve.chat import (AssistantParser, encode_segments, parse_conversation, render_chat_segments,
                            save_chat_template, split_markup)
-from k3.serve.chat_api import ChatOptions, ReplyAssembler, chat_options, check_schema, merge_deltas, schema_errors
+from k3.serve.chat_api import ChatOptions, ReplyAssembler, chat_options, merge_deltas
+from k3.serve.chat_schema import check_schema, schema_errors
 from k3.serve.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
 from k3.serve.protocol import APIError
 
