@@ -1,9 +1,10 @@
 """Sandbox life-cycle latencies and density (report §5.3.2; AgentENV: 133 ms checkpoint, 49 ms resume).
 
-Medians and p99 of: create (from a small image directory) and close, a tool call (`true`, `python3 -c pass`, and the same
-interpreter started on the host without a sandbox, for scale), fork, snapshot and restore; and how many idle sandboxes fit in 1 GB. An idle sandbox runs no process (a call's whole
-process tree ends with the call), so what it holds is its files on disk (allocated blocks of its workspace) plus
-the host-side Python object and its uid lock; both are counted.
+Medians and p99 of: create (from a small image directory) and close, a tool call (`true`, `python3 -c pass`, and
+the same interpreter started on the host without a sandbox, for scale), fork, snapshot and restore; and how many
+idle sandboxes fit in 1 GB. An idle sandbox runs no process (a call's whole process tree ends with the call), so
+what it holds is its files (allocated blocks of its workspace) plus the host-side Python object and its uid lock;
+both are counted. Workspaces live in the temp dir: set TMPDIR to measure another filesystem (e.g. /dev/shm).
 
     python benchmarks/sandbox_bench.py --kind bwrap --repeats 50 --out sandbox_bench.json
 """

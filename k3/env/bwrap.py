@@ -105,7 +105,8 @@ def bwrap_launch(bwrap: str, setpriv: str | None, workspace: str, argv: list[str
     args += ["--perms", "0755", "--dir", "/etc"]
     for name in _ETC:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--perms", "0644", "--ro-bind-data", data(f"root:x:0:0::/root:/bin/sh\nsandbox:x:{uid}:{gid}::{WORKSPACE}:/bin/sh\n"), "/etc/passwd",
+    passwd = f"root:x:0:0::/root:/bin/sh\nsandbox:x:{uid}:{gid}::{WORKSPACE}:/bin/sh\n"
+    args += ["--perms", "0644", "--ro-bind-data", data(passwd), "/etc/passwd",
              "--perms", "0644", "--ro-bind-data", data(f"root:x:0:\nsandbox:x:{gid}:\n"), "/etc/group",
              "--proc", "/proc", "--dev", "/dev"]
     for tmp in ("/tmp", "/dev/shm"):   # private and bounded: tmpfs pages are memory

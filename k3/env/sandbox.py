@@ -132,7 +132,8 @@ class RunningCall:
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=launch.cwd, env=launch.env,
                                        pass_fds=launch.pass_fds, start_new_session=True)
         except OSError as e:
-            self._finish(ExecResult(exit_code=127, stdout="", stderr=f"cannot start {launch.argv[0]!r}: {e}", wall_s=0.0))
+            self._finish(ExecResult(exit_code=127, stdout="", stderr=f"cannot start {launch.argv[0]!r}: {e}",
+                                    wall_s=0.0))
             return
         finally:
             for fd in launch.pass_fds:
@@ -423,7 +424,8 @@ class Sandbox(abc.ABC):
                 continue
             links += 1
             target = os.readlink(full)
-            if links > 40 or (target.startswith("/") and not (target == WORKSPACE or target.startswith(WORKSPACE + "/"))):
+            outside = target.startswith("/") and not (target == WORKSPACE or target.startswith(WORKSPACE + "/"))
+            if links > 40 or outside:
                 raise SandboxError(f"path {path!r} resolves outside the workspace (through {target!r})")
             if target.startswith("/"):
                 parts, target = [], target[len(WORKSPACE):]
