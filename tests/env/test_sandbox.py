@@ -364,7 +364,8 @@ def test_snapshot_restore_and_fork_are_exact_after_any_edits(sb, first, second):
 
 @needs_bwrap
 def test_pause_stops_a_running_call_and_resume_continues_it(sb):
-    call = sb.start("i=0; while true; do i=$((i+1)); echo $i > counter; sleep 0.02; done", timeout=20)
+    # the counter is replaced atomically, so a read never sees a half-written file
+    call = sb.start("i=0; while true; do i=$((i+1)); echo $i > c.tmp; mv c.tmp counter; sleep 0.02; done", timeout=20)
     time.sleep(0.5)
     call.pause()
     time.sleep(0.1)                                     # a write already under way lands
