@@ -89,3 +89,17 @@ def test_env_run_against_k3_serve(tmp_path, markup):
         assert t["end_reason"] in ("answered", "submitted", "max_turns", "max_tokens"), t["end_reason"]
         assistant = [m for m in t["messages"] if m["role"] == "assistant"]
         assert assistant and all(m["content"] is None or isinstance(m["content"], str) for m in assistant)
+
+
+def test_env_run_with_a_checkpoint_served_in_process(tmp_path, capsys):
+    """`k3 env run --ckpt`: the checkpoint is loaded here and served on a loopback port for the episodes."""
+    ckpt = tmp_path / "tiny"
+    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
+    out = tmp_path / "run"
+    assert main(["env", "run", "--ckpt", str(ckpt), "--tasks", "arith:3", "--harness",
+                 _small_harness(tmp_path, "react"), "--out", str(out), "--sandbox", SANDBOX, "--device", "cpu",
+                 "--cache-memory-mb", "64", "--no-progress"]) == 0
+    trajs = read_jsonl(str(out / "trajectories.jsonl"))
+    assert len(trajs) == 3 and all(t.end_reason != "error" for t in trajs), [t.error for t in trajs]
+    assert all(t.counts["completion_tokens"] > 0 for t in trajs)
+    assert "| arith | react-small | 3 |" in capsys.readouterr().out
