@@ -21,6 +21,7 @@ import tempfile
 import time
 import tracemalloc
 
+import k3.env.sandbox as sandbox_module
 from k3.env.sandbox import create_sandbox
 
 
@@ -91,6 +92,7 @@ def main() -> None:
             host = [sys.executable, "-c", "pass"]
             results["host, unsandboxed: python -c pass"] = summary(timed(lambda: subprocess.run(host), args.repeats))
             results["fork"], _ = timed_pair(sb.fork, lambda f: f.close(), args.repeats)
+            copy_mode = sandbox_module.last_copy_mode   # "reflink" (copy-on-write) or "copy"
             snaps = []
             results["snapshot"] = summary(timed(lambda: snaps.append(sb.snapshot()), args.repeats))
             results["restore"] = summary(timed(lambda: sb.restore(snaps[0]), args.repeats))
@@ -106,7 +108,8 @@ def main() -> None:
         results["idle sandbox"] = {"disk_bytes": disk, "host_memory_bytes": py_bytes, "processes": 0,
                                    "per_GB": int((1 << 30) // per)}
 
-    print(f"sandbox kind {args.kind}, image {args.files} files x {args.file_bytes} B, {args.repeats} repeats")
+    print(f"sandbox kind {args.kind}, image {args.files} files x {args.file_bytes} B, {args.repeats} repeats; "
+          f"fork/snapshot/restore copy files by {copy_mode}")
     print(f"{'operation':<36}{'median ms':>11}{'p99 ms':>10}")
     for name, r in results.items():
         if "median_ms" in r:
@@ -117,7 +120,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"kind": args.kind, "files": args.files, "file_bytes": args.file_bytes,
-                       "repeats": args.repeats, "results": results}, f, indent=2)
+                       "repeats": args.repeats, "copy_mode": copy_mode,
+                       "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -448,3 +448,20 @@ def test_a_call_paused_as_it_starts_stops_at_once(sb):
     call.resume()
     r = call.wait(timeout=5)
     assert r.ok and r.stdout == "finished\n" and r.paused_s >= 1.5, r
+
+
+def test_file_copies_are_clones_where_the_filesystem_can_and_exact_either_way(tmp_path):
+    """fork/snapshot/restore copy regular files with a copy-on-write clone (FICLONE) where the filesystem supports
+    it, else byte for byte; `last_copy_mode` says which, and the bytes, mode and times are the same either way."""
+    import k3.env.sandbox as sandbox_module
+
+    src, dst = tmp_path / "a", tmp_path / "b"
+    data = os.urandom(3 << 20) + b"tail"
+    src.write_bytes(data)
+    os.chmod(src, 0o640)
+    os.utime(src, (1_000_000, 2_000_000))
+    sandbox_module._copy_entry(str(src), str(dst))
+    assert dst.read_bytes() == data
+    assert sandbox_module.last_copy_mode in ("reflink", "copy")
+    st_a, st_b = os.stat(src), os.stat(dst)
+    assert stat.S_IMODE(st_b.st_mode) == 0o640 and st_b.st_mtime == st_a.st_mtime
