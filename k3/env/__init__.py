@@ -1,6 +1,7 @@
 """Agent environments (report §4.2, §5.3.2): sandboxes, a white-box agent harness, and verifiable tasks.
 
 Layers, each importing only those before it:
+- `call`: one tool call's limits, process tree and result.
 - `sandbox` (and `bwrap`): where tool calls run; fork, snapshot, restore.
 - `task`: a problem instance, its verifiers and budget; `tasks/` holds the families.
 - `tools`, `toolbox`: what an agent can do, each tool's JSON schema declared once; `memory`, `skills`.
