@@ -212,3 +212,16 @@ def load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def tiny_chat_checkpoint(ckpt):
+    """`k3 init` a random tiny checkpoint with the byte tokenizer at `ckpt`, save the default chat template beside
+    it, and load it; returns (model, tokenizer). The servers of the serving and environment tests start from it."""
+    from k3.checkpoint import from_pretrained
+    from k3.cli import main
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.serve.chat import save_chat_template
+
+    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
+    save_chat_template(ckpt)
+    return from_pretrained(ckpt), load_any_tokenizer(ckpt)

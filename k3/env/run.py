@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -174,14 +175,7 @@ def _row(family: str, harness: str, ts: list[Trajectory]) -> dict:
             "tool_errors": sum(t.counts["tool_errors"] for t in ts),
             "harness_errors": sum(t.end_reason == "error" for t in ts),
             "mean_wall_s": mean(t.wall_s for t in ts),
-            "end_reasons": _count(t.end_reason for t in ts)}
-
-
-def _count(values) -> dict:
-    out: dict = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return dict(sorted(out.items()))
+            "end_reasons": dict(sorted(Counter(t.end_reason for t in ts).items()))}
 
 
 COLUMNS = (("family", "family", "{}"), ("harness", "harness", "{}"), ("episodes", "episodes", "{}"),

@@ -16,12 +16,12 @@ import httpx
 import pytest
 import torch
 
-from helpers import uvicorn_in_thread
+from helpers import tiny_chat_checkpoint, uvicorn_in_thread
 from k3.cli import main
 from k3.env.presets import PRESETS
 from k3.env.toolbox import BUILTIN_TOOLS
 from k3.env.trajectory import read_jsonl
-from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, markup_ids, save_chat_template
+from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, markup_ids
 
 MODEL = "k3-tiny-env"
 HOST = "127.0.0.1"
@@ -50,17 +50,11 @@ def _small_harness(tmp_path, preset: str) -> str:
 
 @pytest.mark.parametrize("markup", [False, True], ids=["text", "markup"])
 def test_env_run_against_k3_serve(tmp_path, markup):
-    from k3.checkpoint import from_pretrained
-    from k3.data.tokenizer import load_any_tokenizer
     from k3.serve.app import create_app
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
 
-    ckpt = tmp_path / "tiny"
-    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
-    save_chat_template(ckpt)
-    model = from_pretrained(ckpt)
-    tok = load_any_tokenizer(ckpt)
+    model, tok = tiny_chat_checkpoint(tmp_path / "tiny")
     _bias_head(model, tok, markup)
     cfg = EngineConfig(cache_memory_mb=64, page_tokens=64, hash_block_tokens=64, max_model_len=8192,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_step_tokens=8192, prefill_chunk=8192))

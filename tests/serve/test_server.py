@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import uvicorn_in_thread
+from helpers import tiny_chat_checkpoint, uvicorn_in_thread
 import torch
 from openai import OpenAI
 
@@ -50,19 +50,13 @@ def _printable_ascii_only(model, tok) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from k3.checkpoint import from_pretrained
-    from k3.cli import main
-    from k3.data.tokenizer import load_any_tokenizer
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
     from k3.serve.app import create_app
 
     ckpt = tmp_path_factory.mktemp("serve") / "tiny"
     # the byte tokenizer (k3 init's default is a BPE), for which the prompts below are sized
-    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
-    save_chat_template(ckpt)
-    model = from_pretrained(ckpt)
-    tok = load_any_tokenizer(ckpt)
+    model, tok = tiny_chat_checkpoint(ckpt)
     _printable_ascii_only(model, tok)
     # Small pages and hash blocks, so a ~60-token prompt sent twice hits the prefix cache.
     cfg = EngineConfig(cache_memory_mb=16, page_tokens=32, hash_block_tokens=16, max_model_len=CONTEXT,

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
-from helpers import uvicorn_in_thread
+from helpers import tiny_chat_checkpoint, uvicorn_in_thread
 from k3.serve.chat import (AssistantParser, encode_segments, parse_conversation, render_chat_segments,
-                           save_chat_template, split_markup)
+                           split_markup)
 from k3.serve.chat_api import ChatOptions, ReplyAssembler, chat_options, merge_deltas
 from k3.serve.chat_schema import check_schema, schema_errors
 from k3.serve.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
@@ -84,18 +84,11 @@ class Script:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from k3.checkpoint import from_pretrained
-    from k3.cli import main
-    from k3.data.tokenizer import load_any_tokenizer
     from k3.serve.app import create_app
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
 
-    ckpt = tmp_path_factory.mktemp("tools") / "tiny"
-    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
-    save_chat_template(ckpt)
-    model = from_pretrained(ckpt)
-    tok = load_any_tokenizer(ckpt)
+    model, tok = tiny_chat_checkpoint(tmp_path_factory.mktemp("tools") / "tiny")
     script = Script(model, tok.special_token_id(T.end_of_message))
     cfg = EngineConfig(cache_memory_mb=16, page_tokens=32, hash_block_tokens=16, max_model_len=1024,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_step_tokens=1024, prefill_chunk=1024))
