@@ -301,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_posttrain(sub)  # k3 sft, k3 quantize, k3 data
 
+    from k3.rl.cli import add_parser as add_rl
+
+    add_rl(sub)  # k3 rl
+
     from k3.posttrain.draft_cli import add_parser as add_train_draft
 
     add_train_draft(sub)  # k3 train-draft

@@ -71,6 +71,8 @@ class Episode:
         self._started_at = ""
         self._deadline = None
         self._context_info: dict = {}
+        self._suspended_at: float | None = None
+        self._suspended_s = 0.0  # wall time spent suspended (not counted against the budget)
 
     # -- life cycle ---------------------------------------------------------------------------------------------
     def reset(self) -> list[dict]:
@@ -139,6 +141,23 @@ class Episode:
         self.counts["submissions"] = self.ctx.submissions
         self._check_end(msg)
         return results
+
+    def suspend(self) -> None:
+        """Stop the episode's wall clock (an RL rollout waits for the batched policy, or is paused while the
+        trainer runs): the time until `resume()` does not count against the task's wall budget."""
+        if self._suspended_at is None:
+            self._suspended_at = time.monotonic()
+
+    def resume(self) -> None:
+        """Restart the wall clock stopped by `suspend()`: the deadline moves by the time it was stopped."""
+        if self._suspended_at is not None:
+            gap = time.monotonic() - self._suspended_at
+            self._suspended_at = None
+            if self._deadline is not None:
+                self._deadline += gap
+                if self.ctx is not None:
+                    self.ctx.deadline = self._deadline
+            self._suspended_s += gap
 
     def _check_end(self, msg: dict) -> None:
         b = self.task.budget

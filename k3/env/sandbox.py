@@ -300,6 +300,7 @@ class UnisolatedSandbox(Sandbox):
 
 UNISOLATED_WARNING = ("k3: WARNING: --sandbox none: agent commands run UNISOLATED on this machine, as this user, "
                       "with its files and network. Use it only for code you trust.")
+_warned_unisolated = False
 
 
 def create_sandbox(kind: str = "bwrap", image: str | None = None, *, limits: Limits | None = None,
@@ -317,7 +318,10 @@ def create_sandbox(kind: str = "bwrap", image: str | None = None, *, limits: Lim
         else:
             os.makedirs(ws)
         if kind == "none":
-            print(UNISOLATED_WARNING, file=sys.stderr, flush=True)
+            global _warned_unisolated
+            if not _warned_unisolated:  # once per process: a batch of episodes makes hundreds of sandboxes
+                print(UNISOLATED_WARNING, file=sys.stderr, flush=True)
+                _warned_unisolated = True
             return UnisolatedSandbox(ws, env=env, limits=limits, owns_root=root)
         from k3.env.bwrap import BwrapSandbox
         return BwrapSandbox(ws, env=env, limits=limits, owns_root=root)

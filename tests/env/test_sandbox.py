@@ -261,10 +261,16 @@ def test_missing_bwrap_names_the_fix(monkeypatch):
         create_sandbox("bwrap")
 
 
-def test_unisolated_sandbox_warns_loudly(capsys):
+def test_unisolated_sandbox_warns_loudly_once(capsys, monkeypatch):
+    import k3.env.sandbox as sb
+
+    monkeypatch.setattr(sb, "_warned_unisolated", False)
     with create_sandbox("none") as s:
         assert s.exec("echo hi").stdout == "hi\n"
     assert UNISOLATED_WARNING in capsys.readouterr().err
+    with create_sandbox("none"):  # a batch of episodes makes many: the warning is printed once per process
+        pass
+    assert UNISOLATED_WARNING not in capsys.readouterr().err
 
 
 # -- life cycle ---------------------------------------------------------------------------------------------------
