@@ -213,7 +213,7 @@ class AgentRollouts:
         """Reset the episode (its sandbox made from the task's image) and render the first prompt."""
         try:
             s.episode.reset()
-            s.view = s.episode.observation()
+            s.view = list(s.episode.observation())  # a copy: the view may be the episode's own list
             s.row.extend(self._render(s, s.view, True))
         except Exception as e:
             s.episode._end("error", f"could not start the episode: {type(e).__name__}: {e}")
@@ -226,7 +226,7 @@ class AgentRollouts:
         (untrained), appended to the row; a new row when the context strategy rewrote the history."""
         ep = s.episode
         before = self._render(s, s.view + [ep.messages[ep.steps[-1]["message_index"]]], False)
-        s.view = ep.observation()
+        s.view = list(ep.observation())
         after = self._render(s, s.view, True)
         if after[:len(before)] == before:
             tail = before[len(before) - before[::-1].index(self.eom):] if self.eom in before else []

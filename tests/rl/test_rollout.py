@@ -1,0 +1,203 @@
+"""Agent rollouts (k3.rl.rollout): token in, token out rows, partial rollouts that resume exactly where they paused,
+policy versions per token, the throttle.
+
+The model is a real tiny random checkpoint run by the real engine; only the choice of each sampled token is
+scripted (`oracle`): the engine's `_sample` receives the oracle's token in place of the sampled one, so the
+recorded log-prob is the real model's log-prob of that token under the states the engine computed. The oracle
+reads the whole token history of the request (prompt + output) and writes the scripted assistant message of the
+current turn, token by token, then [end_of_msg]: the episodes call tools, read results and submit, through the
+real renderer, parser, episode, tools and sandbox.
+"""
+
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_chat_checkpoint
+from k3.env.client import assistant_message, tool_call
+from k3.env.episode import Episode
+from k3.env.task import Budget, Task, Verdict
+from k3.rl.rollout import AgentRollouts, RolloutConfig, Sample, Throttle
+from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, chat_stop, encode_segments, render_chat_ids, render_chat_segments
+from k3.serve.engine import EngineConfig, LLMEngine
+
+SCRIPT = [
+    assistant_message(None, [tool_call("python", {"code": "open('out.txt', 'w').write('hello')\nprint('written')"})]),
+    assistant_message(None, [tool_call("submit", {"answer": "written"})]),
+]
+
+
+def _verify(sandbox, answer):
+    ok = sandbox.read_file("out.txt") == b"hello" and answer == "written"
+    return Verdict(float(ok), ok, "ok" if ok else "wrong")
+
+
+def _task(i: int) -> Task:
+    return Task(id=f"t/{i}", family="scripted", prompt=f"Write hello to out.txt, then submit. ({i})", verify=_verify,
+                tools=("python", "submit"), budget=Budget(turns=4, tokens=4096, wall_seconds=60.0))
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    model, tok = tiny_chat_checkpoint(tmp_path_factory.mktemp("rl") / "ck")
+    model.eval()
+    return model, tok
+
+
+def body_ids(tok, msg) -> list[int]:
+    """The tokens a model writes for `msg` after the generation prefix, through [end_of_msg]."""
+    user = [{"role": "user", "content": "x"}]
+    prefix = render_chat_ids(user, tok, None, True)
+    ids = render_chat_ids(user + [msg], tok, None, False)
+    assert ids[:len(prefix)] == prefix
+    rest = ids[len(prefix):]
+    return rest[:rest.index(chat_stop(tok)[1][0]) + 1]
+
+
+@pytest.fixture()
+def scripted(policy, monkeypatch):
+    """Every request's tokens follow SCRIPT: turn j (the j-th generation prefix of the history) writes
+    body_ids(SCRIPT[j])."""
+    _, tok = policy
+    prefix = render_chat_ids([{"role": "user", "content": "x"}], tok, None, True)
+    prefix = prefix[len(render_chat_ids([{"role": "user", "content": "x"}], tok, None, False)):]
+    bodies = [body_ids(tok, m) for m in SCRIPT]
+    orig = LLMEngine._sample
+
+    def oracle(ids):
+        starts = [i + len(prefix) for i in range(len(ids) - len(prefix) + 1) if ids[i:i + len(prefix)] == prefix]
+        turn, k = len(starts) - 1, len(ids) - starts[-1]
+        return bodies[turn][k]
+
+    def _sample(self, seq, tok_id, logits):
+        return orig(self, seq, oracle(list(seq.prompt_ids) + list(seq.output_ids)), logits)
+
+    monkeypatch.setattr(LLMEngine, "_sample", _sample)
+    return bodies
+
+
+def _rollouts(policy, **kw):
+    model, tok = policy
+    cfg = RolloutConfig(harness="terminal", sandbox_kind="none", max_turn_tokens=512, **kw)
+    ecfg = EngineConfig(cache_memory_mb=32.0, page_tokens=64, hash_block_tokens=16, cuda_graphs=False)
+    return AgentRollouts(model, tok, DEFAULT_CHAT_TEMPLATE, cfg, ecfg, Throttle(start=8))
+
+
+def _samples(n=3):
+    return [Sample(uid=i, group=i // 2, task=_task(i), episode=Episode(_task(i), "terminal", None, sandbox_kind="none"))
+            for i in range(n)]
+
+
+def test_rows_are_the_tokens_sampled_and_the_template_between(policy, scripted):
+    """The row built token in, token out equals the template's rendering of the final conversation (up to the
+    closing tag after the last message), and its sampled tokens are exactly the scripted message bodies."""
+    _, tok = policy
+    ro = _rollouts(policy)
+    samples = _samples(2)
+    ro.run(samples, seed=1)
+    for s in samples:
+        assert s.done and s.success and s.reward == 1.0, s.error
+        assert len(s.rows) == 1 and s.turns == 2
+        msgs = s.trajectory["messages"]
+        full = render_chat_ids(msgs, tok, None, False, tools=s.episode.tool_specs())
+        row = s.row.ids
+        assert full[:len(row)] == row
+        # after the last sampled token: the closing tag and the submit call's result (not part of the row)
+        assert tok.decode(full[len(row):]).startswith("[close]assistant[sep][open]tool tool=\"submit\"")
+        runs, cur = [], []
+        for t, v in zip(row, s.row.versions):
+            if v >= 0:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        runs.append(cur)
+        assert runs == scripted
+        assert s.output_tokens == sum(map(len, scripted))
+        assert all(lp <= 0 for lp, v in zip(s.row.logprobs, s.row.versions) if v >= 0)
+    ro.close()
+
+
+@pytest.mark.parametrize("write_back", [False, True])
+def test_partial_rollouts_resume_exactly_where_they_paused(policy, scripted, write_back):
+    """Paused mid-turn, the engine dropped (its prefixes written back to host memory, or not), the policy version
+    moved, then resumed: the same tokens, the same behaviour log-probs (1e-5: the states of the resumed prefix equal
+    those of the uninterrupted run), the same sandbox and verdict; tokens after the pause carry the new version."""
+    if write_back and not hasattr(LLMEngine, "write_back"):
+        pytest.skip("the engine has no host write-back")
+    ro = _rollouts(policy)
+    plain = _samples(3)
+    ro.run(plain, seed=1)
+    ro.close()
+
+    ro = _rollouts(policy, write_back=write_back)
+    paused = _samples(3)
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        return calls["n"] > 40
+
+    ro.run(paused, stop=stop, seed=1)
+    mid = [s for s in paused if not s.done]
+    assert mid and any(0 < s.turn_tokens for s in mid), "the pause should fall inside a turn"
+    cut = {s.uid: len(s.row.ids) for s in paused}
+    ro.park(paused)
+    ro.policy_changed()
+    stats = ro.run(paused, seed=2)
+    assert stats["paused"] == 0
+    if write_back:
+        assert ro.counters["prefetched_tokens"] > 0
+        assert stats["cached_tokens"] > 0
+    for a, b in zip(plain, paused):
+        assert b.done and b.success and b.reward == 1.0
+        assert a.row.ids == b.row.ids
+        assert torch.allclose(torch.tensor(a.row.logprobs), torch.tensor(b.row.logprobs), atol=1e-5)
+        assert [m for m in a.trajectory["messages"]] == [m for m in b.trajectory["messages"]]
+        vs = b.row.versions
+        n = cut[b.uid]
+        assert all(v in (-1, 0) for v in vs[:n]) and all(v in (-1, 1) for v in vs[n:])
+    assert any(1 in s.versions() and 0 in s.versions() for s in paused)
+    ro.close()
+
+
+def test_episode_wall_clock_stops_while_waiting_for_the_policy(policy, scripted):
+    """The wall budget counts the environment's time: a sample that waits (here: paused for 1.5 s) is not timed
+    out by a 1-second budget."""
+    import time
+
+    ro = _rollouts(policy)
+    s = _samples(1)[0]
+    s.task.budget.wall_seconds = 1.0
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        return calls["n"] > 5
+
+    ro.run([s], stop=stop, seed=1)
+    time.sleep(1.5)
+    ro.run([s], seed=1)
+    assert s.done and s.success, s.trajectory["end_reason"]
+    ro.close()
+
+
+def test_throttle_backs_off_under_pressure_and_grows_with_room():
+    class Eng:
+        def __init__(self, used, queued=0, pre=0):
+            self.cache = type("C", (), {"stats": lambda _s: {"num_pages": 100, "free_pages": 100 - used,
+                                                              "evictable_pages": 0}})()
+            self.scheduler = type("S", (), {"num_waiting": queued})()
+            self.metrics = type("M", (), {"preemptions": pre})()
+
+    t = Throttle(start=16, every=1)
+    assert t.update(Eng(10)) == 18  # room: additive increase
+    assert t.update(Eng(95)) == 12  # cache above 85%: multiplicative decrease
+    assert t.update(Eng(10, queued=3)) == 8  # requests queue in the engine
+    assert t.update(Eng(10, pre=1)) == 5  # a preemption happened
+    assert t.update(Eng(80)) == 5  # between the watermarks: hold
+    f = Throttle(start=16, fixed=True)
+    assert f.update(Eng(99, queued=5)) == 16
+    with pytest.raises(ValueError, match="throttle"):
+        Throttle(start=0)
