@@ -191,6 +191,20 @@ def trajectory_cost(s: Sample) -> int:
     return s.output_tokens if s.task.tools != () else s.thinking_tokens
 
 
+def budget_reward(reward: float, cost: int, b0: float | None, tau_b: float | None) -> float:
+    """The trained reward under budget control: -1 when the trajectory's T(y) exceeds tau_b * b0(x), else the task's
+    reward (no budget for the problem, or no budget control: the task's reward)."""
+    if tau_b is None or b0 is None:
+        return reward
+    return -1.0 if cost > tau_b * b0 else reward
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    """A = r - mean of the group's rewards (the group-mean baseline of Kimi K1.5/K2/K2.5)."""
+    mean = float(np.mean(rewards))
+    return [r - mean for r in rewards]
+
+
 def family_stats(samples: list[Sample]) -> dict:
     out: dict = {}
     for fam in sorted({s.task.family for s in samples}):
@@ -293,17 +307,13 @@ class RLTrainer(Trainer):
         trained, over, zero = [], 0, 0
         for g in complete:
             for s in g:
-                r = float(s.reward or 0.0)
-                if tau_b is not None:
-                    b0 = self.budgets.get(s.task.id)
-                    if b0 is not None and trajectory_cost(s) > tau_b * b0:
-                        r, over = -1.0, over + 1
-                s.train_reward = r  # type: ignore[attr-defined]
+                s.train_reward = budget_reward(float(s.reward or 0.0), trajectory_cost(s),  # type: ignore[attr-defined]
+                                               self.budgets.get(s.task.id), tau_b)
+                over += int(s.train_reward == -1.0 and tau_b is not None and s.reward != -1.0)
             rs = [s.train_reward for s in g]  # type: ignore[attr-defined]
-            mean = float(np.mean(rs))
             zero += int(max(rs) == min(rs))
-            for s in g:
-                s.advantage = s.train_reward - mean  # type: ignore[attr-defined]
+            for s, a in zip(g, group_advantages(rs)):
+                s.advantage = a  # type: ignore[attr-defined]
                 trained.append(s)
         version = self.rollouts.version
         rows = [(s, r) for s in trained for r in s.rows if r.sampled > 0]

@@ -115,13 +115,15 @@ def test_bad_loss_config_names_the_flag():
 def test_rl_loss_through_the_seam_matches_its_definition():
     """RLLoss on a tiny model: the loss and the gradient of one weight equal those of the written-out objective
     (model log-probs of the labelled tokens, fp32, 1e-6 / 1e-5)."""
+    from helpers import randomize_
     from k3.config import K3Config
     from k3.model.batch import BatchInfo
     from k3.model.model import K3ForCausalLM
     from k3.train.losses import MicroBatch
 
     torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0, pad_token_id=0))
+    model = randomize_(K3ForCausalLM(K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0,
+                                                                          pad_token_id=0)), seed=0)
     B, T, V = 2, 12, model.config.vocab_size
     ids = torch.randint(1, V, (B, T))
     labels = torch.full((B, T), -100)

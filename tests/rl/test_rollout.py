@@ -1,81 +1,18 @@
 """Agent rollouts (k3.rl.rollout): token in, token out rows, partial rollouts that resume exactly where they paused,
 policy versions per token, the throttle.
 
-The model is a real tiny random checkpoint run by the real engine; only the choice of each sampled token is
-scripted (`oracle`): the engine's `_sample` receives the oracle's token in place of the sampled one, so the
-recorded log-prob is the real model's log-prob of that token under the states the engine computed. The oracle
-reads the whole token history of the request (prompt + output) and writes the scripted assistant message of the
-current turn, token by token, then [end_of_msg]: the episodes call tools, read results and submit, through the
-real renderer, parser, episode, tools and sandbox.
+The model's sampled tokens are scripted (tests/rl/conftest.py): the episodes call tools, read results and submit,
+through the real engine, renderer, parser, episode, tools and sandbox; the log-probs are the real model's.
 """
-
-import json
 
 import pytest
 import torch
 
-from helpers import tiny_chat_checkpoint
-from k3.env.client import assistant_message, tool_call
+from rl.oracle import _task
 from k3.env.episode import Episode
-from k3.env.task import Budget, Task, Verdict
 from k3.rl.rollout import AgentRollouts, RolloutConfig, Sample, Throttle
-from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, chat_stop, encode_segments, render_chat_ids, render_chat_segments
+from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, render_chat_ids
 from k3.serve.engine import EngineConfig, LLMEngine
-
-SCRIPT = [
-    assistant_message(None, [tool_call("python", {"code": "open('out.txt', 'w').write('hello')\nprint('written')"})]),
-    assistant_message(None, [tool_call("submit", {"answer": "written"})]),
-]
-
-
-def _verify(sandbox, answer):
-    ok = sandbox.read_file("out.txt") == b"hello" and answer == "written"
-    return Verdict(float(ok), ok, "ok" if ok else "wrong")
-
-
-def _task(i: int) -> Task:
-    return Task(id=f"t/{i}", family="scripted", prompt=f"Write hello to out.txt, then submit. ({i})", verify=_verify,
-                tools=("python", "submit"), budget=Budget(turns=4, tokens=4096, wall_seconds=60.0))
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    model, tok = tiny_chat_checkpoint(tmp_path_factory.mktemp("rl") / "ck")
-    model.eval()
-    return model, tok
-
-
-def body_ids(tok, msg) -> list[int]:
-    """The tokens a model writes for `msg` after the generation prefix, through [end_of_msg]."""
-    user = [{"role": "user", "content": "x"}]
-    prefix = render_chat_ids(user, tok, None, True)
-    ids = render_chat_ids(user + [msg], tok, None, False)
-    assert ids[:len(prefix)] == prefix
-    rest = ids[len(prefix):]
-    return rest[:rest.index(chat_stop(tok)[1][0]) + 1]
-
-
-@pytest.fixture()
-def scripted(policy, monkeypatch):
-    """Every request's tokens follow SCRIPT: turn j (the j-th generation prefix of the history) writes
-    body_ids(SCRIPT[j])."""
-    _, tok = policy
-    prefix = render_chat_ids([{"role": "user", "content": "x"}], tok, None, True)
-    prefix = prefix[len(render_chat_ids([{"role": "user", "content": "x"}], tok, None, False)):]
-    bodies = [body_ids(tok, m) for m in SCRIPT]
-    orig = LLMEngine._sample
-
-    def oracle(ids):
-        starts = [i + len(prefix) for i in range(len(ids) - len(prefix) + 1) if ids[i:i + len(prefix)] == prefix]
-        turn, k = len(starts) - 1, len(ids) - starts[-1]
-        return bodies[turn][k]
-
-    def _sample(self, seq, tok_id, logits):
-        return orig(self, seq, oracle(list(seq.prompt_ids) + list(seq.output_ids)), logits)
-
-    monkeypatch.setattr(LLMEngine, "_sample", _sample)
-    return bodies
-
 
 def _rollouts(policy, **kw):
     model, tok = policy
