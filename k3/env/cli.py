@@ -4,10 +4,12 @@
     k3 env run --endpoint http://127.0.0.1:8000/v1 --model tiny --tasks arith:20 code:10 \\
                --harness react --harness coder --out runs/env
     k3 env run --ckpt runs/k3 --tasks arith:20 --harness react --out runs/env
+    k3 env demos --tasks arith:200 code:50 --harness terminal --harness coder --out demos.jsonl
 
 `--endpoint` takes any OpenAI-compatible server (`k3 serve`, vLLM, SGLang, a hosted API). `--ckpt` loads a k3
 checkpoint into this process and serves it on a free loopback port for the episodes, through the same chat
-endpoint `k3 serve` has, so the two give the same results.
+endpoint `k3 serve` has, so the two give the same results. `k3 env demos` plays each task's scripted solution
+through the same episodes and writes the successful ones as `k3 sft` conversations (the RL cold start, k3.env.demos).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 __all__ = ["add_parser"]
 
@@ -48,6 +51,22 @@ def add_parser(sub) -> None:
     r.add_argument("--device", default="auto", help="with --ckpt: where the model runs")
     r.add_argument("--cache-memory-mb", type=float, default=None, help="with --ckpt: the page pool's size")
     r.set_defaults(fn=cmd_run)
+
+    d = s.add_parser("demos", help="SFT cold-start conversations: scripted solutions played through real episodes")
+    d.add_argument("--tasks", nargs="+", required=True, metavar="FAMILY[:N]",
+                   help="task families and instances of each (default N: 10), e.g. arith:200 code:50")
+    d.add_argument("--harness", action="append", metavar="PRESET|FILE",
+                   help="a harness preset or JSON file (repeatable; every task is played with each; default: react)")
+    d.add_argument("--out", required=True, metavar="FILE.jsonl", help="the conversations, one JSON record a line")
+    d.add_argument("--split", choices=["train", "test"], default="train", help="which instances (default: train)")
+    d.add_argument("--seed", type=int, default=0, help="instance seed")
+    d.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
+    d.add_argument("--sandbox", choices=["bwrap", "none"], default="bwrap",
+                   help="bwrap: isolated (default); none: run the commands UNISOLATED on this machine")
+    d.add_argument("--no-stand-ins", dest="stand_ins", action="store_false",
+                   help="fail a task whose harness lacks a tool of its solution, instead of another tool doing it")
+    d.add_argument("--no-progress", dest="progress", action="store_false")
+    d.set_defaults(fn=cmd_demos)
 
 
 def cmd_list(args) -> int:
@@ -86,6 +105,32 @@ def cmd_run(args) -> int:
             policy.close()
     print(format_table(summary))
     print(f"k3 env run: {summary['total']['episodes']} episodes in {os.path.join(args.out, 'trajectories.jsonl')}")
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_demos(args) -> int:
+    from k3.env.demos import format_counts, make_demos, plan_demo_jobs, write_demos
+    from k3.env.run import parse_task_specs
+
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    jobs = plan_demo_jobs(parse_task_specs(args.tasks), args.harness or ["react"], split=args.split, seed=args.seed)
+    t0 = time.monotonic()
+    report = make_demos(jobs, concurrency=args.concurrency, sandbox_kind=args.sandbox, stand_ins=args.stand_ins,
+                        progress=args.progress)
+    failures = report.failures
+    if failures:
+        first = failures[0]
+        print(f"k3 env demos: warning: {len(failures)} of {len(jobs)} episodes kept no demonstration; the first, "
+              f"{first.task_id} ({first.harness}): {first.reason}", file=sys.stderr)
+    records = report.records
+    if not records:
+        print("k3 env demos: no episode succeeded: nothing written", file=sys.stderr)
+        return 1
+    write_demos(args.out, records)
+    print(f"k3 env demos: kept {len(records)}/{len(jobs)} ({format_counts(report)}) in {args.out} "
+          f"({time.monotonic() - t0:.1f} s)")
     sys.stdout.flush()
     return 0
 
