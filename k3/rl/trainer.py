@@ -49,7 +49,7 @@ from k3.files import atomic_write_text
 from k3.rl.loss import IGNORE, RLLoss, RLLossConfig
 from k3.rl.rollout import AgentRollouts, RolloutConfig, Sample, Throttle
 from k3.run_dir import holding_run_dir
-from k3.train.trainer import StepMetrics, Trainer, TrainConfig
+from k3.train.trainer import StepMetrics, Trainer, TrainConfig, TrainingError
 
 CPU_DEFAULTS = dict(lr=2e-4)
 GPU_DEFAULTS = dict(lr=2e-5)
@@ -318,7 +318,10 @@ class RLTrainer(Trainer):
         version = self.rollouts.version
         rows = [(s, r) for s in trained for r in s.rows if r.sampled > 0]
         if not rows:
-            raise RuntimeError("no trajectory of the complete groups sampled a token: nothing to train on")
+            errors = [s.error for s in trained if s.error]
+            raise TrainingError(f"none of the {len(trained)} finished trajectories sampled a token: nothing to train "
+                                f"on ({len(errors)} ended in an error" + (f"; the first: {errors[0]}" if errors
+                                                                          else "") + ")")
         T = max(len(r.ids) for _, r in rows)
         n = len(rows)
         batch = {"input_ids": torch.zeros(n, T, dtype=torch.long), "labels": torch.full((n, T), IGNORE),

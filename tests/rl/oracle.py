@@ -9,7 +9,7 @@ current turn (the j-th generation prefix of the history: SCRIPT[j]), token by to
 """
 
 from k3.env.client import assistant_message, tool_call
-from k3.env.task import Budget, Task, Verdict
+from k3.env.task import Budget, Task, TaskFamily, Verdict, register_family
 from k3.serve.chat import chat_stop, render_chat_ids
 from k3.serve.engine import LLMEngine
 
@@ -57,3 +57,16 @@ def script_tokens(monkeypatch, tok, script):
 
     monkeypatch.setattr(LLMEngine, "_sample", _sample)
     return bodies
+
+
+@register_family("rltest")
+class ScriptedFamily(TaskFamily):
+    """`_task` instances as a task family (for `k3 rl --tasks rltest:N` in tests); the test split is offset."""
+    description = "write hello to out.txt, then submit (the RL tests' scripted task)"
+
+    def instances(self, split, n, seed=0):
+        off = 0 if split == "train" else 10_000
+        for i in range(n):
+            t = _task(off + seed * 1000 + i)
+            t.split = split
+            yield t
