@@ -215,6 +215,18 @@ def family_stats(samples: list[Sample]) -> dict:
     return out
 
 
+def evaluate_policy(rollouts: AgentRollouts, tasks: list[Task], make_episode, samples: int = 1, seed: int = 0) -> dict:
+    """Play every task `samples` times with `rollouts` (its temperature: 0 greedy or 1) to the end; the engine is
+    dropped afterwards. Returns success and reward rates overall and per family, mean sampled tokens."""
+    ss = [Sample(uid=i * samples + k, group=i, task=t, episode=make_episode(t))
+          for i, t in enumerate(tasks) for k in range(samples)]
+    rollouts.run(ss, seed=seed)
+    rollouts.park([])
+    return {"success": float(np.mean([s.success for s in ss])), "reward": float(np.mean([s.reward or 0.0 for s in ss])),
+            "families": family_stats(ss), "response_len": float(np.mean([s.output_tokens for s in ss])),
+            "episodes": len(ss), "errors": sum(bool(s.error) for s in ss)}
+
+
 class RLTrainer(Trainer):
     """The Trainer with agent rollouts as its batches and an RL objective as its loss."""
 
@@ -270,19 +282,14 @@ class RLTrainer(Trainer):
     def evaluate(self) -> float | None:
         if not self.heldout or self.eval_rollouts is None:
             return None
-        samples = [Sample(uid=i * self.opts.eval_samples + k, group=i, task=t, episode=self.make_episode(t))
-                   for i, t in enumerate(self.heldout) for k in range(self.opts.eval_samples)]
         self.eval_rollouts.version = self.rollouts.version
-        self.eval_rollouts.run(samples, seed=self.cfg.seed * 7919 + 104729)
-        self.eval_rollouts.park([])
-        fams = family_stats(samples)
-        success = float(np.mean([s.success for s in samples]))
-        self._eval_extra = {"val_success": success, "val_reward": float(np.mean([s.reward or 0.0 for s in samples])),
-                            "val_families": fams, "val_response_len": float(np.mean([s.output_tokens
-                                                                                      for s in samples]))}
-        self.log(f"held out: success {100 * success:.1f}% over {len(samples)} episodes (" + ", ".join(
-            f"{f} {100 * v['success']:.1f}%" for f, v in fams.items()) + ")")
-        return 1.0 - success
+        ev = evaluate_policy(self.eval_rollouts, self.heldout, self.make_episode, self.opts.eval_samples,
+                             seed=self.cfg.seed * 7919 + 104729)
+        self._eval_extra = {"val_success": ev["success"], "val_reward": ev["reward"], "val_families": ev["families"],
+                            "val_response_len": ev["response_len"]}
+        self.log(f"held out: success {100 * ev['success']:.1f}% over {ev['episodes']} episodes (" + ", ".join(
+            f"{f} {100 * v['success']:.1f}%" for f, v in ev["families"].items()) + ")")
+        return 1.0 - ev["success"]
 
     # --- where a step's batch comes from ----------------------------------------------------------------------
     def _next_batch(self) -> dict:

@@ -1,0 +1,286 @@
+"""The CPU demonstration of `k3 rl` (BENCHMARKS.md, "Reinforcement learning"): an SFT cold start on scripted
+tool-use trajectories, then RL on the `arith` family, against SFT alone at equal training tokens, over seeds; and
+two ablations: partial rollouts (lambda < 1) against lambda = 1 at equal wall time, and Kimi's per-token objective
+against the clipped PPO baseline under high staleness.
+
+    python benchmarks/rl_demo.py --out runs/rl_demo                 # everything (about an hour on 2 cores)
+    python benchmarks/rl_demo.py --out runs/rl_demo --stages base sft rl
+
+Stages (each skips what its output directory already holds, so a stopped run continues):
+  base     `k3 env demos` conversations (train split, seed 1; held-out from the test split), a byte-level BPE
+           trained on their renderings, a small random hybrid model (4 layers: 2 KDA, 2 Gated MLA)
+  sft      the cold start: `k3 sft` for --sft-steps steps
+  rl       per seed: `k3 rl` from the cold start for --rl-steps steps (N x K, lambda 1, kimi), and the control: `k3
+           sft` continued from the cold start for the same number of trained tokens; both evaluated on the same
+           held-out tasks (greedy, one episode each)
+  lam      lambda 0.5 against 1, each for --ablation-minutes of training time (seed 0)
+  stale    kimi against ppo at lambda 0.25 (many paused, stale trajectories), --rl-steps steps (seed 0)
+The results go to OUT/results.json and OUT/results.md, the plots to OUT/rl_demo.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HARNESS = {"name": "compact",
+           "tools": [{"tool": "python", "description": "Run Python code; returns its output."},
+                     {"tool": "submit", "description": "Submit the final answer."}],
+           "system_prompt": "Solve the task with the tools. Finish with {submit}."}
+
+
+def sh(argv: list[str]) -> None:
+    from k3.cli import main
+
+    print("$ k3 " + " ".join(argv), flush=True)
+    rc = main(argv)
+    if rc not in (0, None):
+        raise SystemExit(f"k3 {argv[0]} failed with status {rc}")
+
+
+def stage_base(a) -> None:
+    from k3.checkpoint import save_pretrained
+    from k3.config import K3Config
+    from k3.data.tokenizer import train_bpe
+    from k3.env.demos import make_demos, plan_demo_jobs, write_demos
+    from k3.model.model import K3ForCausalLM
+    from k3.serve.chat import render_chat, save_chat_template
+
+    import torch
+
+    base = os.path.join(a.out, "base")
+    if os.path.isfile(os.path.join(base, "config.json")):
+        return
+    harness = os.path.join(a.out, "harness.json")
+    with open(harness, "w") as f:
+        json.dump(HARNESS, f, indent=1)
+    for split, n, path in (("train", a.sft_demos, "sft.jsonl"), ("test", 100, "sft_heldout.jsonl")):
+        rep = make_demos(plan_demo_jobs([("arith", n)], [harness], split=split, seed=1), concurrency=4,
+                         sandbox_kind=a.sandbox, stand_ins=True, progress=False)
+        write_demos(os.path.join(a.out, path), rep.records)
+        print(f"demos: {len(rep.records)} {split} conversations -> {path}")
+    texts = []
+    with open(os.path.join(a.out, "sft.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            texts.append(render_chat(r["messages"], None, False, tools=r["tools"]))
+    tok = train_bpe(texts, a.vocab)
+    cfg = K3Config.from_preset("tiny").replace(
+        vocab_size=a.vocab, num_hidden_layers=4, kda_layers=[1, 2], full_attn_layers=[3, 4],
+        num_nextn_predict_layers=0, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, bos_token_id=None,
+        max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).init_weights(seed=0)
+    save_pretrained(model, base, extra_files={"tokenizer.json": tok.to_str().encode("utf-8")})
+    save_chat_template(base)
+    lens = [len(tok.encode(t)) for t in texts[:200]]
+    print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {a.vocab}; "
+          f"a conversation is {min(lens)}-{max(lens)} tokens")
+
+
+def stage_sft(a) -> None:
+    out = os.path.join(a.out, "sft")
+    if os.path.isdir(os.path.join(out, "checkpoints")):
+        return
+    sh(["sft", "--ckpt", os.path.join(a.out, "base"), "--data", os.path.join(a.out, "sft.jsonl"),
+        "--heldout", os.path.join(a.out, "sft_heldout.jsonl"), "--out", out, "--seq-len", str(a.seq_len),
+        "--batch-tokens", str(16 * a.seq_len), "--max-steps", str(a.sft_steps), "--lr", str(a.sft_lr),
+        "--eval-every", "100", "--seed", "0", "--no-progress"])
+
+
+def evaluate(a, ck: str, seed: int = 0) -> dict:
+    """Held-out success of checkpoint `ck`: each of the --heldout test tasks once, greedy."""
+    import torch
+
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.env.episode import Episode
+    from k3.env.presets import load_harness
+    from k3.rl.rollout import AgentRollouts, RolloutConfig, Throttle
+    from k3.rl.trainer import evaluate_policy, parse_task_specs
+    from k3.serve.chat import load_chat_template
+    from k3.serve.engine import EngineConfig
+
+    model = from_pretrained(ck, dtype=torch.float32)
+    tok, template = load_any_tokenizer(ck), load_chat_template(ck)
+    harness = load_harness(os.path.join(a.out, "harness.json"))
+    ro = AgentRollouts(model, tok, template, RolloutConfig(harness=harness, sandbox_kind=a.sandbox,
+                                                           max_turn_tokens=a.turn_tokens, temperature=0.0,
+                                                           write_back=False),
+                       EngineConfig(cache_memory_mb=128.0, page_tokens=256, hash_block_tokens=64, cuda_graphs=False,
+                                    max_model_len=a.seq_len), Throttle(start=64, fixed=True))
+    tasks = parse_task_specs([f"arith:{a.heldout}"], "test", 0)
+    try:
+        return evaluate_policy(ro, tasks, lambda t: Episode(t, harness, None, sandbox_kind=a.sandbox), 1, seed)
+    finally:
+        ro.close()
+
+
+def latest(run: str) -> str:
+    from k3.run_dir import latest_checkpoint
+
+    ck = latest_checkpoint(run)
+    if ck is None:
+        raise SystemExit(f"{run} has no checkpoint")
+    return ck
+
+
+def rl_args(a, out: str, seed: int, **kw) -> list[str]:
+    args = ["rl", "--ckpt", os.path.join(a.out, "sft"), "--tasks", f"arith:{a.rl_tasks}",
+            "--heldout", f"arith:{a.heldout}", "--harness", os.path.join(a.out, "harness.json"), "--out", out,
+            "--groups", str(a.groups), "--samples", str(a.samples), "--max-turn-tokens", str(a.turn_tokens),
+            "--max-context", str(a.seq_len), "--lr", str(a.rl_lr), "--seed", str(seed), "--sandbox", a.sandbox,
+            "--rollout-cache-mb", "128", "--no-progress"]
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def trained_tokens(run: str) -> int:
+    """Response tokens the RL run trained on (sampled tokens of its optimized trajectories)."""
+    n = 0
+    with open(os.path.join(run, "trajectories.jsonl")) as f:
+        for line in f:
+            n += json.loads(line)["output_tokens"]
+    return n
+
+
+def stage_rl(a, results: dict) -> None:
+    from k3.rl.report import read_metrics
+
+    cold = latest(os.path.join(a.out, "sft"))
+    if "cold_start" not in results:
+        results["cold_start"] = evaluate(a, cold)
+        print(f"cold start: held-out success {100 * results['cold_start']['success']:.1f}%")
+    for seed in a.seeds:
+        key = f"seed{seed}"
+        rec = results.setdefault("rl", {}).setdefault(key, {})
+        run = os.path.join(a.out, f"rl_seed{seed}")
+        if "rl" not in rec:
+            if not os.path.isdir(os.path.join(run, "checkpoints")):
+                sh(rl_args(a, run, seed, max_steps=a.rl_steps, eval_every=a.rl_steps, lam=1.0, loss="kimi"))
+            vals = [r for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "val_success" in r]
+            rec["rl"] = {"before": vals[0]["val_success"], "after": vals[-1]["val_success"],
+                         "trained_response_tokens": trained_tokens(run),
+                         "wall_s": sum(r.get("rollout_s", 0) + r.get("train_s", 0)
+                                       for r in read_metrics(os.path.join(run, "metrics.jsonl")))}
+            save(a, results)
+        if "sft" not in rec:
+            ctl = os.path.join(a.out, f"sft_more_seed{seed}")
+            # equal tokens: the control SFT trains on as many reply tokens as the RL run trained response tokens
+            if not os.path.isdir(os.path.join(ctl, "checkpoints")):
+                per_step = reply_tokens_per_step(a)
+                steps = max(1, round(rec["rl"]["trained_response_tokens"] / per_step))
+                sh(["sft", "--ckpt", cold, "--data", os.path.join(a.out, "sft.jsonl"), "--out", ctl,
+                    "--seq-len", str(a.seq_len), "--batch-tokens", str(16 * a.seq_len), "--max-steps", str(steps),
+                    "--lr", str(a.rl_lr), "--seed", str(seed), "--eval-every", "1000", "--no-progress"])
+                rec["sft_steps"] = steps
+            rec["sft"] = {"after": evaluate(a, latest(ctl))["success"]}
+            save(a, results)
+
+
+def reply_tokens_per_step(a) -> float:
+    """Trained (reply) tokens per SFT step: 16 conversations' replies."""
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.serve.chat import render_chat_segments, encode_segments
+
+    tok = load_any_tokenizer(os.path.join(a.out, "base"))
+    n, k = 0, 0
+    with open(os.path.join(a.out, "sft.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            segs = render_chat_segments(r["messages"], None, False, tools=r["tools"])
+            n += len(encode_segments(tok, [s for s in segs if s.train]))
+            k += 1
+            if k == 200:
+                break
+    return 16 * n / k
+
+
+def stage_lam(a, results: dict) -> None:
+    from k3.rl.report import read_metrics
+
+    for lam in (1.0, 0.5):
+        key = f"lam{lam:g}"
+        if key in results.setdefault("lam", {}):
+            continue
+        run = os.path.join(a.out, f"rl_lam{lam:g}")
+        if not os.path.isdir(os.path.join(run, "checkpoints")):
+            sh(rl_args(a, run, 0, max_minutes=a.ablation_minutes, eval_every=10_000, lam=lam, loss="kimi"))
+        recs = read_metrics(os.path.join(run, "metrics.jsonl"))
+        steps = [r for r in recs if "reward" in r]
+        vals = [r for r in recs if "val_success" in r]
+        results["lam"][key] = {"steps": len(steps), "after": vals[-1]["val_success"],
+                               "before": vals[0]["val_success"],
+                               "rollout_s": sum(r["rollout_s"] for r in steps),
+                               "train_s": sum(r["train_s"] for r in steps),
+                               "staleness": sum(r["staleness"] for r in steps) / max(len(steps), 1),
+                               "paused": sum(r["paused"] for r in steps) / max(len(steps), 1)}
+        save(a, results)
+
+
+def stage_stale(a, results: dict) -> None:
+    from k3.rl.report import read_metrics
+
+    for loss in ("kimi", "ppo"):
+        if loss in results.setdefault("stale", {}):
+            continue
+        run = os.path.join(a.out, f"rl_stale_{loss}")
+        if not os.path.isdir(os.path.join(run, "checkpoints")):
+            sh(rl_args(a, run, 0, max_steps=a.rl_steps, eval_every=a.rl_steps, lam=0.25, loss=loss))
+        recs = read_metrics(os.path.join(run, "metrics.jsonl"))
+        steps = [r for r in recs if "reward" in r]
+        vals = [r for r in recs if "val_success" in r]
+        results["stale"][loss] = {"before": vals[0]["val_success"], "after": vals[-1]["val_success"],
+                                  "staleness": sum(r["staleness"] for r in steps) / len(steps),
+                                  "max_staleness": max(r["max_staleness"] for r in steps),
+                                  "masked_frac": sum(r["masked_frac"] for r in steps) / len(steps),
+                                  "reward_last5": sum(r["reward"] for r in steps[-5:]) / len(steps[-5:])}
+        save(a, results)
+
+
+def save(a, results: dict) -> None:
+    from k3.files import atomic_write_text
+
+    atomic_write_text(os.path.join(a.out, "results.json"), json.dumps(results, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/rl_demo")
+    p.add_argument("--stages", nargs="+", default=["base", "sft", "rl", "lam", "stale"],
+                   choices=["base", "sft", "rl", "lam", "stale"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--sft-demos", type=int, default=1500)
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-lr", type=float, default=2e-3)
+    p.add_argument("--rl-steps", type=int, default=30)
+    p.add_argument("--rl-lr", type=float, default=3e-4)
+    p.add_argument("--rl-tasks", type=int, default=400)
+    p.add_argument("--heldout", type=int, default=100)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--turn-tokens", type=int, default=96)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--ablation-minutes", type=float, default=6.0)
+    p.add_argument("--sandbox", choices=["bwrap", "none"], default="bwrap")
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "results.json")
+    results = json.load(open(path)) if os.path.isfile(path) else {}
+    t0 = time.time()
+    for st in a.stages:
+        {"base": lambda: stage_base(a), "sft": lambda: stage_sft(a), "rl": lambda: stage_rl(a, results),
+         "lam": lambda: stage_lam(a, results), "stale": lambda: stage_stale(a, results)}[st]()
+        print(f"[{time.time() - t0:.0f}s] stage {st} done", flush=True)
+    save(a, results)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
