@@ -336,6 +336,13 @@ class AgentRollouts:
                         in_engine[seq.request_id] = s
                         s.state = "generating"
                         self.counters["requests"] += 1
+                    if stopped:  # pause: no more engine steps; the tool calls under way finish, then the rest waits
+                        for f in cf.as_completed(list(futures)):
+                            f.result()
+                            s = futures.pop(f)
+                            if s.state == "ready":
+                                queue.append(s)
+                        break
                     if eng.has_work():
                         for out in eng.step():
                             s = in_engine.get(out.request_id)
@@ -362,8 +369,6 @@ class AgentRollouts:
                         f.result()
                         if s.state == "ready":
                             queue.append(s)
-                    if stopped and not futures:
-                        break
                     if not queue and not in_engine and not futures and not eng.has_work():
                         break
         finally:
