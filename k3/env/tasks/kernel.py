@@ -4,9 +4,10 @@ faster kernel that stays correct.
 The workspace holds TASK.md (the signature, the tolerance, the shapes, how the reward works), reference.py (the
 task's module: its input maker and float64 reference, to read) and a starting kernel.py: the reference itself,
 computed in float64 and cast to the output dtypes, where it is self-contained (slow but correct), else a stub.
-The agent may score a file with the `score_kernel` tool. The hidden verifier reads kernel.py from the fork of the
-final sandbox and scores it with the kernel reward (its own candidate process, limits and hacking detectors):
-the reward is the kernel reward in [0, 1], success is every check passed and no hack detected.
+The agent may score a file with the `score_kernel` tool where its harness has one (no preset does, so the prompt
+says "if you have one"). The hidden verifier reads kernel.py from the fork of the final sandbox and scores it with
+the kernel reward (its own candidate process, limits and hacking detectors): the reward is the kernel reward in
+[0, 1], success is every check passed and no hack detected.
 
 One instance per kernel task with a CPU expert, split by task name; n beyond a split's tasks repeats them.
 """
@@ -99,7 +100,7 @@ def make_task(name: str, repeat: int, device: str, split: str) -> Task:
     slow = reference_kernel(name)
     prompt = (f"Make kernel.py's `kernel` a fast, correct implementation of the kernel task `{name}` on {device} "
               "(TASK.md says what it computes and how it is scored; reference.py shows the reference). "
-              "`score_kernel` scores a file. The final kernel.py is scored.")
+              "A `score_kernel` tool, if you have one, scores a file the same way. The final kernel.py is scored.")
     return Task(id=f"kernel/{name}/{repeat}", family="kernel", prompt=prompt, verify=_verifier(name, device),
                 split=split,
                 image={"kernel.py": slow or _stub(name, task.signature), "TASK.md": _task_md(task, device),
