@@ -16,6 +16,10 @@ length.
 Greedy output is token-identical to decoding without speculation and sampled output has the target's
 distribution. With CUDA graphs, the verifications run as graph replays (one graph per batch bucket and number of
 positions) and the plain decode steps on graphs that also output the hidden states the draft observes.
+
+Host write-back and prefetch (report §5.3.1, k3.serve.cache.host): `write_back(prefixes)` copies the cached
+prefixes of token sequences (MLA rows and KDA checkpoints together) to host memory, `prefetch(store)` brings them
+into another engine of the same model config and cache geometry, whose next requests starting with them hit them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from k3.model.common import stack_projections
 from k3.ops.registry import notice
+from k3.serve.cache.host import HostPrefixStore, PrefetchReport
 from k3.serve.cache.manager import CacheManager
 from k3.serve.cuda_graphs import DecodeGraphs, decode_graphs_mode, prefill_graph_lengths
 from k3.serve.metrics import SampleWindow
@@ -124,6 +129,11 @@ class EngineMetrics:
         self.spec_verifications = 0
         self.draft_tokens_proposed = 0
         self.draft_tokens_accepted = 0
+        # host write-back (prefixes copied to host memory) and prefetch (copied back into the pool)
+        self.written_back_tokens = 0
+        self.written_back_bytes = 0
+        self.prefetched_tokens = 0
+        self.prefetched_bytes = 0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -185,6 +195,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}
         self.lock = threading.RLock()
+        self.last_prefetch: PrefetchReport | None = None  # what the latest `prefetch` fetched and skipped
 
     @property
     def cache(self) -> CacheManager:
@@ -556,6 +567,35 @@ class LLMEngine:
 
     def cache_stats(self) -> dict:
         return self.cache.stats()
+
+    # --- host write-back and prefetch (report §5.3.1; k3.serve.cache.host) ---------------------------------------
+    def write_back(self, prefixes: list[list[int]]) -> HostPrefixStore:
+        """Copy to host memory, for each token sequence, the longest prefix the cache can restore exactly as an
+        admission looks it up (MLA blocks, then a KDA checkpoint at their end; a multiple of hash_block_tokens, up
+        to every complete hash block of the sequence, 0 tokens when nothing is cached). The cache is only read.
+        Runs between steps (it takes the engine's lock), so it never sees a step's unlanded entries; requests may
+        be running or waiting (their indexed pages are never rewritten), but the usual caller has no work left
+        (paused rollouts were aborted: their computed blocks and newest checkpoint stay in the index)."""
+        with self.lock:
+            store = self.cache.write_back(prefixes)
+            self.metrics.written_back_tokens += store.tokens
+            self.metrics.written_back_bytes += store.nbytes
+        return store
+
+    def prefetch(self, store: HostPrefixStore) -> int:
+        """Copy a store written back by an engine of the same model config, page_tokens, hash_block_tokens and
+        cache dtype (ValueError naming the difference otherwise; the weights may differ: the states are then the
+        writer's) into this engine's pool, registered as evictable prefix-cache entries: the next request whose
+        prompt starts with one of the prefixes (and is longer) hits all of it. Prefixes are taken in the store's
+        order, each whole or not at all, while pages can be found (free, or by evicting idle cache entries, never
+        a running request's); `last_prefetch` (a PrefetchReport) lists the fetched and skipped ones. Returns the
+        tokens made available. Runs between steps (the engine's lock)."""
+        with self.lock:
+            report = self.cache.prefetch(store)
+            self.last_prefetch = report
+            self.metrics.prefetched_tokens += report.tokens
+            self.metrics.prefetched_bytes += report.bytes
+        return report.tokens
 
 
 def _is_decode(w: Work) -> bool:

@@ -22,6 +22,10 @@ coarse pages; h_i = blake2b(h_{i-1} || int64 tokens of block i), so an endpoint 
 * Landing: anything registered in the current scheduling step may still be unwritten on the device, so it is
   neither matchable nor evictable until `mark_landed()`.
 * Eviction: LRU over entries held only by the index (no running request, no pin), when the free list runs dry.
+* Host write-back and prefetch (report §5.3.1, k3.serve.cache.host): `peek` finds, without changing anything, the
+  pages of the longest prefix of a token sequence that a lookup would restore (the same two stages over all its
+  complete hash blocks); `import_prefixes` allocates pages for prefixes whose bytes come from elsewhere and registers
+  them as landed index-held entries (evictable once the call returns), MLA units and the KDA checkpoint together.
 
 Engine call order per scheduling step (see also the tests' simulator):
   1. Schedule. New request: `admit` (returns the hit and the copies), then `ensure_capacity(seq, hit + chunk)`.
@@ -81,6 +85,30 @@ class Admission:
     mla_tables: list[list[int]]
     kda_pages: list[int]
     copies: list[CopyOp]
+
+
+@dataclass
+class PrefixHit:
+    """What `peek` found: a cached prefix of `tokens` tokens (hash blocks 1..len(hashes)). `pages[j]` (one page per
+    MLA group) holds valid rows of every token of coarse page j up to the hit; `ckpt_pages` (one per KDA group) hold
+    the KDA checkpoint at the hit's end."""
+
+    tokens: int
+    hashes: list[bytes]
+    pages: list[tuple[int, ...]]
+    ckpt_pages: tuple[int, ...]
+
+
+@dataclass
+class Imported:
+    """What `import_prefixes` registered for one prefix of `tokens` tokens: the caller fills `units` (coarse page j,
+    one fresh page per MLA group: rows of the prefix's page j, up to the prefix's end or the page's) and
+    `ckpt_pages` (one per KDA group: the state at the prefix's end; empty when the index already had it). Pages of
+    the prefix that the index already held are not allocated again."""
+
+    tokens: int
+    units: list[tuple[int, tuple[int, ...]]]
+    ckpt_pages: tuple[int, ...]
 
 
 @dataclass
@@ -214,10 +242,10 @@ class PrefixCache:
         for i in range(len(hashes), n_blocks):
             hashes.append(chain_hash(hashes[-1] if hashes else _ROOT, tokens[i * hb:(i + 1) * hb]))
 
-    def _lookup(self, hashes: list[bytes], prompt_len: int) -> list[int]:
-        """Heads of the units holding hash blocks 1..n of the longest hit (at least one token left to compute)."""
+    def _lookup(self, hashes: list[bytes], max_blocks: int) -> list[int]:
+        """Heads of the units holding hash blocks 1..n of the longest hit of at most `max_blocks` blocks."""
         heads = []
-        for h in hashes[:(prompt_len - 1) // self.hash_block_tokens]:  # MLA stage
+        for h in hashes[:max_blocks]:  # MLA stage
             b = self._blocks.get(h)
             if b is None or b.step >= self._step:
                 break
@@ -243,7 +271,7 @@ class PrefixCache:
         heads: list[int] = []
         if self.enable and lookup:
             self._extend_hashes(hashes, prompt_tokens, len(prompt_tokens) // hb)
-            heads = self._lookup(hashes, len(prompt_tokens))
+            heads = self._lookup(hashes, (len(prompt_tokens) - 1) // hb)  # at least one token left to compute
         n = len(heads)
         full, partial = divmod(n, self.blocks_per_page)
         shared = [self._units[heads[(j + 1) * self.blocks_per_page - 1]].pages for j in range(full)]
@@ -412,6 +440,83 @@ class PrefixCache:
         for t in req.tables:
             self._decref(t)
         self._decref(req.kda_pages)
+
+    # ---- host write-back and prefetch (k3.serve.cache.host) ------------------------------------------------------
+
+    def peek(self, tokens: Sequence[int]) -> PrefixHit:
+        """The longest cached prefix of `tokens` that `admit` would restore, found by the same two stages (landed MLA
+        blocks, then the longest of them with a landed KDA checkpoint) over all len(tokens) // hash_block_tokens
+        complete blocks (admit also leaves one prompt token to compute; a prompt that extends `tokens` hits all of
+        it). Read-only: no reference, LRU position or counter changes. tokens == 0 when nothing is cached."""
+        hb, bpp = self.hash_block_tokens, self.blocks_per_page
+        hashes: list[bytes] = []
+        heads: list[int] = []
+        if self.enable:
+            self._extend_hashes(hashes, tokens, len(tokens) // hb)
+            heads = self._lookup(hashes, len(hashes))
+        n = len(heads)
+        pages = [self._units[heads[min((j + 1) * bpp, n) - 1]].pages for j in range(-(-n // bpp))]
+        ckpt = self._ckpts[hashes[n - 1]].pages if n and self.num_kda_groups else ()
+        return PrefixHit(n * hb, hashes[:n], pages, ckpt)
+
+    def import_prefixes(self, chains: Sequence[Sequence[bytes]]) -> list[Imported | None]:
+        """Register prefixes whose bytes the caller copies in (host prefetch). `chains[i]`: the chain hashes of hash
+        blocks 1..n of prefix i (as `peek` reported them where it was written back). Each prefix gets, for every
+        coarse page holding a block the index lacks, a fresh unit (one page per MLA group) that registers those
+        blocks, and a KDA checkpoint at its end unless the index has one: all or nothing per prefix. Entries are
+        registered landed (matchable at once) and index-held; pages are taken from the free list or by evicting
+        idle entries, never from running requests or entries this call relies on. A prefix whose pages cannot be
+        found is skipped (None) without evicting anything; so is an empty chain, or every chain when caching is
+        off. Entries of this call become evictable when it returns (the caller must fill their pages before
+        anything reads them: call it between scheduling steps)."""
+        G, K, bpp = self.num_mla_groups, self.num_kda_groups, self.blocks_per_page
+        held: list[int] = []  # pages this call relies on or created: unevictable until it returns
+        out: list[Imported | None] = []
+        landed = self._step - 1
+        try:
+            for chain in chains:
+                n = len(chain)
+                if not self.enable or n == 0:
+                    out.append(None)
+                    continue
+                new_pages = [j for j in range(-(-n // bpp)) if any(h not in self._blocks
+                                                                 for h in chain[j * bpp:min((j + 1) * bpp, n)])]
+                need_ckpt = K > 0 and chain[n - 1] not in self._ckpts
+                pins = [p for head in dict.fromkeys(self._blocks[h].head for h in chain if h in self._blocks)
+                        for p in self._units[head].pages]
+                if K and not need_ckpt:
+                    pins += self._ckpts[chain[n - 1]].pages
+                need = G * len(new_pages) + (K if need_ckpt else 0)
+                self._incref(pins)
+                if self.available_pages() < need:  # skipped without evicting anything for it
+                    self._decref(pins)
+                    out.append(None)
+                    continue
+                fresh = self._alloc(need)
+                held += pins
+                units = []
+                for k, j in enumerate(new_pages):  # the allocation's reference is the index's own
+                    pages = tuple(fresh[k * G:(k + 1) * G])
+                    head = pages[0]
+                    self._units[head] = _Unit(pages, set())
+                    for p in pages:
+                        self._entry_of[p] = ("mla", head)
+                    for h in chain[j * bpp:min((j + 1) * bpp, n)]:
+                        if h not in self._blocks:
+                            self._units[head].hashes.add(h)
+                            self._blocks[h] = _Block(head, landed)
+                    units.append((j, pages))
+                ckpt_pages = tuple(fresh[G * len(new_pages):])
+                if need_ckpt:
+                    self._ckpts[chain[n - 1]] = _Checkpoint(n * self.hash_block_tokens, ckpt_pages, landed, False, None)
+                    for p in ckpt_pages:
+                        self._entry_of[p] = ("kda", chain[n - 1])
+                self._incref(fresh)  # held until the call returns: a later prefix's allocation must not evict them
+                held += fresh
+                out.append(Imported(n * self.hash_block_tokens, units, ckpt_pages))
+        finally:
+            self._decref(held)  # now evictable (LRU), most recently used last
+        return out
 
     # ---- introspection -------------------------------------------------------------------------------------------
 
