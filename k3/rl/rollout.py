@@ -142,7 +142,6 @@ class RolloutConfig:
     temperature: float = 1.0
     tool_workers: int = 4  # threads running tool calls and verifiers while the engine generates
     write_back: bool = True  # paused samples' prefixes to host memory across a policy update
-    kernel_device: str = "cpu"
 
 
 class AgentRollouts:

@@ -460,8 +460,10 @@ def build_rl_run(opts: RLOptions, tcfg: TrainConfig, log=print) -> RLTrainer:
         apply_qat(model, tcfg.qat)  # training forwards and rollouts alike: the engine runs this very module
     torch.manual_seed(tcfg.seed)
 
+    kernel_device = "cuda" if device.type == "cuda" else "cpu"  # kernel tasks are scored where the model runs
+
     def make_episode(task: Task) -> Episode:
-        return Episode(task, harness, None, sandbox_kind=opts.sandbox)
+        return Episode(task, harness, None, sandbox_kind=opts.sandbox, kernel_device=kernel_device)
 
     ecfg = EngineConfig(cache_memory_mb=opts.cache_memory_mb, page_tokens=256, hash_block_tokens=64,
                         cuda_graphs=False, max_model_len=opts.max_context)

@@ -7,6 +7,17 @@ from helpers import tiny_chat_checkpoint
 from rl.oracle import SCRIPT, script_tokens
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one torch thread (more only contend, and badly so on a busy 2-core machine)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     model, tok = tiny_chat_checkpoint(tmp_path_factory.mktemp("rl") / "ck")
