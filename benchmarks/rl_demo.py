@@ -92,7 +92,7 @@ def stage_sft(a) -> None:
 
 
 def evaluate(a, ck: str, seed: int = 0) -> dict:
-    """Held-out success of checkpoint `ck`: each of the --heldout test tasks once, greedy."""
+    """Held-out success of checkpoint `ck`: each of the --heldout test tasks once, at --eval-temperature."""
     import torch
 
     from k3.checkpoint import from_pretrained
@@ -108,7 +108,8 @@ def evaluate(a, ck: str, seed: int = 0) -> dict:
     tok, template = load_any_tokenizer(ck), load_chat_template(ck)
     harness = load_harness(os.path.join(a.out, "harness.json"))
     ro = AgentRollouts(model, tok, template, RolloutConfig(harness=harness, sandbox_kind=a.sandbox,
-                                                           max_turn_tokens=a.turn_tokens, temperature=0.0,
+                                                           max_turn_tokens=a.turn_tokens,
+                                                           temperature=a.eval_temperature,
                                                            write_back=False),
                        EngineConfig(cache_memory_mb=128.0, page_tokens=256, hash_block_tokens=64, cuda_graphs=False,
                                     max_model_len=a.seq_len), Throttle(start=64, fixed=True))
@@ -129,11 +130,11 @@ def latest(run: str) -> str:
 
 
 def rl_args(a, out: str, seed: int, **kw) -> list[str]:
-    args = ["rl", "--ckpt", os.path.join(a.out, "sft"), "--tasks", f"arith:{a.rl_tasks}",
+    args = ["rl", "--ckpt", cold_start(a), "--tasks", f"arith:{a.rl_tasks}",
             "--heldout", f"arith:{a.heldout}", "--harness", os.path.join(a.out, "harness.json"), "--out", out,
             "--groups", str(a.groups), "--samples", str(a.samples), "--max-turn-tokens", str(a.turn_tokens),
             "--max-context", str(a.seq_len), "--lr", str(a.rl_lr), "--seed", str(seed), "--sandbox", a.sandbox,
-            "--rollout-cache-mb", "128", "--no-progress"]
+            "--rollout-cache-mb", "128", "--eval-temperature", str(a.eval_temperature), "--no-progress"]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
@@ -148,10 +149,14 @@ def trained_tokens(run: str) -> int:
     return n
 
 
+def cold_start(a) -> str:
+    return a.cold_start or latest(os.path.join(a.out, "sft"))
+
+
 def stage_rl(a, results: dict) -> None:
     from k3.rl.report import read_metrics
 
-    cold = latest(os.path.join(a.out, "sft"))
+    cold = cold_start(a)
     if "cold_start" not in results:
         results["cold_start"] = evaluate(a, cold)
         print(f"cold start: held-out success {100 * results['cold_start']['success']:.1f}%")
@@ -174,7 +179,7 @@ def stage_rl(a, results: dict) -> None:
             if not os.path.isdir(os.path.join(ctl, "checkpoints")):
                 per_step = reply_tokens_per_step(a)
                 steps = max(1, round(rec["rl"]["trained_response_tokens"] / per_step))
-                sh(["sft", "--ckpt", cold, "--data", os.path.join(a.out, "sft.jsonl"), "--out", ctl,
+                sh(["sft", "--ckpt", cold, "--data", a.sft_data or os.path.join(a.out, "sft.jsonl"), "--out", ctl,
                     "--seq-len", str(a.seq_len), "--batch-tokens", str(16 * a.seq_len), "--max-steps", str(steps),
                     "--lr", str(a.rl_lr), "--seed", str(seed), "--eval-every", "1000", "--no-progress"])
                 rec["sft_steps"] = steps
@@ -256,11 +261,15 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sft-demos", type=int, default=1500)
     p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--cold-start", help="an SFT checkpoint to start RL from instead of the sft stage's")
+    p.add_argument("--sft-data", help="the control's SFT data (default OUT/sft.jsonl)")
     p.add_argument("--sft-lr", type=float, default=2e-3)
-    p.add_argument("--rl-steps", type=int, default=30)
-    p.add_argument("--rl-lr", type=float, default=3e-4)
+    p.add_argument("--rl-steps", type=int, default=25)
+    p.add_argument("--rl-lr", type=float, default=1.5e-3)
     p.add_argument("--rl-tasks", type=int, default=400)
-    p.add_argument("--heldout", type=int, default=100)
+    p.add_argument("--heldout", type=int, default=300)
+    p.add_argument("--eval-temperature", type=float, default=1.0, choices=[0.0, 1.0],
+                   help="held-out episodes sampled as the policy samples (1, default) or greedy (0)")
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=96)
