@@ -55,7 +55,7 @@ def _script(actions) -> list[dict]:
 def _run(policy, task, n):
     """`n` samples of `task` through AgentRollouts (the Triton interpreter for the kernel reward on CPU)."""
     model, tok = policy
-    cfg = RolloutConfig(harness=HARNESS, sandbox_kind="none", max_turn_tokens=1024, kernel_device="cpu")
+    cfg = RolloutConfig(harness=HARNESS, sandbox_kind="none", max_turn_tokens=1024)
     ecfg = EngineConfig(cache_memory_mb=32.0, page_tokens=64, hash_block_tokens=16, cuda_graphs=False)
     ro = AgentRollouts(model, tok, DEFAULT_CHAT_TEMPLATE, cfg, ecfg, Throttle(start=8))
     samples = [Sample(uid=i, group=0, task=task, episode=Episode(task, HARNESS, None, sandbox_kind="none",
