@@ -40,6 +40,8 @@ COUNTERS = (
     ("k3_spec_verifications_total", "spec_verifications", "Speculative decode steps of a request (drafts verified)."),
     ("k3_spec_draft_tokens_total", "draft_tokens_proposed", "Draft tokens proposed for verification."),
     ("k3_spec_draft_tokens_accepted_total", "draft_tokens_accepted", "Draft tokens the target accepted."),
+    ("k3_written_back_tokens_total", "written_back_tokens", "Prefix tokens written back to host memory."),
+    ("k3_prefetched_tokens_total", "prefetched_tokens", "Prefix tokens fetched from host memory into the cache."),
 )
 
 
