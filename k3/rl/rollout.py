@@ -114,8 +114,9 @@ class Throttle:
         self._preemptions, self._calls, self.every = 0, 0, every
         self.trace: list[int] = [start]
 
-    def update(self, engine: LLMEngine) -> int:
-        """Called before each engine step; the limit moves at most once every `every` calls."""
+    def update(self, engine: LLMEngine, demand: int | None = None) -> int:
+        """Called before each engine step with the requests that want to be in the engine (`demand`: those in it
+        and those queued); the limit moves at most once every `every` calls, and grows only while it binds."""
         self._calls += 1
         if self.fixed or self._calls % self.every:
             return self.limit
@@ -125,7 +126,7 @@ class Throttle:
         pre = engine.metrics.preemptions
         if used > self.high or queued > 0 or pre > self._preemptions:
             self.limit = max(self.lo, int(self.limit * self.backoff))
-        elif used < self.high * 0.8:
+        elif used < self.high * 0.8 and (demand is None or demand > self.limit):
             self.limit = min(self.hi, self.limit + self.step)
         self._preemptions = pre
         if not self.trace or self.trace[-1] != self.limit:
@@ -312,7 +313,7 @@ class AgentRollouts:
                 while True:
                     if not stopped and stop():
                         stopped = True
-                    limit = self.throttle.update(eng)
+                    limit = self.throttle.update(eng, len(in_engine) + len(queue))
                     while queue and not stopped and len(in_engine) < limit:
                         s = queue.pop(0)
                         n = self._turn_limit(s)

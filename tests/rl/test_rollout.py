@@ -134,6 +134,8 @@ def test_throttle_backs_off_under_pressure_and_grows_with_room():
     assert t.update(Eng(10, queued=3)) == 8  # requests queue in the engine
     assert t.update(Eng(10, pre=1)) == 5  # a preemption happened
     assert t.update(Eng(80)) == 5  # between the watermarks: hold
+    assert t.update(Eng(10), demand=3) == 5  # room, but the limit does not bind: hold
+    assert t.update(Eng(10), demand=9) == 7
     f = Throttle(start=16, fixed=True)
     assert f.update(Eng(99, queued=5)) == 16
     with pytest.raises(ValueError, match="throttle"):
