@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
-import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from k3.env.client import ScriptedPolicy, assistant_message, tool_call
@@ -41,7 +38,7 @@ from k3.env.context import SUMMARY_PROMPT
 from k3.env.episode import Episode
 from k3.env.harness import HarnessConfig, build_tools
 from k3.env.presets import load_harness
-from k3.env.run import Job, plan_jobs
+from k3.env.run import Job, plan_jobs, run_pooled
 from k3.env.sandbox import Limits
 from k3.env.task import Task, get_family
 from k3.env.toolbox import BUILTIN_TOOLS
@@ -263,40 +260,21 @@ def make_demos(jobs: list[Job], *, concurrency: int = 4, sandbox_kind: str = "bw
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     outcomes: list[DemoOutcome | None] = [None] * len(jobs)
-    lock = threading.Lock()
-    bar = _progress(len(jobs), progress)
     kept = 0
 
-    def one(job: Job) -> DemoOutcome:
+    def one(i: int) -> DemoOutcome:
+        job = jobs[i]
         return make_demo(job.task, job.harness, sandbox_kind=sandbox_kind, limits=limits,
                          kernel_device=kernel_device, stand_ins=stand_ins)
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = {pool.submit(one, j): i for i, j in enumerate(jobs)}
-        try:
-            for fut in as_completed(futures):
-                out = fut.result()
-                with lock:
-                    outcomes[futures[fut]] = out
-                    kept += out.kept
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(kept=f"{kept}/{bar.n}")
-        except KeyboardInterrupt:
-            for f in futures:
-                f.cancel()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+    def done(k: int, i: int, out: DemoOutcome) -> str:
+        nonlocal kept
+        outcomes[i] = out
+        kept += out.kept
+        return f"kept={kept}/{k + 1}"
+
+    run_pooled(list(range(len(jobs))), one, done, concurrency=concurrency, desc="k3 env demos", progress=progress)
     return DemoReport(outcomes)
-
-
-def _progress(total: int, on: bool):
-    if not on:
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, unit="episode", desc="k3 env demos", file=sys.stderr, dynamic_ncols=True)
 
 
 def format_counts(report: DemoReport) -> str:

@@ -110,25 +110,48 @@ def run_jobs(jobs: list[Job], policy: Policy, out_dir: str, *, concurrency: int 
                          f"or choose another --out")
     done = done_keys(path) if resume else set()
     todo = [j for j in jobs if j.key not in done]
-    lock = threading.Lock()
-    bar = _progress(len(jobs), len(jobs) - len(todo), progress)
     wins = 0
 
     def one(job: Job) -> Trajectory:
         return Episode(job.task, job.harness, policy, sandbox_kind=sandbox_kind, limits=limits,
                        kernel_device=kernel_device).run()
 
+    def record(i: int, job: Job, traj: Trajectory) -> str:  # Episode.run never raises for the policy or sandbox
+        nonlocal wins
+        append_jsonl(path, traj)
+        wins += traj.success
+        return f"success={wins}/{i + 1}"
+
+    run_pooled(todo, one, record, concurrency=concurrency, desc="k3 env run", total=len(jobs),
+               initial=len(jobs) - len(todo), progress=progress)
+    summary = summarize(read_jsonl(path))
+    write_summary(out_dir, summary)
+    return summary
+
+
+def run_pooled(items: list, fn, on_done, *, concurrency: int, desc: str, total: int | None = None, initial: int = 0,
+               progress: bool = True) -> None:
+    """`fn(item)` for every item, `concurrency` at a time in threads; `on_done(k, item, result)` for the k-th result
+    to finish (k counts from 0), under a lock, in completion order; it returns the progress bar's postfix text. A
+    tqdm bar on stderr counts episodes (`total`, starting at `initial`). Ctrl-C cancels what has not started."""
+    lock = threading.Lock()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(items) if total is None else total, initial=initial, unit="episode", desc=desc,
+                   file=sys.stderr, dynamic_ncols=True)
+    finished = 0
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(one, j) for j in todo]
+        futures = {pool.submit(fn, x): x for x in items}
         try:
             for fut in as_completed(futures):
-                traj = fut.result()   # Episode.run never raises for what the policy or sandbox do
+                out = fut.result()
                 with lock:
-                    append_jsonl(path, traj)
-                    wins += traj.success
+                    note = on_done(finished, futures[fut], out)
+                    finished += 1
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(success=f"{wins}/{bar.n - (len(jobs) - len(todo))}")
+                        bar.set_postfix_str(note)
         except KeyboardInterrupt:
             for f in futures:
                 f.cancel()
@@ -136,17 +159,6 @@ def run_jobs(jobs: list[Job], policy: Policy, out_dir: str, *, concurrency: int 
         finally:
             if bar is not None:
                 bar.close()
-    summary = summarize(read_jsonl(path))
-    write_summary(out_dir, summary)
-    return summary
-
-
-def _progress(total: int, initial: int, on: bool):
-    if not on:
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, initial=initial, unit="episode", desc="k3 env run", file=sys.stderr,
-                dynamic_ncols=True)
 
 
 def summarize(trajectories: list[Trajectory]) -> dict:
