@@ -100,7 +100,8 @@ def evaluate(a, ck: str, seed: int = 0) -> dict:
     from k3.env.episode import Episode
     from k3.env.presets import load_harness
     from k3.rl.rollout import AgentRollouts, RolloutConfig, Throttle
-    from k3.rl.trainer import evaluate_policy, parse_task_specs
+    from k3.env.run import task_instances
+    from k3.rl.trainer import evaluate_policy
     from k3.serve.chat import load_chat_template
     from k3.serve.engine import EngineConfig
 
@@ -113,7 +114,7 @@ def evaluate(a, ck: str, seed: int = 0) -> dict:
                                                            write_back=False),
                        EngineConfig(cache_memory_mb=128.0, page_tokens=256, hash_block_tokens=64, cuda_graphs=False,
                                     max_model_len=a.seq_len), Throttle(start=64, fixed=True))
-    tasks = parse_task_specs([f"arith:{a.heldout}"], "test", 0)
+    tasks = task_instances([f"arith:{a.heldout}"], "test", 0)
     try:
         return evaluate_policy(ro, tasks, lambda t: Episode(t, harness, None, sandbox_kind=a.sandbox), 1, seed)
     finally:

@@ -63,7 +63,8 @@ def parse_task_specs(specs: list[str]) -> list[tuple[str, int]]:
             get_family(name)   # raises ValueError naming the known families
             if n:
                 if not n.isdigit() or int(n) < 1:
-                    raise ValueError(f"--tasks {part!r}: the count after ':' must be a positive integer")
+                    raise ValueError(f"--tasks {part!r}: N must be a positive integer (FAMILY[:N], the count after "
+                                     "':')")
                 count = int(n)
             else:
                 count = DEFAULT_EPISODES
@@ -71,6 +72,11 @@ def parse_task_specs(specs: list[str]) -> list[tuple[str, int]]:
     if not out:
         raise ValueError("--tasks names no task family")
     return out
+
+
+def task_instances(specs: list[str], split: str, seed: int = 0) -> list[Task]:
+    """The tasks `specs` name (FAMILY[:N], see parse_task_specs), instances of `split`, in spec order."""
+    return [t for name, n in parse_task_specs(specs) for t in get_family(name).instances(split, n, seed)]
 
 
 def plan_jobs(specs: list[tuple[str, int]], harnesses: list[str], split: str = "test", seed: int = 0) -> list[Job]:

@@ -403,9 +403,7 @@ def build_distill_run(opts: DistillOptions, tcfg: TrainConfig, log=print) -> MOP
     src = resume_from or opts.student
     if src is None:
         raise ValueError("--student: give the checkpoint to distill into")
-    if not os.path.isdir(src) or not os.path.isfile(os.path.join(src, "config.json")):
-        raise ValueError(f"--student {src}: no checkpoint there (a directory with config.json and safetensors)")
-    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify, what="--student ")
+    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify, what="--student ", qat=tcfg.qat)
     teachers = load_teachers(table, model.config, tok, device, opts.backends, opts.verify, log)
 
     def encoded(ps):
@@ -435,10 +433,6 @@ def build_distill_run(opts: DistillOptions, tcfg: TrainConfig, log=print) -> MOP
         counts[p.domain] = counts.get(p.domain, 0) + 1
     log(f"prompts: {len(kept)} ({', '.join(f'{d} {n}' for d, n in sorted(counts.items()))}); {too_long} left out, "
         f"longer than --max-prompt-tokens {opts.max_prompt_tokens}")
-    if tcfg.qat is not None:
-        from k3.train.qat import apply_qat
-
-        apply_qat(model, tcfg.qat)  # training forwards and rollouts alike: the engine runs this very module
     torch.manual_seed(tcfg.seed)
     source = PromptSource(kept, ids, opts.seq_len, seed=tcfg.seed)
     chat = any(p.messages is not None for p in kept)

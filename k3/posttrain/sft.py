@@ -80,16 +80,19 @@ def prepare_run_dir(tcfg: TrainConfig, device: str, resume: bool, log=print):
     return dev, resume_from
 
 
-def load_fp32_base(src: str, device, backends, verify: bool, what: str = ""):
+def load_fp32_base(src: str, device, backends, verify: bool, what: str = "", qat: str | None = None):
     """(model, tokenizer, chat template) of the checkpoint a post-training run starts from: fp32 master weights with
     plain experts and no quantization_config, so that the run's checkpoints keep them exactly (a release's MXFP4
     weights decode exactly; QAT re-wraps the experts, the export writes MXFP4 again). `what` prefixes messages
-    (e.g. "--student ")."""
+    (e.g. "--student "). `qat` ("mxfp4"): wrap the experts for quantization-aware training (training forwards and
+    the rollouts of an on-policy run alike: its engine runs this very module)."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
     from k3.model.mx_experts import quantize_experts
     from k3.serve.chat import load_chat_template
 
+    if not os.path.isdir(src) or not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"{what}{src}: no checkpoint there (a directory with config.json and safetensors)")
     model = from_pretrained(src, dtype=torch.float32, device=device, backends=backends, verify=verify)
     quantize_experts(model, None, None)
     model.config = model.config.replace(quantization_config=None)
@@ -97,6 +100,10 @@ def load_fp32_base(src: str, device, backends, verify: bool, what: str = ""):
         tok = load_any_tokenizer(src)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"{what}{src} has no usable tokenizer.json ({e})") from None
+    if qat is not None:
+        from k3.train.qat import apply_qat
+
+        apply_qat(model, qat)
     return model, tok, load_chat_template(src)
 
 
@@ -112,7 +119,7 @@ def build_sft_run(opts: SFTOptions, tcfg: TrainConfig, log=print) -> Trainer:
     src = resume_from or opts.ckpt
     if src is None:
         raise ValueError("--ckpt: give the checkpoint to fine-tune")
-    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify)
+    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify, what="--ckpt ", qat=tcfg.qat)
 
     train = load_chat_data(opts.data, tok, template, tcfg.seq_len, opts.skip_bad_records, "training data", log)
     if train.num_rows == 0:
@@ -122,10 +129,6 @@ def build_sft_run(opts: SFTOptions, tcfg: TrainConfig, log=print) -> Trainer:
         held = load_chat_data(opts.heldout, tok, template, tcfg.seq_len, opts.skip_bad_records, "held-out data", log)
         if held.num_rows:
             heldout = held.eval_batches(max(1, min(tcfg.rows_per_step, 16)))[: tcfg.eval_batches]
-    if tcfg.qat is not None:
-        from k3.train.qat import apply_qat
-
-        apply_qat(model, tcfg.qat)
     torch.manual_seed(tcfg.seed)
     loader = ChatLoader(train, tcfg.rows_per_step, seed=tcfg.seed)
     trainer = Trainer(model, tcfg, loader, eval_stream=heldout, eos_id=tok.eos_id,

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
                        "per-token objective, reasoning-effort budgets (report §4.1.2)")
     s.add_argument("--ckpt", help="the checkpoint to train (an SFT cold start; or a run directory: its latest)")
     s.add_argument("--tasks", nargs="+", metavar="FAMILY[:N]", help="training task families and how many of each "
-                   "(the train split; default N 32), e.g. arith:200 code:64")
+                   "(the train split; default N 10), e.g. arith:200 code:64")
     s.add_argument("--heldout", nargs="+", metavar="FAMILY[:N]", help="held-out task families (the test split), "
                    "evaluated every --eval-every steps: val_success, and val_loss = 1 - success")
     s.add_argument("--harness", default="react", help="a harness preset or JSON file (k3 env list)")

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from k3.env.episode import Episode
-from k3.env.task import Task, get_family
+from k3.env.task import Task
 from k3.files import atomic_write_text
 from k3.rl.loss import IGNORE, RLLoss, RLLossConfig
 from k3.rl.rollout import AgentRollouts, RolloutConfig, Sample, Throttle
@@ -53,21 +53,6 @@ from k3.train.trainer import StepMetrics, Trainer, TrainConfig, TrainingError
 
 CPU_DEFAULTS = dict(lr=2e-4)
 GPU_DEFAULTS = dict(lr=2e-5)
-
-
-def parse_task_specs(specs: list[str], split: str, seed: int) -> list[Task]:
-    """`FAMILY[:N]` specs -> tasks of `split` (N default 32), in spec order."""
-    tasks = []
-    for spec in specs:
-        name, _, n = spec.partition(":")
-        try:
-            count = int(n) if n else 32
-        except ValueError:
-            raise ValueError(f"--tasks {spec!r}: N must be an integer (FAMILY[:N], e.g. arith:200)") from None
-        if count < 1:
-            raise ValueError(f"--tasks {spec!r}: N must be >= 1")
-        tasks.extend(get_family(name).instances(split, count, seed=seed))
-    return tasks
 
 
 @dataclass
@@ -436,6 +421,7 @@ def rl_train_config(opts: RLOptions, tcfg: TrainConfig) -> TrainConfig:
 
 def build_rl_run(opts: RLOptions, tcfg: TrainConfig, log=print) -> RLTrainer:
     from k3.env.presets import load_harness
+    from k3.env.run import task_instances
     from k3.posttrain.sft import load_fp32_base, prepare_run_dir
     from k3.serve.chat import chat_template_json
     from k3.serve.engine import EngineConfig
@@ -445,19 +431,13 @@ def build_rl_run(opts: RLOptions, tcfg: TrainConfig, log=print) -> RLTrainer:
     rl_train_config(opts, tcfg)
     tcfg.validate()
     harness = load_harness(opts.harness)
-    tasks = parse_task_specs(opts.tasks, "train", opts.task_seed)
-    heldout = parse_task_specs(opts.heldout, "test", opts.task_seed) if opts.heldout else []
+    tasks = task_instances(opts.tasks, "train", opts.task_seed)
+    heldout = task_instances(opts.heldout, "test", opts.task_seed) if opts.heldout else []
     device, resume_from = prepare_run_dir(tcfg, opts.device, opts.resume, log)
     src = resume_from or opts.ckpt
     if src is None:
         raise ValueError("--ckpt: give the checkpoint to train (an SFT cold start)")
-    if not os.path.isdir(src) or not os.path.isfile(os.path.join(src, "config.json")):
-        raise ValueError(f"--ckpt {src}: no checkpoint there (a directory with config.json and safetensors)")
-    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify, what="--ckpt ")
-    if tcfg.qat is not None:
-        from k3.train.qat import apply_qat
-
-        apply_qat(model, tcfg.qat)  # training forwards and rollouts alike: the engine runs this very module
+    model, tok, template = load_fp32_base(src, device, opts.backends, opts.verify, what="--ckpt ", qat=tcfg.qat)
     torch.manual_seed(tcfg.seed)
 
     kernel_device = "cuda" if device.type == "cuda" else "cpu"  # kernel tasks are scored where the model runs
