@@ -1,5 +1,7 @@
 """Shared test helpers."""
 
+import contextlib
+
 import torch
 
 
@@ -225,3 +227,15 @@ def tiny_chat_checkpoint(ckpt):
     assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", str(ckpt)]) == 0
     save_chat_template(ckpt)
     return from_pretrained(ckpt), load_any_tokenizer(ckpt)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Torch on one intra-op thread inside the block (tiny matrices gain nothing from a thread pool, and on a busy
+    2-core machine one stalls them), the previous count restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

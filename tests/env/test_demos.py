@@ -9,7 +9,6 @@ import shutil
 import subprocess
 
 import pytest
-import torch
 
 from k3.cli import main
 from k3.env.client import ScriptedPolicy
@@ -172,7 +171,7 @@ def test_stand_ins_for_tools_the_harness_lacks(tmp_path):
 
 
 def test_k3_sft_trains_on_the_demos(tmp_path, capsys):
-    from helpers import tiny_chat_checkpoint
+    from helpers import one_torch_thread, tiny_chat_checkpoint
 
     ckpt = tmp_path / "tiny"
     tiny_chat_checkpoint(ckpt)
@@ -181,13 +180,9 @@ def test_k3_sft_trains_on_the_demos(tmp_path, capsys):
                  "--no-progress"]) == 0
     assert "kept 6/6 (arith 6/6)" in capsys.readouterr().out
     out = str(tmp_path / "sft")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)     # a tiny model: more threads only contend on a busy machine (10x slower)
-    try:
+    with one_torch_thread():     # a tiny model: more threads only contend on a busy machine (10x slower)
         assert main(["sft", "--ckpt", str(ckpt), "--data", data, "--out", out, "--max-steps", "2", "--seq-len",
                      "2048", "--batch-tokens", "2048", "--device", "cpu", "--no-progress"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     metrics = jsonl(os.path.join(out, "metrics.jsonl"))
     losses = [m["loss"] for m in metrics if m.get("loss") is not None]
     assert len(losses) >= 1 and all(math.isfinite(loss) and loss > 0 for loss in losses)

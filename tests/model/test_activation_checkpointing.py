@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import k3.model.block as block
-from helpers import randomize_, rel_err
+from helpers import one_torch_thread, randomize_, rel_err
 from k3.data.packing import PackedLoader
 from k3.model.model import K3ForCausalLM
 from k3.model.stats import STATS
@@ -19,10 +19,8 @@ from k3.train.trainer import Trainer, TrainConfig
 @pytest.fixture(autouse=True)
 def one_thread():
     # Tiny matrices gain nothing from intra-op threads, and on a busy machine a thread pool can stall.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():
+        yield
 
 
 def make(cfg, on, seed=0):

@@ -13,7 +13,7 @@ Tolerances, as the largest error relative to the largest entry (helpers.rel_err)
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import one_torch_thread, rel_err
 from k3.ops import kda as ref
 from k3.ops.kda_naive import kda_chunk_naive, kda_recurrent_naive
 from k3.ops.registry import Backends, Target, dispatch
@@ -22,10 +22,8 @@ from k3.ops.registry import Backends, Target, dispatch
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """One thread: the matrices are tiny, and batched fp64 matmuls split over threads crawl on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():
+        yield
 
 
 H, K, V = 2, 16, 12  # K != V, so a transposed state would not fit

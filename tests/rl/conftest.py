@@ -3,19 +3,15 @@ oracle.SCRIPT (`scripted`; tests/rl/oracle.py)."""
 
 import pytest
 
-from helpers import tiny_chat_checkpoint
+from helpers import one_torch_thread, tiny_chat_checkpoint
 from rl.oracle import SCRIPT, script_tokens
 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """Tiny models: one torch thread (more only contend, and badly so on a busy 2-core machine)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    """Tiny models: one torch thread."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

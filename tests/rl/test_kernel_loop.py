@@ -12,7 +12,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from rl.oracle import script_tokens
 from k3.env.client import assistant_message, tool_call
@@ -38,14 +37,6 @@ import torch
 def kernel(a, b):
     return torch.matmul(b.t(), a.t()).t() + 1
 '''
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only contend on a busy machine
-    yield
-    torch.set_num_threads(n)
 
 
 def _script(actions) -> list[dict]:

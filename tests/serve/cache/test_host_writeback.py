@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from helpers import randomize_
+from helpers import one_torch_thread, randomize_
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.serve.cache.host import HostPrefixStore
@@ -23,10 +23,8 @@ G, K = 2, 3  # the tiny preset's MLA and KDA layers (cache groups)
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only contend on a busy machine
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():  # a tiny model: more threads only contend on a busy machine
+        yield
 
 
 @functools.cache
