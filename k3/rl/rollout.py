@@ -79,8 +79,10 @@ class Sample:
     turns: int = 0
     output_tokens: int = 0  # sampled tokens over the whole trajectory (the report's T(y) for agentic tasks)
     thinking_tokens: int = 0  # of which inside think channels (T(y) for general tasks)
-    reward: float | None = None
+    reward: float | None = None  # the hidden verifier's
     success: bool = False
+    train_reward: float | None = None  # what the optimizer sees (budget control may override the reward with -1)
+    advantage: float = 0.0  # train_reward - its group's mean
     trajectory: dict | None = None
     error: str | None = None
     paused: int = 0  # times it was paused at the end of an iteration

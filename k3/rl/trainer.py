@@ -299,13 +299,13 @@ class RLTrainer(Trainer):
         trained, over, zero = [], 0, 0
         for g in complete:
             for s in g:
-                s.train_reward = budget_reward(float(s.reward or 0.0), trajectory_cost(s),  # type: ignore[attr-defined]
+                s.train_reward = budget_reward(float(s.reward or 0.0), trajectory_cost(s),
                                                self.budgets.get(s.task.id), tau_b)
                 over += int(s.train_reward == -1.0 and tau_b is not None and s.reward != -1.0)
-            rs = [s.train_reward for s in g]  # type: ignore[attr-defined]
+            rs = [s.train_reward for s in g]
             zero += int(max(rs) == min(rs))
             for s, a in zip(g, group_advantages(rs)):
-                s.advantage = a  # type: ignore[attr-defined]
+                s.advantage = a
                 trained.append(s)
         version = self.rollouts.version
         rows = [(s, r) for s in trained for r in s.rows if r.sampled > 0]
