@@ -246,7 +246,6 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
         summary = trainer.fit(progress_bar=progress_bar)
         if tcfg.qat is not None and first_rank:
             from k3.train.qat import export_checkpoint, export_run
-            import time; time.sleep(15)
 
             # under torchrun the live model is sharded: rank 0 encodes the gathered final checkpoint instead (the
             # same values: its fp32 weights are the model's)
