@@ -390,3 +390,365 @@ def check_chunked_prefill(case: EngineCase) -> None:
 @example(CHUNKED_CASE)
 def test_engine_chunked_prefill_and_decode_agree_with_training(case):
     check_chunked_prefill(case)
+
+
+# path 3: prefix-cache restores at random split points (multi-turn continuations and a sibling on a shorter prefix)
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCase:
+    engine: EngineCase  # its waves: the first turn's requests
+    turns: tuple  # later turns: (new tokens after the previous turn's tokens, max_tokens), one request each
+    sibling: tuple  # with the second turn: (length of a prefix of the first turn's tokens, new tokens, max_tokens)
+
+
+@st.composite
+def prefix_cases(draw):
+    vocab = draw(st.sampled_from(VOCABS))
+    hb = draw(st.sampled_from([4, 8]))
+    chunk = draw(st.integers(2, 24))
+    first = EngineCase(draw(st.integers(0, len(VARIANTS) - 1)), vocab, hb, draw(st.integers(1, 3)), chunk,
+                       draw(st.integers(chunk, 64)), (((_prompt(draw, vocab, 2, 40), draw(st.integers(1, 8)), False),),))
+    turns = tuple((_prompt(draw, vocab, 1, 12), draw(st.integers(1, 6))) for _ in range(draw(st.integers(1, 2))))
+    return PrefixCase(first, turns, (draw(st.integers(1, 40)), _prompt(draw, vocab, 1, 4), draw(st.integers(1, 4))))
+
+
+# hb 4, pages of 3 blocks: turn 1 computes 29 tokens (checkpoint at 28, inside the third page: a copy-on-write hit),
+# turn 2 hits 28 and computes to 41 (checkpoint at 40), turn 3 hits 40 with two older checkpoints on its chain;
+# the sibling hits the first turn's checkpoint at 28 (and also scores its prompt: no hit)
+PREFIX_CASE = PrefixCase(EngineCase(1, 256, 4, 3, 10, 32, (((_tokens(26, 7), 4, False),),)),
+                         ((_tokens(7, 8), 6), (_tokens(3, 9), 3)), (31, _tokens(2, 10), 3))
+
+
+def check_prefix_restore(case: PrefixCase) -> None:
+    model, eng, seqs = run_case(case.engine)
+    hb = case.engine.hb
+    prev = seqs[0]
+    for t, (new, max_tokens) in enumerate(case.turns):
+        wave = [(prev.prompt_ids + prev.output_ids + list(new), params(max_tokens))]
+        if t == 0:
+            n, extra, m = case.sibling
+            first = seqs[0].prompt_ids + seqs[0].output_ids
+            wave += [(first[:n] + list(extra), params(m)), (first[:n] + list(extra), params(m, score_prompt=True))]
+        got = drive(eng, [wave])
+        want = (prev.num_tokens - 1) // hb * hb  # the previous turn's newest checkpoint
+        assert got[0].cached_tokens == want, (t, got[0].cached_tokens, want)
+        seqs += got
+        prev = got[0]
+    check_requests(model, eng, seqs)
+
+
+@PROPERTY
+@given(prefix_cases())
+@example(PREFIX_CASE)
+def test_prefix_cache_restores_agree_with_training(case):
+    check_prefix_restore(case)
+
+
+# path 4: speculative verification with random acceptance, then replay; verifications mixed into prefill forwards
+
+@functools.lru_cache(maxsize=None)
+def greedy(variant: int, vocab: int, prompt: tuple, n: int) -> list[int]:
+    return list(generate_tokens(tiny_model(variant, vocab), list(prompt), SamplingParams(max_tokens=n, temperature=0)))
+
+
+class RandomAcceptDraft:
+    """Proposes the target's greedy continuation (from the model's own decode cache) with each token replaced by a
+    wrong one with probability `p_wrong`: the verifications accept random prefixes of their drafts."""
+
+    def __init__(self, variant: int, vocab: int, seed: int, p_wrong: float):
+        import random
+
+        self.variant, self.vocab, self.p_wrong = variant, vocab, p_wrong
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            ref = greedy(self.variant, self.vocab, tuple(s.prompt_ids), s.params.max_tokens)
+            j = len(s.output_ids)
+            toks = (ref[j:j + k] + [1] * k)[:k]
+            out.append(Proposal([t % (self.vocab - 1) + 1 if self.rng.random() < self.p_wrong else t for t in toks]))
+        return out
+
+    def observe(self, seq, start, hidden):
+        pass
+
+    def forget(self, seq):
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecCase:
+    engine: EngineCase
+    k: int
+    p_wrong: float
+    seed: int
+    mix_verify: bool = True
+
+
+@st.composite
+def spec_cases(draw, mixed: bool = False):
+    base = draw(chunked_cases())
+    if mixed:  # decoding requests first, then prompts longer than a chunk: their prefill overlaps the verifications
+        vocab, chunk = base.vocab, base.chunk
+        waves = (tuple((_prompt(draw, vocab, 1, 12), draw(st.integers(6, 12)), False)
+                       for _ in range(draw(st.integers(1, 2)))),
+                 tuple((_prompt(draw, vocab, chunk + 2, chunk + 40), draw(st.integers(1, 6)), draw(st.booleans()))
+                       for _ in range(draw(st.integers(1, 2)))))
+        base = dataclasses.replace(base, waves=waves, step_tokens=max(base.step_tokens, chunk + 16), gap=2)
+    return SpecCase(base, draw(st.integers(1, 4)), draw(st.sampled_from([0.0, 0.3, 0.6])), draw(st.integers(0, 99)),
+                    mixed or draw(st.booleans()))
+
+
+SPEC_CASE = SpecCase(EngineCase(0, 256, 4, 2, 16, 64, (((_tokens(13, 11), 10, False), (_tokens(29, 12), 8, True)),)),
+                     3, 0.3, 0)
+MIXED_CASE = SpecCase(EngineCase(2, 128, 8, 1, 8, 32, (((_tokens(5, 13, 128), 12, False),),
+                                                       ((_tokens(30, 14, 128), 3, True),)), gap=2), 3, 0.3, 1)
+
+
+def run_spec(case: SpecCase):
+    e = case.engine
+    draft = RandomAcceptDraft(e.variant, e.vocab, case.seed, case.p_wrong)
+    model, eng, seqs = run_case(e, draft=draft, k=case.k, mix_verify=case.mix_verify)
+    assert eng.metrics.spec_verifications > 0 or all(s.params.max_tokens == 1 for s in seqs)
+    return model, eng, seqs
+
+
+def check_speculative(case: SpecCase) -> None:
+    model, eng, seqs = run_spec(case)
+    check_requests(model, eng, seqs)
+
+
+def mixed_forwards(eng: LLMEngine) -> list:
+    """The one look inside the engine: a record of its mixed forwards (prefill chunks and verifications in one
+    packed forward), to show that the mixed path ran. Everything else here goes through the public API."""
+    calls = []
+    run_mixed = eng.runner.run_mixed
+
+    def counted(*args, **kwargs):
+        calls.append(args[3])  # the number of verifications
+        return run_mixed(*args, **kwargs)
+
+    eng.runner.run_mixed = counted
+    return calls
+
+
+def check_mixed_verification(case: SpecCase) -> None:
+    e = case.engine
+    draft = RandomAcceptDraft(e.variant, e.vocab, case.seed, case.p_wrong)
+    model = tiny_model(e.variant, e.vocab)
+    eng = engine(model, e.hb, e.page_blocks, e.chunk, e.step_tokens, draft=draft, k=case.k, mix_verify=True)
+    mixed = mixed_forwards(eng)
+    seqs = drive(eng, [[(p, params(m, score)) for p, m, score in wave] for wave in e.waves], e.gap)
+    assert mixed, "no verification ran inside a prefill forward"
+    check_requests(model, eng, seqs)
+
+
+@PROPERTY
+@given(spec_cases())
+@example(SPEC_CASE)
+def test_speculative_verification_and_replay_agree_with_training(case):
+    check_speculative(case)
+
+
+@PROPERTY
+@given(spec_cases(mixed=True))
+@example(MIXED_CASE)
+def test_verification_mixed_into_prefill_agrees_with_training(case):
+    check_mixed_verification(case)
+
+
+# path 5: preemption and re-prefill in a pool too small for every request at once
+
+@dataclasses.dataclass(frozen=True)
+class PreemptCase:
+    engine: EngineCase
+    spare: int  # pages beyond what the largest request needs
+
+
+@st.composite
+def preempt_cases(draw):
+    vocab = draw(st.sampled_from(VOCABS))
+    chunk = draw(st.integers(4, 24))
+    waves = (tuple((_prompt(draw, vocab, 12, 48), draw(st.integers(2, 8)), draw(st.booleans()))
+                   for _ in range(draw(st.integers(3, 5)))),)
+    return PreemptCase(EngineCase(draw(st.integers(0, len(VARIANTS) - 1)), vocab, draw(st.sampled_from([4, 8])),
+                                  draw(st.integers(1, 2)), chunk, draw(st.integers(chunk, 64)), waves, 1,
+                                  draw(st.booleans())), draw(st.integers(0, 3)))
+
+
+PREEMPT_CASE = PreemptCase(EngineCase(0, 256, 4, 2, 8, 32, (((_tokens(40, 15), 6, False), (_tokens(33, 16), 5, True),
+                                                              (_tokens(45, 17), 4, False), (_tokens(20, 18), 8, False)),),
+                                      gap=1), 1)
+
+
+def check_preemption(case: PreemptCase) -> None:
+    e = case.engine
+    model = tiny_model(e.variant, e.vocab)
+    need = max(pages_needed(model, e.hb, e.page_blocks, len(p) + m) for w in e.waves for p, m, _ in w)
+    eng = engine(model, e.hb, e.page_blocks, e.chunk, e.step_tokens, pages=need + case.spare,
+                 prefix_cache=e.prefix_cache)
+    seqs = drive(eng, [[(p, params(m, score)) for p, m, score in wave] for wave in e.waves], e.gap)
+    check_requests(model, eng, seqs)
+    return eng.metrics.preemptions
+
+
+@PROPERTY
+@given(preempt_cases())
+@example(PREEMPT_CASE)
+def test_preemption_and_reprefill_agree_with_training(case):
+    check_preemption(case)
+
+
+# path 6: host write-back of cached prefixes and their prefetch into a second engine
+
+@dataclasses.dataclass(frozen=True)
+class HostCase:
+    engine: EngineCase  # engine A's requests
+    extra: tuple  # per request of A: the new tokens of its continuation on engine B
+    chunk_b: int
+
+
+@st.composite
+def host_cases(draw):
+    base = draw(chunked_cases())
+    n = sum(len(w) for w in base.waves)
+    return HostCase(base, tuple(_prompt(draw, base.vocab, 1, 6) for _ in range(n)), draw(st.integers(2, 24)))
+
+
+HOST_CASE = HostCase(EngineCase(0, 256, 4, 3, 16, 48, (((_tokens(30, 19), 5, False), (_tokens(45, 20), 3, False)),
+                                                       ((_tokens(9, 21), 2, False),))),
+                     ((5, 6), (7,), (8, 9, 10)), 8)
+
+
+def check_host_writeback(case: HostCase) -> None:
+    e = case.engine
+    model, a, seqs = run_case(e)
+    store = check_requests(model, a, seqs)  # the store written back holds the states the training forward has
+    b = engine(model, e.hb, e.page_blocks, case.chunk_b, max(case.chunk_b, e.step_tokens))
+    b.prefetch(store)
+    cont = drive(b, [[(s.prompt_ids + s.output_ids + list(x), params(2)) for s, x in zip(seqs, case.extra)]])
+    assert [s.cached_tokens for s in cont] == [p.num_tokens for p in store.prefixes]
+    check_requests(model, b, cont)
+
+
+@PROPERTY
+@given(host_cases())
+@example(HOST_CASE)
+def test_host_write_back_and_prefetch_agree_with_training(case):
+    check_host_writeback(case)
+
+
+# path 7: KDA context parallelism (with the short conv's halo and Gated MLA's gathered latent) at random split points
+
+class SequentialRanks:
+    """torch.distributed as k3.parallel.context_parallel calls it, for P ranks of one CP group run one after another
+    in this process. A forward's collectives are all-gathers in which a rank reads only the earlier ranks' parts
+    and its own (the fragments fold over earlier segments, the conv halo is the previous segment's tail, MLA
+    attends to earlier keys; only the MTP layer reads later ranks, and these models have none), so running rank 0's
+    whole forward, then rank 1's, ... gives every rank what the group would: each gather records this rank's part
+    under its call number and returns the earlier ranks' parts recorded under the same number (later ranks' read as
+    zeros, which no rank uses)."""
+
+    def __init__(self, P: int):
+        self.P, self.rank, self.calls, self.parts = P, 0, 0, []
+
+    def start(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    def get_rank(self, group=None) -> int:
+        return self.rank
+
+    def get_world_size(self, group=None) -> int:
+        return self.P
+
+    def all_gather_into_tensor(self, out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+        if self.calls == len(self.parts):
+            self.parts.append({})
+        parts = self.parts[self.calls]
+        self.calls += 1
+        parts[self.rank] = x.detach().clone()
+        out.copy_(torch.cat([parts.get(j, torch.zeros_like(x)).reshape(-1) for j in range(self.P)]))
+
+    def all_reduce(self, *args, **kwargs):
+        raise AssertionError("a forward without labels all-reduces nothing")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPCase:
+    variant: int
+    vocab: int
+    docs: tuple[tuple[int, ...], ...]
+    cuts: tuple[int, ...]  # split points of the packed row (one fewer than the ranks)
+
+
+@st.composite
+def cp_cases(draw):
+    vocab = draw(st.sampled_from(VOCABS))
+    variant = draw(st.integers(0, len(VARIANTS) - 1))
+    docs = tuple(tuple(draw(st.lists(st.integers(1, vocab - 1), min_size=n, max_size=n)))
+                 for n in draw(st.lists(st.integers(1, 40), min_size=1, max_size=4)))
+    if sum(map(len, docs)) < 12:  # room for three segments of at least the halo each
+        docs += (_prompt(draw, vocab, 12, 20),)
+    T, halo = sum(map(len, docs)), VARIANTS[variant][2] - 1  # every segment holds at least the conv's halo
+    P = draw(st.integers(2, 3))
+    cuts = draw(st.lists(st.integers(max(halo, 1), T - max(halo, 1)), min_size=P - 1, max_size=P - 1, unique=True)
+                .map(sorted).filter(lambda c: all(b - a >= max(halo, 1) for a, b in zip(c, c[1:]))))
+    return CPCase(variant, vocab, docs, tuple(cuts))
+
+
+# three ranks: a document across both cuts (its state enters rank 2 through rank 1), one starting at a cut
+CP_CASE = CPCase(0, 256, (_tokens(9, 22), _tokens(50, 23), _tokens(12, 24)), (24, 47))
+
+
+@torch.no_grad()
+def context_parallel_forward(model, docs, cuts):
+    """The packed row split at `cuts`, every rank's segment run through the model with its context-parallel record:
+    (log-probs [T, V], the KDA states [n_kda, H, K, V] of each document at its end)."""
+    import k3.parallel.context_parallel as cp
+
+    lengths = [len(d) for d in docs]
+    ids = torch.tensor([[t for d in docs for t in d]])
+    seg = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(lengths))[None]
+    parts = cp.split_packed_batch(ids, seg, len(cuts) + 1, split_points=list(cuts))
+    ranks = SequentialRanks(len(parts))
+    finals: list[list[torch.Tensor]] = [[] for _ in parts]
+    orig = cp.kda_context_parallel
+
+    def spy(*args, **kwargs):
+        o, state = orig(*args, **kwargs)
+        finals[ranks.rank].append(state)
+        return o, state
+
+    logits = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cp, "dist", ranks)
+        mp.setattr(cp, "kda_context_parallel", spy)
+        for r, part in enumerate(parts):
+            ranks.start(r)
+            logits.append(model(part.input_ids, batch=cp.cp_batch_info(part, group=None)).logits[0])
+    states = [None] * len(docs)
+    for r, part in enumerate(parts):
+        first = int(seg[0, part.segment.start])  # the global document of the segment's first local one
+        n_local = len(part.segment.cu_seqlens) - 1
+        for d in range(n_local):
+            ends_here = d < n_local - 1 or r + 1 == len(parts) or not parts[r + 1].segment.continued
+            if ends_here:
+                states[first + d] = torch.stack([f[d] for f in finals[r]])
+    return torch.log_softmax(torch.cat(logits).double(), -1), states
+
+
+def check_context_parallel(case: CPCase) -> None:
+    model = tiny_model(case.variant, case.vocab)
+    ref = training_forward(model, [list(d) for d in case.docs])
+    logp, states = context_parallel_forward(model, case.docs, case.cuts)
+    _close(f"cuts {case.cuts}: log-probs", logp, torch.cat(ref.logp), LOGP_TOL, relative=False)
+    for i, (got, want) in enumerate(zip(states, ref.state)):
+        _close(f"cuts {case.cuts}, doc {i}: KDA state", got, want, STATE_TOL)
+
+
+@PROPERTY
+@given(cp_cases())
+@example(CP_CASE)
+def test_context_parallel_agrees_with_training(case):
+    check_context_parallel(case)
