@@ -94,3 +94,17 @@ def test_bad_options_are_named(ckpt, tmp_path):
 
     with pytest.raises(SystemExit, match="--seq-len"):
         main(["rl", "--ckpt", ck, "--tasks", "rltest:2", "--seq-len", "64", "--out", str(tmp_path / "x")])
+
+
+def test_rl_keeps_the_expert_bias_unless_asked(ckpt, tmp_path, monkeypatch):
+    """`k3 rl` defaults to --balance none (the checkpoint's expert bias is kept: re-fitting it from each small RL
+    batch moves the policy off the one that sampled); an explicit --balance is honoured."""
+    import k3.rl.trainer as rl_trainer
+    from k3.cli import main
+
+    ck, _ = ckpt
+    seen = []
+    monkeypatch.setattr(rl_trainer, "run_rl", lambda opts, tcfg, progress_bar=True, log=print: seen.append(tcfg) or {})
+    for extra, want in (([], "none"), (["--balance", "histogram"], "histogram")):
+        main(["rl", "--ckpt", ck, "--tasks", "rltest:2", "--out", str(tmp_path / "x"), "--device", "cpu", *extra])
+        assert seen[-1].balance == want
