@@ -59,7 +59,11 @@ from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.generate import generate_tokens
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
-from k3.serve.speculative.draft import Proposal
+
+try:  # the speculative-decoding package, before and after its move from k3.serve.spec to k3.serve.speculative
+    from k3.serve.speculative.draft import Proposal
+except ImportError:
+    from k3.serve.spec.draft import Proposal
 
 LOGP_TOL = 2e-4
 STATE_TOL = 1e-4
@@ -287,8 +291,10 @@ def drive(eng: LLMEngine, waves, gap: int = 2) -> list:
     return seqs
 
 
-def params(max_tokens: int, score_prompt: bool = False) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=TOP,
+def params(max_tokens: int, score_prompt: bool = False, temperature: float = 0.0, seed: int = 0) -> SamplingParams:
+    """Greedy, or sampled at `temperature` from `seed` (speculation then accepts drafts by rejection sampling); the
+    reported log-probabilities are the logits' either way."""
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=TOP,
                           prompt_logprobs=TOP if score_prompt else None)
 
 
@@ -376,10 +382,10 @@ CHUNKED_CASE = EngineCase(0, 256, 8, 2, 12, 40, (((_tokens(37, 4), 6, True), (_t
                                                  ((_tokens(50, 6), 4, True),)))
 
 
-def run_case(case: EngineCase, **kw):
+def run_case(case: EngineCase, temperature: float = 0.0, **kw):
     model = tiny_model(case.variant, case.vocab)
     eng = engine(model, case.hb, case.page_blocks, case.chunk, case.step_tokens, prefix_cache=case.prefix_cache, **kw)
-    waves = [[(p, params(m, score)) for p, m, score in wave] for wave in case.waves]
+    waves = [[(p, params(m, score, temperature, seed)) for seed, (p, m, score) in enumerate(wave)] for wave in case.waves]
     return model, eng, drive(eng, waves, case.gap)
 
 
@@ -449,14 +455,15 @@ def test_prefix_cache_restores_agree_with_training(case):
 
 # path 4: speculative verification with random acceptance, then replay; verifications mixed into prefill forwards
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=4096)
 def greedy(variant: int, vocab: int, prompt: tuple, n: int) -> list[int]:
     return list(generate_tokens(tiny_model(variant, vocab), list(prompt), SamplingParams(max_tokens=n, temperature=0)))
 
 
 class RandomAcceptDraft:
-    """Proposes the target's greedy continuation (from the model's own decode cache) with each token replaced by a
-    wrong one with probability `p_wrong`: the verifications accept random prefixes of their drafts."""
+    """Proposes the target's greedy continuation of the request's tokens (from the model's own decode cache) with
+    each token replaced by a wrong one with probability `p_wrong`: the verifications accept random prefixes of their
+    drafts (sampled requests also reject right ones at random)."""
 
     def __init__(self, variant: int, vocab: int, seed: int, p_wrong: float):
         import random
@@ -467,9 +474,7 @@ class RandomAcceptDraft:
     def propose(self, seqs, ks):
         out = []
         for s, k in zip(seqs, ks):
-            ref = greedy(self.variant, self.vocab, tuple(s.prompt_ids), s.params.max_tokens)
-            j = len(s.output_ids)
-            toks = (ref[j:j + k] + [1] * k)[:k]
+            toks = greedy(self.variant, self.vocab, tuple(s.prompt_ids + s.output_ids), k)
             out.append(Proposal([t % (self.vocab - 1) + 1 if self.rng.random() < self.p_wrong else t for t in toks]))
         return out
 
@@ -487,6 +492,8 @@ class SpecCase:
     p_wrong: float
     seed: int
     mix_verify: bool = True
+    temperature: float = 0.0  # > 0: sampled requests, whose drafts are accepted by rejection sampling (the models'
+    # logits are nearly flat: 0.03 accepts some and rejects others)
 
 
 @st.composite
@@ -501,11 +508,15 @@ def spec_cases(draw, mixed: bool = False):
                        for _ in range(draw(st.integers(1, 2)))))
         base = dataclasses.replace(base, waves=waves, step_tokens=max(base.step_tokens, chunk + 16), gap=1)
     return SpecCase(base, draw(st.integers(1, 4)), draw(st.sampled_from([0.0, 0.3, 0.6])), draw(st.integers(0, 99)),
-                    mixed or draw(st.booleans()))
+                    mixed or draw(st.booleans()), draw(st.sampled_from([0.0, 0.0, 0.03])))
 
 
 SPEC_CASE = SpecCase(EngineCase(0, 256, 4, 2, 16, 64, (((_tokens(13, 11), 10, False), (_tokens(29, 12), 8, True)),)),
                      3, 0.3, 0)
+# sampled requests with drafts that are always the greedy tokens: rejection sampling accepts them at random (at a low
+# temperature: these random models' logits are nearly flat, and at 1.0 hardly any draft would be accepted)
+SAMPLED_SPEC_CASE = SpecCase(EngineCase(1, 256, 8, 2, 24, 64, (((_tokens(20, 25), 12, False), (_tokens(9, 26), 9, False)),)),
+                             4, 0.0, 2, mix_verify=False, temperature=0.03)
 MIXED_CASE = SpecCase(EngineCase(2, 128, 8, 1, 8, 32, (((_tokens(5, 13, 128), 12, False),),
                                                        ((_tokens(30, 14, 128), 3, True),)), gap=2), 3, 0.3, 1)
 
@@ -513,7 +524,7 @@ MIXED_CASE = SpecCase(EngineCase(2, 128, 8, 1, 8, 32, (((_tokens(5, 13, 128), 12
 def run_spec(case: SpecCase):
     e = case.engine
     draft = RandomAcceptDraft(e.variant, e.vocab, case.seed, case.p_wrong)
-    model, eng, seqs = run_case(e, draft=draft, k=case.k, mix_verify=case.mix_verify)
+    model, eng, seqs = run_case(e, case.temperature, draft=draft, k=case.k, mix_verify=case.mix_verify)
     assert eng.metrics.spec_verifications > 0 or all(s.params.max_tokens == 1 for s in seqs)
     return model, eng, seqs
 
@@ -543,7 +554,8 @@ def check_mixed_verification(case: SpecCase) -> None:
     model = tiny_model(e.variant, e.vocab)
     eng = engine(model, e.hb, e.page_blocks, e.chunk, e.step_tokens, draft=draft, k=case.k, mix_verify=True)
     mixed = mixed_forwards(eng)
-    seqs = drive(eng, [[(p, params(m, score)) for p, m, score in wave] for wave in e.waves], e.gap)
+    seqs = drive(eng, [[(p, params(m, score, case.temperature, seed)) for seed, (p, m, score) in enumerate(wave)]
+                       for wave in e.waves], e.gap)
     assert mixed, "no verification ran inside a prefill forward"
     check_requests(model, eng, seqs)
 
@@ -551,6 +563,7 @@ def check_mixed_verification(case: SpecCase) -> None:
 @PROPERTY
 @given(spec_cases())
 @example(SPEC_CASE)
+@example(SAMPLED_SPEC_CASE)
 def test_speculative_verification_and_replay_agree_with_training(case):
     check_speculative(case)
 
