@@ -806,6 +806,21 @@ def _conv_tail_one_input_early(mp):
     mp.setattr(kda_mod, "short_conv", mutated)
 
 
+def _packed_states_one_request_off(mp):
+    """k3.model.kda: a packed forward of several requests over their cached states (the engine's prefill chunks of
+    different lengths, verifications mixed into them) starts each request from the state of the one before it."""
+    import k3.model.kda as kda_mod
+
+    orig = kda_mod.kda_mix
+
+    def mutated(*args, initial_state=None, cu_seqlens=None, **kwargs):
+        if initial_state is not None and cu_seqlens is not None and initial_state.shape[0] > 1:
+            initial_state = initial_state.roll(1, 0)
+        return orig(*args, initial_state=initial_state, cu_seqlens=cu_seqlens, **kwargs)
+
+    mp.setattr(kda_mod, "kda_mix", mutated)
+
+
 def _restore_from_wrong_block(mp):
     """k3.serve.cache.prefix: an admission copies into the running state the checkpoint of an earlier hash block
     than the one its MLA hit ends at (the newest older checkpoint in the index)."""
@@ -864,24 +879,25 @@ def _cp_incoming_from_previous_rank(mp):
 
 
 MUTATIONS = {
-    "decode state not written": _decode_state_not_written,
-    "conv tail one input early": _conv_tail_one_input_early,
-    "prefix restore from the wrong block": _restore_from_wrong_block,
-    "replay conv tail one input early": _replay_conv_tail_one_early,
-    "fresh running state not zeroed": _fresh_state_not_zeroed,
-    "host rows one token late": _host_rows_one_token_late,
-    "CP incoming state one segment early": _cp_incoming_from_previous_rank,
+    "decode-state-not-written": _decode_state_not_written,
+    "conv-tail-one-input-early": _conv_tail_one_input_early,
+    "packed-states-one-request-off": _packed_states_one_request_off,
+    "prefix-restore-from-wrong-block": _restore_from_wrong_block,
+    "replay-conv-tail-one-input-early": _replay_conv_tail_one_early,
+    "fresh-running-state-not-zeroed": _fresh_state_not_zeroed,
+    "host-rows-one-token-late": _host_rows_one_token_late,
+    "cp-incoming-state-one-segment-early": _cp_incoming_from_previous_rank,
 }
 
 CHECKS = {  # the fixed cases (explicit examples of the property tests above, so they pass unmutated)
-    "model paths": (check_model_paths, MODEL_CASE),
-    "engine chunked prefill": (check_chunked_prefill, CHUNKED_CASE),
-    "prefix restore": (check_prefix_restore, PREFIX_CASE),
+    "model-paths": (check_model_paths, MODEL_CASE),
+    "engine-chunked-prefill": (check_chunked_prefill, CHUNKED_CASE),
+    "prefix-restore": (check_prefix_restore, PREFIX_CASE),
     "speculative": (check_speculative, SPEC_CASE),
-    "mixed verification": (check_mixed_verification, MIXED_CASE),
+    "mixed-verification": (check_mixed_verification, MIXED_CASE),
     "preemption": (check_preemption, PREEMPT_CASE),
-    "host write-back": (check_host_writeback, HOST_CASE),
-    "context parallel": (check_context_parallel, CP_CASE),
+    "host-write-back": (check_host_writeback, HOST_CASE),
+    "context-parallel": (check_context_parallel, CP_CASE),
 }
 
 
@@ -895,15 +911,17 @@ def mutation(request, monkeypatch):
 
 
 @pytest.mark.parametrize("mutation,check", [
-    ("decode state not written", "model paths"),
-    ("decode state not written", "engine chunked prefill"),
-    ("conv tail one input early", "model paths"),
-    ("prefix restore from the wrong block", "prefix restore"),
-    ("replay conv tail one input early", "speculative"),
-    ("replay conv tail one input early", "mixed verification"),
-    ("fresh running state not zeroed", "preemption"),
-    ("host rows one token late", "host write-back"),
-    ("CP incoming state one segment early", "context parallel"),
+    ("decode-state-not-written", "model-paths"),
+    ("decode-state-not-written", "engine-chunked-prefill"),
+    ("conv-tail-one-input-early", "model-paths"),
+    ("packed-states-one-request-off", "engine-chunked-prefill"),
+    ("packed-states-one-request-off", "mixed-verification"),
+    ("prefix-restore-from-wrong-block", "prefix-restore"),
+    ("replay-conv-tail-one-input-early", "speculative"),
+    ("replay-conv-tail-one-input-early", "mixed-verification"),
+    ("fresh-running-state-not-zeroed", "preemption"),
+    ("host-rows-one-token-late", "host-write-back"),
+    ("cp-incoming-state-one-segment-early", "context-parallel"),
 ], indirect=["mutation"])
 def test_mutation_fails_the_suite(mutation, check):
     fn, case = CHECKS[check]
