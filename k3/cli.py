@@ -7,7 +7,7 @@ import os
 import sys
 
 from k3.cli_args import (BACKEND_HELP, TRAIN_FLAGS, VERIFY_HELP, _add_trainer_flags, _backends,  # noqa: F401
-                         _positive_float, _positive_int, _resolve_ckpt, _saved_train_config, _train_config,
+                         _device_arg, _positive_float, _positive_int, _resolve_ckpt, _saved_train_config, _train_config,
                          exit_code, run_training_command)
 
 
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=_positive_int, default=256)
     s.add_argument("--batch-size", type=_positive_int, default=8)
     s.add_argument("--max-batches", type=_positive_int, default=None)
-    s.add_argument("--device", default="auto")
+    s.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=cmd_eval)
 
@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--cache-memory-mb", type=_positive_float, default=256.0, help="page pool for the decode cache")
-    s.add_argument("--device", default="auto")
+    s.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     add_speculative_arguments(s)
     s.set_defaults(fn=cmd_generate)

@@ -4,6 +4,7 @@ backends and checkpoint paths, used by `k3` (k3.cli) and the commands it registe
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 
@@ -104,8 +105,10 @@ def _add_trainer_flags(s) -> None:
     s.add_argument("--optimizer", choices=["per-head-muon", "muon", "adamw"],
                    help="per-head-muon (K3's: Q/K/V orthogonalized per head, experts per expert, AdamW for the rest), "
                         "muon (whole-matrix Q/K/V) or adamw (everything), for comparisons (default per-head-muon)")
-    s.add_argument("--mtp-weight", type=float, help="weight of the multi-token-prediction loss (default 0.3)")
-    s.add_argument("--qk-clip-tau", type=float, help="QK-Clip threshold on MLA logits (default 100; 0 disables)")
+    s.add_argument("--mtp-weight", type=_non_negative_float,
+                   help="weight of the multi-token-prediction loss, >= 0 (default 0.3; 0 trains no MTP loss)")
+    s.add_argument("--qk-clip-tau", type=_non_negative_float,
+                   help="QK-Clip threshold on MLA logits, >= 0 (default 100; 0 disables)")
     s.add_argument("--grad-clip", type=_positive_float)
     s.add_argument("--eval-every", type=_positive_int, help="steps between held-out evaluations (default 50 on a CPU, 200 on a GPU)")
     s.add_argument("--save-every-minutes", type=_positive_float)
@@ -120,14 +123,14 @@ def _add_trainer_flags(s) -> None:
                    "mxfp4 = MXFP4 weights and MXFP8 expert inputs in the forward, straight-through gradients "
                    "(report §4.1.4); the run's checkpoints keep the fp32 weights and OUT/mxfp4 gets the MXFP4 export "
                    "(default none; --resume keeps the run's setting)")
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=BACKEND_HELP)
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
 
 
 def _positive(kind):
-    """argparse type: a positive int or float, with a message naming what was expected."""
+    """argparse type: a positive int or a positive finite float, with a message naming what was expected."""
     word = "integer" if kind is int else "number"
 
     def parse(s: str):
@@ -135,11 +138,42 @@ def _positive(kind):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a positive {word}, got {s!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {word}, got {v}")
+        if not (v > 0 and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"expected a positive {word}, got {s!r}")
         return v
 
     return parse
+
+
+def _non_negative_float(s: str) -> float:
+    """argparse type: a finite number >= 0 (a weight or threshold where 0 turns the thing off)."""
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 turns it off), got {s!r}")
+    return v
+
+
+def _device_arg(s: str) -> str:
+    """argparse type of every --device flag: auto, cpu, cuda or cuda:N (k3.devices.check_device)."""
+    from k3.devices import check_device
+
+    try:
+        return check_device(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device ")) from None
+
+
+def _port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0 to 65535), got {s!r}")
+    return v
 
 
 _positive_int, _positive_float = _positive(int), _positive(float)

@@ -7,6 +7,17 @@ import argparse
 import math
 
 
+def _count(text: str) -> int:
+    """argparse type: a positive integer (sizes and counts of the engine)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
 def _positive_mb(text: str) -> float:
     try:
         v = float(text)
@@ -50,25 +61,27 @@ def add_speculative_arguments(parser) -> None:
 
 def add_serve_arguments(parser) -> None:
     """The flags of `k3 serve`."""
+    from k3.cli_args import _device_arg, _port
+
     parser.add_argument("--ckpt", required=True, help="checkpoint directory (or a training run directory: its latest "
                                                       "checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)")
     parser.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
                                                           "directory's name)")
-    parser.add_argument("--cache-memory-mb", type=float, default=None, help="KV/state page pool size (default 512)")
-    parser.add_argument("--page-tokens", type=int, default=None, help="tokens per cache page (default 2048)")
-    parser.add_argument("--hash-block-tokens", type=int, default=None,
+    parser.add_argument("--cache-memory-mb", type=_positive_mb, default=None, help="KV/state page pool size (default 512)")
+    parser.add_argument("--page-tokens", type=_count, default=None, help="tokens per cache page (default 2048)")
+    parser.add_argument("--hash-block-tokens", type=_count, default=None,
                         help="prefix-cache block size; divides --page-tokens (default 512)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default 64)")
-    parser.add_argument("--max-step-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
-    parser.add_argument("--prefill-chunk", type=int, default=None,
+    parser.add_argument("--max-num-seqs", type=_count, default=None, help="most requests running at once (default 64)")
+    parser.add_argument("--max-step-tokens", type=_count, default=None, help="tokens per engine step (default 2048)")
+    parser.add_argument("--prefill-chunk", type=_count, default=None,
                         help="largest prefill chunk of one request per step (default 512)")
     parser.add_argument("--max-request-mb", type=_positive_mb, default=None,
                         help="largest request body in MiB; larger ones get HTTP 413 (default 8)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_speculative_arguments(parser)
 

@@ -71,6 +71,21 @@ class TrainConfig:
             bad("batch_tokens", f"must be >= seq_len ({self.seq_len})")
         if not self.lr > 0 or not math.isfinite(self.lr):
             bad("lr", "must be a positive number")
+        for name in ("mtp_weight", "weight_decay"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                bad(name, "must be a finite number >= 0")
+        if self.qk_clip_tau is not None and not (self.qk_clip_tau >= 0 and math.isfinite(self.qk_clip_tau)):
+            bad("qk_clip_tau", "must be a finite number >= 0 (0 disables QK-Clip)")
+        for name in ("grad_clip", "save_every_minutes"):
+            if not getattr(self, name) > 0:  # inf is allowed: no clipping, no periodic saves
+                bad(name, "must be a positive number")
+        if not 0 <= self.warmup_frac <= 1:
+            bad("warmup_frac", "must be in [0, 1]")
+        if not 0 <= self.min_lr_ratio <= 1:
+            bad("min_lr_ratio", "must be in [0, 1]")
+        for name in ("eval_every", "eval_batches", "log_every", "max_bad_steps"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                bad(name, "must be an integer >= 1")
         if self.balance not in ("histogram", "exact", "sign", "none"):
             bad("balance", "must be histogram, exact, sign or none")
         if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
