@@ -175,22 +175,23 @@ def _train_distributed(opts, tcfg, dims, device, progress_bar: bool) -> dict:
 
 
 def _load_for_inference(ckpt: str, device: str, verify: bool = True, generate: bool = False):
-    """`generate`: as the serving engine runs it (k3.serve.build.load_for_generation), else in the stored dtype."""
+    """`generate`: as the serving engine runs it (k3.serve.build.load_for_generation), else in the stored dtype.
+    The tokenizer is read first: a damaged one is refused before the (possibly slow) load of the weights."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import load_any_tokenizer
     from k3.devices import pick_device
     from k3.serve.build import load_for_generation
 
     dev = pick_device(device)
+    try:
+        tok = load_any_tokenizer(ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"{ckpt} has no usable tokenizer: {e}") from None
     if generate:
         model = load_for_generation(ckpt, dev, backends=_backends("auto", dev), verify=verify)
     else:
         model = from_pretrained(ckpt, device=dev, backends=_backends("auto", dev), verify=verify,
                                 packed_experts="auto")  # MXFP4 experts packed where their kernels run
-    try:
-        tok = load_any_tokenizer(ckpt)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"k3: {ckpt} has no usable tokenizer.json ({e})")
     return model, tok, dev
 
 

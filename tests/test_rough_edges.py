@@ -95,3 +95,65 @@ def test_train_config_refuses_out_of_range_values(field, value):
 
     with pytest.raises(ValueError, match=field):
         TrainConfig(max_steps=1, **{field: value}).validate()
+
+
+# --- 2: a damaged tokenizer.json is one line naming it, whichever command reads it ----------------------------
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    ck = str(tmp_path_factory.mktemp("ck") / "tiny")
+    assert main(["init", "--preset", "tiny", "--tokenizer", "bytes", "--out", ck]) == 0
+    return ck
+
+
+def _truncate(path, keep=100):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:keep])
+
+
+def _one_line_naming(capsys, text):
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+    assert len(err) == 1 and text in err[0] and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "serve"])
+def test_a_truncated_tokenizer_is_one_line_naming_it(tiny_ckpt, tmp_path, command, capsys):
+    import shutil
+
+    ck = str(tmp_path / "ck")
+    shutil.copytree(tiny_ckpt, ck)
+    _truncate(os.path.join(ck, "tokenizer.json"))
+    argv = {"eval": ["eval", "--ckpt", ck, "--device", "cpu"],
+            "generate": ["generate", "--ckpt", ck, "hello", "--device", "cpu"],
+            "serve": ["serve", "--ckpt", ck, "--device", "cpu", "--port", "0"]}[command]
+    capsys.readouterr()
+    assert main(argv) == 2
+    line = _one_line_naming(capsys, os.path.join(ck, "tokenizer.json"))
+    assert "truncated or corrupt" in line
+
+
+def test_a_truncated_tokenizer_on_resume_is_one_line_naming_it(tiny_ckpt, tmp_path, capsys):
+    import shutil
+
+    from k3.train.state import dumps
+
+    out = str(tmp_path / "run")
+    ck = os.path.join(out, "checkpoints", "step-0000001")
+    shutil.copytree(tiny_ckpt, ck)
+    t, j = dumps({"step": 1, "train_config": {"seq_len": 64}})
+    open(os.path.join(ck, "trainer_state.safetensors"), "wb").write(t)
+    open(os.path.join(ck, "trainer_state.json"), "wb").write(j)
+    _truncate(os.path.join(ck, "tokenizer.json"))
+    capsys.readouterr()
+    assert main(_train_argv(_data_dir(tmp_path / "data"), out, "--resume", "--max-steps", "2")) == 2
+    _one_line_naming(capsys, os.path.join(ck, "tokenizer.json"))
+
+
+def test_loading_a_damaged_tokenizer_raises_a_value_error_naming_the_file(tmp_path):
+    from k3.data.tokenizer import K3Tokenizer, load_any_tokenizer, load_tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text('{"version": "1.0", "trunc')
+    for load in (load_any_tokenizer, load_tokenizer, K3Tokenizer.from_file):
+        with pytest.raises(ValueError, match=str(path)):
+            load(path)

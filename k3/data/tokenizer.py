@@ -74,6 +74,17 @@ def _pad_reserved(tok: Tokenizer, vocab_size: int) -> None:
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - have)])
 
 
+def read_tokenizer_json(path: str) -> Tokenizer:
+    """`Tokenizer.from_file`, with a damaged file (truncated, not JSON, not a tokenizer) a ValueError naming it:
+    the `tokenizers` library raises a bare Exception that names neither the file nor what is wrong with it."""
+    try:
+        return Tokenizer.from_file(path)
+    except OSError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable tokenizer ({e}): the file is truncated or corrupt") from None
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load `tokenizer.json` from a file or a checkpoint directory."""
     path = os.fspath(path)
@@ -81,7 +92,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         path = os.path.join(path, "tokenizer.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no tokenizer.json at {path}")
-    return Tokenizer.from_file(path)
+    return read_tokenizer_json(path)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -136,7 +147,11 @@ class K3Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "K3Tokenizer":
-        return cls(load_tokenizer(path))
+        path = os.fspath(path)
+        try:
+            return cls(load_tokenizer(path))
+        except ValueError as e:  # no end-of-text token: name the file
+            raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
 
     # ------------------------------------------------------------------------------------ encoding
     def encode(self, text: str) -> list[int]:
@@ -408,7 +423,10 @@ def load_any_tokenizer(path: str | os.PathLike, *, pattern: str = DEFAULT_SPLIT_
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer at {path}")
     if _is_tokenizer_json(path):
-        return K3Tokenizer(Tokenizer.from_file(path), eos_token=eos_token)
+        try:
+            return K3Tokenizer(read_tokenizer_json(path), eos_token=eos_token)
+        except ValueError as e:  # no end-of-text token: name the file
+            raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
     tok = tiktoken_to_tokenizer(read_tiktoken_ranks(path), pattern=pattern, special_tokens=special_tokens,
                                 eos_token=eos_token)
     return K3Tokenizer(tok, eos_token=eos_token)
