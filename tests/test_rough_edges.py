@@ -157,3 +157,47 @@ def test_loading_a_damaged_tokenizer_raises_a_value_error_naming_the_file(tmp_pa
     for load in (load_any_tokenizer, load_tokenizer, K3Tokenizer.from_file):
         with pytest.raises(ValueError, match=str(path)):
             load(path)
+
+
+# --- 1: a tokenizer left in --out is reused only for the same data and size --------------------------------------
+def _failing_after_the_tokenizer(data, out):
+    """A run that trains its tokenizer and then stops: more tokens per batch than the data holds."""
+    return _train_argv(data, out, "--max-steps", "1", "--batch-tokens", str(10**9))
+
+
+def test_a_tokenizer_left_by_a_failed_run_is_not_reused_for_other_data(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    tok_path = os.path.join(out, "tokenizer.json")
+    assert main(_failing_after_the_tokenizer(_data_dir(tmp_path / "a"), out)) == 2
+    first = open(tok_path).read()
+    other = tmp_path / "b"
+    other.mkdir()
+    for i in range(4):
+        (other / f"t{i}.txt").write_text(" ".join(f"the quick brown fox {i} jumps over the lazy dog {j}."
+                                                  for j in range(400)))
+    capsys.readouterr()
+    assert main(_failing_after_the_tokenizer(str(other), out)) == 2
+    text = capsys.readouterr().out
+    assert open(tok_path).read() != first
+    assert f"{tok_path} was trained on other data" in text and "training a new one" in text, text
+    # the same data again: reused, and the log says so
+    assert main(_failing_after_the_tokenizer(str(other), out)) == 2
+    assert "reused" in capsys.readouterr().out
+
+
+def test_cached_tokenizer_checks_size_and_data_fingerprint(tmp_path):
+    from k3.data.tokenizer import TOKENIZER_SOURCE, cached_tokenizer
+
+    texts = lambda: ["def f(x):\n    return x + 1\n" * 50]  # noqa: E731
+    logs = []
+    a = cached_tokenizer(tmp_path, texts, 300, data_fingerprint="A", log=logs.append)
+    assert json.load(open(tmp_path / TOKENIZER_SOURCE))["data"] == "A" and logs == []
+    assert cached_tokenizer(tmp_path, lambda: pytest.fail("trained again"), 300, data_fingerprint="A").to_str() \
+        == a.to_str()
+    cached_tokenizer(tmp_path, texts, 300, data_fingerprint="B", log=logs.append)
+    assert len(logs) == 1 and "other data" in logs[0]
+    cached_tokenizer(tmp_path, texts, 320, data_fingerprint="B", log=logs.append)
+    assert len(logs) == 2 and "300 tokens, not 320" in logs[1]
+    os.remove(tmp_path / TOKENIZER_SOURCE)  # one written before fingerprints were kept: not trusted
+    cached_tokenizer(tmp_path, texts, 320, data_fingerprint="B", log=logs.append)
+    assert len(logs) == 3 and "no record of the data" in logs[2]

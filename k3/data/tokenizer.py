@@ -262,21 +262,67 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, max_train_bytes: int | N
     return out
 
 
+TOKENIZER_SOURCE = "tokenizer.source.json"  # beside a run's tokenizer.json: what it was trained on (cached_tokenizer)
+
+
 def cached_tokenizer(run_dir: str | os.PathLike, texts_fn: Callable[[], Iterable[str]], vocab_size: int,
+                     data_fingerprint: str | None = None, log: Callable[[str], object] | None = None,
                      **train_kwargs) -> K3Tokenizer:
-    """`run_dir/tokenizer.json` if it exists and has `vocab_size` ids; otherwise train a BPE on
-    `texts_fn()` (called only then), save it there atomically, and return it."""
-    path = os.path.join(os.fspath(run_dir), "tokenizer.json")
+    """`run_dir/tokenizer.json` when it was trained here for the same request: `vocab_size` ids, and the data
+    fingerprint and training options recorded beside it (`TOKENIZER_SOURCE`) equal to these. Otherwise train a BPE
+    on `texts_fn()` (called only then), save it there atomically with that record, and return it; a tokenizer that
+    was there is replaced, and `log` says why (a run that failed after training its tokenizer leaves it in --out,
+    and another run in the same --out must not take it for its own). `data_fingerprint`: a digest of the training
+    data's sources (k3.data.shards.source_fingerprint)."""
+    import json
+
+    run_dir = os.fspath(run_dir)
+    path = os.path.join(run_dir, "tokenizer.json")
+    record = {"vocab_size": vocab_size, "data": data_fingerprint,
+              "train": {k: train_kwargs[k] for k in sorted(train_kwargs)}}
     if os.path.exists(path):
+        why = None
         try:
             tok = K3Tokenizer.from_file(path)
-        except Exception:  # unreadable or without an eos token: replace it
-            tok = None
-        if tok is not None and tok.vocab_size == vocab_size:
+        except (OSError, ValueError) as e:  # unreadable or without an eos token: replace it
+            tok, why = None, f"it is unreadable ({e})"
+        if tok is not None and tok.vocab_size != vocab_size:
+            why = f"it has {tok.vocab_size} tokens, not {vocab_size}"
+        if why is None:
+            try:
+                with open(os.path.join(run_dir, TOKENIZER_SOURCE), encoding="utf-8") as f:
+                    saved = json.load(f)
+            except (OSError, ValueError):
+                saved = None
+            if not isinstance(saved, dict):
+                why = f"there is no record of the data it was trained on ({TOKENIZER_SOURCE})"
+            elif saved.get("data") != data_fingerprint or saved.get("train") != record["train"]:
+                why = "it was trained on other data"
+            elif saved.get("vocab_size") != vocab_size:
+                why = f"it was trained for {saved.get('vocab_size')} tokens, not {vocab_size}"
+        if why is None:
             return tok
+        if log is not None:
+            log(f"tokenizer: {path} was not trained for this run: {why}; training a new one"
+                if not why.startswith("it was trained on other data") else
+                f"tokenizer: {path} was trained on other data (left by an earlier run in this directory); "
+                "training a new one")
     tok = train_bpe(texts_fn(), vocab_size, **train_kwargs)
+    try:  # the old record goes first: a crash between the two writes leaves no record, so no false match
+        os.remove(os.path.join(run_dir, TOKENIZER_SOURCE))
+    except FileNotFoundError:
+        pass
     tok.save(path)
+    atomic_write_text(os.path.join(run_dir, TOKENIZER_SOURCE), json.dumps(record, sort_keys=True))
     return tok
+
+
+def num_merges(tok: K3Tokenizer) -> int:
+    """How many BPE merges `tok` has (0: a byte-level tokenizer, every byte one token)."""
+    import json
+
+    model = json.loads(tok.to_str()).get("model") or {}
+    return len(model.get("merges") or [])
 
 
 # ----------------------------------------------------------------------------- tiktoken conversion

@@ -107,8 +107,9 @@ def prepare_data(opts: RunOptions, out: str, gpu: bool, resume_from: str | None,
     documents tokenized into memory-mapped shards under --data-cache (default OUT/data), reused while the
     sources and the tokenizer are unchanged (k3.data.shards). `gpu`: the GPU defaults (the whole installation as
     the default corpus, the larger vocabulary)."""
-    from k3.data.shards import build_token_set
-    from k3.data.tokenizer import cached_tokenizer, load_any_tokenizer
+    from k3.data.shards import build_token_set, source_fingerprint
+    from k3.data.sources import DEFAULT_HELDOUT_FRACTION
+    from k3.data.tokenizer import cached_tokenizer, load_any_tokenizer, num_merges
 
     t0 = time.perf_counter()
     units, what = corpus_units(opts.data, opts.max_corpus_mb, full_default=gpu)
@@ -122,8 +123,12 @@ def prepare_data(opts: RunOptions, out: str, gpu: bool, resume_from: str | None,
     else:
         t0 = time.perf_counter()
         vocab = opts.vocab_size or (GPU_DEFAULTS if gpu else CPU_DEFAULTS)["vocab_size"]
-        tok = cached_tokenizer(out, lambda: _train_texts(units), vocab)
-        log(f"tokenizer: byte-level BPE, {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)")
+        trained = []
+        tok = cached_tokenizer(out, lambda: trained.append(1) or _train_texts(units), vocab,
+                               data_fingerprint=source_fingerprint(units, DEFAULT_HELDOUT_FRACTION), log=log)
+        how = (f"trained in {time.perf_counter() - t0:.1f}s" if trained else
+               f"reused {os.path.join(out, 'tokenizer.json')}, trained on this data")
+        log(f"tokenizer: byte-level BPE, {tok.vocab_size} tokens, {num_merges(tok):,} merges ({how})")
     t0 = time.perf_counter()
     cache = opts.data_cache or os.path.join(out, "data")
     ts = build_token_set(tok, units, cache, workers=opts.workers, progress=progress)
