@@ -32,7 +32,7 @@ def main() -> None:
     from k3.model.model import K3ForCausalLM
     from k3.serve.sampling import SamplingParams
     from k3.serve.sequence import Sequence
-    from k3.serve.spec.draft import MTPDraft
+    from k3.serve.speculative.draft import MTPDraft
 
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

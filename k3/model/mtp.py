@@ -35,7 +35,7 @@ class MTPLayer(nn.Module):
                 stats: frozenset[str] = frozenset(), cache=None) -> tuple[torch.Tensor, dict]:
         """(hidden state [B, T, D], the block's statistics among `stats`, as `DecoderLayer.forward` returns them).
         `batch`: the record of these T positions (`BatchInfo.shifted`). `cache`: the block's MLA decode cache
-        (k3.model.cache protocol), when the layer drafts tokens one step at a time (k3.serve.spec)."""
+        (k3.model.cache protocol), when the layer drafts tokens one step at a time (k3.serve.speculative)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         stream = AttnResStream(x, self.block_size, self.eps, backends=self.backends)
         found = self.block(stream, cache, batch=batch, stats=stats)

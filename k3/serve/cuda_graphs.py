@@ -39,7 +39,7 @@ as its own row of the paged decode kernel with length position + 1 (causal). Tha
 first token one graph replay instead of an eager forward. KDA runs there on fla or on the reference, whose chunked
 form reads nothing back for rows of one length; a capture that fails turns off prefill graphs only.
 
-With a speculative draft (k3.serve.spec), every step also outputs the hidden states the draft observes
+With a speculative draft (k3.serve.speculative), every step also outputs the hidden states the draft observes
 (`keep_hidden`), and verifications of T = 2 .. K + 1 positions per request run the same way in buckets of their own
 (`verify_lengths`, `run_verify`): the KDA layers keep their projected inputs (the states in the pages are not
 advanced; k3.serve.runner.ModelRunner.replay commits the accepted prefix after), the MLA rows of every position are

@@ -6,7 +6,7 @@ hash-aligned positions, sample, and apply stop rules. It is synchronous; the HTT
 background thread. A request with `SamplingParams.prompt_logprobs` has its prompt scored in the same forwards that
 prefill it (the runner scores the chunk's positions, `PromptScore`), and so never takes a prefix-cache hit.
 
-Speculative decoding (`EngineConfig.speculative`, k3.serve.spec): a decoding request's step feeds its last token
+Speculative decoding (`EngineConfig.speculative`, k3.serve.speculative): a decoding request's step feeds its last token
 and up to `num_draft_tokens` draft tokens. When the step also prefills chunks (and they run eagerly), the
 verifications join the chunks' packed forward, so the step passes over the weights once for both; otherwise they
 run as one batched forward of their own (plain decode steps run in the step's other forward). The verification
@@ -41,9 +41,9 @@ from k3.serve.runner import ModelRunner, PromptScore, RunOutput
 from k3.serve.sampling import SamplingParams, sample_batch
 from k3.serve.scheduler import Scheduler, SchedulerConfig, Work
 from k3.serve.sequence import Sequence, Status
-from k3.serve.spec.accept import accept, greedy_targets
-from k3.serve.spec.draft import Draft, Eagle3Draft, MTPDraft
-from k3.serve.spec.switch import SpecSwitch
+from k3.serve.speculative.accept import accept, greedy_targets
+from k3.serve.speculative.draft import Draft, Eagle3Draft, MTPDraft
+from k3.serve.speculative.switch import SpecSwitch
 
 SPECULATIVE = ("off", "mtp", "eagle3")
 MAX_DRAFT_TOKENS = 16
@@ -64,12 +64,12 @@ class EngineConfig:
     # and shared gate and up, with the router on CUDA) as one GEMM per layer against their weights stacked in place
     # (k3.model.common.stack_projections: same bytes, fewer kernels); False undoes it on the model.
     stack_projections: bool = True
-    speculative: str = "off"  # "mtp": draft with the model's MTP layer and verify (k3.serve.spec); "eagle3": with
+    speculative: str = "off"  # "mtp": draft with the model's MTP layer and verify (k3.serve.speculative); "eagle3": with
     # the EAGLE-3 draft in directory `draft` (k3 train-draft; k3.draft_checkpoint)
     draft: str | None = None
     num_draft_tokens: int = 3  # drafts per speculative step (K: K + 1 positions verified)
     # With speculation: measure speculative against plain decode steps per decode batch size and keep to the faster
-    # (k3.serve.spec.switch). `k3 serve` and `k3 generate` turn it on (--no-speculative-auto: off); off here, so
+    # (k3.serve.speculative.switch). `k3 serve` and `k3 generate` turn it on (--no-speculative-auto: off); off here, so
     # that an engine built in code speculates on every step it can, as configured.
     speculative_auto: bool = False
     # With speculation: verifications join the step's prefill forward when it runs eagerly (one pass over the weights
@@ -142,7 +142,7 @@ class EngineMetrics:
 
 
 class LLMEngine:
-    """`draft`: a draft model for speculative decoding (k3.serve.spec.draft.Draft) in place of the one
+    """`draft`: a draft model for speculative decoding (k3.serve.speculative.draft.Draft) in place of the one
     `config.speculative` names (e.g. an EAGLE draft, or a test's); it turns speculation on."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, draft: Draft | None = None):

@@ -179,7 +179,7 @@ class MetricsExporter:
         ]
         for name, hlp, value in gauges:
             lines += [f"# HELP {name} {hlp}", f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
-        if switch:  # speculation on or off per decode batch size (k3.serve.spec.switch), labelled by bucket
+        if switch:  # speculation on or off per decode batch size (k3.serve.speculative.switch), labelled by bucket
             labelled = [
                 ("k3_spec_auto_enabled", "Speculation per decode batch-size bucket (le: its largest batch): 1 on, 0 "
                  "off (measured slower), -1 still probing.", lambda st: -1 if st["speculative"] is None

@@ -6,7 +6,7 @@ the pages), and writes the new KDA states back. Batches of single-token decode s
 CUDA-graph replay over static buffers (`ModelRunner.graphs`, a k3.serve.cuda_graphs.DecodeGraphs the engine
 sets up).
 
-Speculative decoding (k3.serve.spec) adds three calls: `verify` runs every request's last token and its drafts in
+Speculative decoding (k3.serve.speculative) adds three calls: `verify` runs every request's last token and its drafts in
 one batched forward (a graph replay when the runner's graphs verify that many positions), with KDA views that keep
 the projected inputs and leave the committed states as they are; `run_mixed` runs verifications in the same packed
 forward as prefill chunks, with the same effect on each; `replay` then rebuilds the states after each request's

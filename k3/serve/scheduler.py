@@ -41,7 +41,7 @@ class Work:
     seq: Sequence
     start: int
     end: int  # feed tokens[start:end]; sample a token when end == len(tokens)
-    draft: int = 0  # a decode step with this many draft tokens to verify after tokens[start] (k3.serve.spec)
+    draft: int = 0  # a decode step with this many draft tokens to verify after tokens[start] (k3.serve.speculative)
 
 
 class Scheduler:

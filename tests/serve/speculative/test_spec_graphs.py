@@ -14,7 +14,7 @@ from k3.ops.registry import Backends
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
-from k3.serve.spec.switch import SpecSwitch
+from k3.serve.speculative.switch import SpecSwitch
 
 _spec = importlib.util.spec_from_file_location("spec_engine_fixtures_g", Path(__file__).with_name("test_spec_engine.py"))
 fx = importlib.util.module_from_spec(_spec)

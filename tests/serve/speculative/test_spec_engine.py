@@ -21,7 +21,7 @@ from k3.serve.metrics import render_metrics
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 from k3.serve.sequence import Status
-from k3.serve.spec.draft import Proposal
+from k3.serve.speculative.draft import Proposal
 
 HB, PAGE, VOCAB = 16, 48, 512
 LONGEST = 24  # the longest generation any test asks for

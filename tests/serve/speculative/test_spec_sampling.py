@@ -10,7 +10,7 @@ from k3.model.model import K3ForCausalLM
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams, probs
 from k3.serve.scheduler import SchedulerConfig
-from k3.serve.spec.accept import accept
+from k3.serve.speculative.accept import accept
 
 ALPHA = 1e-3
 
@@ -119,7 +119,7 @@ def test_greedy_acceptance_with_targets_read_back_for_the_batch():
     reads them itself, for every acceptance length, and refuses a target of the wrong length."""
     import pytest
 
-    from k3.serve.spec.accept import accept, greedy_targets
+    from k3.serve.speculative.accept import accept, greedy_targets
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 50, generator=g)

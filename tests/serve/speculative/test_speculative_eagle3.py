@@ -16,7 +16,7 @@ from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 from k3.serve.sequence import Status
-from k3.serve.spec.draft import Eagle3Draft
+from k3.serve.speculative.draft import Eagle3Draft
 
 VOCAB = 512
 

@@ -12,7 +12,7 @@ from k3.model.eagle3 import Eagle3Layer
 from k3.model.model import K3ForCausalLM
 from k3.serve.sampling import SamplingParams
 from k3.serve.sequence import Sequence
-from k3.serve.spec.draft import Eagle3Draft, MTPDraft
+from k3.serve.speculative.draft import Eagle3Draft, MTPDraft
 
 VOCAB = 512
 

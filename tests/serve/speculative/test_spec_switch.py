@@ -1,4 +1,4 @@
-"""Speculation on or off per decode batch size (k3.serve.spec.switch): the switch probes both arms, keeps the one
+"""Speculation on or off per decode batch size (k3.serve.speculative.switch): the switch probes both arms, keeps the one
 with more tokens per second and re-probes the other; in the engine it turns speculation off where plain decoding
 measures faster and keeps it where speculation does, per bucket, with every output unchanged."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from k3.serve.metrics import render_metrics
 from k3.serve.sampling import SamplingParams
-from k3.serve.spec.switch import SpecSwitch, bucket_of
+from k3.serve.speculative.switch import SpecSwitch, bucket_of
 
 # the engine fixtures of the speculative-decoding tests: the same tiny target, oracle draft and reference outputs
 _spec = importlib.util.spec_from_file_location("spec_engine_fixtures", Path(__file__).with_name("test_spec_engine.py"))
@@ -95,7 +95,7 @@ def test_engine_keeps_speculation_where_it_is_faster_and_drops_it_where_not(orac
     it off after probing. Greedy outputs equal decoding without speculation either way."""
     eng = _engine(OracleDraft() if oracle else None, spec="off" if oracle else "mtp", k=3)
     eng.cfg.speculative_auto = True
-    from k3.serve.spec.switch import SpecSwitch as S
+    from k3.serve.speculative.switch import SpecSwitch as S
 
     eng.spec_switch = S(probe_steps=2, reprobe_every=8)
     _timed(eng, spec_cost=2.0, plain_cost=1.0)

@@ -1,6 +1,6 @@
 """Draft models for speculative decoding: the interface the engine calls, and the MTP draft.
 
-A draft proposes k tokens for each running request it is asked about (k3.serve.spec.accept decides which the
+A draft proposes k tokens for each running request it is asked about (k3.serve.speculative.accept decides which the
 target keeps). The engine tells it what the target computed: `observe` hands it the target's output-site hidden
 states of committed positions (prefill chunks, decode steps, the accepted prefix of a verification), `forget` drops
 a request (finished, aborted or preempted: a preempted request is recomputed and observed again). A draft never
