@@ -308,14 +308,25 @@ def _entry(what: str, e: dict, row: torch.Tensor) -> None:
     _close(f"{what}: top log-probs", top, row.topk(len(top)).values, LOGP_TOL, relative=False)
 
 
-def check_requests(model, eng: LLMEngine, seqs) -> object:
+def check_requests(model, eng: LLMEngine, seqs, deepest: bool = True) -> object:
     """Every finished request's logprobs (generated tokens, and the prompt's when it asked) against the training
     forward over its tokens, and the states the engine's cache holds at each request's newest restorable prefix
     (written back: KDA states, conv tails, MLA rows) against the training forward's state and the contiguous
-    cache's tails and rows after that prefix. Returns the store written back."""
+    cache's tails and rows after that prefix. `deepest`: that prefix must be the last hash-block boundary the
+    request computed (its last token is sampled, never computed), as it is when the pool has room for every
+    checkpoint. Returns the store written back."""
     docs = [s.prompt_ids + s.output_ids for s in seqs]
     store = eng.write_back(docs)
     cut = [p.num_tokens for p in store.prefixes]
+    if deepest:
+        hb = eng.cfg.hash_block_tokens
+        want = [(len(d) - 1) // hb * hb if eng.cfg.enable_prefix_cache else 0 for d in docs]
+        # A later request over the same tokens can have gone deeper. A request whose newest checkpoint another one
+        # created loses it when that one recycles it (test_a_request_keeps_a_newest_checkpoint_another_created):
+        # such requests (sharing the tokens up to it with another) are not held to it.
+        short = [i for i, (w, c) in enumerate(zip(want, cut)) if c < w
+                 and not any(j != i and docs[j][:w] == docs[i][:w] for j in range(len(docs)))]
+        assert not short, f"newest checkpoints at {cut}, before the last boundaries computed {want}"
     ref = training_forward(model, docs + [d[:n] for d, n in zip(docs, cut) if n])
     for i, s in enumerate(seqs):
         P = len(s.prompt_ids)
@@ -454,6 +465,25 @@ def test_prefix_cache_restores_agree_with_training(case):
     check_prefix_restore(case)
 
 
+
+@pytest.mark.xfail(strict=True, reason=(
+    "k3/serve/cache/prefix.py: a request reaching a hash boundary whose checkpoint another running request created "
+    "takes it as its newest (checkpoint_slots) without owning it; the creator recycles it (_supersede) when it "
+    "persists a newer one, so the first request finishes without a checkpoint at its last boundary and a "
+    "continuation of its tokens misses the hit (a lost cache hit, not a wrong state: a lookup needs the checkpoint)"))
+def test_a_request_keeps_a_newest_checkpoint_another_created():
+    model = tiny_model(0, 256)
+    eng = engine(model, hb=8, page_blocks=2, chunk=64, step_tokens=128)
+    a_prompt = list(_tokens(15, 30))
+    b_prompt = a_prompt[:8] + [5, 6, 7]
+    # Step 1: A and B both compute to 8 (A creates the checkpoint there, B takes it as its newest). Step 2: A computes
+    # to 16 and recycles its checkpoint at 8. B finishes at 15 (its last boundary 8). Alone, B's continuation hits 8.
+    _, b = drive(eng, [[(a_prompt, params(8)), (b_prompt, params(5))]])
+    tokens = b.prompt_ids + b.output_ids
+    assert len(tokens) - 1 == 15
+    cont = drive(eng, [[(tokens + [9], params(1))]])[0]
+    assert cont.cached_tokens == 8
+
 # path 4: speculative verification with random acceptance, then replay; verifications mixed into prefill forwards
 
 @functools.lru_cache(maxsize=4096)
@@ -509,7 +539,9 @@ def spec_cases(draw, mixed: bool = False):
                        for _ in range(draw(st.integers(1, 2)))))
         base = dataclasses.replace(base, waves=waves, chunk=chunk, step_tokens=max(base.step_tokens, chunk + 16),
                                    gap=1)
-    return SpecCase(base, draw(st.integers(1, 4)), draw(st.sampled_from([0.0, 0.3, 0.6])), draw(st.integers(0, 99)),
+    k = draw(st.integers(1, 4))
+    base = dataclasses.replace(base, step_tokens=max(base.step_tokens, k + 1))  # room for a verification
+    return SpecCase(base, k, draw(st.sampled_from([0.0, 0.3, 0.6])), draw(st.integers(0, 99)),
                     mixed or draw(st.booleans()), draw(st.sampled_from([0.0, 0.0, 0.03])))
 
 
@@ -528,7 +560,8 @@ def run_spec(case: SpecCase):
     e = case.engine
     draft = RandomAcceptDraft(e.variant, e.vocab, case.seed, case.p_wrong)
     model, eng, seqs = run_case(e, case.temperature, draft=draft, k=case.k, mix_verify=case.mix_verify)
-    assert eng.metrics.spec_verifications > 0 or all(s.params.max_tokens == 1 for s in seqs)
+    # (a request speculates from its second token on, while at least two more are due)
+    assert eng.metrics.spec_verifications > 0 or all(s.params.max_tokens <= 2 for s in seqs), "nothing was verified"
     return model, eng, seqs
 
 
@@ -609,7 +642,7 @@ def check_preemption(case: PreemptCase) -> None:
     eng = engine(model, e.hb, e.page_blocks, e.chunk, e.step_tokens, pages=need + case.spare,
                  prefix_cache=e.prefix_cache)
     seqs = drive(eng, [[(p, params(m, score)) for p, m, score in wave] for wave in e.waves], e.gap)
-    check_requests(model, eng, seqs)
+    check_requests(model, eng, seqs, deepest=False)  # a checkpoint is skipped when no page is free
     return eng.metrics.preemptions
 
 
@@ -631,7 +664,7 @@ class HostCase:
 
 @st.composite
 def host_cases(draw):
-    base = draw(chunked_cases())
+    base = dataclasses.replace(draw(chunked_cases()), prefix_cache=True)  # (what is written back is the cache's)
     n = sum(len(w) for w in base.waves)
     return HostCase(base, tuple(_prompt(draw, base.vocab, 1, 6) for _ in range(n)), draw(st.integers(2, 24)))
 
@@ -646,9 +679,12 @@ def check_host_writeback(case: HostCase) -> None:
     model, a, seqs = run_case(e)
     store = check_requests(model, a, seqs)  # the store written back holds the states the training forward has
     b = engine(model, e.hb, e.page_blocks, case.chunk_b, max(case.chunk_b, e.step_tokens))
-    b.prefetch(store)
+    assert b.prefetch(store) == store.tokens
     cont = drive(b, [[(s.prompt_ids + s.output_ids + list(x), params(2)) for s, x in zip(seqs, case.extra)]])
-    assert [s.cached_tokens for s in cont] == [p.num_tokens for p in store.prefixes]
+    # each continuation hits its prefetched prefix at least (or deeper: B's own blocks, when one request extends
+    # another's tokens)
+    hits = [(s.cached_tokens, p.num_tokens) for s, p in zip(cont, store.prefixes)]
+    assert all(got >= fetched for got, fetched in hits), hits
     check_requests(model, b, cont)
 
 
