@@ -380,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     from k3.checkpoint import CheckpointError
     from k3.config import ConfigError
 
+    from k3.cli_args import use_compile_cache
+
+    use_compile_cache()  # before anything imports torch's compiler or Triton
     args = build_parser().parse_args(argv)
     _keep_logs()
     try:

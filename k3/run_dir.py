@@ -140,6 +140,61 @@ def latest_checkpoint(out: str) -> str | None:
     return path if is_complete(path) else None
 
 
+def truncated_files(path: str) -> list[str]:
+    """The safetensors files of the checkpoint `path` that are shorter than their own header says (cut off by a
+    full disk, a copy or a transfer), as "FILE (N of M bytes)"; reads the headers only. A file whose header cannot
+    be read at all is listed too. (A save renames a checkpoint into place only after every file is written and
+    fsynced, so a truncated file in a complete checkpoint was damaged afterwards.)"""
+    import struct
+
+    out = []
+    for name in sorted(os.listdir(path)):
+        f = os.path.join(path, name)
+        if not (name.endswith(".safetensors") and os.path.isfile(f)):
+            continue
+        size = os.path.getsize(f)
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size:
+                    raise ValueError
+                header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            expected = 8 + n + end
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+            out.append(f"{f} (its header is unreadable: {size} bytes)")
+            continue
+        if size < expected:
+            out.append(f"{f} ({size:,} of {expected:,} bytes)")
+    return out
+
+
+def resume_checkpoint(out: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the checkpoint `--resume` continues the run in `out` from, [(path, why)] of the newer `step-N` folders it
+    passes over): the newest complete checkpoint whose tensor files are whole. A newer folder that lacks files (a
+    save killed in a way that left them out, or files removed by hand) or holds a truncated file is passed over
+    when an older usable checkpoint exists; with none, the newest complete one is returned and its load says
+    what is wrong with it."""
+    ckdir = os.path.join(out, "checkpoints")
+    names = sorted(((step_of(n), n) for n in (os.listdir(ckdir) if os.path.isdir(ckdir) else ())
+                    if step_of(n) is not None and os.path.isdir(os.path.join(ckdir, n))), reverse=True)
+    skipped = []
+    for _, n in names:
+        p = os.path.join(ckdir, n)
+        missing = [f for f in COMPLETE_FILES if not os.path.isfile(os.path.join(p, f))]
+        if missing:
+            skipped.append((p, f"incomplete: no {', '.join(missing)}"))
+            continue
+        cut = truncated_files(p)
+        if cut:
+            skipped.append((p, f"damaged: truncated {', '.join(cut)}"))
+            continue
+        return p, skipped
+    newest = latest_checkpoint(out)
+    return newest, [(p, why) for p, why in skipped if newest is None or step_of(os.path.basename(p)) >
+                    step_of(os.path.basename(newest))]
+
+
 def clean_interrupted(ckdir: str, log: Callable[[str], object] = print) -> list[str]:
     """Remove what interrupted saves left in `ckdir` (`*.partial`, `*.old` folders, temporary files of
     latest.json); returns their names. Only call it while holding the run's lock: a running save's

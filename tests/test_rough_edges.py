@@ -8,7 +8,14 @@ import time
 
 import pytest
 
+from helpers import one_torch_thread
 from k3.cli import main
+
+
+@pytest.fixture
+def one_thread():
+    with one_torch_thread():
+        yield
 
 
 def _data_dir(path, n=6, salt=""):
@@ -201,3 +208,166 @@ def test_cached_tokenizer_checks_size_and_data_fingerprint(tmp_path):
     os.remove(tmp_path / TOKENIZER_SOURCE)  # one written before fingerprints were kept: not trusted
     cached_tokenizer(tmp_path, texts, 320, data_fingerprint="B", log=logs.append)
     assert len(logs) == 3 and "no record of the data" in logs[2]
+
+
+# --- 4: --resume past a damaged newest checkpoint says so before training, naming both ------------------------
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run with complete checkpoints of steps 2 and 3, and its data directory."""
+    root = tmp_path_factory.mktemp("resume")
+    data, out = _data_dir(root / "data"), str(root / "run")
+    assert main(_train_argv(data, out, "--max-steps", "3", "--save-every-minutes", "1e-9")) == 0
+    return data, out
+
+
+def _copy_run(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock"))
+    return str(dst)
+
+
+def _ck(out, step):
+    return os.path.join(out, "checkpoints", f"step-{step:07d}")
+
+
+def _shard(ck):
+    names = sorted(f for f in os.listdir(ck) if f.startswith("model") and f.endswith(".safetensors"))
+    return os.path.join(ck, names[0])
+
+
+@pytest.mark.parametrize("damage", ["config.json", "trainer_state.safetensors", "truncated"])
+def test_resume_says_before_training_which_checkpoint_it_skips_and_which_it_uses(two_checkpoints, tmp_path, damage,
+                                                                                  capsys):
+    data, src = two_checkpoints
+    out = _copy_run(src, tmp_path / "run")
+    if damage == "truncated":
+        _truncate(_shard(_ck(out, 3)), keep=os.path.getsize(_shard(_ck(out, 3))) // 2)
+    else:
+        os.remove(os.path.join(_ck(out, 3), damage))
+    capsys.readouterr()
+    assert main(_train_argv(data, out, "--resume", "--max-steps", "4")) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    skip = next(i for i, ln in enumerate(lines) if "skipping" in ln)
+    assert _ck(out, 3) in lines[skip] and _ck(out, 2) in lines[skip], lines[skip]
+    assert ("truncated" if damage == "truncated" else damage) in lines[skip]
+    assert skip < next(i for i, ln in enumerate(lines) if ln.startswith("resumed from"))
+    assert skip < next(i for i, ln in enumerate(lines) if ln.startswith("data: "))  # before the run's plan
+    assert "--no-verify" not in text
+
+
+def test_resume_from_a_lone_truncated_checkpoint_does_not_suggest_no_verify(two_checkpoints, tmp_path, capsys):
+    import shutil
+
+    data, src = two_checkpoints
+    out = _copy_run(src, tmp_path / "run")
+    shutil.rmtree(_ck(out, 2))
+    shard = _shard(_ck(out, 3))
+    _truncate(shard, keep=os.path.getsize(shard) // 2)
+    capsys.readouterr()
+    assert main(_train_argv(data, out, "--resume", "--max-steps", "4")) == 2
+    line = _one_line_naming(capsys, shard)
+    assert "truncated" in line and "--no-verify" not in line
+
+
+def test_a_corrupt_newest_checkpoint_names_the_older_complete_one(two_checkpoints, tmp_path, capsys):
+    data, src = two_checkpoints
+    out = _copy_run(src, tmp_path / "run")
+    shard = _shard(_ck(out, 3))
+    with open(shard, "r+b") as f:  # same size, other bytes: the digest check finds it
+        f.seek(os.path.getsize(shard) - 16)
+        f.write(b"\x55" * 16)
+    capsys.readouterr()
+    assert main(_train_argv(data, out, "--resume", "--max-steps", "4")) == 2
+    line = _one_line_naming(capsys, _ck(out, 3))
+    assert _ck(out, 2) in line
+
+
+# --- 6: compiled kernels persist; time to the first step is reported; --max-minutes counts training steps ----------
+def test_the_compile_caches_default_to_the_user_cache_folder(tmp_path, monkeypatch):
+    from k3.cli_args import use_compile_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    assert main(["info", "tiny"]) == 0  # every command sets them up before it runs
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "k3" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"  # one already set is kept
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    use_compile_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "k3" / "triton")
+
+
+def _tiny_trainer(out, log, **kw):
+    import numpy as np
+    import torch
+
+    from k3.config import K3Config
+    from k3.data.packing import PackedLoader
+    from k3.model.model import K3ForCausalLM
+    from k3.train.trainer import Trainer, TrainConfig
+
+    torch.manual_seed(0)
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0, pad_token_id=0)
+    model = K3ForCausalLM(cfg).init_weights(seed=0)
+    tc = TrainConfig(out=str(out), seq_len=64, batch_tokens=256, eval_every=1000, save_every_minutes=1e9,
+                     save_checkpoints=False, **kw)
+    stream = np.tile(np.arange(1, 97, dtype=np.int32), 400)
+    loader = PackedLoader(stream, tc.seq_len, tc.rows_per_step, eos_id=0, seed=0)
+    return Trainer(model, tc, loader, eval_stream=stream[:2000], eos_id=0, log=log)
+
+
+def _slow_first_step(tr, monkeypatch, seconds):
+    real, calls = tr._accumulate, []
+
+    def accumulate(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:  # as a first step that compiles kernels
+            time.sleep(seconds)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tr, "_accumulate", accumulate)
+
+
+def test_a_slow_first_step_is_not_counted_against_max_minutes(tmp_path, monkeypatch, one_thread):
+    logs = []
+    tr = _tiny_trainer(tmp_path, logs.append, max_minutes=3 / 60)  # 3 s of training
+    tr.setup_s = 1.5
+    _slow_first_step(tr, monkeypatch, 4.0)
+    summary = tr.fit(progress_bar=False)
+    assert summary["step"] > 1, "the first step's 4 s of warm-up ended a 3 s run"
+    assert summary["warmup_s"] >= 3.5 and tr.elapsed < 3 + 2.0
+    first = next(ln for ln in logs if ln.startswith("step 1 after "))
+    assert "1.5s reading the data and building the model" in first and "held-out evaluation" in first
+    assert any(ln.startswith("warm-up: ") and "not counted" in ln for ln in logs)
+
+
+def test_the_clock_starts_after_setup_and_evaluation(tmp_path, monkeypatch, one_thread):
+    tr = _tiny_trainer(tmp_path, lambda *a: None, max_steps=3)
+    real = tr.evaluate
+    monkeypatch.setattr(tr, "evaluate", lambda: (time.sleep(2.0), real())[1])
+    tr.fit(progress_bar=False)
+    assert tr.elapsed < 2.0
+
+
+# --- 7: the evaluation before the first step says what it does; a CPU reads a capped share by default ------------
+def test_the_first_evaluation_is_announced_with_its_size(tmp_path, one_thread):
+    logs = []
+    tr = _tiny_trainer(tmp_path, logs.append, max_steps=1, eval_batches=2)
+    tr.fit(progress_bar=False)
+    i = next(i for i, ln in enumerate(logs) if ln.startswith("held-out evaluation before step 1: "))
+    assert "2 batches, 512 of 2,000 tokens" in logs[i]
+    assert logs[i + 1].startswith("held-out loss at step 0: ")
+
+
+def test_cpu_runs_cap_the_evaluation_by_default_and_the_flag_overrides_it():
+    from k3.cli import build_parser
+    from k3.cli_args import _train_config
+    from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS
+
+    args = build_parser().parse_args(["train", "--max-steps", "1"])
+    assert _train_config(args, CPU_DEFAULTS).eval_batches == 16
+    assert _train_config(args, GPU_DEFAULTS).eval_batches == 64
+    args = build_parser().parse_args(["train", "--max-steps", "1", "--eval-batches", "3"])
+    assert _train_config(args, CPU_DEFAULTS).eval_batches == 3

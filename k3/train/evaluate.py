@@ -10,6 +10,16 @@ from k3.data.packing import eval_batches
 from k3.model.batch import BatchInfo
 
 
+def eval_extent(n_tokens: int, seq_len: int, rows: int, max_batches: int | None) -> tuple[int, int]:
+    """(batches, tokens) an evaluation of a stream of `n_tokens` reads in windows of `seq_len`, `rows` per batch,
+    stopping after `max_batches` (as k3.data.packing.eval_batches cuts it)."""
+    windows = -(-n_tokens // seq_len)
+    batches = -(-windows // rows)
+    if max_batches is not None:
+        batches = min(batches, max_batches)
+    return batches, min(n_tokens, batches * rows * seq_len)
+
+
 def evaluate_loss(model, stream: np.ndarray, seq_len: int, eos_id: int, max_batches: int | None, rows: int,
                   device, autocast_bf16: bool = False) -> float:
     """Mean next-token loss over held-out windows (token-weighted)."""

@@ -31,7 +31,7 @@ from k3.run_dir import clean_interrupted, holding_run_dir
 from k3.train import state as state_io
 from k3.train.checkpointing import checkpoint_path, load_checkpoint, save_checkpoint
 from k3.train.config import TrainConfig
-from k3.train.evaluate import evaluate_batches, evaluate_loss
+from k3.train.evaluate import eval_extent, evaluate_batches, evaluate_loss
 from k3.train.losses import Loss, LossOutput, MicroBatch, NextTokenLoss
 from k3.train.per_head_muon import PerHeadMuon, optimizer_groups
 from k3.train.qk_clip import MaxLogitTracker, apply_qk_clip_
@@ -109,6 +109,11 @@ class Trainer:
         self._stop_at: float | None = None  # time.monotonic() of that signal
         self._eval_extra: dict = {}  # what the last evaluation adds to its record beside val_loss (eval_record)
         self._saved_step: int | None = None  # the step whose checkpoint is on disk (nothing changed since)
+        # Seconds from the start of the run to the trainer (data, tokenizer, model; set by the run's builder, for the
+        # time-to-first-step line), and how much longer this session's first step took than its second (kernel
+        # compilation, autotuning, allocator warm-up), which `elapsed` and so --max-minutes do not count.
+        self.setup_s: float | None = None
+        self.warmup_s = 0.0
         self.writes_files = True  # metrics.jsonl, loss.png, the progress bar (one process of a distributed run)
         self.retries_oom = True  # out of memory: halve the micro-batch and retry (not on one rank of many)
 
@@ -337,13 +342,26 @@ class Trainer:
         """What the last `evaluate` adds to its metrics record beside val_loss (a subclass's per-domain figures)."""
         return dict(self._eval_extra)
 
+    def eval_plan(self) -> str | None:
+        """What one evaluation reads, in words ("16 batches, 65,536 tokens"), or None without held-out data."""
+        if self.eval_stream is None:
+            return None
+        if isinstance(self.eval_stream, list):
+            return f"{len(self.eval_stream)} batch{'' if len(self.eval_stream) == 1 else 'es'}"
+        batches, tokens = eval_extent(len(self.eval_stream), self.cfg.seq_len, self._eval_rows(),
+                                      self.cfg.eval_batches)
+        return f"{batches} batch{'' if batches == 1 else 'es'}, {tokens:,} of {len(self.eval_stream):,} tokens"
+
+    def _eval_rows(self) -> int:
+        return max(1, min(self.cfg.rows_per_step, 16))
+
     def evaluate(self) -> float | None:
         if self.eval_stream is None:
             return None
         if isinstance(self.eval_stream, list):
             return evaluate_batches(self.model, self.eval_stream, self.device, autocast_bf16=self.cfg.autocast_bf16)
         return evaluate_loss(self.model, self.eval_stream, self.cfg.seq_len, self.eos_id, self.cfg.eval_batches,
-                             rows=max(1, min(self.cfg.rows_per_step, 16)), device=self.device,
+                             rows=self._eval_rows(), device=self.device,
                              autocast_bf16=self.cfg.autocast_bf16)
 
     # --- checkpoints (k3.train.checkpointing writes and reads them) ----------------------------------
@@ -386,6 +404,23 @@ class Trainer:
                                 "the checkpoint is damaged") from None
         if os.path.abspath(ckpt_dir) == os.path.abspath(checkpoint_path(self.cfg.out, self.step)):
             self._saved_step = self.step  # resuming from this run's own checkpoint of this step
+
+    def _log_first_step(self, since_fit: float, eval_s: float, step_s: float) -> None:
+        """Time to the first step, and what it went to (the run's setup, the first evaluation, the step itself)."""
+        parts = []
+        total = since_fit
+        if self.setup_s is not None:
+            parts.append(f"{self.setup_s:.1f}s reading the data and building the model")
+            total += self.setup_s
+        if eval_s:
+            parts.append(f"{eval_s:.1f}s held-out evaluation")
+        what = "the step itself"
+        if self.device.type == "cuda":
+            from k3.cli_args import compile_cache_dir
+
+            what += f", compiling kernels on a first start (kept in {compile_cache_dir()} for the next)"
+        parts.append(f"{step_s:.1f}s {what}")
+        self.log(f"step {self.step} after {total:.1f}s: {', '.join(parts)}")
 
     # --- the loop ----------------------------------------------------------------------------------
     def fit(self, progress_bar: bool = True) -> dict:
@@ -439,16 +474,42 @@ class Trainer:
                 self.log(f"metrics.jsonl: dropped {dropped} records after step {self.step}, the step this run "
                          "resumed from (their steps are trained again)")
         summary = {"start_step": self.step}
+        t_fit, eval_s, first_dt, first_counted = time.perf_counter(), 0.0, None, False
         try:
             with metrics:
                 if self.step == 0:
+                    plan = self.eval_plan()
+                    if plan is not None:
+                        self.log(f"held-out evaluation before step 1: {plan} (--eval-batches caps it) ...")
+                    t0 = time.perf_counter()
                     val = self.evaluate()
+                    eval_s = time.perf_counter() - t0
                     if val is not None:
+                        self.log(f"held-out loss at step 0: {val:.4f} ({eval_s:.1f}s)")
                         metrics.record({"step": 0, "val_loss": val, "elapsed_s": 0.0, **self.eval_record()})
                         summary["first_val_loss"] = val
                 last_save = time.monotonic()
                 while not self._agree(self.done() or self._stop_requested):
+                    before = self.elapsed
                     m = self.train_step()
+                    dt = self.elapsed - before
+                    if first_dt is None:
+                        # This session's first step also compiles kernels, autotunes and warms the allocator: it is
+                        # counted at the second step's time once that is known (not now, so that a long compilation
+                        # does not end a --max-minutes run), the difference reported as warm-up.
+                        first_dt = dt
+                        self.elapsed = m.elapsed_s = before
+                        self._log_first_step(time.perf_counter() - t_fit, eval_s, first_dt)
+                    elif not first_counted:
+                        first_counted = True
+                        self.warmup_s = max(0.0, first_dt - dt)
+                        self.elapsed += min(first_dt, dt)
+                        first_step_end += min(first_dt, dt)  # the projection's rate: from the second step on
+                        m.elapsed_s = self.elapsed
+                        if self.warmup_s >= 1.0:
+                            self.log(f"warm-up: step {self.step - 1} took {first_dt:.1f}s, step {self.step} "
+                                     f"{dt:.1f}s; the {self.warmup_s:.1f}s difference (compilation, autotuning) is "
+                                     "not counted as training time (--max-minutes)")
                     if first_step_end is None:
                         first_step_end, first_step = self.elapsed, self.step
                     elif self.step == first_step + PROJECT_AT - 1 and self.step_budget() is None:
@@ -471,9 +532,11 @@ class Trainer:
                     if c.save_checkpoints and self._agree(time.monotonic() - last_save > 60 * c.save_every_minutes):
                         self.save()
                         last_save = time.monotonic()
+                if first_dt is not None and not first_counted:  # one step in this session: count it whole
+                    self.elapsed += first_dt
                 path = self.save() if c.save_checkpoints else None
                 summary.update(step=self.step, checkpoint=path, interrupted=self._stop_requested,
-                               signal=self._stop_signal, epochs=self.epochs_seen())
+                               signal=self._stop_signal, epochs=self.epochs_seen(), warmup_s=self.warmup_s)
         finally:
             bar.close()
             if in_main:
