@@ -41,6 +41,10 @@ Each path has a mutation below (`MUTATIONS`): one bug injected at the model or c
 index off by one, a state not written, a restore from the wrong block), and `test_mutation_fails_the_suite` shows
 that the same check function fails under it on a fixed case that passes without it (the fixed cases are explicit
 examples of the property tests).
+
+Found on the way (xfail, strict): a request whose newest checkpoint another request created loses it when that one
+recycles it, so a continuation of its tokens misses the hit (`test_a_request_keeps_a_newest_checkpoint_another_created`;
+a lost hit, not a wrong state).
 """
 
 from __future__ import annotations
@@ -433,11 +437,11 @@ def prefix_cases(draw):
     return PrefixCase(first, turns, (draw(st.integers(1, 40)), _prompt(draw, vocab, 1, 4), draw(st.integers(1, 4))))
 
 
-# hb 4, pages of 3 blocks: turn 1 computes 29 tokens (checkpoint at 28, inside the third page: a copy-on-write hit),
-# turn 2 hits 28 and computes to 41 (checkpoint at 40), turn 3 hits 40 with two older checkpoints on its chain;
-# the sibling hits the first turn's checkpoint at 28 (and also scores its prompt: no hit)
+# hb 4, pages of 3 blocks (12 tokens): turn 1 computes 29 tokens (checkpoint at 28, inside the third page: a
+# copy-on-write hit for turn 2), turn 2 computes to 38 (checkpoint at 36, a page boundary: turn 3's hit); the sibling
+# hits turn 1's checkpoint at 28 and leaves one at 32 (its twin scores its prompt: no hit)
 PREFIX_CASE = PrefixCase(EngineCase(1, 256, 4, 3, 10, 32, (((_tokens(26, 7), 4, False),),)),
-                         ((_tokens(7, 8), 6), (_tokens(3, 9), 3)), (31, _tokens(2, 10), 3))
+                         ((_tokens(3, 8), 6), (_tokens(3, 9), 3)), (31, _tokens(2, 10), 3))
 
 
 def check_prefix_restore(case: PrefixCase) -> None:
@@ -463,7 +467,6 @@ def check_prefix_restore(case: PrefixCase) -> None:
 @example(PREFIX_CASE)
 def test_prefix_cache_restores_agree_with_training(case):
     check_prefix_restore(case)
-
 
 
 @pytest.mark.xfail(strict=True, reason=(
