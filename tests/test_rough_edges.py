@@ -371,3 +371,177 @@ def test_cpu_runs_cap_the_evaluation_by_default_and_the_flag_overrides_it():
     assert _train_config(args, GPU_DEFAULTS).eval_batches == 64
     args = build_parser().parse_args(["train", "--max-steps", "1", "--eval-batches", "3"])
     assert _train_config(args, CPU_DEFAULTS).eval_batches == 3
+
+
+# --- 9: lm-evaluation-harness's remote tokenizer; framing errors and the read timeout ------------------------------
+@pytest.fixture(scope="module")
+def served(tiny_ckpt):
+    """An app over the tiny checkpoint (and its tokenizer), as `k3 serve` builds it."""
+    from types import SimpleNamespace
+
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import load_any_tokenizer
+    from k3.serve.app import create_app
+    from k3.serve.engine import EngineConfig, LLMEngine
+
+    tok = load_any_tokenizer(tiny_ckpt)
+    engine = LLMEngine(from_pretrained(tiny_ckpt), tok, EngineConfig(cache_memory_mb=16, page_tokens=32,
+                                                                     hash_block_tokens=16, max_model_len=256))
+    return SimpleNamespace(tok=tok, make=lambda **kw: create_app(engine, tok, "tiny", **kw))
+
+
+def test_tokenizer_endpoints_answer_as_lm_eval_reads_them(served):
+    from fastapi.testclient import TestClient
+
+    with TestClient(served.make()) as http:
+        # lm_eval.utils.check_remote_tokenizer_support: /tokenizer_info with an "eos_token", /tokenize with a list
+        info = http.get("/tokenizer_info")
+        assert info.status_code == 200 and info.json()["eos_token"] == "<|endoftext|>"
+        r = http.post("/tokenize", json={"prompt": "test", "add_special_tokens": False})
+        assert r.status_code == 200 and r.json()["tokens"] == served.tok.encode("test")
+        # RemoteTokenizer.eos_token_id: the first id of /tokenize of eos_token
+        eos = http.post("/tokenize", json={"prompt": info.json()["eos_token"], "add_special_tokens": False})
+        assert eos.json()["tokens"] == [served.tok.eos_id]
+        # inside a text, the end-of-text text stays ordinary text, as in a completion prompt
+        mixed = http.post("/tokenize", json={"prompt": "a<|endoftext|>"}).json()["tokens"]
+        assert served.tok.eos_id not in mixed and mixed == served.tok.encode("a<|endoftext|>")
+        text = "def f(x):\n    return x"
+        ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+        bad = http.post("/detokenize", json={"tokens": [10**9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert http.post("/tokenize", json={"prompt": 5}).json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenizer_endpoints_need_the_api_key(served):
+    from fastapi.testclient import TestClient
+
+    with TestClient(served.make(api_key="s3cret")) as http:
+        assert http.get("/tokenizer_info").status_code == 401
+        assert http.post("/tokenize", json={"prompt": "x"}).status_code == 401
+        ok = http.get("/tokenizer_info", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+@pytest.fixture
+def live_server(served):
+    """The app on a loopback port with the server's HTTP options and a 1 s read timeout."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from k3.serve.http import uvicorn_options
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(served.make(), log_level="warning", lifespan="on",
+                                           **uvicorn_options(read_timeout_s=1.0)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def _exchange(port, data: bytes, wait: float = 10.0) -> tuple[bytes, float]:
+    """Send `data`, read until the server closes the connection; (the bytes read, seconds until the close)."""
+    import socket
+
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            chunks.append(b)
+    return b"".join(chunks), time.monotonic() - t0
+
+
+def _status_and_json(raw: bytes):
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_body_shorter_than_its_content_length_times_out_with_a_json_408(live_server):
+    raw, took = _exchange(live_server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                       b"Content-Length: 100\r\n\r\n{\"model\": ")
+    status, body = _status_and_json(raw)
+    assert status == 408 and body["error"]["code"] == "request_timeout" and took < 8
+
+
+def test_a_head_cut_off_times_out_and_a_silent_connection_is_closed(live_server):
+    raw, took = _exchange(live_server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+    assert _status_and_json(raw)[0] == 408 and took < 8
+    raw, took = _exchange(live_server, b"")
+    assert raw == b"" and took < 8
+
+
+@pytest.mark.parametrize("data", [b"GARBAGE\r\n\r\n",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                  b"zz\r\n{}\r\n0\r\n\r\n"])
+def test_malformed_framing_gets_an_openai_shaped_400(live_server, data):
+    status, body = _status_and_json(_exchange(live_server, data)[0])
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "malformed_http_request"
+
+
+def test_lm_eval_scores_a_loglikelihood_task_with_tokenizer_backend_auto(served, tmp_path):
+    lm_eval = pytest.importorskip("lm_eval")  # not installed: skipped
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from k3.serve.local import serve_in_thread
+
+    with serve_in_thread(served.make()) as port:
+        lm = LocalCompletionsAPI(model="tiny", base_url=f"http://127.0.0.1:{port}/v1/completions",
+                                 tokenizer_backend="auto", max_length=256)
+        assert lm.tokenizer_backend == "remote"
+        from lm_eval.api.instance import Instance
+
+        reqs = [Instance("loglikelihood", {}, ("def f(x):", " return x"), 0),
+                Instance("loglikelihood", {}, ("1 + 1 =", " 2"), 1)]
+        out = lm.loglikelihood(reqs)
+        assert len(out) == 2 and all(lp <= 0 for lp, _ in out)
+    del lm_eval
+
+
+# --- Deliverable 3: the served model's name is the run's, whichever checkpoint of it is served -----------------------
+def test_the_default_model_name_is_the_run_name_for_every_checkpoint(tmp_path):
+    from k3.serve.cli import default_model_name
+
+    run = tmp_path / "my-run"
+    for step in (100, 200):
+        assert default_model_name(str(run / "checkpoints" / f"step-{step:07d}")) == "my-run"
+    assert default_model_name(str(tmp_path / "released-ckpt") + "/") == "released-ckpt"
+
+
+def test_serve_answers_to_the_run_name_and_model_name_overrides(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    import k3.serve.cli as serve_cli
+
+    names = []
+    engine = SimpleNamespace(runner=SimpleNamespace(graphs=None), max_model_len=8,
+                             cache_stats=lambda: {"num_pages": 1, "page_bytes": 1})
+    monkeypatch.setattr(serve_cli, "build_engine", lambda *a, **k: (engine, None, None))
+    monkeypatch.setattr(serve_cli, "create_app", lambda eng, tok, name, **k: names.append(name))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: names.append(kw["http"].__name__))
+    ck = tmp_path / "run7" / "checkpoints" / "step-0000005"
+    ck.mkdir(parents=True)
+    (ck / "config.json").write_text("{}")
+    for c in (ck / "config.json", ck / "COMPLETE"):
+        c.touch()
+    assert main(["serve", "--ckpt", str(ck), "--device", "cpu"]) == 0
+    assert main(["serve", "--ckpt", str(ck), "--device", "cpu", "--model-name", "mine"]) == 0
+    assert names == ["run7", "K3H11Protocol", "mine", "K3H11Protocol"]

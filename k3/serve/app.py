@@ -8,7 +8,8 @@ request change between two steps, in one thread.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with server-sent-event streaming; the chat
 endpoint's tools, reasoning and response formats: k3.serve.chat_api), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Errors use the OpenAI shape
+GET /health, GET /metrics (Prometheus text), and the tokenizer as vLLM's server exposes it: GET /tokenizer_info,
+POST /tokenize, POST /detokenize (what lm-evaluation-harness's remote tokenizer reads). Errors use the OpenAI shape
 {"error": {"message", "type", "param", "code"}}. A client that goes away (mid-stream or while waiting for a
 non-streamed answer) has its request aborted, which frees its cache pages.
 
@@ -28,6 +29,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_stop, encode_segments
@@ -42,6 +44,21 @@ from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionReques
 from k3.serve.sampling import SamplingParams
 
 logger = logging.getLogger("k3.serve")
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM's server takes it (the text form)."""
+    model_config = ConfigDict(extra="ignore")
+    prompt: StrictStr
+    model: StrictStr | None = None
+    add_special_tokens: bool = False  # k3's tokenizers add no special tokens to a text either way
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize, as vLLM's server takes it."""
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[StrictInt]
+    model: StrictStr | None = None
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
@@ -103,6 +120,27 @@ class _Server:
         self.max_token_bytes = max_token_bytes(tokenizer)
         self.http_errors = 0
         self._tok_cache: dict[int, str] = {}
+
+    def tokenizer_info(self) -> dict:
+        """The tokenizer as vLLM's /tokenizer_info describes one: lm-evaluation-harness's remote tokenizer (its
+        default `tokenizer_backend=auto` for local-completions) takes the end-of-text token from `eos_token` and its
+        id from /tokenize of that text. k3's chat template is not a Jinja template: `chat_template` is None."""
+        eos = getattr(self.tokenizer, "eos_token", None)
+        return {"tokenizer_class": type(self.tokenizer).__name__, "name_or_path": self.model_name,
+                "eos_token": eos, "eos_token_id": getattr(self.tokenizer, "eos_id", None),
+                "bos_token": None, "bos_token_id": None, "pad_token": eos, "unk_token": None,
+                "add_bos_token": False, "add_eos_token": False, "vocab_size": self.vocab_size,
+                "model_max_length": int(self.engine.max_model_len), "chat_template": None}
+
+    async def tokenize(self, text: str) -> list[int]:
+        """/tokenize: the ids a completion prompt of `text` gets (special-token text inside a text stays ordinary
+        text, as in a prompt), except that a text that is exactly one special token's (the end-of-text token, the
+        chat markup) is that token's id, which is how a remote-tokenizer client learns the id of `eos_token`."""
+        special = getattr(self.tokenizer, "special_token_id", None)
+        sid = special(text) if special is not None else None
+        if sid is not None:
+            return [int(sid)]
+        return await self.encode(text) if text else []
 
     def count_error(self) -> None:
         self.http_errors += 1
@@ -470,6 +508,27 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
     async def get_model(model: str):
         srv.check_model(model)
         return _model_card()
+
+    # --- the tokenizer, as vLLM's server exposes it (lm-evaluation-harness's remote tokenizer reads these) ------
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return srv.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            srv.check_model(body.model)
+        ids = await srv.tokenize(body.prompt)
+        return {"count": len(ids), "max_model_len": int(engine.max_model_len), "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            srv.check_model(body.model)
+        bad = next((x for x in body.tokens if not 0 <= x < srv.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {srv.vocab_size})", param="tokens")
+        return {"prompt": srv.tokenizer.decode(body.tokens)}
 
     @app.get("/metrics")
     def metrics():  # a plain def: FastAPI runs it in a worker thread, as it waits for the engine's lock

@@ -10,6 +10,7 @@ import time
 from k3.serve.app import create_app
 from k3.serve.build import build_engine
 from k3.serve.guard import DEFAULT_MAX_REQUEST_BYTES
+from k3.serve.http import uvicorn_options
 
 logger = logging.getLogger("k3.serve")
 
@@ -39,7 +40,7 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
         t0 = time.perf_counter()
         n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
         print(f"k3 serve: {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
-    name = model_name or os.path.basename(os.path.normpath(ckpt_dir)) or "k3"
+    name = model_name or default_model_name(ckpt_dir)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
     app = create_app(engine, tokenizer, name, api_key=api_key, chat_template=template,
@@ -47,7 +48,21 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
     stats = engine.cache_stats()
     print(f"k3 serve: model '{name}' from {ckpt_dir}; context {engine.max_model_len} tokens; cache "
           f"{stats['num_pages']} pages x {stats['page_bytes']} bytes; http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10, **uvicorn_options())
+
+
+def default_model_name(ckpt_dir: str) -> str:
+    """The model id `k3 serve` answers to without --model-name: for a checkpoint of a training run
+    (RUN/checkpoints/step-N, which `--ckpt RUN` resolves to) the run directory's name, the same for every checkpoint
+    of the run, so that a client keeps working when the server restarts on a newer one; else the checkpoint
+    directory's name."""
+    from k3.run_dir import step_of
+
+    path = os.path.normpath(os.path.abspath(ckpt_dir))
+    parent = os.path.dirname(path)
+    if step_of(os.path.basename(path)) is not None and os.path.basename(parent) == "checkpoints":
+        return os.path.basename(os.path.dirname(parent)) or "k3"
+    return os.path.basename(path) or "k3"
 
 
 def cmd_serve(args) -> int:

@@ -201,15 +201,18 @@ class BodyGuardMiddleware:
 # The API key
 
 
+PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")  # what APIKeyMiddleware guards
+
+
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1/* (before the body is read, so a client without the key learns
-    nothing else). /health and /metrics stay open."""
+    """Requires `Authorization: Bearer <key>` on /v1/* and the tokenizer's endpoints (PROTECTED_PATHS; before the
+    body is read, so a client without the key learns nothing else). /health and /metrics stay open."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode("utf-8")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PATHS) and scope.get("method") != "OPTIONS":
             auth = ""
             for k, v in scope.get("headers", ()):
                 if k == b"authorization":

@@ -69,9 +69,12 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)")
-    parser.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
-                                                          "directory's name)")
-    parser.add_argument("--cache-memory-mb", type=_positive_mb, default=None, help="KV/state page pool size (default 512)")
+    parser.add_argument("--model-name", default=None,
+                        help="the model id clients send (default: the training run's directory name for a run or "
+                             "one of its checkpoints, the same across its checkpoints; else the checkpoint "
+                             "directory's name; GET /v1/models lists it)")
+    parser.add_argument("--cache-memory-mb", type=_positive_mb, default=None,
+                        help="KV/state page pool size (default 512)")
     parser.add_argument("--page-tokens", type=_count, default=None, help="tokens per cache page (default 2048)")
     parser.add_argument("--hash-block-tokens", type=_count, default=None,
                         help="prefix-cache block size; divides --page-tokens (default 512)")
