@@ -9,7 +9,11 @@ against the clipped PPO baseline under high staleness.
 Stages (each skips what its output directory already holds, so a stopped run continues):
   base     `k3 env demos` conversations (train split, seed 1; held-out from the test split), a byte-level BPE
            trained on their renderings, a small random hybrid model (4 layers: 2 KDA, 2 Gated MLA)
-  sft      the cold start: `k3 sft` for --sft-steps steps
+  sft      `k3 sft` for --sft-steps steps on the demonstrations
+  mix      the cold start: `k3 sft` from the sft stage for --mix-steps steps on demonstrations of a teacher that
+           answers a fraction --direct-fraction of the problems without the tool (it knows the answer; the small
+           student does not, so imitating those answers fails): imitation cannot tell which demonstrations its
+           student can follow, the reward can
   rl       per seed: `k3 rl` from the cold start for --rl-steps steps (N x K, lambda 1, kimi), and the control: `k3
            sft` continued from the cold start for the same number of trained tokens; both evaluated on the same
            held-out tasks (greedy, one episode each)
@@ -81,6 +85,44 @@ def stage_base(a) -> None:
           f"a conversation is {min(lens)}-{max(lens)} tokens")
 
 
+def mixed_demos(src: str, dst: str, fraction: float, seed: int = 0) -> tuple[int, int]:
+    """Copy the demonstrations of `src` to `dst`, a seeded `fraction` of them rewritten so that the assistant submits
+    the final answer at once, without the tool call that computed it. Returns (conversations, rewritten)."""
+    import random
+
+    from k3.files import atomic_write_text
+
+    rng, lines, direct = random.Random(seed), [], 0
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            msgs = r["messages"]
+            submit = [c for m in msgs if m["role"] == "assistant" for c in (m.get("tool_calls") or [])
+                      if c["function"]["name"] == "submit"]
+            if submit and rng.random() < fraction:
+                first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+                call = {**submit[0], "id": "call_1_0"}
+                r["messages"] = msgs[:first] + [
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1_0", "name": "submit", "content": "answer submitted"}]
+                direct += 1
+            lines.append(json.dumps(r))
+    atomic_write_text(dst, "\n".join(lines) + "\n")
+    return len(lines), direct
+
+
+def stage_mix(a) -> None:
+    out = os.path.join(a.out, "sft_mixed")
+    if os.path.isdir(os.path.join(out, "checkpoints")):
+        return
+    n, direct = mixed_demos(os.path.join(a.out, "sft.jsonl"), os.path.join(a.out, "sft_mixed.jsonl"),
+                            a.direct_fraction)
+    print(f"mixed demonstrations: {direct} of {n} answer without the tool -> sft_mixed.jsonl")
+    sh(["sft", "--ckpt", a.sft_ckpt or latest(os.path.join(a.out, "sft")), "--data", os.path.join(a.out, "sft_mixed.jsonl"),
+        "--out", out, "--seq-len", str(a.seq_len), "--batch-tokens", str(16 * a.seq_len), "--max-steps",
+        str(a.mix_steps), "--lr", str(a.sft_lr), "--eval-every", "100000", "--seed", "0", "--no-progress"])
+
+
 def stage_sft(a) -> None:
     out = os.path.join(a.out, "sft")
     if os.path.isdir(os.path.join(out, "checkpoints")):
@@ -135,7 +177,8 @@ def rl_args(a, out: str, seed: int, **kw) -> list[str]:
             "--heldout", f"arith:{a.heldout}", "--harness", os.path.join(a.out, "harness.json"), "--out", out,
             "--groups", str(a.groups), "--samples", str(a.samples), "--max-turn-tokens", str(a.turn_tokens),
             "--max-context", str(a.seq_len), "--lr", str(a.rl_lr), "--seed", str(seed), "--sandbox", a.sandbox,
-            "--rollout-cache-mb", "128", "--eval-temperature", str(a.eval_temperature), "--no-progress"]
+            "--rollout-cache-mb", "128", "--eval-temperature", str(a.eval_temperature), "--no-progress",
+            "--optimizer", a.rl_optimizer]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
@@ -151,7 +194,19 @@ def trained_tokens(run: str) -> int:
 
 
 def cold_start(a) -> str:
-    return a.cold_start or latest(os.path.join(a.out, "sft"))
+    """--cold-start, else the mix stage's checkpoint when it ran, else the sft stage's."""
+    if a.cold_start:
+        return a.cold_start
+    mixed = os.path.join(a.out, "sft_mixed")
+    return latest(mixed if os.path.isdir(os.path.join(mixed, "checkpoints")) else os.path.join(a.out, "sft"))
+
+
+def control_data(a) -> str:
+    """The SFT control's data: --sft-data, else the cold start's own last demonstrations."""
+    if a.sft_data:
+        return a.sft_data
+    mixed = os.path.join(a.out, "sft_mixed.jsonl")
+    return mixed if os.path.isfile(mixed) and not a.cold_start else os.path.join(a.out, "sft.jsonl")
 
 
 def stage_rl(a, results: dict) -> None:
@@ -167,7 +222,8 @@ def stage_rl(a, results: dict) -> None:
         run = os.path.join(a.out, f"rl_seed{seed}")
         if "rl" not in rec:
             if not os.path.isdir(os.path.join(run, "checkpoints")):
-                sh(rl_args(a, run, seed, max_steps=a.rl_steps, eval_every=a.rl_steps, lam=1.0, loss="kimi"))
+                budget = dict(max_minutes=a.rl_minutes) if a.rl_minutes else dict(max_steps=a.rl_steps)
+                sh(rl_args(a, run, seed, **budget, eval_every=100_000, lam=1.0, loss="kimi"))
             vals = [r for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "val_success" in r]
             rec["rl"] = {"before": vals[0]["val_success"], "after": vals[-1]["val_success"],
                          "trained_response_tokens": trained_tokens(run),
@@ -180,7 +236,7 @@ def stage_rl(a, results: dict) -> None:
             if not os.path.isdir(os.path.join(ctl, "checkpoints")):
                 per_step = reply_tokens_per_step(a)
                 steps = max(1, round(rec["rl"]["trained_response_tokens"] / per_step))
-                sh(["sft", "--ckpt", cold, "--data", a.sft_data or os.path.join(a.out, "sft.jsonl"), "--out", ctl,
+                sh(["sft", "--ckpt", cold, "--data", control_data(a), "--out", ctl,
                     "--seq-len", str(a.seq_len), "--batch-tokens", str(16 * a.seq_len), "--max-steps", str(steps),
                     "--lr", str(a.rl_lr), "--seed", str(seed), "--eval-every", "1000", "--no-progress"])
                 rec["sft_steps"] = steps
@@ -195,7 +251,7 @@ def reply_tokens_per_step(a) -> float:
 
     tok = load_any_tokenizer(os.path.join(a.out, "base"))
     n, k = 0, 0
-    with open(os.path.join(a.out, "sft.jsonl")) as f:
+    with open(control_data(a)) as f:
         for line in f:
             r = json.loads(line)
             segs = render_chat_segments(r["messages"], None, False, tools=r["tools"])
@@ -257,16 +313,22 @@ def save(a, results: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/rl_demo")
-    p.add_argument("--stages", nargs="+", default=["base", "sft", "rl", "lam", "stale"],
-                   choices=["base", "sft", "rl", "lam", "stale"])
+    p.add_argument("--stages", nargs="+", default=["base", "sft", "mix", "rl", "lam", "stale"],
+                   choices=["base", "sft", "mix", "rl", "lam", "stale"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sft-demos", type=int, default=1500)
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--cold-start", help="an SFT checkpoint to start RL from instead of the sft stage's")
     p.add_argument("--sft-data", help="the control's SFT data (default OUT/sft.jsonl)")
     p.add_argument("--sft-lr", type=float, default=2e-3)
+    p.add_argument("--direct-fraction", type=float, default=0.5,
+                   help="mix: the fraction of demonstrations that answer without the tool (default 0.5)")
+    p.add_argument("--sft-ckpt", help="mix: start from this checkpoint instead of the sft stage's latest")
+    p.add_argument("--mix-steps", type=int, default=150, help="mix: SFT steps on the mixed demonstrations")
     p.add_argument("--rl-steps", type=int, default=25)
-    p.add_argument("--rl-lr", type=float, default=1.5e-3)
+    p.add_argument("--rl-minutes", type=float, help="rl: train each seed for this many minutes instead of --rl-steps")
+    p.add_argument("--rl-lr", type=float, default=1e-4)
+    p.add_argument("--rl-optimizer", choices=["adamw", "muon", "per-head-muon"], default="adamw")
     p.add_argument("--rl-tasks", type=int, default=400)
     p.add_argument("--heldout", type=int, default=300)
     p.add_argument("--eval-temperature", type=float, default=1.0, choices=[0.0, 1.0],
@@ -284,7 +346,8 @@ def main(argv=None) -> int:
     results = json.load(open(path)) if os.path.isfile(path) else {}
     t0 = time.time()
     for st in a.stages:
-        {"base": lambda: stage_base(a), "sft": lambda: stage_sft(a), "rl": lambda: stage_rl(a, results),
+        {"base": lambda: stage_base(a), "sft": lambda: stage_sft(a), "mix": lambda: stage_mix(a),
+         "rl": lambda: stage_rl(a, results),
          "lam": lambda: stage_lam(a, results), "stale": lambda: stage_stale(a, results)}[st]()
         print(f"[{time.time() - t0:.0f}s] stage {st} done", flush=True)
     save(a, results)
