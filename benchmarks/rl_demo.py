@@ -46,14 +46,14 @@ def sh(argv: list[str]) -> None:
 
 
 def stage_base(a) -> None:
+    import torch
+
     from k3.checkpoint import save_pretrained
     from k3.config import K3Config
     from k3.data.tokenizer import train_bpe
     from k3.env.demos import make_demos, plan_demo_jobs, write_demos
     from k3.model.model import K3ForCausalLM
     from k3.serve.chat import render_chat, save_chat_template
-
-    import torch
 
     base = os.path.join(a.out, "base")
     if os.path.isfile(os.path.join(base, "config.json")):
@@ -141,8 +141,8 @@ def evaluate(a, ck: str, seed: int = 0) -> dict:
     from k3.data.tokenizer import load_any_tokenizer
     from k3.env.episode import Episode
     from k3.env.presets import load_harness
-    from k3.rl.rollout import AgentRollouts, RolloutConfig, Throttle
     from k3.env.run import task_instances
+    from k3.rl.rollout import AgentRollouts, RolloutConfig, Throttle
     from k3.rl.trainer import evaluate_policy
     from k3.serve.chat import load_chat_template
     from k3.serve.engine import EngineConfig
@@ -222,7 +222,7 @@ def stage_rl(a, results: dict) -> None:
         run = os.path.join(a.out, f"rl_seed{seed}")
         if "rl" not in rec:
             if not os.path.isdir(os.path.join(run, "checkpoints")):
-                budget = dict(max_minutes=a.rl_minutes) if a.rl_minutes else dict(max_steps=a.rl_steps)
+                budget = {"max_minutes": a.rl_minutes} if a.rl_minutes else {"max_steps": a.rl_steps}
                 sh(rl_args(a, run, seed, **budget, eval_every=100_000, lam=1.0, loss="kimi"))
             vals = [r for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "val_success" in r]
             rec["rl"] = {"before": vals[0]["val_success"], "after": vals[-1]["val_success"],
@@ -247,7 +247,7 @@ def stage_rl(a, results: dict) -> None:
 def reply_tokens_per_step(a) -> float:
     """Trained (reply) tokens per SFT step: 16 conversations' replies."""
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.serve.chat import render_chat_segments, encode_segments
+    from k3.serve.chat import encode_segments, render_chat_segments
 
     tok = load_any_tokenizer(os.path.join(a.out, "base"))
     n, k = 0, 0
