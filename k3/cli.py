@@ -34,6 +34,8 @@ def _cmd_serve(args) -> int:
     if raw not in _CUDA_GRAPHS:
         raise ValueError(f"K3_CUDA_GRAPHS={raw!r} is invalid: use auto, off or eager")
     args.cuda_graphs = _CUDA_GRAPHS[raw] if args.cuda_graphs else False
+    if args.cuda_graphs is True and pick_device(args.device).type != "cuda":
+        args.cuda_graphs = False  # nothing to capture on a CPU: no notice that graphs are not used
     if args.api_key is None:
         args.api_key = os.environ.get("K3_API_KEY")
     return cmd_serve(args)
@@ -200,7 +202,7 @@ def cmd_eval(args) -> int:
 
     from k3.data.packing import tokenize_documents
     from k3.train.run import load_corpus
-    from k3.train.evaluate import evaluate_loss
+    from k3.train.evaluate import eval_extent, evaluate_loss
 
     ckpt = _resolve_ckpt(args.ckpt)
     model, tok, dev = _load_for_inference(ckpt, args.device, verify=args.verify)
@@ -208,8 +210,12 @@ def cmd_eval(args) -> int:
     docs = heldout
     stream = tokenize_documents(tok, docs)
     loss = evaluate_loss(model, stream, args.seq_len, tok.eos_id, args.max_batches, rows=args.batch_size, device=dev)
+    batches, scored = eval_extent(len(stream), args.seq_len, args.batch_size, args.max_batches)
+    what = (f"the held-out split of --data {' '.join(args.data)}" if args.data
+            else "the standard library's held-out files")
+    part = f"{scored:,} tokens" if scored == len(stream) else f"{scored:,} of {len(stream):,} tokens ({batches} batches)"
     print(f"held-out loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
-          f"({len(stream):,} tokens, {len(docs)} documents)")
+          f"({part} of {what}: {len(docs)} documents)")
     return 0
 
 
@@ -220,7 +226,7 @@ def cmd_generate(args) -> int:
     from k3.serve.sampling import SamplingParams
 
     ckpt = _resolve_ckpt(args.ckpt)
-    model, tok, _ = _load_for_inference(ckpt, args.device, verify=args.verify, generate=True)
+    model, tok, dev = _load_for_inference(ckpt, args.device, verify=args.verify, generate=True)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:
@@ -229,6 +235,7 @@ def cmd_generate(args) -> int:
         raise SystemExit(f"k3 generate: {e}")
     try:
         engine = LLMEngine(model, tok, EngineConfig(cache_memory_mb=args.cache_memory_mb,
+                                                    cuda_graphs=dev.type == "cuda",  # none on a CPU
                                                     speculative=args.speculative,
                                                     num_draft_tokens=args.num_draft_tokens,
                                                     speculative_auto=args.speculative_auto,

@@ -311,8 +311,8 @@ def _tiny_trainer(out, log, **kw):
     torch.manual_seed(0)
     cfg = K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0, pad_token_id=0)
     model = K3ForCausalLM(cfg).init_weights(seed=0)
-    tc = TrainConfig(out=str(out), seq_len=64, batch_tokens=256, eval_every=1000, save_every_minutes=1e9,
-                     save_checkpoints=False, **kw)
+    kw = {"eval_every": 1000, "save_every_minutes": 1e9, "save_checkpoints": False, **kw}
+    tc = TrainConfig(out=str(out), seq_len=64, batch_tokens=256, **kw)
     stream = np.tile(np.arange(1, 97, dtype=np.int32), 400)
     loader = PackedLoader(stream, tc.seq_len, tc.rows_per_step, eos_id=0, seed=0)
     return Trainer(model, tc, loader, eval_stream=stream[:2000], eos_id=0, log=log)
@@ -545,3 +545,60 @@ def test_serve_answers_to_the_run_name_and_model_name_overrides(tmp_path, monkey
     assert main(["serve", "--ckpt", str(ck), "--device", "cpu"]) == 0
     assert main(["serve", "--ckpt", str(ck), "--device", "cpu", "--model-name", "mine"]) == 0
     assert names == ["run7", "K3H11Protocol", "mine", "K3H11Protocol"]
+
+
+# --- 8: what the commands report --------------------------------------------------------------------------------
+def test_eval_with_max_batches_reports_the_tokens_it_scored(tiny_ckpt, tmp_path, capsys):
+    data = _data_dir(tmp_path / "data", n=60)
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", tiny_ckpt, "--data", data, "--seq-len", "16", "--batch-size", "2",
+                 "--max-batches", "1", "--device", "cpu"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "(32 of " in line and "(1 batches)" in line and f"held-out split of --data {data}" in line, line
+
+
+def test_generate_on_a_cpu_says_nothing_about_cuda_graphs(tiny_ckpt, capsys):
+    assert main(["generate", "--ckpt", tiny_ckpt, "x", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert "CUDA graphs" not in capsys.readouterr().err
+
+
+def test_serve_asks_no_cuda_graphs_on_a_cpu(monkeypatch):
+    import k3.serve.cli as serve_cli
+    from k3.cli import build_parser
+
+    seen = []
+    monkeypatch.setattr(serve_cli, "cmd_serve", lambda args: seen.append(args.cuda_graphs) or 0)
+    assert build_parser().parse_args(["serve", "--ckpt", "x", "--device", "cpu"]).fn(
+        build_parser().parse_args(["serve", "--ckpt", "x", "--device", "cpu"])) == 0
+    assert seen == [False]
+
+
+def test_the_summary_after_a_resume_gives_the_loss_before_it(tmp_path, one_thread):
+    logs = []
+    tr = _tiny_trainer(tmp_path, logs.append, max_steps=2, eval_every=1, eval_batches=1, save_checkpoints=True)
+    first = tr.fit(progress_bar=False)
+    before = first["last_val_loss"]
+    tr2 = _tiny_trainer(tmp_path, logs.append, max_steps=3, eval_every=1, eval_batches=1, save_checkpoints=True)
+    tr2.load(first["checkpoint"])
+    summary = tr2.fit(progress_bar=False)
+    assert summary["first_val_loss"] == before and summary["first_val_step"] == 2
+    assert summary["last_val_loss"] != before
+
+
+def test_the_resume_summary_line_says_which_loss_is_from_before(monkeypatch, tmp_path):
+    import k3.train.run as run
+    from k3.train.trainer import TrainConfig
+
+    tcfg = TrainConfig(out=str(tmp_path), max_steps=3)
+
+    class Done:
+        cfg = tcfg
+
+        def fit(self, progress_bar):
+            return {"step": 3, "epochs": 0.1, "checkpoint": "ck", "interrupted": False, "start_step": 2,
+                    "first_val_step": 2, "first_val_loss": 4.0, "last_val_loss": 3.5}
+
+    monkeypatch.setattr(run, "build_run", lambda *a, **k: Done())
+    logs = []
+    run.run_training(run.RunOptions(), tcfg, progress_bar=False, log=logs.append)
+    assert "held-out loss 4.000 (step 2, before this resume) -> 3.500" in logs[-1]

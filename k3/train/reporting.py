@@ -21,6 +21,7 @@ class MetricsLog:
         self.path = os.path.join(out, "metrics.jsonl")
         self.png_path = os.path.join(out, "loss.png")
         self.history, self.log = history, log
+        self.last_val_loss: tuple[int, float] | None = None  # (step, val_loss) of the last kept record (resume_at)
         self._f = None
 
     def resume_at(self, step: int) -> int:
@@ -43,6 +44,8 @@ class MetricsLog:
                     dropped += 1
                 else:
                     kept.append(line if line.endswith("\n") else line + "\n")
+                    if isinstance(rec, dict) and isinstance(rec.get("val_loss"), (int, float)):
+                        self.last_val_loss = (rec.get("step"), float(rec["val_loss"]))
         if dropped:
             atomic_write_text(self.path, "".join(kept))
         return dropped

@@ -289,6 +289,8 @@ def run_training(opts: RunOptions, tcfg: TrainConfig, progress_bar: bool = True,
     msg = f"stopped at step {summary['step']}" if summary.get("interrupted") else f"finished at step {summary['step']}"
     msg += f" ({summary['epochs']:.2f} epochs of the training data)"
     if first is not None and last is not None:
-        msg += f": held-out loss {first:.3f} -> {last:.3f}"
+        before = summary.get("first_val_step")
+        msg += (f": held-out loss {first:.3f} (step {before}, before this resume) -> {last:.3f}"
+                if summary.get("start_step") and before is not None else f": held-out loss {first:.3f} -> {last:.3f}")
     log(f"{msg}; checkpoint {summary['checkpoint']}" if summary["checkpoint"] else f"{msg} (no checkpoint written)")
     return summary

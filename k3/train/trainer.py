@@ -474,6 +474,8 @@ class Trainer:
                 self.log(f"metrics.jsonl: dropped {dropped} records after step {self.step}, the step this run "
                          "resumed from (their steps are trained again)")
         summary = {"start_step": self.step}
+        if self.step > 0 and metrics.last_val_loss is not None:  # the run's held-out loss before this resume
+            summary["first_val_step"], summary["first_val_loss"] = metrics.last_val_loss
         t_fit, eval_s, first_dt, first_counted = time.perf_counter(), 0.0, None, False
         try:
             with metrics:
