@@ -7,8 +7,8 @@ import os
 import time
 
 import pytest
-
 from helpers import one_torch_thread
+
 from k3.cli import main
 
 
@@ -32,8 +32,7 @@ def _train_argv(data, out, *extra):
 
 # --- 5: no pause in the QAT export -----------------------------------------------------------------------
 def test_qat_export_does_not_sleep(tmp_path, monkeypatch):
-    import k3.train.qat as qat
-    import k3.train.run as run
+    from k3.train import qat, run
     from k3.train.trainer import TrainConfig
 
     slept = []
@@ -195,7 +194,7 @@ def test_a_tokenizer_left_by_a_failed_run_is_not_reused_for_other_data(tmp_path,
 def test_cached_tokenizer_checks_size_and_data_fingerprint(tmp_path):
     from k3.data.tokenizer import TOKENIZER_SOURCE, cached_tokenizer
 
-    texts = lambda: ["def f(x):\n    return x + 1\n" * 50]  # noqa: E731
+    texts = lambda: ["def f(x):\n    return x + 1\n" * 50]
     logs = []
     a = cached_tokenizer(tmp_path, texts, 300, data_fingerprint="A", log=logs.append)
     assert json.load(open(tmp_path / TOKENIZER_SOURCE))["data"] == "A" and logs == []
@@ -306,7 +305,7 @@ def _tiny_trainer(out, log, **kw):
     from k3.config import K3Config
     from k3.data.packing import PackedLoader
     from k3.model.model import K3ForCausalLM
-    from k3.train.trainer import Trainer, TrainConfig
+    from k3.train.trainer import TrainConfig, Trainer
 
     torch.manual_seed(0)
     cfg = K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0, pad_token_id=0)
@@ -586,7 +585,7 @@ def test_the_summary_after_a_resume_gives_the_loss_before_it(tmp_path, one_threa
 
 
 def test_the_resume_summary_line_says_which_loss_is_from_before(monkeypatch, tmp_path):
-    import k3.train.run as run
+    from k3.train import run
     from k3.train.trainer import TrainConfig
 
     tcfg = TrainConfig(out=str(tmp_path), max_steps=3)

@@ -81,7 +81,7 @@ def read_tokenizer_json(path: str) -> Tokenizer:
         return Tokenizer.from_file(path)
     except OSError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the library's only error type for a bad file)
         raise ValueError(f"{path} is not a readable tokenizer ({e}): the file is truncated or corrupt") from None
 
 
