@@ -34,7 +34,9 @@ class TrainConfig:
     optimizer: str = "per-head-muon"
     qk_clip_tau: float = 100.0
     eval_every: int = 50
-    eval_batches: int = 64  # x 16 rows x seq_len tokens: the whole held-out set of the default corpus
+    # x up to 16 rows x seq_len tokens: the whole held-out set of the default corpus (`k3 train --eval-batches`; 16 on
+    # a CPU, k3.train.run.CPU_DEFAULTS); every evaluation reads the same first batches, the one before step 1 too
+    eval_batches: int = 64
     save_every_minutes: float = 5.0
     keep_checkpoints: int = 2
     # False: no checkpoint is written at all (a study that keeps only metrics.jsonl; a signal then just stops)
