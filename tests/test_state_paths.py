@@ -42,8 +42,8 @@ index off by one, a state not written, a restore from the wrong block), and `tes
 that the same check function fails under it on a fixed case that passes without it (the fixed cases are explicit
 examples of the property tests).
 
-Found on the way (xfail, strict): a request whose newest checkpoint another request created loses it when that one
-recycles it, so a continuation of its tokens misses the hit (`test_a_request_keeps_a_newest_checkpoint_another_created`;
+Found on the way and fixed: a request whose newest checkpoint another request created lost it when that one
+recycled it, so a continuation of its tokens missed the hit (`test_a_request_keeps_a_newest_checkpoint_another_created`;
 a lost hit, not a wrong state).
 """
 
@@ -469,11 +469,6 @@ def test_prefix_cache_restores_agree_with_training(case):
     check_prefix_restore(case)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "k3/serve/cache/prefix.py: a request reaching a hash boundary whose checkpoint another running request created "
-    "takes it as its newest (checkpoint_slots) without owning it; the creator recycles it (_supersede) when it "
-    "persists a newer one, so the first request finishes without a checkpoint at its last boundary and a "
-    "continuation of its tokens misses the hit (a lost cache hit, not a wrong state: a lookup needs the checkpoint)"))
 def test_a_request_keeps_a_newest_checkpoint_another_created():
     model = tiny_model(0, 256)
     eng = engine(model, hb=8, page_blocks=2, chunk=64, step_tokens=128)

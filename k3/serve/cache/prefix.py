@@ -48,7 +48,7 @@ import hashlib
 import sys
 from array import array
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 _ROOT = hashlib.blake2b(b"k3 prefix cache", digest_size=16).digest()
@@ -129,7 +129,10 @@ class _Checkpoint:
     pages: tuple[int, ...]  # one per KDA group: siblings, created and evicted together
     step: int
     turn: bool  # a conversation-turn boundary: never recycled by supersession
-    owner: Hashable | None  # the running request that recycles it when it persists a newer one
+    # The running requests whose newest checkpoint this intermediate one is (its creator, and any that reached the
+    # same endpoint while it was theirs); it is recycled when the last of them persists a newer one. Empty: an
+    # ordinary LRU entry (a turn boundary, an imported one, or one whose holders all left).
+    owners: set = field(default_factory=set)
 
 
 @dataclass
@@ -377,11 +380,14 @@ class PrefixCache:
             return None
         h = req.hashes[position // self.hash_block_tokens - 1]
         if (c := self._ckpts.get(h)) is not None:
-            if turn_boundary:
-                c.turn, c.owner = True, None
             if h != req.ckpt:
                 self._supersede(seq_id, req)
                 req.ckpt, req.ckpt_pos = h, position
+                if c.owners and not c.turn:
+                    c.owners.add(seq_id)  # shared: recycled only when every holder has moved past it
+            if turn_boundary:
+                c.turn = True
+                c.owners.clear()
             return None
         self._supersede(seq_id, req)
         try:
@@ -389,7 +395,7 @@ class PrefixCache:
         except OutOfPages:
             return None  # a checkpoint is an optimization: skip it rather than preempt anyone
         self._ckpts[h] = _Checkpoint(position, tuple(pages), self._step, turn_boundary,
-                                     None if turn_boundary else seq_id)
+                                     set() if turn_boundary else {seq_id})
         for p in pages:
             self._entry_of[p] = ("kda", h)
         self._pending[("kda", h)] = None
@@ -400,8 +406,10 @@ class PrefixCache:
         """Recycle the request's newest checkpoint if it is its own intermediate one (a reader's pin keeps the
         pages alive until its copy lands)."""
         c = self._ckpts.get(req.ckpt) if req.ckpt else None
-        if c is not None and c.owner == seq_id and not c.turn:
-            self._drop_entry(("kda", req.ckpt))
+        if c is not None and seq_id in c.owners and not c.turn:
+            c.owners.discard(seq_id)
+            if not c.owners:
+                self._drop_entry(("kda", req.ckpt))
         req.ckpt = None
 
     def mark_landed(self) -> None:
@@ -428,15 +436,16 @@ class PrefixCache:
                 self._supersede(seq_id, req)
                 req.ckpt = req.hashes[i - 1]
         if req.ckpt and (c := self._ckpts.get(req.ckpt)) is not None:
-            c.turn, c.owner = True, None
+            c.turn = True
+            c.owners.clear()
         self.abort(seq_id)
 
     def abort(self, seq_id: Hashable) -> None:
         """Release the request (preemption, disconnect). Its newest checkpoint stays cached as an ordinary LRU entry
         (a preempted request re-admitted later resumes from it); unindexed pages return to the free list."""
         req = self._reqs.pop(seq_id)
-        if req.ckpt and (c := self._ckpts.get(req.ckpt)) is not None and c.owner == seq_id:
-            c.owner = None  # the only checkpoint a request can own is its newest
+        if req.ckpt and (c := self._ckpts.get(req.ckpt)) is not None:
+            c.owners.discard(seq_id)  # the only checkpoint a request can hold is its newest
         for t in req.tables:
             self._decref(t)
         self._decref(req.kda_pages)
@@ -508,7 +517,7 @@ class PrefixCache:
                     units.append((j, pages))
                 ckpt_pages = tuple(fresh[G * len(new_pages):])
                 if need_ckpt:
-                    self._ckpts[chain[n - 1]] = _Checkpoint(n * self.hash_block_tokens, ckpt_pages, landed, False, None)
+                    self._ckpts[chain[n - 1]] = _Checkpoint(n * self.hash_block_tokens, ckpt_pages, landed, False)
                     for p in ckpt_pages:
                         self._entry_of[p] = ("kda", chain[n - 1])
                 self._incref(fresh)  # held until the call returns: a later prefix's allocation must not evict them
@@ -565,7 +574,7 @@ class PrefixCache:
         for h, c in self._ckpts.items():
             assert len(c.pages) == K and len(set(c.pages)) == K, "a checkpoint must hold one page per KDA group"
             assert all(self._entry_of[p] == ("kda", h) for p in c.pages)
-            assert c.owner is None or (not c.turn and self._reqs[c.owner].ckpt == h), h
+            assert not c.owners or (not c.turn and all(self._reqs[o].ckpt == h for o in c.owners)), h
             holders.update(c.pages)
             kda_pages.update(c.pages)
         assert not mla_pages & kda_pages, "a page is used as both MLA KV and KDA state"
