@@ -336,7 +336,7 @@ def test_a_slow_first_step_is_not_counted_against_max_minutes(tmp_path, monkeypa
     _slow_first_step(tr, monkeypatch, 4.0)
     summary = tr.fit(progress_bar=False)
     assert summary["step"] > 1, "the first step's 4 s of warm-up ended a 3 s run"
-    assert summary["warmup_s"] >= 3.5 and tr.elapsed < 3 + 2.0
+    assert summary["warmup_s"] >= 3.5 and tr.elapsed < 3 + 3.5  # the budget plus at most one step
     first = next(ln for ln in logs if ln.startswith("step 1 after "))
     assert "1.5s reading the data and building the model" in first and "held-out evaluation" in first
     assert any(ln.startswith("warm-up: ") and "not counted" in ln for ln in logs)
