@@ -19,6 +19,7 @@ import torch
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.runner import ForwardResult
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 
@@ -41,7 +42,7 @@ def main() -> None:
                                   long_prompt_tokens=10**9)))
     eng.eos_id = None
     logits = torch.zeros(args.batch, cfg.vocab_size)
-    eng.runner.forward = lambda tokens, starts, slots: logits[:len(tokens)]
+    eng.runner.execute = lambda batch: ForwardResult(logits[:len(batch.tokens)])
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=400, temperature=0)
     seqs = [eng.add_request(torch.randint(1, cfg.vocab_size, (args.context,), generator=g).tolist(), params)

@@ -39,17 +39,15 @@ def stream(engine, prompts, max_tokens: int, every: int) -> dict:
 
     runner = engine.runner
     counts = {"forwards": 0, "kinds": set()}
-    wrapped = {}
-    for name in ("run", "run_mixed", "verify"):
-        orig = getattr(runner, name)
+    orig = runner.execute
 
-        def spy(*a, _orig=orig, _name=name, **k):
-            counts["forwards"] += 1
-            counts["kinds"].add(_name)
-            return _orig(*a, **k)
+    def spy(batch):  # which forwards run: plain, mixed (prefill and verifications) or verifications alone
+        counts["forwards"] += 1
+        n = len(batch.tokens)
+        counts["kinds"].add("run" if not batch.n_verify else "verify" if batch.n_verify == n else "run_mixed")
+        return orig(batch)
 
-        wrapped[name] = spy
-        setattr(runner, name, spy)
+    runner.execute = spy
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     seqs, pending = [], list(prompts)
     both, step = [], 0
@@ -69,8 +67,7 @@ def stream(engine, prompts, max_tokens: int, every: int) -> dict:
         step += 1
     sync()
     wall = time.perf_counter() - t0
-    for name in wrapped:
-        delattr(runner, name)  # back to the class's methods
+    del runner.execute  # back to the class's method
     assert isinstance(runner, ModelRunner)
     return dict(wall_s=wall, forwards=counts["forwards"], steps=step, outputs=[s.output_ids for s in seqs],
                 both_steps=len(both), both_step_ms=1e3 * statistics.fmean(both) if both else None)

@@ -12,6 +12,7 @@ from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
+from k3.ops.kda_replay import kda_replay_any
 from k3.ops.registry import Backends
 
 
@@ -99,3 +100,13 @@ class KimiDeltaAttention(nn.Module):
         # per-head RMSNorm times sigmoid(output gate), in fp32 (one fused kernel each way on the fla backend)
         o = gate_norm(o, gate.view(B, T, H, K), self.o_norm.weight, self.o_norm.eps, backends=self.backends)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype)).view(shape)
+
+    def replay(self, inputs: KDAInputs, state: torch.Tensor, conv: torch.Tensor,
+               lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """KDA rollback by replay (report §5.4.2): the state [N, H, K, V] fp32 and conv tails [N, 3, P, W-1] after the
+        first lengths[n] positions of row n of `inputs` (projected inputs a verification forward kept, [N, L, ...]),
+        from the committed `state` and `conv`. The recurrence of those positions again (k3.ops.kda_replay), under
+        this layer's gate parameters; no outputs are computed (the verification produced them)."""
+        pre_conv = torch.stack(inputs.pre_conv, 2)
+        return kda_replay_any(inputs.q, inputs.k, inputs.v, inputs.z, inputs.beta_logits, pre_conv, self.A_log,
+                              self.dt_bias, self.lower_bound, state, conv, lengths, backends=self.backends)

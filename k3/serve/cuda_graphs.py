@@ -10,7 +10,7 @@ replays it. Per bucket of Bb rows it holds static device buffers
     tables [Bb, n_mla, max_pages]        each MLA layer's block table (max_pages: pages of max_model_len)
 
 and one captured step: zero the scratch page -> read the KDA states of `kda_pages` -> the model forward with
-cache views over the buffers (`ModelRunner.run_cached`, the same code the eager runner runs; MLA through the
+cache views over the buffers (k3.serve.pool_forward.run_on_pool, the same code the eager runner runs; MLA through the
 paged decode kernel, k3.ops.mla_decode, with a split count fixed per bucket from max_model_len, so nothing is
 read back from the device) -> write the new KDA states back -> logits [Bb, V] fp32.
 
@@ -41,9 +41,9 @@ form reads nothing back for rows of one length; a capture that fails turns off p
 
 With a speculative draft (k3.serve.speculative), every step also outputs the hidden states the draft observes
 (`keep_hidden`), and verifications of T = 2 .. K + 1 positions per request run the same way in buckets of their own
-(`verify_lengths`, `run_verify`): the KDA layers keep their projected inputs (the states in the pages are not
-advanced; k3.serve.runner.ModelRunner.replay commits the accepted prefix after), the MLA rows of every position are
-written, and the logits of all T positions come out. A verification capture that fails turns off verification
+(`verify_lengths`, `run_verify`; k3.serve.pool_forward.verify_on_pool): the KDA layers keep their projected inputs
+(the states in the pages are not advanced; k3.serve.runner.ModelRunner.replay commits the accepted prefix after),
+the MLA rows of every position are written, and the logits of all T positions come out. A verification capture that fails turns off verification
 graphs only.
 
 `EngineConfig.compile_decode` (default off): the decode step (T = 1) is compiled with torch.compile (static shapes,
@@ -66,8 +66,9 @@ from k3.model.mx_experts import PackedMXExperts
 from k3.ops.mla_decode import default_num_splits, paged_kernel_used
 from k3.ops.moe import grouped_used
 from k3.ops.registry import Target, notice, opaque_under_compile, runs_on
-from k3.model.cache import K3Cache, KDAInputs
-from k3.serve.cache.views import KDAVerifyView, StaticMLAView
+from k3.model.cache import KDAInputs
+from k3.serve.cache.views import StaticMLAView
+from k3.serve.pool_forward import run_on_pool, verify_on_pool
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
 # ... and contexts up to this long: every query row of such a step reads its request's whole latent cache, which
@@ -154,9 +155,9 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """Batched single-token decode steps of a ModelRunner over static buffers, replayed as CUDA graphs
-    (`capture`) or run by calling the step directly (capture=False: any device; the same buffers, padding and
-    scratch page).
+    """Batched single-token decode steps of a ModelRunner (which owns them: ModelRunner.use_graphs) over static
+    buffers, replayed as CUDA graphs (`capture`) or run by calling the step directly (capture=False: any device; the
+    same buffers, padding and scratch page).
 
     max_batch: the most requests of one step (the engine's max_num_seqs); max_model_len: the longest context
     (sets max_pages and the kernel's split count); scratch_page: a pool page no request ever gets. `keep_hidden`
@@ -173,7 +174,10 @@ class DecodeGraphs:
             raise ValueError(f"capturing CUDA graphs needs the model on a CUDA device, not {runner.device}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        self.runner, self.pool, self.scratch, self.capture = runner, pool, scratch_page, capture
+        # what the steps read of the runner that owns them; they run the model through k3.serve.pool_forward, never
+        # through the runner
+        self.model, self.layout, self.device = runner.model, runner.layout, runner.device
+        self.pool, self.scratch, self.capture = pool, scratch_page, capture
         self.keep_hidden, self.features = keep_hidden, tuple(features)
         # speculative verifications of this many positions per request (last token + drafts) also run on static
         # buffers: `run_verify`
@@ -182,7 +186,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = decode_buckets(max_batch)
-        self.num_heads = runner.model.config.num_attention_heads
+        self.num_heads = self.model.config.num_attention_heads
         # Steps of this many new tokens per request (besides 1) also run on static buffers: the prefix cache's
         # hash-block-sized prefill chunks, e.g. the uncached tail of a prompt whose prefix was a hit.
         self.prefill_lengths = tuple(sorted(set(int(t) for t in prefill_lengths if int(t) > 1)))
@@ -202,7 +206,7 @@ class DecodeGraphs:
             # One compile per bucket of the step, and, because the graph breaks at each opaque kernel, of the code
             # that resumes after it: each layer's sites (their layer index and the AttnRes block count are static)
             # in each bucket. Past dynamo's limits (16 per function, 256 in all) the rest would run uncompiled.
-            need = 2 * len(self.buckets) * (runner.model.config.num_hidden_layers + 1)
+            need = 2 * len(self.buckets) * (self.model.config.num_hidden_layers + 1)
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, need)
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * need)
@@ -230,7 +234,7 @@ class DecodeGraphs:
 
     def num_splits(self, size: int, tokens: int = 1) -> int:
         """The paged decode kernel's split count for a bucket (size x tokens query rows) at max_model_len."""
-        return default_num_splits(size * tokens, self.num_heads, self.max_model_len, self.runner.device)
+        return default_num_splits(size * tokens, self.num_heads, self.max_model_len, self.device)
 
     @torch.no_grad()
     def run(self, tokens: list[list[int]], starts: list[int], slots):
@@ -248,7 +252,7 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run_verify(self, tokens: list[list[int]], starts: list[int], slots):
-        """A speculative verification (k3.serve.runner.ModelRunner.verify) over static buffers: every request runs
+        """A speculative verification (k3.serve.runner.ModelRunner.execute) over static buffers: every request runs
         its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
         [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs), copies; or None when it cannot
         run here (as `run`): verify eagerly."""
@@ -312,32 +316,24 @@ class DecodeGraphs:
     def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step that is captured: device work only, every input from b's buffers -> (logits, hidden or None)."""
         self.pool.zero_page(self.scratch)
-        views = [StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
-                 for g in range(len(self.runner.mla_layers))]
         if self.keep_hidden:
-            logits, _, hidden = self.runner.run_cached(b.ids, b.kda_pages.t(), views, keep_hidden=True,
-                                                       features=self.features)
+            logits, _, hidden = run_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
+                                            self._mla_views(b), features=self.features)
             return logits, hidden
-        return self.runner.run_cached(b.ids, b.kda_pages.t(), views), None
+        return run_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(), self._mla_views(b))[0], None
 
     def _verify_step(self, b: _Bucket):
         """The verification step that is captured: the model over b's T positions per row with each KDA layer's
         view keeping its inputs (the states in the pages stay as they are) -> (logits [size, T, V] fp32, hidden,
         [KDAInputs per KDA layer])."""
         self.pool.zero_page(self.scratch)
-        runner = self.runner
-        per_layer: list = [None] * len(runner.model.model.layers)
-        views = []
-        for g, li in enumerate(runner.kda_layers):
-            view = KDAVerifyView(*self.pool.read_kda(b.kda_pages[:, g]))
-            views.append(view)
-            per_layer[li] = view
-        for g, li in enumerate(runner.mla_layers):
-            per_layer[li] = StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
-        out = runner.model(b.ids, cache=K3Cache(per_layer), logits_to_keep=b.tokens, check_ids=False,
-                           features=self.features)
-        hidden = torch.cat([*out.features, out.hidden_states], -1) if self.features else out.hidden_states
-        return out.logits.float(), hidden, [v.inputs for v in views]
+        logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
+                                               self._mla_views(b), self.features)
+        return logits, hidden, [v.inputs for v in views]
+
+    def _mla_views(self, b: _Bucket) -> list[StaticMLAView]:
+        return [StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
+                for g in range(len(self.layout.mla))]
 
     def _load(self, b: _Bucket, tokens, starts, slots, width: int) -> None:
         """Copy a step's inputs into b's buffers; rows past the batch become padding on the scratch page."""
@@ -358,8 +354,8 @@ class DecodeGraphs:
         b = self._static.get(key)
         if b is not None:
             return b
-        b = _Bucket(size, tokens, len(self.runner.kda_layers), len(self.runner.mla_layers), self.max_pages,
-                    self.scratch, self.num_splits(size, tokens), self.runner.device)
+        b = _Bucket(size, tokens, len(self.layout.kda), len(self.layout.mla), self.max_pages, self.scratch,
+                    self.num_splits(size, tokens), self.device)
         what = f"{tokens}-position verification" if verify else "decode" if tokens == 1 else f"{tokens}-token prefill"
         if self.capture:
             t0 = time.perf_counter()
@@ -385,7 +381,7 @@ class DecodeGraphs:
     def _capture(self, b: _Bucket, verify: bool = False) -> None:
         """Warm up on a side stream (the buffers hold padding only: just the scratch page is touched), then
         capture the step into b.graph with b.out as its outputs."""
-        dev = self.runner.device
+        dev = self.device
         step = self._verify_step if verify else self._plain_step
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

@@ -74,6 +74,36 @@ class SampleWindow:
         return iter(self._kept)
 
 
+class EngineMetrics:
+    """The serving engine's counters and latency samples, what /metrics renders (Prometheus text)."""
+
+    def __init__(self) -> None:
+        # Bounded: the most recent samples (the /metrics histograms count every sample ever added).
+        self.ttft = SampleWindow()
+        self.tpot = SampleWindow()
+        self.queue_time = SampleWindow()
+        self.prompt_tokens_cached = 0
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        self.requests_finished = 0
+        self.preemptions = 0
+        # speculative decoding: verified request-steps, drafts proposed and accepted (mean accepted length, tokens
+        # emitted per verification: (accepted + verifications) / verifications)
+        self.spec_verifications = 0
+        self.draft_tokens_proposed = 0
+        self.draft_tokens_accepted = 0
+        # host write-back (prefixes copied to host memory) and prefetch (copied back into the pool)
+        self.written_back_tokens = 0
+        self.written_back_bytes = 0
+        self.prefetched_tokens = 0
+        self.prefetched_bytes = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        n = self.spec_verifications
+        return (self.draft_tokens_accepted + n) / n if n else 0.0
+
+
 class _Histogram:
     def __init__(self, buckets):
         self.bounds = tuple(buckets)

@@ -8,12 +8,20 @@ the most recently admitted request is preempted: its pages are released and it i
 
 The scheduler owns the cache manager (k3.serve.cache.manager): admission, growth, preemption, abort and finish
 all go through it, so no request changes state without its pages changing with it.
+
+`Scheduler.plan()` returns the whole step as a `StepPlan`: the plain work cut into segments at hash-block boundaries
+(a prefill chunk is split at the last hash-aligned position inside it, so the KDA state there can be persisted as a
+checkpoint without recomputation) and grouped into forwards, round by round (a request's second segment runs only
+after its first; in a round the single-token segments run as one forward and the longer ones as another), and the
+speculative decode steps whose drafts are verified (k3.serve.speculative). Nothing outside the scheduler touches its
+queues.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from k3.serve.cache.manager import CacheManager
 from k3.serve.sequence import Sequence, Status
@@ -42,6 +50,40 @@ class Work:
     start: int
     end: int  # feed tokens[start:end]; sample a token when end == len(tokens)
     draft: int = 0  # a decode step with this many draft tokens to verify after tokens[start] (k3.serve.speculative)
+
+
+@dataclass
+class Segment:
+    """Feed seq.tokens[start:end] in one forward (a whole Work, or the piece of a prefill chunk on one side of a
+    hash-block boundary)."""
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def single(self) -> bool:
+        return self.end - self.start == 1
+
+
+@dataclass
+class StepPlan:
+    """One step. `forwards`: round r's forwards (each a list of segments that run as one forward: the single-token
+    ones, the longer ones), in order. `verify`: the speculative decode steps (a request's last token and w.draft
+    drafts). `due`: the requests whose next token is drawn after the forwards (their prompt or decode step
+    completes). `decode`: the decode steps of the step (plain and speculative), `decode_only`: nothing else ran.
+    `refused`: nothing could be scheduled and this waiting request cannot fit even in an empty pool (finished with
+    an error)."""
+    work: list[Work] = field(default_factory=list)  # the plain work, as the segments' source
+    forwards: list[list[list[Segment]]] = field(default_factory=list)
+    verify: list[Work] = field(default_factory=list)
+    due: list[Sequence] = field(default_factory=list)
+    decode: int = 0
+    decode_only: bool = False
+    refused: Sequence | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.work and not self.verify
 
 
 class Scheduler:
@@ -81,7 +123,60 @@ class Scheduler:
             if seq in q:
                 q.remove(seq)
 
-    def plan(self, admit: bool = True) -> list[Work]:
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def slots(self, seq: Sequence):
+        """Where seq's cache lives (k3.serve.cache.views.SeqSlots)."""
+        return self.cache.slots(seq)
+
+    def computed(self, seq: Sequence, end: int) -> None:
+        """seq's tokens up to `end` are in the cache (KDA checkpoints at hash-aligned positions are taken)."""
+        seq.num_computed = end
+        self.cache.computed(seq, end)
+
+    def plan(self, speculate: Callable[[int], bool] | None = None) -> StepPlan:
+        """The step (`StepPlan`). With speculative decode steps planned, `speculate(number of decode steps)` says
+        whether this step speculates (k3.serve.speculative.switch); when not, they run as plain decode steps."""
+        work = self._work()
+        if not work:
+            return StepPlan(refused=self._refuse_unschedulable())
+        decode = [w for w in work if _is_decode(w)]
+        if any(w.draft for w in work) and speculate is not None and not speculate(len(decode)):
+            for w in work:  # this batch size measures faster without speculation: a plain decode step
+                w.draft = 0
+        plain = [w for w in work if not w.draft]
+        segs = [self._segments(w) for w in plain]
+        forwards = []
+        for r in range(max(map(len, segs), default=0)):
+            groups: dict[bool, list[Segment]] = {}
+            for ss in segs:
+                if r < len(ss):
+                    groups.setdefault(ss[r].single, []).append(ss[r])
+            forwards.append(list(groups.values()))
+        due = [w.seq for w in plain if w.end == w.seq.num_tokens]
+        return StepPlan(plain, forwards, [w for w in work if w.draft], due, len(decode), len(decode) == len(work))
+
+    def _segments(self, w: Work) -> list[Segment]:
+        """w cut at the last hash-aligned position inside it."""
+        hb = self.cache.hash_block_tokens
+        aligned = (w.end // hb) * hb
+        bounds = [w.start, aligned, w.end] if w.start < aligned < w.end else [w.start, w.end]
+        return [Segment(w.seq, a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _refuse_unschedulable(self) -> Sequence | None:
+        """Nothing could be scheduled: with no request running, the oldest waiting one cannot fit even in an empty
+        pool; it leaves the queue finished with an error."""
+        if self.running:
+            return None
+        for q in self.waiting.values():
+            if q:
+                seq = q.popleft()
+                seq.status, seq.finish_reason = Status.FINISHED, "error: the request does not fit in the cache"
+                return seq
+        return None
+
+    def _work(self, admit: bool = True) -> list[Work]:
         """One step's work: decode tokens of running requests, their prefill chunks, then new admissions (unless
         `admit` is False), each given its pages by the cache manager (a request that cannot get them waits, or a
         victim is preempted)."""
@@ -143,7 +238,7 @@ class Scheduler:
             # Every running request is mid-prefill and waits for pages the others hold: release the most recently
             # admitted one (recomputed later) so the older ones can go on; it is not readmitted in this step.
             self._preempt_one(exclude=self.running[0], work=work)
-            return self.plan(admit=False)
+            return self._work(admit=False)
         return work
 
     def _preempt_one(self, exclude: Sequence, work: list[Work]) -> bool:
@@ -166,3 +261,8 @@ class Scheduler:
 
     def on_preempt(self, seq: Sequence) -> None:
         """Called when a request was preempted, after its pages were released (the engine's metrics)."""
+
+
+def _is_decode(w: Work) -> bool:
+    """A decode step (one position past the prompt, its token sampled by the last step), not a prefill chunk."""
+    return w.end - w.start == 1 and w.start >= len(w.seq.prompt_ids)

@@ -16,6 +16,7 @@ from k3.ops.registry import Backends
 from k3.serve.cuda_graphs import DecodeGraphs, decode_buckets
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.generate import generate_tokens
+from k3.serve.runner import ForwardBatch
 from k3.serve.cache.views import SeqSlots
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
@@ -39,6 +40,11 @@ def _model():
 @functools.lru_cache(maxsize=None)
 def reference(prompt: tuple) -> list[int]:
     return list(generate_tokens(_model(), list(prompt), GREEDY, eos_id=None))
+
+
+def forward(eng, tokens, starts, slots):
+    """The logits of one plain forward at the runner."""
+    return eng.runner.execute(ForwardBatch(tokens, starts, slots)).logits
 
 
 def _engine(model=None, max_num_seqs=4, max_model_len=2048, mb=8.0, **kw):
@@ -175,9 +181,9 @@ def test_static_step_equals_the_eager_step_and_writes_only_its_pages(static_mode
             assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
         slots = [eng.cache.slots(s) for s in seqs]
         for p, sl in zip(prompts, slots):
-            eng.runner.forward([p[:-T]], [0], [sl])  # prefill of the rest (never HB tokens: eager)
+            forward(eng, [p[:-T]], [0], [sl])  # prefill of the rest (never HB tokens: eager)
         before = eng.cache.pool.pages.clone()
-        out = eng.runner.forward([p[-T:] for p in prompts], [len(p) - T for p in prompts], slots)
+        out = forward(eng, [p[-T:] for p in prompts], [len(p) - T for p in prompts], slots)
         changed = set(torch.nonzero((eng.cache.pool.pages != before).any(1)).flatten().tolist())
         mine = {pg for sl in slots for pg in sl.kda_pages} | {pg for sl in slots for t in sl.mla_tables for pg in t}
         runs.append((out, changed, mine, eng))
@@ -442,8 +448,8 @@ def _one_decode_step(eng, prompts):
         assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids) + 1)
     slots = [eng.cache.slots(s) for s in seqs]
     for p, sl in zip(prompts, slots):
-        eng.runner.forward([p[:-1]], [0], [sl])
-    return eng.runner.forward([p[-1:] for p in prompts], [len(p) - 1 for p in prompts], slots)
+        forward(eng, [p[:-1]], [0], [sl])
+    return forward(eng, [p[-1:] for p in prompts], [len(p) - 1 for p in prompts], slots)
 
 
 @pytest.mark.gpu

@@ -112,14 +112,15 @@ def test_scored_request_in_steps_mixed_with_other_requests(step_tokens, other_le
     model = _model()
     eng = _engine(chunk=33, step_tokens=step_tokens)
     calls = []
-    forward = eng.runner.forward
+    execute = eng.runner.execute
 
-    def spy(tokens, starts, slots, scores=None):
+    def spy(batch):
+        tokens, scores = batch.tokens, batch.scores
         if scores is not None:
             calls.append((len(set(map(len, tokens))) > 1, max(map(len, tokens)), [s is not None for s in scores]))
-        return forward(tokens, starts, slots, scores=scores)
+        return execute(batch)
 
-    eng.runner.forward = spy
+    eng.runner.execute = spy
     greedy = SamplingParams(max_tokens=8, temperature=0)
     decoding = [eng.add_request(p, greedy) for p in (_ids(20, 2), _ids(25, 3))]
     for _ in range(2):

@@ -13,6 +13,7 @@ from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.generate import generate_tokens
+from k3.serve.runner import ForwardBatch
 from k3.serve.sampling import SamplingParams, sample, sample_batch
 from k3.serve.scheduler import SchedulerConfig
 
@@ -37,6 +38,11 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
 def reference(prompt: tuple) -> list[int]:
     """Cache-free generation: one prefill, then token-by-token decode through the model's own cache."""
     return list(generate_tokens(_model(), list(prompt), GREEDY, eos_id=None))
+
+
+def forward(eng, tokens, starts, slots):
+    """The logits of one plain forward at the runner."""
+    return eng.runner.execute(ForwardBatch(tokens, starts, slots)).logits
 
 
 def _engine(mb=4.0, chunk=40, step_tokens=96, enable=True, max_num_seqs=8):
@@ -199,13 +205,13 @@ def test_prefill_chunks_of_several_requests_run_as_one_batch():
     prompts = [torch.randint(1, 512, (90,), generator=g).tolist() for _ in range(4)]
     eng = _engine(mb=8, chunk=32, step_tokens=128, enable=False)
     shapes = []
-    orig = eng.runner.forward
+    orig = eng.runner.execute
 
-    def spy(tokens, starts, slots):
-        shapes.append((len(tokens), len(tokens[0])))
-        return orig(tokens, starts, slots)
+    def spy(batch):
+        shapes.append((len(batch.tokens), len(batch.tokens[0])))
+        return orig(batch)
 
-    eng.runner.forward = spy
+    eng.runner.execute = spy
     seqs = _run(eng, [prompts])
     assert (4, 32) in shapes  # four requests' 32-token prefill chunks in one forward
     for s, p in zip(seqs, prompts):
@@ -228,13 +234,13 @@ def test_prefill_chunks_of_different_lengths_run_packed_in_one_forward():
     prompts.append(torch.randint(1, 512, (23,), generator=g).tolist())
     eng = _engine(mb=8, chunk=32, step_tokens=160)
     calls = []
-    orig = eng.runner.forward
+    orig = eng.runner.execute
 
-    def spy(tokens, starts, slots):
-        calls.append(([len(t) for t in tokens], list(starts)))
-        return orig(tokens, starts, slots)
+    def spy(batch):
+        calls.append(([len(t) for t in batch.tokens], list(batch.starts)))
+        return orig(batch)
 
-    eng.runner.forward = spy
+    eng.runner.execute = spy
     seqs = _run(eng, [[shared + [9]], prompts])  # the first wave caches the shared prefix
     packed = [c for c in calls if len(set(c[0])) > 1]
     assert packed and any(len(set(starts)) > 1 for _, starts in packed)
@@ -258,12 +264,12 @@ def test_packed_runner_forward_equals_separate_forwards():
         for s in seqs:  # give each request its pages directly (no scheduler step)
             assert eng.cache.admit(s) is not None and eng.cache.grow(s, len(s.prompt_ids))
         slots = [eng.cache.slots(s) for s in seqs]
-        first = torch.cat([eng.runner.forward([p[:10]], [0], [sl]) for p, sl in zip(prompts, slots)])
+        first = torch.cat([forward(eng, [p[:10]], [0], [sl]) for p, sl in zip(prompts, slots)])
         rest = [p[10:] for p in prompts]
         if packed:
-            out = eng.runner.forward(rest, [10, 10, 10], slots)
+            out = forward(eng, rest, [10, 10, 10], slots)
         else:
-            out = torch.cat([eng.runner.forward([r], [10], [sl]) for r, sl in zip(rest, slots)])
+            out = torch.cat([forward(eng, [r], [10], [sl]) for r, sl in zip(rest, slots)])
         results.append((first, out))
     assert rel_err(results[0][0], results[1][0]) < 1e-5
     assert rel_err(results[0][1], results[1][1]) < 1e-5
@@ -327,7 +333,7 @@ def test_due_rows_are_a_view_of_the_batch_when_in_order_else_stacked():
     # forwards, or out of order, are stacked.
     from types import SimpleNamespace
 
-    from k3.serve.engine import _rows_of
+    from k3.serve.postprocess import _rows_of
 
     out, other = torch.randn(4, 10), torch.randn(2, 10)
     seqs = [SimpleNamespace(request_id=f"r{i}") for i in range(4)]
@@ -354,7 +360,7 @@ def test_requests_all_mid_prefill_without_pages_do_not_deadlock():
 
 
 def test_held_back_text_keeps_a_stop_prefix_before_an_incomplete_character():
-    from k3.serve.engine import _held_back
+    from k3.serve.postprocess import _held_back
 
     assert _held_back("abq", ["qz"]) == 1  # a stop prefix
     assert _held_back("ab\ufffd", []) == 1  # an incomplete UTF-8 character
@@ -362,3 +368,16 @@ def test_held_back_text_keeps_a_stop_prefix_before_an_incomplete_character():
     assert _held_back("q\ufffdDq\ufffd", ["q\u0497"]) == 2
     assert _held_back("q\ufffdDx\ufffd", ["q\u0497"]) == 1
     assert _held_back("abc", ["xyz"]) == 0
+
+
+def test_the_plan_cuts_prefill_chunks_at_hash_block_boundaries_and_groups_them_into_forwards():
+    # Scheduler.plan() returns the whole step: a 50-token prompt's first 40-token chunk is cut at the last hash-block
+    # boundary inside it (HB tokens), a 3-token prompt's chunk is not; round 0 runs both first pieces as one forward,
+    # round 1 the rest; only the short prompt is due to sample after the step.
+    eng = _engine()
+    long, short = eng.add_request(list(range(1, 51)), GREEDY), eng.add_request([5, 6, 7], GREEDY)
+    plan = eng.scheduler.plan()
+    cut = 40 // HB * HB
+    pieces = [[[(s.seq.request_id, s.start, s.end) for s in f] for f in r] for r in plan.forwards]
+    assert pieces == [[[(long.request_id, 0, cut), (short.request_id, 0, 3)]], [[(long.request_id, cut, 40)]]]
+    assert plan.due == [short] and not plan.verify and plan.decode == 0 and not plan.decode_only

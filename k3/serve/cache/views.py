@@ -5,6 +5,8 @@ cache protocol (k3.model.cache) over pool pages.
   pages before the forward; the runner writes them back after it.
 * `KDAVerifyView`: the same read for a speculative verification forward, which must not advance the committed
   state: it keeps the forward's projected inputs instead, for the replay of the accepted tokens (report §5.4.2).
+* `KDAMixedView`: a packed forward of prefill chunks and verifications together: the new states of every request
+  (the runner writes back only the prefill requests') and the projected inputs of every position.
 * `PagedMLAView`: an MLA layer's block tables for an eager forward. Rows of one length (a [B, T] batch) either
   attend straight from the pages (single-token steps on the paged kernel) or through a gathered copy of each
   request's context; a packed row (`lengths` given: the requests' tokens of different lengths one after another)
@@ -12,6 +14,9 @@ cache protocol (k3.model.cache) over pool pages.
 * `StaticMLAView`: an MLA layer's cache for a step over static buffers (a CUDA graph's inputs): block tables and
   positions are device tensors refilled before every replay and the paged kernel runs with a fixed split count,
   so the step reads nothing back from the device.
+
+`layer_views` is the one place a forward's per-layer list of views is put together (eager forwards, verifications,
+mixed forwards and the static-buffer steps all build theirs with it).
 """
 
 from __future__ import annotations
@@ -30,6 +35,37 @@ class SeqSlots:
     """Where one request's cache lives: a block table per MLA layer, a running-state page per KDA layer."""
     mla_tables: list[list[int]]
     kda_pages: list[int]
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Which decoder layers are KDA and which MLA: the g-th KDA layer reads running-state page kda_pages[g], the
+    g-th MLA layer block table mla_tables[g]."""
+    num_layers: int
+    kda: tuple[int, ...]
+    mla: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model) -> "LayerLayout":
+        layers = model.model.layers
+        return cls(len(layers), tuple(i for i, l in enumerate(layers) if l.is_kda),
+                   tuple(i for i, l in enumerate(layers) if not l.is_kda))
+
+
+def layer_views(layout: LayerLayout, pool: CachePool, kda_pages: Tensor, mla_views: list,
+                kda_view=None) -> tuple[list, list]:
+    """(every layer's cache view, the KDA layers' views) of one forward: `kda_view` (a class taking (state, conv);
+    default KDAPageView) over each KDA layer's states read from its pages kda_pages[g] ([n_kda, B] device tensor),
+    and mla_views[g] for the g-th MLA layer."""
+    kda_view = KDAPageView if kda_view is None else kda_view
+    per_layer: list = [None] * layout.num_layers
+    kda_views = []
+    for g, li in enumerate(layout.kda):
+        kda_views.append(kda_view(*pool.read_kda(kda_pages[g])))
+        per_layer[li] = kda_views[-1]
+    for g, li in enumerate(layout.mla):
+        per_layer[li] = mla_views[g]
+    return per_layer, kda_views
 
 
 class KDAPageView:
@@ -66,6 +102,23 @@ class KDAVerifyView:
     def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
         if inputs is None:
             raise ValueError("a verification forward's KDA layer must hand its projected inputs to the cache")
+        self.inputs = inputs
+
+
+class KDAMixedView(KDAPageView):
+    """A KDA layer's view for a forward of prefill chunks and verifications packed together
+    (k3.serve.runner.ModelRunner, mixed forwards): the new states of every request of the packed forward (the runner
+    writes back only the prefill requests') and the projected inputs of every position (the verifications' are kept
+    for replay)."""
+
+    def __init__(self, state: Tensor, conv: Tensor):
+        super().__init__(state, conv)
+        self.inputs: KDAInputs | None = None
+
+    def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
+        if inputs is None:
+            raise ValueError("a mixed forward's KDA layer must hand its projected inputs to the cache")
+        super().update(state, conv)
         self.inputs = inputs
 
 

@@ -223,7 +223,7 @@ def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(m
     # the two forwards it replaces (`run` for the chunks, `verify` per number of drafts): the chunks' logits,
     # hidden states and new KDA states, and the verifications' logits, kept inputs and untouched KDA states agree
     # to fp32 rounding (packed vs batched KDA chunking; logits are ~1e2 here, lm_head x 40).
-    from k3.serve.runner import ModelRunner
+    from k3.serve.runner import ForwardBatch, ModelRunner
 
     seen = []
     orig = ModelRunner.run_mixed
@@ -235,7 +235,7 @@ def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(m
         nb = len(tokens) - n_verify
         pages = v.kda_pages
         self.pool.pages.copy_(before)
-        ref = self.run(tokens[:nb], starts[:nb], slots[:nb], keep_hidden=True, features=features)
+        ref = self.execute(ForwardBatch(tokens[:nb], starts[:nb], slots[:nb], keep_hidden=True, features=features))
         torch.testing.assert_close(res.logits[:nb], ref.logits, rtol=1e-5, atol=2e-3)
         for a, b in zip(res.hidden, ref.hidden):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -247,8 +247,9 @@ def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(m
         for j in range(n_verify):
             by_len.setdefault(len(tokens[nb + j]), []).append(j)
         for T, rows in by_len.items():
-            ref_v = self.verify([tokens[nb + j] for j in rows], [starts[nb + j] for j in rows],
-                                [slots[nb + j] for j in rows], features=features)
+            ref_v = self.execute(ForwardBatch([tokens[nb + j] for j in rows], [starts[nb + j] for j in rows],
+                                              [slots[nb + j] for j in rows], n_verify=len(rows),
+                                              features=features)).verified
             torch.testing.assert_close(v.logits[rows, :T], ref_v.logits, rtol=1e-5, atol=2e-3)
             for g in range(len(v.kda_views)):
                 got, want = v.kda_views[g].inputs, ref_v.kda_views[g].inputs
@@ -330,3 +331,40 @@ def test_a_prompt_scored_in_a_mixed_forward_has_the_plain_engines_prompt_logprob
         if x is not None:
             assert x["token"] == y["token"] and [i for i, _ in x["top"]] == [i for i, _ in y["top"]]
             assert abs(x["logprob"] - y["logprob"]) < 1e-3
+
+
+@pytest.mark.parametrize("mix", [True, False])
+def test_every_model_forward_of_a_step_runs_through_the_runners_one_door(mix):
+    # One path into the model: prefill chunks, decode steps, verifications (alone, or mixed with prefill) all run
+    # inside ModelRunner.execute; the replay of accepted drafts is a KDA layer's, not a model forward.
+    eng = _engine(OracleDraft(wrong_every=3), k=3, step_tokens=64)
+    eng.cfg.mix_verify = mix
+    inside, kinds, outside = [False], set(), []
+    execute, forward = eng.runner.execute, eng.model.forward
+
+    def door(batch):
+        inside[0] = True
+        kinds.add("plain" if not batch.n_verify else "verify" if batch.n_verify == len(batch.tokens) else "mixed")
+        try:
+            return execute(batch)
+        finally:
+            inside[0] = False
+
+    def model_forward(*args, **kwargs):
+        if not inside[0]:
+            outside.append(1)
+        return forward(*args, **kwargs)
+
+    prompts = _prompts(1, 3)
+    params = [SamplingParams(max_tokens=12, temperature=0)] * len(prompts)
+    for p in prompts:  # the oracle's and the check's references first: their forwards are not this engine's
+        greedy_continuation(tuple(p))
+        reference(tuple(p), 12, (), None)
+    eng.runner.execute, eng.model.forward = door, model_forward
+    try:
+        results = _run(eng, [list(zip(prompts[:1], params[:1])), list(zip(prompts[1:], params[1:]))])
+    finally:
+        del eng.model.forward  # the shared model's own forward again
+    _check(results, params)
+    assert not outside
+    assert kinds == ({"plain", "verify", "mixed"} if mix else {"plain", "verify"}), kinds

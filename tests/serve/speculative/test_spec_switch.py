@@ -74,17 +74,13 @@ def _timed(eng, spec_cost, plain_cost):
     plain_cost (fake seconds)."""
     clock = FakeClock()
     eng.clock = clock
-    run_batched, speculate = eng._run_batched, eng._speculate
+    execute = eng.runner.execute
 
-    def timed_run(work):
-        clock.now += plain_cost
-        return run_batched(work)
+    def timed(batch):
+        clock.now += spec_cost if batch.n_verify else plain_cost
+        return execute(batch)
 
-    def timed_spec(work):
-        clock.now += spec_cost
-        return speculate(work)
-
-    eng._run_batched, eng._speculate = timed_run, timed_spec
+    eng.runner.execute = timed
     return eng
 
 

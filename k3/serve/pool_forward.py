@@ -1,0 +1,57 @@
+"""The model over the page pool: the two forwards that the eager runner (k3.serve.runner.ModelRunner) and the
+static-buffer steps (k3.serve.cuda_graphs.DecodeGraphs) both run, so that a graph replay is the same code as the
+eager forward it replaces.
+
+* `run_on_pool`: read each KDA layer's states from its pages, run the model with the per-layer views
+  (k3.serve.cache.views.layer_views; the MLA views write the new latent rows into the pages), write the new KDA
+  states back.
+* `verify_on_pool`: a speculative verification (report §5.4.2): every position's logits, the KDA layers' views
+  keep the projected inputs and the states in the pages are not advanced (the accepted prefix is replayed later).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3.model.batch import BatchInfo
+from k3.model.cache import K3Cache
+from k3.serve.cache.pool import CachePool
+from k3.serve.cache.views import KDAVerifyView, LayerLayout, layer_views
+
+
+def run_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor, mla_views: list,
+                lengths: list[int] | None = None, features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor]:
+    """The model over the pool: ids [B, T] (packed, `lengths` given: [1, total] holding the requests' tokens one
+    after another), each KDA layer's states read from pages kda_pages[g] ([n_kda, B] device tensor) and written
+    back after, `mla_views` for the MLA layers. Returns (the logits of each row's (packed: each request's) last
+    token [B, V] fp32, the hidden states [B, T, D] before the final norm, what a draft reads: with `features` (AttnRes
+    block numbers) those blocks' outputs and the hidden states concatenated [B, T, (k + 1) D], else the hidden
+    states)."""
+    per_layer, kda_views = layer_views(layout, pool, kda_pages, mla_views)
+    cache = K3Cache(per_layer, packed=lengths is not None)
+    if lengths is not None:
+        # the packed requests' record, built on the host: their documents and each one's last token
+        info = BatchInfo.from_lengths(lengths, device=ids.device, logits_at_ends=True)
+        out = model(ids, cache=cache, batch=info, check_ids=False, features=features)
+        logits = out.logits[0].float()
+    else:
+        out = model(ids, cache=cache, logits_to_keep=1, check_ids=False, features=features)
+        logits = out.logits[:, -1].float()
+    hidden = out.hidden_states
+    kept = torch.cat([*out.features, hidden], -1) if features else hidden
+    for g, view in enumerate(kda_views):
+        pool.write_kda(kda_pages[g], view.state, view.conv_stacked())
+    return logits, hidden, kept
+
+
+def verify_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor, mla_views: list,
+                   features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, list[KDAVerifyView]]:
+    """A verification of ids [B, T] (each request's last token and T - 1 drafts) over the pool -> (logits [B, T, V]
+    fp32, the hidden states [B, T, D] (with `features`: those blocks' outputs beside them, as `run_on_pool`), each
+    KDA layer's view holding the projected inputs). The KDA states in the pages stay as they were; the MLA views
+    write every position's latent rows."""
+    per_layer, views = layer_views(layout, pool, kda_pages, mla_views, KDAVerifyView)
+    out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)
+    hidden = torch.cat([*out.features, out.hidden_states], -1) if features else out.hidden_states
+    return out.logits.float(), hidden, views

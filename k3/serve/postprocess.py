@@ -1,0 +1,163 @@
+"""The postprocess step: sampled tokens -> request outputs and metrics (nano-vllm's `postprocess`).
+
+`Postprocessor.sample` draws every due request's next token in one batched call (one read-back per step) and
+`emit` takes one token of a request: its logprobs, the timing metrics (time to first token, time per output token),
+the stop rules (EOS, stop token ids, stop strings, max_tokens) and the text (detokenized, holding back an incomplete
+UTF-8 character or a possible start of a stop string). Prompt logprobs scored by the runner become entries here too.
+Nothing here touches the cache: the engine releases the requests that finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.serve.metrics import EngineMetrics
+from k3.serve.runner import PromptScore
+from k3.serve.sampling import sample_batch
+from k3.serve.sequence import Sequence, Status
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    # On a request's first output, when its params ask for prompt_logprobs: Sequence.prompt_logprobs.
+    prompt_logprobs: list[dict | None] | None = None
+
+
+class Postprocessor:
+    def __init__(self, tokenizer, eos_id: int | None, metrics: EngineMetrics):
+        self.tokenizer, self.eos_id, self.metrics = tokenizer, eos_id, metrics
+
+    def sample(self, due: list[Sequence], logits: dict[str, tuple[torch.Tensor, int]]) -> list[RequestOutput]:
+        """The outputs of the requests whose prompt or decode step the step's forwards completed (`logits`:
+        {request id: (a forward's logits [B, V], the request's row)}): a request with max_tokens=0 (prompt logprobs
+        only) ends; every other one's next token is drawn, all in one batched sampling call."""
+        outputs = [self.finish_scored(s) for s in due if s.params.max_tokens == 0]
+        due = [s for s in due if s.params.max_tokens > 0]
+        if due:
+            rows = _rows_of(logits, due)
+            toks = sample_batch(rows, [s.params for s in due], [s.generator for s in due])
+            for i, (s, t) in enumerate(zip(due, toks)):
+                first = s.first_token_at is None
+                out = self.emit(s, t, rows[i])
+                if first and s.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = s.prompt_logprobs
+                outputs.append(out)
+        return outputs
+
+    def emit(self, seq: Sequence, tok: int, logits: torch.Tensor) -> RequestOutput:
+        """Take the token `tok` (drawn from `logits` [V]) for seq: logprobs, timing metrics, stop rules, text."""
+        p = seq.params
+        now = time.monotonic()
+        lp = {}
+        if p.logprobs is not None:
+            logp = torch.log_softmax(logits.float(), -1)
+            top = torch.topk(logp, max(p.logprobs, 1))
+            lp = {"token": tok, "logprob": float(logp[tok]),
+                  "top": [(int(i), float(v)) for v, i in zip(top.values, top.indices)][: p.logprobs]}
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft.append(now - seq.arrival)
+        elif seq.output_ids:
+            self.metrics.tpot.append(now - getattr(seq, "_last_token_at", now))
+        seq._last_token_at = now  # type: ignore[attr-defined]
+        self.metrics.generation_tokens += 1
+        reason = None
+        if (self.eos_id is not None and tok == self.eos_id) or tok in p.stop_token_ids:
+            reason = "stop"
+            new_ids = []
+        else:
+            seq.output_ids.append(tok)
+            if lp:
+                seq.logprobs.append(lp)
+            new_ids = [tok]
+        prev_text = seq.text
+        if self.tokenizer is not None:
+            full = self.tokenizer.decode(seq.output_ids)
+            stop_at = min((full.find(s) for s in p.stop if s and s in full), default=-1)
+            if stop_at >= 0:
+                full, reason = full[:stop_at], "stop"
+            if reason is None:
+                full = full[: len(full) - _held_back(full, p.stop)]
+            seq.text = full if len(full) >= len(prev_text) or reason else prev_text
+        if reason is None and len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.end(seq, reason)  # releases any held-back tail of the text
+        delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
+        return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, [lp] if lp else [])
+
+    def end(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.monotonic()
+        if self.tokenizer is not None and reason != "stop":
+            seq.text = self.tokenizer.decode(seq.output_ids)
+        self.metrics.requests_finished += 1
+
+    def finish_scored(self, seq: Sequence) -> RequestOutput:
+        """A request with max_tokens=0 (prompt logprobs only) ends once its prompt is computed: nothing sampled."""
+        self.end(seq, "length")
+        return RequestOutput(seq.request_id, [], "", True, "length", prompt_logprobs=seq.prompt_logprobs)
+
+    def scored(self, seq: Sequence, score: PromptScore, scored) -> None:
+        """The runner's (logprobs, top-k values, top-k ids) of `score`'s targets become seq's next prompt logprob
+        entries, read back at once."""
+        lp, top_v, top_i = (t.tolist() for t in scored)
+        seq.prompt_logprobs.extend({"token": t, "logprob": v, "top": list(zip(ids, vals))}
+                                   for t, v, vals, ids in zip(score.targets, lp, top_v, top_i))
+
+    def computed(self, seq: Sequence, start: int, end: int) -> None:
+        """seq's tokens start .. end - 1 were computed this step: count its prompt tokens among them."""
+        self.metrics.prompt_tokens_computed += max(0, min(end, len(seq.prompt_ids)) - start)
+
+    def admitted(self, seq: Sequence, hit_tokens: int) -> None:
+        """The scheduler admitted seq with `hit_tokens` from the prefix cache (the first admission counts)."""
+        if seq.admitted_at is None:
+            seq.admitted_at = time.monotonic()
+            seq.cached_tokens = hit_tokens
+            self.metrics.queue_time.append(seq.admitted_at - seq.arrival)
+            self.metrics.prompt_tokens_cached += hit_tokens
+
+    @staticmethod
+    def refused(seq: Sequence) -> RequestOutput:
+        """The output of a request the scheduler refused (it cannot fit even in an empty pool)."""
+        return RequestOutput(seq.request_id, [], "", True, seq.finish_reason)
+
+
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of one step (several tokens of a speculative step) as one output."""
+    last = outs[-1]
+    return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                         last.finished, last.finish_reason, [lp for o in outs for lp in o.logprobs])
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` to hold back: an incomplete UTF-8 character (decoded as U+FFFD), and a prefix
+    of a stop string before it (the incomplete character may be the stop string's next one: "q" then the first
+    byte of "җ" must not stream the "q" when the stop string is "qҗ")."""
+    tail = 1 if text.endswith("\ufffd") else 0
+    body = text[:len(text) - tail]
+    n = tail
+    for s in stops:
+        for k in range(min(len(s) - 1, len(body)), 0, -1):
+            if body.endswith(s[:k]):
+                n = max(n, k + tail)
+                break
+    return n
+
+
+def _rows_of(logits: dict[str, tuple[torch.Tensor, int]], due: list) -> torch.Tensor:
+    """The due requests' logits as one [N, V] tensor: a view of the forward's output when they are its rows
+    in order (a batch of decode steps), else the rows stacked."""
+    picked = [logits[s.request_id] for s in due]
+    out, first = picked[0]
+    if all(t is out and i == first + k for k, (t, i) in enumerate(picked)):
+        return out[first:first + len(picked)]
+    return torch.stack([t[i] for t, i in picked])

@@ -1,0 +1,141 @@
+"""The speculative decoder: draft, switch, propose, verify, accept and commit as one object (report §5.4.2).
+
+A step's speculative decode steps (k3.serve.scheduler.StepPlan.verify: a request's last token and the drafts the
+scheduler made room for) go through it: `propose` asks the draft for the tokens, the runner verifies them (in a
+forward of their own per number of drafts, `verify`, or joined to the step's prefill forward, `mixes`), `accept`
+keeps the drafts the target agrees with (k3.serve.speculative.accept: the output stays the target's) and emits the
+tokens through the postprocess step, and `commit` replays the accepted positions into the KDA states (KDA rollback by
+replay; checkpoints only of committed states) and truncates the MLA cache to them. The draft observes the target's
+hidden states of every committed position (`observe`) and forgets a request that finished, was aborted or preempted.
+`switch` (a k3.serve.speculative.switch.SpecSwitch, with EngineConfig.speculative_auto) turns speculation off per
+decode batch size where it measures slower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from k3.serve.postprocess import Postprocessor, RequestOutput, merge
+from k3.serve.runner import ForwardBatch, ModelRunner, Verified
+from k3.serve.scheduler import Scheduler, Work
+from k3.serve.sequence import Sequence, Status
+from k3.serve.speculative.accept import accept, greedy_targets
+from k3.serve.speculative.draft import Draft, Proposal
+from k3.serve.speculative.switch import SpecSwitch
+
+
+class SpeculativeDecoder:
+    """`cfg`: the engine's EngineConfig (read at each step: `mix_verify`, `hash_block_tokens`); `release`: ends a
+    finished request's life in the engine (its pages, its entry)."""
+
+    def __init__(self, draft: Draft, switch: SpecSwitch | None, runner: ModelRunner, scheduler: Scheduler,
+                 post: Postprocessor, cfg, release: Callable[[Sequence], None]):
+        self.draft, self.switch = draft, switch
+        self.runner, self.scheduler, self.post, self.cfg, self.release = runner, scheduler, post, cfg, release
+        # AttnRes blocks whose outputs the draft reads beside the hidden state (an EAGLE-3 draft's)
+        self.features: tuple[int, ...] = tuple(getattr(draft, "features", ()))
+
+    # --- what the draft is told ----------------------------------------------------------------------------------
+    def observe(self, seq: Sequence, start: int, hidden: Tensor) -> None:
+        self.draft.observe(seq, start, hidden)
+
+    def forget(self, seq: Sequence) -> None:
+        self.draft.forget(seq)
+
+    # --- the step ------------------------------------------------------------------------------------------------
+    def decide(self, decode_batch: int) -> bool:
+        """Whether a step of `decode_batch` decode steps speculates (always, without a switch)."""
+        return self.switch is None or self.switch.decide(decode_batch)
+
+    def record(self, decode_batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step's time, for the switch."""
+        if self.switch is not None:
+            self.switch.record(decode_batch, speculated, tokens, seconds)
+
+    def mixes(self, first_forwards: list) -> bool:
+        """Whether this step's verifications join its first round's prefill forward (one pass over the weights
+        instead of two): when there is such a forward, and it runs eagerly anyway (no CUDA graphs, or segments of
+        different lengths, which are packed); a forward that would be a graph replay keeps its graph and the
+        verifications theirs. `first_forwards`: the plan's first round."""
+        if not self.cfg.mix_verify:
+            return False
+        lengths = [s.end - s.start for f in first_forwards for s in f if not s.single]
+        return bool(lengths) and (self.runner.graphs is None or len(set(lengths)) > 1)
+
+    def propose(self, work: list[Work]) -> list[Proposal]:
+        """The draft's proposals for the speculating works, checked against the number each asked for."""
+        props = self.draft.propose([w.seq for w in work], [w.draft for w in work])
+        for w, p in zip(work, props):
+            if len(p.tokens) != w.draft:
+                raise RuntimeError(f"the draft proposed {len(p.tokens)} tokens for {w.seq.request_id}, "
+                                   f"{w.draft} were asked for")
+        return props
+
+    def rows(self, work: list[Work], props: list[Proposal]) -> ForwardBatch:
+        """The verification rows of `work` as a forward (each request's last token and its drafts)."""
+        return ForwardBatch([w.seq.token_range(w.start, w.end) + p.tokens for w, p in zip(work, props)],
+                            [w.start for w in work], [self.scheduler.slots(w.seq) for w in work],
+                            n_verify=len(work), features=self.features)
+
+    def verify(self, work: list[Work]) -> list[RequestOutput]:
+        """Draft, verify, accept and commit the speculative decode steps of this step. Requests with the same
+        number of drafts are verified as the rows of one batched forward (all of them, but near max_tokens)."""
+        props = self.propose(work)
+        groups: dict[int, list[int]] = {}
+        for i, w in enumerate(work):
+            groups.setdefault(w.draft, []).append(i)
+        outputs = []
+        for idx in groups.values():
+            ws, ps = [work[i] for i in idx], [props[i] for i in idx]
+            outputs += self.accept(ws, ps, self.runner.execute(self.rows(ws, ps)).verified)
+        return outputs
+
+    def accept(self, work: list[Work], props: list[Proposal], v: Verified) -> list[RequestOutput]:
+        """Accept each verified request's drafts (row i of the verification `v`), emit the tokens, commit the
+        accepted positions' KDA states by replay and truncate the MLA cache to them."""
+        seqs = [w.seq for w in work]
+        outs, emitted = [], []
+        greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0])
+        m = self.post.metrics
+        for i, (s, w, p) in enumerate(zip(seqs, work, props)):
+            n = len(p.tokens) + 1  # a mixed forward's rows are padded to its longest verification
+            tgt = greedy.get(i)
+            toks = accept(v.logits[i, :n], p.tokens, p.q, s.params, s.generator,
+                          target=None if tgt is None else tgt[:n])
+            got = []
+            for j, t in enumerate(toks):  # stop rules token by token: nothing after a stop is kept
+                got.append(self.post.emit(s, t, v.logits[i, j]))
+                if got[-1].finished:
+                    break
+            emitted.append(len(got))  # tokens emitted = verified positions committed (each one's input)
+            outs.append(merge(got))
+            m.spec_verifications += 1
+            m.draft_tokens_proposed += w.draft
+            m.draft_tokens_accepted += len(toks) - 1
+        self.commit(work, v, emitted)
+        for i, s in enumerate(seqs):
+            if s.status == Status.FINISHED:
+                self.release(s)
+            else:
+                self.draft.observe(s, work[i].start, v.hidden[i, :emitted[i]])
+                self.scheduler.cache.truncate(s, s.num_computed)
+        return outs
+
+    def commit(self, work: list[Work], v: Verified, emitted: list[int]) -> None:
+        """Replay each request's committed positions into its KDA state and register them with the cache. A
+        hash-block boundary inside them splits the replay there, so the checkpoint taken at it holds the state at
+        exactly that position (checkpoints only of committed states)."""
+        hb = self.cfg.hash_block_tokens
+        first = []
+        for w, n in zip(work, emitted):
+            cut = (w.start + n) // hb * hb - w.start
+            first.append(cut if 0 < cut < n else n)
+        self.runner.replay(v, list(range(len(work))), [0] * len(work), first)
+        for w, n in zip(work, first):
+            self.scheduler.computed(w.seq, w.start + n)
+        rest = [i for i, (n, f) in enumerate(zip(emitted, first)) if f < n]
+        self.runner.replay(v, rest, [first[i] for i in rest], [emitted[i] - first[i] for i in rest])
+        for i in rest:
+            self.scheduler.computed(work[i].seq, work[i].start + emitted[i])
