@@ -116,6 +116,8 @@ class PromptSource:
     """The prompts in a shuffled order (a new permutation each epoch, from the seed), and the samples in flight.
     Stands where the Trainer expects its loader (num_rows, tokens_per_epoch, state_dict)."""
 
+    data_flag = "--prompts"  # what the Trainer's warning about repeated data names
+
     def __init__(self, prompts: list[Prompt], ids: list[list[int]], seq_len: int, seed: int = 0):
         self.prompts, self.ids, self.seed = prompts, ids, seed
         self.num_rows, self.seq_len = len(prompts), seq_len

@@ -138,6 +138,8 @@ class TaskSource:
     """The training tasks in a shuffled order (a new permutation each epoch, from the seed), and the workload of
     groups in flight. Stands where the Trainer expects its loader (num_rows, tokens_per_epoch, state_dict)."""
 
+    data_flag = "--tasks"  # what the Trainer's warning about repeated data names
+
     def __init__(self, tasks: list[Task], samples: int, seq_len: int, seed: int = 0):
         self.tasks, self.samples, self.seed = tasks, samples, seed
         self.num_rows, self.seq_len = len(tasks) * samples, seq_len

@@ -141,17 +141,18 @@ class ProgressBar:
 EPOCHS_WARNING = 4.0  # passes over the training data beyond which a run is warned that it will memorize it
 
 
-def _epochs_warning(epochs: float) -> str:
+def _epochs_warning(epochs: float, data_flag: str = "--data") -> str:
     return (f"warning: this run repeats its training data {epochs:.1f} times (more than {EPOCHS_WARNING:g}): the "
-            "model will memorize it and its held-out loss will rise; add data (--data), or cap the run with "
+            f"model will memorize it and its held-out loss will rise; add data ({data_flag}), or cap the run with "
             "--epochs, --max-steps or --max-minutes")
 
 
 def plan_messages(tokens_per_epoch: int, tokens_per_step: int, steps: int | None, max_minutes: float | None,
-                  project_at: int) -> list[str]:
+                  project_at: int, data_flag: str = "--data") -> list[str]:
     """Lines the run prints before its first step: the data available and, for a run whose length is a step
-    count (--max-steps, --epochs), the epochs it plans (with the warning). A run bounded by time alone learns
-    its epochs from its speed at step `project_at` (`projection_messages`)."""
+    count (--max-steps, --epochs), the epochs it plans (with the warning, which names the command's data flag
+    `data_flag`). A run bounded by time alone learns its epochs from its speed at step `project_at`
+    (`projection_messages`)."""
     head = (f"data: {tokens_per_epoch:,} training tokens per epoch, {tokens_per_step:,} tokens per step "
             f"({tokens_per_epoch / tokens_per_step:,.1f} steps per epoch)")
     if steps is None:
@@ -160,17 +161,17 @@ def plan_messages(tokens_per_epoch: int, tokens_per_step: int, steps: int | None
     epochs = steps * tokens_per_step / tokens_per_epoch
     out = [f"{head}; {steps:,} steps planned = {epochs:.2f} epochs"]
     if epochs > EPOCHS_WARNING:
-        out.append(_epochs_warning(epochs))
+        out.append(_epochs_warning(epochs, data_flag))
     return out
 
 
 def projection_messages(tokens_per_epoch: int, tokens_per_step: int, step: int, elapsed_s: float,
-                        seconds_per_step: float, max_minutes: float) -> list[str]:
+                        seconds_per_step: float, max_minutes: float, data_flag: str = "--data") -> list[str]:
     """The epochs a time-bounded run will reach at its measured speed, with the warning when too many."""
     steps = step + max(0.0, 60 * max_minutes - elapsed_s) / max(seconds_per_step, 1e-9)
     epochs = steps * tokens_per_step / tokens_per_epoch
     out = [f"data: at {seconds_per_step:.3g} s per step the {max_minutes:g}-minute budget comes to ~{steps:,.0f} "
            f"steps = ~{epochs:.2f} epochs"]
     if epochs > EPOCHS_WARNING:
-        out.append(_epochs_warning(epochs))
+        out.append(_epochs_warning(epochs, data_flag))
     return out

@@ -463,8 +463,10 @@ class Trainer:
                 signal.signal(s, on_signal)
         bar = ProgressBar(self.step_budget(), c.max_minutes, self.step, enabled=progress_bar and self.writes_files)
         per_step = c.rows_per_step * c.seq_len
+        # the flag that adds data to this run (a loader of prompts or tasks names its own)
+        data_flag = getattr(self.loader, "data_flag", "--data")
         for line in plan_messages(self.loader.tokens_per_epoch, per_step, self.step_budget(), c.max_minutes,
-                                  self.step + PROJECT_AT):
+                                  self.step + PROJECT_AT, data_flag):
             self.log(line)
         first_step_end = None  # training seconds after this session's first step (compilation, warm-up excluded)
         metrics = MetricsLog(c.out, self.history, log=self.log, enabled=self.writes_files)
@@ -517,7 +519,7 @@ class Trainer:
                     elif self.step == first_step + PROJECT_AT - 1 and self.step_budget() is None:
                         rate = (self.elapsed - first_step_end) / (self.step - first_step)
                         for line in projection_messages(self.loader.tokens_per_epoch, per_step, self.step,
-                                                        self.elapsed, rate, c.max_minutes):
+                                                        self.elapsed, rate, c.max_minutes, data_flag):
                             self.log(line)
                     rec = {k: v for k, v in asdict(m).items() if v is not None}
                     if self.step % c.eval_every == 0 or self.done():

@@ -245,10 +245,14 @@ def test_graphs_are_not_used_off_cuda_or_on_uncapturable_backends(monkeypatch, c
 
 
 def test_serve_flag_turns_graphs_off(monkeypatch):
-    # The command line fills EngineConfig.cuda_graphs: --no-cuda-graphs, else K3_CUDA_GRAPHS (auto, off, eager).
+    # The command line fills EngineConfig.cuda_graphs: --no-cuda-graphs, else K3_CUDA_GRAPHS (auto, off, eager),
+    # on a CUDA device (pretended here: the choice is made before anything runs on it); a CPU asks for none.
+    import k3.devices
     from k3 import cli
     from k3.serve import cli as serve_cli
 
+    real_pick = k3.devices.pick_device
+    monkeypatch.setattr(k3.devices, "pick_device", lambda d=None: torch.device("cuda"))
     monkeypatch.delenv("K3_CUDA_GRAPHS", raising=False)
     parse = cli.build_parser().parse_args
     args = parse(["serve", "--ckpt", "x"])
@@ -268,6 +272,10 @@ def test_serve_flag_turns_graphs_off(monkeypatch):
     args = parse(["serve", "--ckpt", "x"])
     with pytest.raises(ValueError, match="K3_CUDA_GRAPHS"):
         args.fn(args)
+    monkeypatch.setattr(k3.devices, "pick_device", real_pick)
+    monkeypatch.delenv("K3_CUDA_GRAPHS")
+    args = parse(["serve", "--ckpt", "x", "--device", "cpu"])
+    assert args.fn(args) == 0 and seen[-1] is False  # nothing to capture on a CPU
 
 
 def test_serve_flag_compile_decode_reaches_the_engine(monkeypatch):

@@ -107,3 +107,15 @@ def test_eval_every_defaults_per_device_and_the_flag_wins():
     assert _train_config(parse(["train", "--out", "x"]), GPU_DEFAULTS).eval_every == 200
     assert _train_config(parse(["train", "--out", "x"]), CPU_DEFAULTS).eval_every == 50
     assert _train_config(parse(["train", "--out", "x", "--eval-every", "7"]), GPU_DEFAULTS).eval_every == 7
+
+
+def test_the_warning_names_the_commands_data_flag():
+    """k3 rl's data are its tasks and k3 distill's its prompts: the warning names the flag that adds them."""
+    from k3.posttrain.distill import PromptSource
+    from k3.rl.trainer import TaskSource
+
+    assert "add data (--data)" in plan_messages(1_000, 500, 100, None, 10)[1]
+    for flag in (TaskSource.data_flag, PromptSource.data_flag):
+        assert f"add data ({flag})" in plan_messages(1_000, 500, 100, None, 10, flag)[1]
+        assert f"add data ({flag})" in projection_messages(1_000, 500, 10, 4.2, 0.42, 4.0, flag)[1]
+    assert (TaskSource.data_flag, PromptSource.data_flag) == ("--tasks", "--prompts")
