@@ -3,8 +3,11 @@ tool-use trajectories, then RL on the `arith` family, against SFT alone at equal
 two ablations: partial rollouts (lambda < 1) against lambda = 1 at equal wall time, and Kimi's per-token objective
 against the clipped PPO baseline under high staleness.
 
-    python benchmarks/rl_demo.py --out runs/rl_demo                 # everything (about an hour on 2 cores)
-    python benchmarks/rl_demo.py --out runs/rl_demo --stages base sft rl
+    python benchmarks/rl_demo.py --out runs/rl_demo                 # everything (a few hours on 2 cores)
+    python benchmarks/rl_demo.py --out runs/rl_demo --stages base sft mix rl
+
+The defaults are the measured recipe of BENCHMARKS.md's third attempt (its cold start was built in two SFT stages,
+300 steps on 1,500 demonstrations then 400 on 6,000; `--sft-demos 6000 --sft-steps 700` is the one-stage form).
 
 Stages (each skips what its output directory already holds, so a stopped run continues):
   base     `k3 env demos` conversations (train split, seed 1; held-out from the test split), a byte-level BPE
@@ -120,7 +123,7 @@ def stage_mix(a) -> None:
     print(f"mixed demonstrations: {direct} of {n} answer without the tool -> sft_mixed.jsonl")
     sh(["sft", "--ckpt", a.sft_ckpt or latest(os.path.join(a.out, "sft")), "--data", os.path.join(a.out, "sft_mixed.jsonl"),
         "--out", out, "--seq-len", str(a.seq_len), "--batch-tokens", str(16 * a.seq_len), "--max-steps",
-        str(a.mix_steps), "--lr", str(a.sft_lr), "--eval-every", "100000", "--seed", "0", "--no-progress"])
+        str(a.mix_steps), "--lr", str(a.mix_lr), "--eval-every", "100000", "--seed", "0", "--no-progress"])
 
 
 def stage_sft(a) -> None:
@@ -316,25 +319,26 @@ def main(argv=None) -> int:
     p.add_argument("--stages", nargs="+", default=["base", "sft", "mix", "rl", "lam", "stale"],
                    choices=["base", "sft", "mix", "rl", "lam", "stale"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--sft-demos", type=int, default=1500)
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-demos", type=int, default=6000)
+    p.add_argument("--sft-steps", type=int, default=700)
     p.add_argument("--cold-start", help="an SFT checkpoint to start RL from instead of the sft stage's")
     p.add_argument("--sft-data", help="the control's SFT data (default OUT/sft.jsonl)")
     p.add_argument("--sft-lr", type=float, default=2e-3)
-    p.add_argument("--direct-fraction", type=float, default=0.5,
-                   help="mix: the fraction of demonstrations that answer without the tool (default 0.5)")
+    p.add_argument("--direct-fraction", type=float, default=0.3,
+                   help="mix: the fraction of demonstrations that answer without the tool (default 0.3)")
     p.add_argument("--sft-ckpt", help="mix: start from this checkpoint instead of the sft stage's latest")
-    p.add_argument("--mix-steps", type=int, default=150, help="mix: SFT steps on the mixed demonstrations")
-    p.add_argument("--rl-steps", type=int, default=25)
+    p.add_argument("--mix-steps", type=int, default=40, help="mix: SFT steps on the mixed demonstrations (default 40)")
+    p.add_argument("--mix-lr", type=float, default=3e-4, help="mix: their learning rate (default 3e-4)")
+    p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--rl-minutes", type=float, help="rl: train each seed for this many minutes instead of --rl-steps")
-    p.add_argument("--rl-lr", type=float, default=1e-4)
+    p.add_argument("--rl-lr", type=float, default=5e-5)
     p.add_argument("--rl-optimizer", choices=["adamw", "muon", "per-head-muon"], default="adamw")
     p.add_argument("--rl-tasks", type=int, default=400)
-    p.add_argument("--heldout", type=int, default=300)
+    p.add_argument("--heldout", type=int, default=200)
     p.add_argument("--eval-temperature", type=float, default=1.0, choices=[0.0, 1.0],
                    help="held-out episodes sampled as the policy samples (1, default) or greedy (0)")
     p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--samples", type=int, default=8)
     p.add_argument("--turn-tokens", type=int, default=96)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--vocab", type=int, default=2048)
