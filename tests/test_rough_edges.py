@@ -514,6 +514,28 @@ def test_lm_eval_scores_a_loglikelihood_task_with_tokenizer_backend_auto(served,
     del lm_eval
 
 
+def test_lm_eval_runs_the_two_item_example_task_offline(served, monkeypatch):
+    """examples/lm_eval/two_item.yaml through lm-eval's own evaluator and task loader (the `lm_eval` command's path),
+    against the server with tokenizer_backend=auto, nothing downloaded."""
+    pytest.importorskip("lm_eval")  # not installed: skipped
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from k3.serve.local import serve_in_thread
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)  # the task's data path is relative to the repository root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with serve_in_thread(served.make()) as port:
+        res = simple_evaluate(model="local-completions", tasks=["two_item"],
+                              model_args=f"model=tiny,base_url=http://127.0.0.1:{port}/v1/completions,"
+                                         "tokenizer_backend=auto,max_length=256",
+                              task_manager=TaskManager(include_path=os.path.join(root, "examples", "lm_eval")))
+    acc = res["results"]["two_item"]["acc,none"]
+    assert 0.0 <= acc <= 1.0 and res["n-samples"]["two_item"]["effective"] == 2
+
+
 # --- Deliverable 3: the served model's name is the run's, whichever checkpoint of it is served -----------------------
 def test_the_default_model_name_is_the_run_name_for_every_checkpoint(tmp_path):
     from k3.serve.cli import default_model_name
