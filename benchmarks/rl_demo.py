@@ -20,8 +20,10 @@ Stages (each skips what its output directory already holds, so a stopped run con
   rl       per seed: `k3 rl` from the cold start for --rl-steps steps (N x K, lambda 1, kimi), and the control: `k3
            sft` continued from the cold start for the same number of trained tokens; both evaluated on the same
            held-out tasks (greedy, one episode each)
-  lam      lambda 0.5 against 1, each for --ablation-minutes of training time (seed 0)
-  stale    kimi against ppo at lambda 0.25 (many paused, stale trajectories), --rl-steps steps (seed 0)
+  lam      per seed: lambda 0.5 against 1 (--lams), each for --ablation-minutes of rollout and training time
+  stale    per seed: kimi against ppo (--losses) at lambda 0.25 (many paused, stale trajectories), --rl-steps steps
+  control  per seed: SFT alone at the cold start's own learning rate (--control-lr, default --mix-lr) for the rl
+           stage's equal-token step count (or --control-steps)
 The results go to OUT/results.json and OUT/results.md, the plots to OUT/rl_demo.png.
 """
 
@@ -265,59 +267,85 @@ def reply_tokens_per_step(a) -> float:
     return 16 * n / k
 
 
-def stage_lam(a, results: dict) -> None:
+def run_summary(run: str) -> dict:
+    """Held-out success before and after, and the per-step averages of an RL run's metrics.jsonl."""
     from k3.rl.report import read_metrics
 
-    for lam in (1.0, 0.5):
-        key = f"lam{lam:g}"
-        if key in results.setdefault("lam", {}):
-            continue
-        run = os.path.join(a.out, f"rl_lam{lam:g}")
-        if not os.path.isdir(os.path.join(run, "checkpoints")):
-            sh(rl_args(a, run, 0, max_minutes=a.ablation_minutes, eval_every=10_000, lam=lam, loss="kimi"))
-        recs = read_metrics(os.path.join(run, "metrics.jsonl"))
-        steps = [r for r in recs if "reward" in r]
-        vals = [r for r in recs if "val_success" in r]
-        results["lam"][key] = {"steps": len(steps), "after": vals[-1]["val_success"],
-                               "before": vals[0]["val_success"],
-                               "rollout_s": sum(r["rollout_s"] for r in steps),
-                               "train_s": sum(r["train_s"] for r in steps),
-                               "staleness": sum(r["staleness"] for r in steps) / max(len(steps), 1),
-                               "paused": sum(r["paused"] for r in steps) / max(len(steps), 1)}
-        save(a, results)
+    recs = read_metrics(os.path.join(run, "metrics.jsonl"))
+    steps = [r for r in recs if "reward" in r]
+    vals = [r for r in recs if "val_success" in r]
+    n = max(len(steps), 1)
+    return {"before": vals[0]["val_success"], "after": vals[-1]["val_success"], "steps": len(steps),
+            "rollout_s": sum(r["rollout_s"] for r in steps), "train_s": sum(r["train_s"] for r in steps),
+            "staleness": sum(r["staleness"] for r in steps) / n,
+            "max_staleness": max((r["max_staleness"] for r in steps), default=0),
+            "masked_frac": sum(r["masked_frac"] for r in steps) / n,
+            "paused": sum(r["paused"] for r in steps) / n,
+            "trained_response_tokens": trained_tokens(run),
+            "reward_last5": sum(r["reward"] for r in steps[-5:]) / max(len(steps[-5:]), 1)}
+
+
+def stage_lam(a, results: dict) -> None:
+    """Per seed and lambda: RL for --ablation-minutes of rollout and training time (equal wall time)."""
+    for seed in a.seeds:
+        for lam in a.lams:
+            key, sub = f"lam{lam:g}", f"seed{seed}"
+            if sub in results.setdefault("lam", {}).setdefault(key, {}):
+                continue
+            run = os.path.join(a.out, f"rl_lam{lam:g}_seed{seed}")
+            if not os.path.isdir(os.path.join(run, "checkpoints")):
+                sh(rl_args(a, run, seed, max_minutes=a.ablation_minutes, eval_every=100_000, lam=lam, loss="kimi"))
+            results["lam"][key][sub] = run_summary(run)
+            save(a, results)
 
 
 def stage_stale(a, results: dict) -> None:
-    from k3.rl.report import read_metrics
+    """Per seed and loss: RL at lambda 0.25 (many paused, stale trajectories) for --rl-steps steps."""
+    for seed in a.seeds:
+        for loss in a.losses:
+            sub = f"seed{seed}"
+            if sub in results.setdefault("stale", {}).setdefault(loss, {}):
+                continue
+            run = os.path.join(a.out, f"rl_stale_{loss}_seed{seed}")
+            if not os.path.isdir(os.path.join(run, "checkpoints")):
+                sh(rl_args(a, run, seed, max_steps=a.rl_steps, eval_every=100_000, lam=0.25, loss=loss))
+            results["stale"][loss][sub] = run_summary(run)
+            save(a, results)
 
-    for loss in ("kimi", "ppo"):
-        if loss in results.setdefault("stale", {}):
+
+def stage_control(a, results: dict) -> None:
+    """Per seed: SFT alone at --control-lr (default the cold start's --mix-lr) for --control-steps steps (default
+    the equal-token count of the rl stage's seed), evaluated like the rl stage's control."""
+    lr = a.control_lr if a.control_lr is not None else a.mix_lr
+    for seed in a.seeds:
+        key, sub = f"lr{lr:g}", f"seed{seed}"
+        if sub in results.setdefault("control", {}).setdefault(key, {}):
             continue
-        run = os.path.join(a.out, f"rl_stale_{loss}")
-        if not os.path.isdir(os.path.join(run, "checkpoints")):
-            sh(rl_args(a, run, 0, max_steps=a.rl_steps, eval_every=a.rl_steps, lam=0.25, loss=loss))
-        recs = read_metrics(os.path.join(run, "metrics.jsonl"))
-        steps = [r for r in recs if "reward" in r]
-        vals = [r for r in recs if "val_success" in r]
-        results["stale"][loss] = {"before": vals[0]["val_success"], "after": vals[-1]["val_success"],
-                                  "staleness": sum(r["staleness"] for r in steps) / len(steps),
-                                  "max_staleness": max(r["max_staleness"] for r in steps),
-                                  "masked_frac": sum(r["masked_frac"] for r in steps) / len(steps),
-                                  "reward_last5": sum(r["reward"] for r in steps[-5:]) / len(steps[-5:])}
+        steps = a.control_steps or results.get("rl", {}).get(sub, {}).get("sft_steps")
+        if not steps:
+            raise SystemExit(f"control: no --control-steps and no rl stage result for {sub} to match")
+        ctl = os.path.join(a.out, f"sft_lr{lr:g}_seed{seed}")
+        if not os.path.isdir(os.path.join(ctl, "checkpoints")):
+            sh(["sft", "--ckpt", cold_start(a), "--data", control_data(a), "--out", ctl,
+                "--seq-len", str(a.seq_len), "--batch-tokens", str(16 * a.seq_len), "--max-steps", str(steps),
+                "--lr", str(lr), "--seed", str(seed), "--eval-every", "1000", "--no-progress"])
+        results["control"][key][sub] = {"steps": steps, "after": evaluate(a, latest(ctl))["success"]}
         save(a, results)
 
 
 def save(a, results: dict) -> None:
     from k3.files import atomic_write_text
 
-    atomic_write_text(os.path.join(a.out, "results.json"), json.dumps(results, indent=1) + "\n")
+    atomic_write_text(os.path.join(a.out, a.results), json.dumps(results, indent=1) + "\n")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/rl_demo")
     p.add_argument("--stages", nargs="+", default=["base", "sft", "mix", "rl", "lam", "stale"],
-                   choices=["base", "sft", "mix", "rl", "lam", "stale"])
+                   choices=["base", "sft", "mix", "rl", "lam", "stale", "control"])
+    p.add_argument("--results", default="results.json",
+                   help="the results file in --out (separate names let several processes share one --out)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sft-demos", type=int, default=6000)
     p.add_argument("--sft-steps", type=int, default=700)
@@ -343,16 +371,22 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--ablation-minutes", type=float, default=6.0)
+    p.add_argument("--lams", type=float, nargs="+", default=[1.0, 0.5], help="lam: the lambdas (default 1 0.5)")
+    p.add_argument("--losses", nargs="+", choices=["kimi", "ppo"], default=["kimi", "ppo"],
+                   help="stale: the objectives (default kimi ppo)")
+    p.add_argument("--control-lr", type=float, help="control: SFT learning rate (default --mix-lr)")
+    p.add_argument("--control-steps", type=int, help="control: SFT steps (default: the rl stage's equal-token count)")
     p.add_argument("--sandbox", choices=["bwrap", "none"], default="bwrap")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "results.json")
+    path = os.path.join(a.out, a.results)
     results = json.load(open(path)) if os.path.isfile(path) else {}
     t0 = time.time()
     for st in a.stages:
         {"base": lambda: stage_base(a), "sft": lambda: stage_sft(a), "mix": lambda: stage_mix(a),
          "rl": lambda: stage_rl(a, results),
-         "lam": lambda: stage_lam(a, results), "stale": lambda: stage_stale(a, results)}[st]()
+         "lam": lambda: stage_lam(a, results), "stale": lambda: stage_stale(a, results),
+         "control": lambda: stage_control(a, results)}[st]()
         print(f"[{time.time() - t0:.0f}s] stage {st} done", flush=True)
     save(a, results)
     print(json.dumps(results, indent=1))
