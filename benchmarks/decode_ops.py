@@ -2,12 +2,19 @@
 
     python benchmarks/decode_ops.py --preset k3-mini --stack-projections both        # CPU or GPU, random weights
 
+    python benchmarks/decode_ops.py --preset k3-mini --kernels --backend fast           # GPU: kernels per layer
+
 Runs the serving engine (greedy, one request of a few tokens) and counts, in one eager decode step, every PyTorch
 operation that computes (views, reshapes and the like are left out) outside k3's registered ops, plus one per call of
 a registered op (k3.ops.registry: KDA, the short conv, AttnRes, gate norm, ...; on a GPU a registered op may launch a
 few kernels, on a CPU its reference runs many operations, and both count as one). On a GPU each counted operation is
 at least one kernel launch, so the count is a floor of the kernels in a captured decode graph. Prints one JSON
 object per setting: the total, the GEMMs among them, and the count per layer part.
+
+With --kernels (CUDA), the same decode step runs eagerly under torch.profiler instead, and every GPU kernel is
+attributed to the layer part whose range (a `record_function` per part, opened by module hooks) launched it: the
+kernels a captured decode graph replays, per layer, per kind of layer and per step, with the kernel names of each kind
+(the budget of the fused decode step is about 12 per layer).
 """
 
 from __future__ import annotations
@@ -106,6 +113,88 @@ def count(model, stack: bool, device) -> dict:
             "per_part": dict(parts.most_common())}
 
 
+def _part_ranges(model, label_of):
+    """Module hooks that open a profiler range per layer part ("k3|L<i>|<part> (<Class>)") and close it after."""
+    from torch.autograd.profiler import record_function
+
+    hooks, open_ = [], []
+    for i, layer in enumerate(model.model.layers):
+        for cname, child in layer.named_children():
+            label = f"k3|L{i}|{label_of(cname, child)}"
+
+            def pre(m, a, _l=label):
+                rf = record_function(_l)
+                rf.__enter__()
+                open_.append(rf)
+
+            def post(m, a, o):
+                open_.pop().__exit__(None, None, None)
+
+            hooks.append(child.register_forward_pre_hook(pre))
+            hooks.append(child.register_forward_hook(post))
+    return hooks
+
+
+def _owner(ev) -> str:
+    """The innermost k3 part range above a profiler event, "model" outside every layer."""
+    while ev is not None:
+        if ev.name.startswith("k3|"):
+            return ev.name
+        ev = ev.cpu_parent
+    return "k3|-|model"
+
+
+def count_kernels(model, stack: bool, device) -> dict:
+    """GPU kernels of one eager decode step per layer part (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    hooks = _part_ranges(model, lambda cname, child: f"{cname} ({type(child).__name__})")
+    seen, forward = [], model.forward
+
+    def profiled_forward(ids, *a, **k):
+        if ids.shape[-1] == 1 and len(seen) == 1:  # the second decode step: the first one's lazy set-up is done
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = forward(ids, *a, **k)
+                torch.cuda.synchronize(device)
+            seen.append(prof)
+            return out
+        if ids.shape[-1] == 1:
+            seen.append(None)
+        return forward(ids, *a, **k)
+
+    model.forward = profiled_forward
+    try:
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=256, cuda_graphs=False, stack_projections=stack))
+        eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0))
+    finally:
+        del model.forward
+        for h in hooks:
+            h.remove()
+    if len(seen) < 2 or seen[1] is None:
+        raise SystemExit("the engine ran fewer than two decode steps")
+    per_layer, per_kind, names = collections.Counter(), collections.Counter(), collections.defaultdict(collections.Counter)
+    total = 0
+    for ev in seen[1].events():
+        for kern in getattr(ev, "kernels", []):
+            _, layer, part = _owner(ev).split("|", 2)
+            total += 1
+            per_layer[layer] += 1
+            per_kind[part] += 1
+            names[part][kern.name[:60]] += 1
+    layer_kinds = collections.Counter()
+    for i, layer in enumerate(model.model.layers):
+        kinds = "+".join(type(c).__name__ for n, c in layer.named_children() if n in ("self_attn", "mlp", "block_sparse_moe"))
+        layer_kinds[kinds] += 1
+    return {"stack_projections": stack, "device": str(device), "kernels": total,
+            "per_layer": dict(per_layer), "per_part": dict(per_kind.most_common()),
+            "layers_by_kind": dict(layer_kinds),
+            "kernel_names": {p: dict(c.most_common(12)) for p, c in names.items()}}
+
+
 def main(argv=None) -> int:
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
@@ -118,7 +207,12 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                     help="the weights' dtype (auto: bf16 on a GPU, as served; fp32 on a CPU)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="CUDA: count the GPU kernels of one eager decode step per layer part with torch.profiler "
+                         "instead of the PyTorch operations")
     args = ap.parse_args(argv)
+    if args.kernels and not args.device.startswith("cuda"):
+        ap.error("--kernels counts GPU kernels: it needs --device cuda")
     dev = torch.device(args.device)
     cfg = K3Config.from_preset(args.preset).replace(num_nextn_predict_layers=0)
     model = K3ForCausalLM(cfg, backends=backends_from_env(os.environ, default=args.backend)).init_weights(seed=0)
@@ -127,7 +221,7 @@ def main(argv=None) -> int:
     model = model.to(dev).eval()
     for stack in {"off": [False], "on": [True], "both": [False, True]}[args.stack_projections]:
         print(json.dumps({"preset": args.preset, "dtype": str(next(model.parameters()).dtype).split(".")[-1],
-                          **count(model, stack, dev)}), flush=True)
+                          **(count_kernels if args.kernels else count)(model, stack, dev)}), flush=True)
     return 0
 
 
