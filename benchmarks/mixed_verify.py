@@ -44,7 +44,7 @@ def stream(engine, prompts, max_tokens: int, every: int) -> dict:
     def spy(batch):  # which forwards run: plain, mixed (prefill and verifications) or verifications alone
         counts["forwards"] += 1
         n = len(batch.tokens)
-        counts["kinds"].add("run" if not batch.n_verify else "verify" if batch.n_verify == n else "run_mixed")
+        counts["kinds"].add("run" if not batch.n_verify else "verify" if batch.n_verify == n else "mixed")
         return orig(batch)
 
     runner.execute = spy
@@ -62,7 +62,7 @@ def stream(engine, prompts, max_tokens: int, every: int) -> dict:
         ts = time.perf_counter()
         engine.step()
         sync()
-        if prefilling and ("run_mixed" in counts["kinds"] or "verify" in counts["kinds"]):
+        if prefilling and ("mixed" in counts["kinds"] or "verify" in counts["kinds"]):
             both.append(time.perf_counter() - ts)
         step += 1
     sync()

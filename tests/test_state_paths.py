@@ -572,13 +572,14 @@ def mixed_forwards(eng: LLMEngine) -> list:
     """The one look inside the engine: a record of its mixed forwards (prefill chunks and verifications in one
     packed forward), to show that the mixed path ran. Everything else here goes through the public API."""
     calls = []
-    run_mixed = eng.runner.run_mixed
+    execute = eng.runner.execute
 
-    def counted(*args, **kwargs):
-        calls.append(args[3])  # the number of verifications
-        return run_mixed(*args, **kwargs)
+    def counted(batch):
+        if 0 < batch.n_verify < len(batch.tokens):  # some of the requests are verifications, not all
+            calls.append(batch.n_verify)
+        return execute(batch)
 
-    eng.runner.run_mixed = counted
+    eng.runner.execute = counted
     return calls
 
 

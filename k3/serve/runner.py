@@ -125,8 +125,8 @@ class ModelRunner:
         if nv == B:
             return ForwardResult(None, verified=self._verify(batch.tokens, batch.starts, batch.slots,
                                                              batch.features))
-        res, verified = self.run_mixed(batch.tokens, batch.starts, batch.slots, nv, batch.scores, batch.keep_hidden,
-                                       batch.features)
+        res, verified = self._run_mixed(batch.tokens, batch.starts, batch.slots, nv, batch.scores, batch.keep_hidden,
+                                        batch.features)
         res.verified = verified
         return res
 
@@ -235,9 +235,9 @@ class ModelRunner:
                                                self._mla_views(slots, starts), features)
         return Verified(logits, hidden, views, kda_pages)
 
-    def run_mixed(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots], n_verify: int,
-                  scores: list[PromptScore | None] | None = None, keep_hidden: bool = False,
-                  features: tuple[int, ...] = ()) -> tuple[ForwardResult, Verified]:
+    def _run_mixed(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots], n_verify: int,
+                   scores: list[PromptScore | None] | None = None, keep_hidden: bool = False,
+                   features: tuple[int, ...] = ()) -> tuple[ForwardResult, Verified]:
         """`execute`'s mixed forward: prefill chunks and verifications in one packed forward; the last `n_verify`
         requests are verifications (any number of drafts each). Returns (the result for the others, their logits
         rows first and then one row per verification; the `Verified` of the verifications, padded to the longest).

@@ -135,6 +135,12 @@ def _prompts(seed: int, n: int):
     return [base[: 20 + 13 * i] + torch.randint(1, VOCAB, (i % 3,), generator=g).tolist() for i in range(n)]
 
 
+def _mixed(batch) -> bool:
+    """A mixed forward (ModelRunner.execute's packed forward of plain requests and verifications): some of the
+    batch's requests are verifications, not all."""
+    return 0 < batch.n_verify < len(batch.tokens)
+
+
 def test_oracle_draft_accepts_every_draft_and_matches_plain_decoding():
     prompts = _prompts(0, 4)
     params = [SamplingParams(max_tokens=LONGEST, temperature=0, logprobs=2)] * len(prompts)
@@ -219,18 +225,24 @@ def test_preemption_under_speculation_matches_plain_decoding():
 
 def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(monkeypatch):
     # With prefill chunks in a step (and no CUDA graphs), the step's verifications join the chunks' packed forward
-    # (ModelRunner.run_mixed): one pass over the weights. Each such forward is replayed here from the same pool as
-    # the two forwards it replaces (`run` for the chunks, `verify` per number of drafts): the chunks' logits,
-    # hidden states and new KDA states, and the verifications' logits, kept inputs and untouched KDA states agree
-    # to fp32 rounding (packed vs batched KDA chunking; logits are ~1e2 here, lm_head x 40).
+    # (a mixed ForwardBatch through ModelRunner.execute): one pass over the weights. Each such forward is replayed
+    # here from the same pool as the two forwards it replaces (`execute` of the chunks alone, and of the
+    # verifications alone per number of drafts): the chunks' logits, hidden states and new KDA states, and the
+    # verifications' logits, kept inputs and untouched KDA states agree to fp32 rounding (packed vs batched KDA
+    # chunking; logits are ~1e2 here, lm_head x 40).
     from k3.serve.runner import ForwardBatch, ModelRunner
 
     seen = []
-    orig = ModelRunner.run_mixed
+    orig = ModelRunner.execute
 
-    def checked(self, tokens, starts, slots, n_verify, scores=None, keep_hidden=False, features=()):
+    def checked(self, batch):
+        if not _mixed(batch):
+            return orig(self, batch)
+        tokens, starts, slots, n_verify = batch.tokens, batch.starts, batch.slots, batch.n_verify
+        features = batch.features
         before = self.pool.pages.clone()
-        res, v = orig(self, tokens, starts, slots, n_verify, scores, keep_hidden, features)
+        res = orig(self, batch)
+        v = res.verified
         after = self.pool.pages.clone()
         nb = len(tokens) - n_verify
         pages = v.kda_pages
@@ -263,7 +275,7 @@ def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(m
                                        rtol=1e-4, atol=1e-5)
         self.pool.pages.copy_(after)  # go on from the mixed forward's pool
         seen.append((nb, n_verify, sorted(by_len)))
-        return res, v
+        return res
 
     def _kda_of(runner, pages_tensor, ids):
         keep = runner.pool.pages
@@ -274,7 +286,7 @@ def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(m
         finally:
             runner.pool.pages = keep
 
-    monkeypatch.setattr(ModelRunner, "run_mixed", checked)
+    monkeypatch.setattr(ModelRunner, "execute", checked)
     prompts = _prompts(1, 5)
     params = [SamplingParams(max_tokens=LONGEST, temperature=0, logprobs=1)] * len(prompts)
     eng = _engine(OracleDraft(wrong_every=3), k=3, step_tokens=64)
@@ -286,10 +298,14 @@ def test_verifications_run_in_the_prefill_forward_equal_the_two_forwards_apart(m
 def test_mix_verify_off_runs_verifications_apart_with_the_same_output(monkeypatch):
     from k3.serve.runner import ModelRunner
 
-    def never(*a, **k):
-        raise AssertionError("mix_verify=False must not run a mixed forward")
+    orig = ModelRunner.execute
 
-    monkeypatch.setattr(ModelRunner, "run_mixed", never)
+    def never(self, batch):
+        if _mixed(batch):
+            raise AssertionError("mix_verify=False must not run a mixed forward")
+        return orig(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", never)
     prompts = _prompts(1, 3)
     params = [SamplingParams(max_tokens=12, temperature=0)] * len(prompts)
     eng = _engine(OracleDraft(wrong_every=3), k=3, step_tokens=64)
@@ -306,8 +322,9 @@ def test_a_prompt_scored_in_a_mixed_forward_has_the_plain_engines_prompt_logprob
     from k3.serve.runner import ModelRunner
 
     mixed = []
-    orig = ModelRunner.run_mixed
-    monkeypatch.setattr(ModelRunner, "run_mixed", lambda self, *a, **k: mixed.append(1) or orig(self, *a, **k))
+    orig = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute",
+                        lambda self, batch: (mixed.append(1) if _mixed(batch) else None) or orig(self, batch))
     prompts = _prompts(2, 3)
     decoding = SamplingParams(max_tokens=16, temperature=0)
     scored = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
