@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from typing import BinaryIO, Callable
 
@@ -39,18 +40,41 @@ def replace_dir(new: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status, "Umask:"); elsewhere
+    set and restored at once (os.umask has no read-only form: a file another thread creates in that instant gets
+    umask 022)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
     """Call `write(f)` on a temporary file in the same directory, fsync, rename over `path`, fsync the directory.
 
     A crash at any point leaves either the old file or the new one, never a torn write; once this returns the
-    new one survives a power loss too (the rename itself is only durable once the directory is synced).
+    new one survives a power loss too (the rename itself is only durable once the directory is synced). The file
+    gets the mode a plain `open(path, "wb")` would leave it with, not mkstemp's private 0600: the replaced file's
+    mode, or for a new file 0666 less the umask.
     """
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix="-" + os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
             write(f)
             f.flush()
             os.fsync(f.fileno())

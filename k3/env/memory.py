@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+
+from k3.files import atomic_write_text
 
 MEMORY_VERSION = 1
 
@@ -61,16 +62,4 @@ class MemoryStore:
         return "\n".join(f"- {k}: {v}" for k, v in sorted(notes.items()))
 
     def _save(self, notes: dict[str, str]) -> None:
-        d = os.path.dirname(self.path) or "."
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".memory-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": MEMORY_VERSION, "notes": notes}, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_text(self.path, json.dumps({"version": MEMORY_VERSION, "notes": notes}, indent=1, sort_keys=True))
