@@ -812,8 +812,10 @@ def test_context_parallel_agrees_with_training(case):
 # --- mutations: one bug per path, each caught by the same check functions ------------------------------------------
 
 def _decode_state_not_written(mp):
-    """k3.model.kda: a one-token step (KDA's token recurrence) hands its cache the state it started from."""
+    """k3.model.kda: a one-token step (KDA's token recurrence) hands its cache the state it started from (on the
+    read/update path, and in the fused in-place step of k3.ops.kda_decode that the engine's pool takes)."""
     import k3.model.kda as kda_mod
+    import k3.ops.kda_decode as decode_mod
 
     orig = kda_mod.kda_mix
 
@@ -822,6 +824,7 @@ def _decode_state_not_written(mp):
         return o, (initial_state if q.shape[1] == 1 and initial_state is not None else state)
 
     mp.setattr(kda_mod, "kda_mix", mutated)
+    mp.setattr(decode_mod, "kda", mutated)
 
 
 def _conv_tail_one_input_early(mp):

@@ -71,6 +71,10 @@ class KDALayerCache(Protocol):
         """Keep the state and conv tails after this forward's tokens. `inputs`: the forward's projected inputs;
         a cache that must not advance (the serving engine's speculative verification) keeps them instead."""
 
+    # Optional: `decode_store() -> k3.ops.kda_decode.KDAStore | None`. A cache that keeps its states as rows of one
+    # fp32 tensor (the serving pool's pages) offers them there; the layer then runs a single-token step as one fused
+    # update in place (k3.ops.kda_decode) instead of read, the ops and update. None, or no such method: read/update.
+
 
 class MLALayerCache(Protocol):
     def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:

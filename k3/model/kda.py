@@ -12,6 +12,7 @@ from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
+from k3.ops.kda_decode import kda_decode
 from k3.ops.kda_replay import kda_replay_any
 from k3.ops.registry import Backends
 
@@ -65,6 +66,15 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         P = H * K
+        store = cache.decode_store() if T == 1 and cu_seqlens is None and hasattr(cache, "decode_store") else None
+        if store is not None:  # a single-token step on states a cache holds in rows: one fused update in place
+            xq, xk, xv, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj,
+                                                                self.f_a_proj, self.b_proj, self.g_proj)
+            conv_w = (self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0])
+            o = kda_decode(xq[:, 0], xk[:, 0], xv[:, 0], self.f_b_proj(f_a)[:, 0], beta_logits[:, 0], gate[:, 0],
+                           conv_w, self.A_log, self.dt_bias, self.lower_bound, self.o_norm.weight, self.o_norm.eps,
+                           store, backends=self.backends)
+            return self.o_proj(o.to(x.dtype)).view(shape)
         # every projection of x as one GEMM: q, k, v, the decay's low-rank down projection, beta logits, output gate
         if cache is None:
             # q, k and v side by side through one depthwise conv (the conv is per channel, so this is the same

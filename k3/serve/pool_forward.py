@@ -2,9 +2,9 @@
 static-buffer steps (k3.serve.cuda_graphs.DecodeGraphs) both run, so that a graph replay is the same code as the
 eager forward it replaces.
 
-* `run_on_pool`: read each KDA layer's states from its pages, run the model with the per-layer views
-  (k3.serve.cache.views.layer_views; the MLA views write the new latent rows into the pages), write the new KDA
-  states back.
+* `run_on_pool`: run the model with the per-layer views (k3.serve.cache.views.layer_views; the MLA views write the
+  new latent rows into the pages; a single-token step advances each KDA layer's states in their pages, a longer one
+  reads copies and the new states are written back after).
 * `verify_on_pool`: a speculative verification (report §5.4.2): every position's logits, the KDA layers' views
   keep the projected inputs and the states in the pages are not advanced (the accepted prefix is replayed later).
 """
@@ -41,7 +41,8 @@ def run_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pa
     hidden = out.hidden_states
     kept = torch.cat([*out.features, hidden], -1) if features else hidden
     for g, view in enumerate(kda_views):
-        pool.write_kda(kda_pages[g], view.state, view.conv_stacked())
+        if view.updated:  # else the layer advanced the states in their pages
+            pool.write_kda(kda_pages[g], view.state, view.conv_stacked())
     return logits, hidden, kept
 
 

@@ -65,6 +65,13 @@ class CachePool:
         n, s = len(page_ids), self.kda_state_shape[0] * self.kda_state_shape[1] * self.kda_state_shape[2]
         return raw[:, :s].reshape(n, *self.kda_state_shape), raw[:, s:].reshape(n, *self.kda_conv_shape)
 
+    def kda_store(self, page_ids: torch.Tensor):
+        """Pages `page_ids` as the rows a fused KDA decode step updates in place (k3.ops.kda_decode.KDAStore: each
+        page's fp32 state [H, K, V] then its conv tails [3, P, W-1], the layout `read_kda` reads)."""
+        from k3.ops.kda_decode import KDAStore
+
+        return KDAStore(opaque(_kda_rows)(self), page_ids)
+
     def write_kda(self, page_ids: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
         """Write states and conv tails into pages `page_ids`, each straight from its tensor (no staging copy)."""
         if len(page_ids):
@@ -87,6 +94,11 @@ def _mla_view(pool: CachePool) -> torch.Tensor:
 @keep_opaque
 def _write_mla(pool: CachePool, page_ids: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
     pool.mla_view()[page_ids, offsets] = values.to(pool.dtype)
+
+
+@keep_opaque
+def _kda_rows(pool: CachePool) -> torch.Tensor:
+    return pool.pages[:, : pool.kda_page_bytes].view(torch.float32)
 
 
 @keep_opaque

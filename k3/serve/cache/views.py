@@ -1,8 +1,9 @@
 """The views the model reads the page pool through: per-layer caches of one forward that implement the model's
 cache protocol (k3.model.cache) over pool pages.
 
-* `KDAPageView`: a KDA layer's states and conv tails of the forward's requests, read from their running-state
-  pages before the forward; the runner writes them back after it.
+* `KDAPageView`: a KDA layer's states and conv tails of the forward's requests in their running-state pages. A
+  single-token step updates them where they are (`decode_store`, k3.ops.kda_decode); a longer forward reads copies
+  (`read`) and hands the new ones to `update`, which the runner writes back after the forward.
 * `KDAVerifyView`: the same read for a speculative verification forward, which must not advance the committed
   state: it keeps the forward's projected inputs instead, for the replay of the accepted tokens (report §5.4.2).
 * `KDAMixedView`: a packed forward of prefill chunks and verifications together: the new states of every request
@@ -54,14 +55,14 @@ class LayerLayout:
 
 def layer_views(layout: LayerLayout, pool: CachePool, kda_pages: Tensor, mla_views: list,
                 kda_view=None) -> tuple[list, list]:
-    """(every layer's cache view, the KDA layers' views) of one forward: `kda_view` (a class taking (state, conv);
-    default KDAPageView) over each KDA layer's states read from its pages kda_pages[g] ([n_kda, B] device tensor),
-    and mla_views[g] for the g-th MLA layer."""
+    """(every layer's cache view, the KDA layers' views) of one forward: `kda_view` (a view class, built with its
+    `over(pool, pages)`; default KDAPageView) over each KDA layer's states in its pages kda_pages[g] ([n_kda, B] device tensor), and
+    mla_views[g] for the g-th MLA layer."""
     kda_view = KDAPageView if kda_view is None else kda_view
     per_layer: list = [None] * layout.num_layers
     kda_views = []
     for g, li in enumerate(layout.kda):
-        kda_views.append(kda_view(*pool.read_kda(kda_pages[g])))
+        kda_views.append(kda_view.over(pool, kda_pages[g]))
         per_layer[li] = kda_views[-1]
     for g, li in enumerate(layout.mla):
         per_layer[li] = mla_views[g]
@@ -69,18 +70,30 @@ def layer_views(layout: LayerLayout, pool: CachePool, kda_pages: Tensor, mla_vie
 
 
 class KDAPageView:
-    """One KDA layer's states [B, H, K, V] and conv tails [B, 3, P, W-1] for the forward's requests (copies read
-    from their pages); `update` keeps the new ones for the runner to write back."""
+    """One KDA layer's states [B, H, K, V] and conv tails [B, 3, P, W-1] of the forward's requests, in their pages.
+    A single-token step advances them in place through `decode_store`; otherwise `read` gives copies and `update`
+    keeps the new ones (`updated`) for the runner to write back."""
 
-    def __init__(self, state: Tensor, conv: Tensor):
-        self.state = state
-        self.conv = [conv[:, 0], conv[:, 1], conv[:, 2]]
+    def __init__(self, pool: CachePool, pages: Tensor):
+        self.pool, self.pages = pool, pages
+        self.state: Tensor | None = None
+        self.conv: list[Tensor] | None = None
+        self.updated = False
+
+    @classmethod
+    def over(cls, pool: CachePool, pages: Tensor) -> "KDAPageView":
+        return cls(pool, pages)
 
     def read(self) -> tuple[Tensor, list[Tensor]]:
-        return self.state, self.conv
+        state, conv = self.pool.read_kda(self.pages)
+        return state, [conv[:, 0], conv[:, 1], conv[:, 2]]
 
     def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
-        self.state, self.conv = state, list(conv)
+        self.state, self.conv, self.updated = state, list(conv), True
+
+    def decode_store(self):
+        """The pages as rows the fused decode step updates in place (k3.ops.kda_decode.KDAStore)."""
+        return self.pool.kda_store(self.pages)
 
     def conv_stacked(self) -> Tensor:
         return torch.stack(self.conv, 1)
@@ -95,6 +108,10 @@ class KDAVerifyView:
     def __init__(self, state: Tensor, conv: Tensor):
         self.state, self.conv_tails = state, conv
         self.inputs: KDAInputs | None = None
+
+    @classmethod
+    def over(cls, pool: CachePool, pages: Tensor) -> "KDAVerifyView":
+        return cls(*pool.read_kda(pages))
 
     def read(self) -> tuple[Tensor, list[Tensor]]:
         return self.state, [self.conv_tails[:, 0], self.conv_tails[:, 1], self.conv_tails[:, 2]]
@@ -111,8 +128,8 @@ class KDAMixedView(KDAPageView):
     writes back only the prefill requests') and the projected inputs of every position (the verifications' are kept
     for replay)."""
 
-    def __init__(self, state: Tensor, conv: Tensor):
-        super().__init__(state, conv)
+    def __init__(self, pool: CachePool, pages: Tensor):
+        super().__init__(pool, pages)
         self.inputs: KDAInputs | None = None
 
     def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
@@ -120,6 +137,9 @@ class KDAMixedView(KDAPageView):
             raise ValueError("a mixed forward's KDA layer must hand its projected inputs to the cache")
         super().update(state, conv)
         self.inputs = inputs
+
+    def decode_store(self):
+        return None  # a mixed forward keeps every position's inputs: never updated in place
 
 
 def append_paged(pool: CachePool, tables: Tensor, pos: Tensor, c: Tensor, k_rope: Tensor):

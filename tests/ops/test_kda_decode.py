@@ -1,0 +1,185 @@
+"""The fused KDA decode step (k3.ops.kda_decode): the one-kernel update equals the composed ops on random inputs,
+in place in strided rows as a cache pool holds them, and the composed op equals the layer's own read/update path.
+
+Tolerances: fp32, output and state 1e-5 of their largest entries (the op's; sums in another order). bf16 inputs in
+Triton's CPU interpreter: 1e-2, because the interpreter truncates to bf16 where the reference and the compiled kernel
+round (one bf16 step in some entries; as the replay kernel's tests). Conv tails: bit for bit (they are copies of the
+inputs)."""
+
+import pytest
+import torch
+
+from k3.ops.kda_decode import KDAStore, kda_decode_composed, kda_decode_triton
+from k3.ops.registry import Backends
+
+TORCH = Backends(default="torch")
+
+
+def _case(B=3, H=2, K=16, W=4, dtype=torch.float32, seed=0, device="cpu", R=7, pad=5):
+    """Random inputs and a store of R strided rows (each row `pad` elements longer than a state), requests in a
+    scattered order of rows."""
+    g = torch.Generator().manual_seed(seed)
+    P = H * K
+
+    def r(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(device)
+
+    stacked = r(B, 3 * P + 7).to(dtype)  # q, k, v inputs as column slices of one projection output
+    xq, xk, xv = stacked[:, :P], stacked[:, P:2 * P], stacked[:, 2 * P:3 * P]
+    z, gate = r(B, P).to(dtype), r(B, P).to(dtype)
+    beta_logits = r(B, H).to(dtype)
+    conv_w = tuple(r(P, W, s=0.5).to(dtype) for _ in range(3))
+    A_log, dt_bias, norm_w = r(H, s=0.5), r(P), r(K, s=0.5) + 1
+    E = H * K * K + 3 * P * (W - 1)
+    buf = r(R, E + pad)[:, :E + pad]
+    rows = torch.randperm(R, generator=g)[:B].to(device)
+    return (xq, xk, xv, z, beta_logits, gate, conv_w, A_log, dt_bias, -5.0, norm_w, 1e-5), buf, rows
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _both(args, buf, rows):
+    want_buf, got_buf = buf.clone(), buf.clone()
+    want = kda_decode_composed(*args, KDAStore(want_buf, rows), backends=TORCH)
+    got = kda_decode_triton(*args, KDAStore(got_buf, rows))
+    return want, got, want_buf, got_buf
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(B=1, H=3, K=12), dict(B=2, K=32, W=3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_composed_ops(interpret, shape, dtype):
+    args, buf, rows = _case(**shape, dtype=dtype)
+    want, got, want_buf, got_buf = _both(args, buf, rows)
+    H, K = args[7].shape[0], args[10].shape[0]
+    W = args[6][0].shape[1]
+    S = H * K * K
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    ds = (got_buf[:, :S] - want_buf[:, :S]).abs().max()
+    assert ds <= tol * want_buf[rows, :S].abs().max()
+    assert torch.equal(got_buf[:, S:], want_buf[:, S:])  # conv tails, and every other row and the padding
+    untouched = torch.ones(buf.shape[0], dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(got_buf[untouched], buf[untouched])
+    assert not torch.equal(got_buf[rows, :S], buf[rows, :S])  # the state did move
+    del W
+
+
+def test_repeated_steps_stay_together(interpret):
+    """Eight tokens through both paths, each from its own store: the states stay within the tolerance."""
+    args, buf, rows = _case(B=2, seed=3)
+    a, b = buf.clone(), buf.clone()
+    for t in range(8):
+        step, _, _ = _case(B=2, seed=10 + t)
+        step = step[:6] + args[6:]  # new token inputs, the same layer parameters
+        want = kda_decode_composed(*step, KDAStore(a, rows), backends=TORCH)
+        got = kda_decode_triton(*step, KDAStore(b, rows))
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+def test_composed_op_equals_the_layers_read_update_path():
+    """The composed op on a store equals the layer's cache path (KDACache: read, the ops, update) for one token."""
+    from k3.config import K3Config
+    from k3.model.cache import KDACache
+    from k3.model.kda import KimiDeltaAttention
+
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(cfg, layer_idx=0).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.dim() < 2 else p.shape[-1] ** -0.5))
+        B, D = 2, cfg.hidden_size
+        cache = KDACache()
+        layer(torch.randn(B, 5, D, generator=g), cache)  # a committed state after 5 tokens
+        state, conv = cache.state.clone(), torch.stack(cache.conv, 1).clone()
+        x = torch.randn(B, 1, D, generator=g)
+        want = layer(x, cache)  # the read/update path
+        H, K = layer.num_heads, layer.head_dim
+        buf = torch.cat([state.reshape(B, -1), conv.reshape(B, -1)], 1)
+        xq, xk, xv, f_a, beta_logits, gate = (layer.q_proj(x), layer.k_proj(x), layer.v_proj(x), layer.f_a_proj(x),
+                                              layer.b_proj(x), layer.g_proj(x))
+        z = layer.f_b_proj(f_a)
+        conv_w = tuple(m.weight[:, 0] for m in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
+        y = kda_decode_composed(xq[:, 0], xk[:, 0], xv[:, 0], z[:, 0], beta_logits[:, 0], gate[:, 0], conv_w,
+                                layer.A_log, layer.dt_bias, layer.lower_bound, layer.o_norm.weight, layer.o_norm.eps,
+                                KDAStore(buf, torch.arange(B)), backends=TORCH)
+        got = layer.o_proj(y)[:, None]
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert torch.equal(buf[:, :H * K * K].reshape(B, H, K, K), cache.state)
+    assert torch.equal(buf[:, H * K * K:].reshape(conv.shape), torch.stack(cache.conv, 1))
+
+
+def test_bad_inputs_are_named():
+    args, buf, rows = _case()
+    with pytest.raises(ValueError, match="xk must be"):
+        kda_decode_composed(args[0], args[1][:, :-1], *args[2:], KDAStore(buf, rows), backends=TORCH)
+    with pytest.raises(ValueError, match="store.rows"):
+        kda_decode_composed(*args, KDAStore(buf, rows[:1]), backends=TORCH)
+    with pytest.raises(ValueError, match="store.buf must be fp32"):
+        kda_decode_composed(*args, KDAStore(buf.double(), rows), backends=TORCH)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernel_equals_the_composed_ops(dtype):
+    """k3-mini's layer shape (8 heads of 128, conv 4), 16 requests in scattered pool rows; compiled, bf16 rounds as
+    the reference does, so both dtypes are held to 1e-5 of the largest entries (bf16 output: one bf16 step)."""
+    args, buf, rows = _case(B=16, H=8, K=128, W=4, dtype=dtype, device="cuda", R=40)
+    want, got, want_buf, got_buf = _both(args, buf, rows)
+    S = 8 * 128 * 128
+    out_tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (got.float() - want.float()).abs().max() <= out_tol * want.float().abs().max()
+    assert (got_buf[:, :S] - want_buf[:, :S]).abs().max() <= 1e-5 * want_buf[rows, :S].abs().max()
+    assert torch.equal(got_buf[:, S:], want_buf[:, S:])
+
+
+def test_the_engine_decodes_the_same_on_the_fused_kernel(interpret, monkeypatch):
+    """The serving engine with the kernel (in Triton's interpreter) for its decode steps: the same greedy tokens as
+    the composed ops, log-probs within 1e-4; the pool's pages advance in place (no write-back of decode states)."""
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    import dataclasses
+
+    from k3.ops import registry
+
+    calls = {"triton": 0, "torch": 0}
+    op = registry.ops()["kda_decode"]
+
+    def counted(fn, name):
+        def call(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setitem(registry._ops, "kda_decode", dataclasses.replace(
+        op, reference=counted(op.reference, "torch"),
+        fast=tuple(dataclasses.replace(f, fn=counted(f.fn, f.name)) for f in op.fast)))
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
+    model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 20)]
+    runs = []
+    for backends in (TORCH, Backends(default="torch", per_op={"kda_decode": "triton"})):
+        model.set_backends(backends)
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
+        eng.eos_id = None
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=10, temperature=0, logprobs=0)) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        runs.append([(s.output_ids, [e["logprob"] for e in s.logprobs]) for s in seqs])
+        assert calls["torch" if backends is TORCH else "triton"] > 0  # the decode steps ran on it
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= 1e-4
