@@ -135,19 +135,31 @@ def state_dict_for_disk(model: torch.nn.Module, dtype: torch.dtype | None = None
 def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = 4 << 30,
                     extra_files: dict[str, bytes | dict[str, torch.Tensor]] | None = None) -> None:
-    """Write config.json + `model-000NN-of-0000MM.safetensors` shards + index atomically: everything goes to
-    a sibling temporary directory that replaces `path` only once complete. Every file and the directory are
-    fsynced before the rename and the parent after it, so after a power loss `path` is the old checkpoint or
-    the complete new one. The index records each shard's SHA-256 (`metadata.k3_sha256`), checked on load. Shards
-    are written straight from the tensors' memory (k3.tensor_files). `extra_files`: name -> bytes, or -> a dict of
+    """Write config.json + `model-000NN-of-0000MM.safetensors` shards + index atomically (`write_checkpoint_dir`),
+    the tensors in the official layout (`state_dict_for_disk`). `extra_files`: name -> bytes, or -> a dict of
     tensors written as a safetensors file."""
+    # The config records the dtype the tensors are stored in (fp32 master weights save as float32).
+    stored = dtype if dtype is not None else model.lm_head.weight.dtype
+    cfg: K3Config = model.config
+    write_checkpoint_dir(path, state_dict_for_disk(model, dtype), cfg.replace(dtype=_dtype_name(stored)).to_dict(),
+                         max_shard_bytes=max_shard_bytes, extra_files=extra_files)
+
+
+def write_checkpoint_dir(path: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+                         max_shard_bytes: int = 4 << 30,
+                         extra_files: dict[str, bytes | dict[str, torch.Tensor]] | None = None) -> None:
+    """Write `tensors` ((name, tensor) pairs, as stored) as `model-000NN-of-0000MM.safetensors` shards + index,
+    `config` as config.json and `extra_files` (name -> bytes, or -> a dict of tensors written as a safetensors file)
+    atomically: everything goes to a sibling temporary directory that replaces `path` only once complete. Every
+    file and the directory are fsynced before the rename and the parent after it, so after a power loss `path` is
+    the old checkpoint or the complete new one. The index records each shard's SHA-256 (`metadata.k3_sha256`),
+    checked on load. Shards are written straight from the tensors' memory (k3.tensor_files)."""
     path = os.path.abspath(os.fspath(path))
     tmp = path + ".partial"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     try:
-        cfg: K3Config = model.config
         # Each shard is written as soon as it is full (its tensors copied to the host one at a time), under a
         # temporary name: the final names hold the shard count, known at the end.
         written: list[tuple[str, list[str], str]] = []  # (temporary name, tensor names, SHA-256)
@@ -160,7 +172,7 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
                                                                  metadata={"format": "pt"})))
             shard.clear()
 
-        for name, t in state_dict_for_disk(model, dtype):
+        for name, t in tensors:
             nbytes = t.numel() * t.element_size()
             if shard and size + nbytes > max_shard_bytes:
                 flush()
@@ -178,10 +190,7 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, dtype: torc
             weight_map.update(dict.fromkeys(names, fname))
         index = {"metadata": {"total_size": total, CHECKSUM_KEY: sums}, "weight_map": dict(sorted(weight_map.items()))}
         write_synced(os.path.join(tmp, INDEX), json.dumps(index, indent=2).encode("utf-8"))
-        # The config records the dtype the tensors are stored in (fp32 master weights save as float32).
-        stored = dtype if dtype is not None else model.lm_head.weight.dtype
-        save_cfg = cfg.replace(dtype=_dtype_name(stored))
-        write_synced(os.path.join(tmp, "config.json"), (json.dumps(save_cfg.to_dict(), indent=2) + "\n").encode("utf-8"))
+        write_synced(os.path.join(tmp, "config.json"), (json.dumps(config, indent=2) + "\n").encode("utf-8"))
         for fname, data in (extra_files or {}).items():
             if isinstance(data, dict):  # tensors (e.g. the trainer state), written as a safetensors file
                 write_safetensors(os.path.join(tmp, fname), data)
@@ -306,6 +315,14 @@ def _show(names: Iterable[str], limit: int = 8) -> str:
     names = sorted(names)
     more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
+
+
+def read_checkpoint_tensors(path: str, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path` under its stored name (sharded with an index, or one
+    model.safetensors), as written (no layout conversion: a checkpoint of another module than K3ForCausalLM).
+    `verify`: check each shard against the SHA-256 its index records."""
+    files, checksums = _read_index(path)
+    return dict(_iter_disk_tensors(path, files, lambda name: True, checksums if verify else None))
 
 
 def load_state_into(model: torch.nn.Module, path: str, strict: bool = True, layer_limit: int | None = None,

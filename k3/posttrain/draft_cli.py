@@ -28,13 +28,12 @@ def cmd_train_draft(args) -> int:
                         qat=None if args.qat == "none" else args.qat, data=args.data or [],
                         max_corpus_mb=args.max_corpus_mb, blocks=args.blocks, seq_len=args.seq_len, rows=args.rows,
                         lr=args.lr, seed=args.seed, log_every=args.log_every, device=str(device),
-                        backends=cli._backends(args.backend, device), verify=args.verify)
+                        backends=cli._backends(args.backend, device), verify=args.verify, resume=args.resume)
     try:
-        train_draft(opts, progress=not args.no_progress)
+        return cli.run_training_command("train-draft", lambda: train_draft(opts, progress=not args.no_progress))
     except FileNotFoundError as e:
         print(f"k3 train-draft: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 def add_parser(sub) -> None:
@@ -62,6 +61,9 @@ def add_parser(sub) -> None:
     s.add_argument("--log-every", type=cli._positive_int, default=10, help="steps per progress line / metrics row")
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
     s.add_argument("--backend", choices=["auto", "fast", "torch"], default="auto", help=cli.BACKEND_HELP)
+    s.add_argument("--resume", action="store_true",
+                   help="continue the unfinished run in the draft's directory (stopped by Ctrl-C or SIGTERM, or killed) "
+                        "from its newest checkpoint, with the same settings (--steps may grow)")
     s.add_argument("--no-progress", action="store_true", help="no progress lines")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=cli.VERIFY_HELP)
     s.set_defaults(fn=cmd_train_draft)

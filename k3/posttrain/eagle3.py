@@ -31,6 +31,12 @@ Losses, both at temperature 1, p the target's distribution and q the draft's:
   kl:  L = KL(p || q)                   (the usual surrogate, for comparison)
 No ground-truth cross-entropy term. The logged acceptance estimate of step j is the mean of sum_x min(p, q).
 
+The run is the Trainer's (k3.train.trainer), as pre-training's, SFT's, MOPD's and RL's are: its module is the
+draft, its batches the token rows with their document ids (`DraftRows`, `draft_batch`), its loss `DraftLoss`
+(through the loss seam, k3.train.losses; the frozen target inside gives the features and the distributions), so
+the micro-batch loop, the OOM retry, the non-finite-step skip, the metrics log, the atomic checkpoints with exact
+resume (`DraftOptions.resume`) and SIGINT / SIGTERM handling are the Trainer's. The draft has no QK-Clip, no
+Quantile Balancing of its experts (their bias stays the pre-trained one) and no MTP term; gradients are not clipped.
 Optimizer: Per-Head Muon for the draft's matrices, AdamW for its vectors (k3.train.per_head_muon), with the
 training schedule (k3.train.schedule). `qat="mxfp4"`: the routed experts of the target and of the draft compute
 in MXFP4 / MXFP8 (k3.train.qat.apply_qat), the post-training QAT configuration.
@@ -38,16 +44,18 @@ in MXFP4 / MXFP8 (k3.train.qat.apply_qat), the post-training QAT configuration.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import random
-import time
-from dataclasses import dataclass, field
+import shutil
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
 from k3.model.eagle3 import TTT_STEPS, Eagle3Layer
+from k3.train.losses import LossOutput, MicroBatch
+from k3.train.trainer import StepMetrics, TrainConfig, Trainer
 
 LOSSES = ("lk", "kl")
 
@@ -168,6 +176,25 @@ def target_features(target, ids: torch.Tensor, seg: torch.Tensor, blocks) -> tup
         return torch.cat(list(out.features) + [out.hidden_states], -1), out.logits
 
 
+def ttt_valid(seg: torch.Tensor, steps: int = TTT_STEPS) -> list[torch.Tensor]:
+    """Which draft rows count at each unrolled step (module docstring), from the rows' document ids seg [B, T]: per
+    step [B, T - 2] bool. Row p belongs to its own position's document (as at inference, where a request's first
+    row is its position 0 reading token 1); it counts when the target token p + 2 is in that document too, and
+    step j's anchor p - (j - 1) lies in the row and in that document."""
+    n = seg.shape[1] - 2
+    doc = seg[:, :n]
+    base = seg[:, 2:n + 2] == doc
+    pos = torch.arange(n, device=seg.device)
+    valid = []
+    for j in range(1, steps + 1):
+        a = pos - (j - 1)  # the anchor (committed position) of each row at this step
+        ok = (a >= 0)[None] & base
+        if j > 1:
+            ok = ok & (doc.gather(1, a.clamp(min=0)[None].expand_as(doc)) == doc)
+        valid.append(ok)
+    return valid
+
+
 def unroll(target, draft: Eagle3Layer, ids: torch.Tensor, seg: torch.Tensor, steps: int = TTT_STEPS,
            exact_mask: bool = False) -> Unrolled:
     """The training-time test over a batch ids / seg [B, T] (module docstring); `exact_mask`: attention through the
@@ -178,60 +205,162 @@ def unroll(target, draft: Eagle3Layer, ids: torch.Tensor, seg: torch.Tensor, ste
         raise ValueError(f"rows of {ids.shape[1]} tokens are too short for the draft (at least 3)")
     with torch.no_grad():
         emb = target.model.embed_tokens(ids[:, 1:n + 1])
-    # row p belongs to its own position's document (as at inference, where a request's first row is its position
-    # 0 reading token 1); it counts when the target token p + 2 is in that document too
-    doc = seg[:, :n]
-    base = seg[:, 2:n + 2] == doc
-    ctx = TTTContext(doc, exact_mask=exact_mask)
-    pos = torch.arange(n, device=ids.device)
-    res = Unrolled([], [], logits[:, 1:n + 1])
+    ctx = TTTContext(seg[:, :n], exact_mask=exact_mask)  # row p's document: its own position's (`ttt_valid`)
+    res = Unrolled([], ttt_valid(seg, steps), logits[:, 1:n + 1])
     h, fused = feats[:, :n], True
     for j in range(1, steps + 1):
         res.inputs.append(h)
         o = draft(h, emb, fused=fused, cache=ctx)
         res.outputs.append(o)
         res.draft_logits.append(target.head(o))
-        a = pos - (j - 1)  # the anchor (committed position) of each row at this step
-        ok = (a >= 0)[None] & base
-        if j > 1:
-            ok = ok & (doc.gather(1, a.clamp(min=0)[None].expand_as(doc)) == doc)
-        res.valid.append(ok)
         # row p of the next step reads this step's output at row p - 1 (row 0 reads anything: its anchor is < 0,
         # and rows with anchor < 0 are never seen by a counted query)
         h, fused = torch.cat([o[:, :1], o[:, :-1]], 1), False
     return res
 
 
-def ttt_loss(u: Unrolled, loss: str = "lk") -> tuple[torch.Tensor, list[float], list[int]]:
-    """(the mean over steps of each step's mean loss over its counted rows, the acceptance estimate of each step,
-    the counted rows of each step)."""
+def ttt_terms(u: Unrolled, loss: str = "lk", totals: list[int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the loss: the mean over steps of each step's mean loss over its counted rows; per step the summed acceptance
+    estimate of its counted rows [steps]; per step its counted rows [steps]), as tensors. `totals`: each step's
+    counted rows in the whole batch when `u` is one part of it (a micro-batch; default: `u`'s own): each step's
+    term is then the part's sum over the batch's count, and the mean is over the steps with rows in the batch, so
+    that the parts' losses add up to the batch's."""
     fn = LOSS_FNS[loss]
-    losses, acc, counts = [], [], []
-    for dl, ok in zip(u.draft_logits, u.valid):
-        n = int(ok.sum())
-        counts.append(n)
-        if n == 0:
-            acc.append(float("nan"))
-            continue
-        t, d = u.target_logits[ok], dl[ok]
-        losses.append(fn(t, d).mean())
-        with torch.no_grad():
-            acc.append(float(acceptance(t, d).mean()))
-    if not losses:
+    counts = torch.stack([ok.sum() for ok in u.valid])
+    totals = counts.tolist() if totals is None else list(totals)
+    steps_counted = sum(1 for n in totals if n)
+    if not steps_counted:
         raise ValueError("no position of the batch counts for the draft loss (rows too short or documents of one "
                          "or two tokens)")
-    return torch.stack(losses).mean(), acc, counts
+    terms, acc = [], []
+    for dl, ok, n in zip(u.draft_logits, u.valid, totals):
+        t, d = u.target_logits[ok], dl[ok]
+        if n:
+            terms.append(fn(t, d).sum() / n)
+        with torch.no_grad():
+            acc.append(acceptance(t, d).sum())
+    return torch.stack(terms).sum() / steps_counted, torch.stack(acc), counts
 
 
-def train_step(target, draft: Eagle3Layer, opt, ids: torch.Tensor, seg: torch.Tensor, loss: str = "lk",
-               steps: int = TTT_STEPS) -> tuple[float, list[float]]:
-    """One optimizer step of the draft on a batch: (the loss, the acceptance estimate of each unrolled step)."""
-    u = unroll(target, draft, ids, seg, steps)
-    value, acc, _ = ttt_loss(u, loss)
-    opt.zero_grad(set_to_none=True)
-    value.backward()
-    opt.step()
-    return float(value.detach()), acc
+def ttt_loss(u: Unrolled, loss: str = "lk") -> tuple[torch.Tensor, list[float], list[int]]:
+    """(the mean over steps of each step's mean loss over its counted rows, the acceptance estimate of each step
+    (NaN for a step without counted rows), the counted rows of each step)."""
+    value, acc, counts = ttt_terms(u, loss)
+    return value, (acc / counts).tolist(), counts.tolist()
+
+
+# --- the run on the Trainer ----------------------------------------------------------------------------------------
+def draft_batch(ids: torch.Tensor, seg: torch.Tensor, steps: int = TTT_STEPS) -> dict[str, torch.Tensor]:
+    """A step's batch for the Trainer from token rows ids [B, T] and their document ids seg [B, T]: `input_ids`,
+    `segment_ids`; `labels` the tokens the rows are scored at (p + 2 for row p; the Trainer counts them for the
+    tokens per second: the loss reads the target's distributions, not them); `ttt_rows` [B, steps] each unrolled
+    step's counted rows in the whole batch (`ttt_valid`), the same on every row, so that every micro-batch has the
+    step's counts (`DraftLoss`)."""
+    counts = torch.stack([ok.sum() for ok in ttt_valid(seg, steps)])
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return {"input_ids": ids, "labels": labels, "segment_ids": seg,
+            "ttt_rows": counts[None].expand(ids.shape[0], steps).contiguous()}
+
+
+class DraftRows:
+    """The run's token rows in order, `rows` per step, as `draft_batch`es: the Trainer's loader."""
+
+    data_flag = "--data"  # what the Trainer's warning about repeated data names
+
+    def __init__(self, ids: np.ndarray, seg: np.ndarray, rows: int, ttt_steps: int = TTT_STEPS):
+        self.ids, self.seg, self.rows, self.ttt_steps = ids, seg, rows, ttt_steps
+        self.num_rows, self.tokens_per_epoch = ids.shape[0], ids.size
+        self.pos = 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if self.pos + self.rows > self.num_rows:  # past the rows cut for the run (a resumed run given more steps)
+            self.pos = 0
+        sl = slice(self.pos, self.pos + self.rows)
+        self.pos += self.rows
+        return draft_batch(torch.from_numpy(self.ids[sl]), torch.from_numpy(self.seg[sl]), self.ttt_steps)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.pos = st["pos"]
+
+
+class DraftLoss:
+    """The training-time test's loss (`unroll`, `ttt_terms`) of a micro-batch of `draft_batch` rows through the
+    Trainer's loss seam (k3.train.losses); the trained module is the draft, the frozen `target` gives the features
+    and the distributions. Each step's rows are summed over the count of the whole step's batch (`ttt_rows`), so
+    that the micro-batches' losses add up to the step's. Its statistics (`extra`): per unrolled step, the summed
+    acceptance estimate and the counted rows of the micro-batch."""
+
+    def __init__(self, target, loss: str = "lk", steps: int = TTT_STEPS):
+        self.target, self.loss, self.steps = target, loss, steps
+
+    def __call__(self, draft, mb: MicroBatch) -> LossOutput:
+        t = mb.tensors
+        u = unroll(self.target, draft, t["input_ids"], mb.info.segment_ids, self.steps)
+        value, accept, rows = ttt_terms(u, self.loss, t["ttt_rows"][0].tolist())
+        return LossOutput(value, value.detach().double(), None, extra={"accept_sum": accept, "rows": rows})
+
+
+@dataclass
+class DraftStepMetrics(StepMetrics):
+    # on the logged steps: each unrolled step's acceptance estimate, the mean over the steps since the last logged one
+    accept: list[float] | None = None
+
+
+class DraftTrainer(Trainer):
+    """The Trainer with the draft as its module, `DraftRows` as its loader and `DraftLoss` as its loss; its
+    checkpoints are the draft's (k3.draft_checkpoint.save_draft_checkpoint, with the trainer state)."""
+
+    def __init__(self, draft: Eagle3Layer, tcfg, rows: DraftRows, target, loss: str, target_path: str,
+                 train_info: dict, progress: bool = True, log=print):
+        super().__init__(draft, tcfg, rows, log=log, loss=DraftLoss(target, loss, rows.ttt_steps))
+        self.target_path, self.train_info, self.print_progress = target_path, train_info, progress
+        self._accept_sum, self._accept_steps = np.zeros(rows.ttt_steps), 0
+
+    def _finish_step(self, m: StepMetrics, extras: list[dict]) -> DraftStepMetrics:
+        """The step's record, with the acceptance estimates on the logged steps, and the progress line."""
+        accept = torch.stack([x["accept_sum"] for x in extras]).sum(0)
+        rows = torch.stack([x["rows"] for x in extras]).sum(0)
+        self._accept_sum += np.nan_to_num(np.array((accept / rows).tolist()))
+        self._accept_steps += 1
+        out = DraftStepMetrics(**asdict(m))
+        if self.step % self.cfg.log_every == 0 or self.done():
+            mean = (self._accept_sum / self._accept_steps).tolist()
+            out.accept = [round(a, 5) for a in mean]
+            self._accept_sum[:] = 0
+            self._accept_steps = 0
+            if self.print_progress:
+                self.log(f"step {out.step}/{self.step_budget()}  loss {out.loss:.4f}  accept(1..{len(mean)}) "
+                         + " ".join(f"{a:.3f}" for a in mean) + f"  {out.tokens_per_s:.0f} tok/s")
+        return out
+
+    def save(self) -> str | None:
+        """A checkpoint, unless the run is done: then its result is the draft, which `train_draft` writes."""
+        return None if self.done() else super().save()
+
+    def _save_model(self, model, path: str, extra_files: dict) -> None:
+        from k3.draft_checkpoint import save_draft_checkpoint
+
+        save_draft_checkpoint(model, path, self.target_path, self.train_info, extra_files)
+
+    def _load_model(self, model, path: str, verify: bool) -> None:
+        from k3.draft_checkpoint import load_draft_checkpoint
+
+        load_draft_checkpoint(model, path, verify=verify)
+
+    def state_dict(self) -> dict:
+        st = super().state_dict()
+        st["accept_window"] = {"sum": self._accept_sum.tolist(), "steps": self._accept_steps}
+        return st
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        self._accept_sum = np.array(st["accept_window"]["sum"], dtype=np.float64)
+        self._accept_steps = st["accept_window"]["steps"]
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
@@ -254,6 +383,7 @@ class DraftOptions:
     backends: object = None
     verify: bool = True
     ttt_steps: int = TTT_STEPS
+    resume: bool = False  # continue the unfinished run in `out` from its newest checkpoint
 
     def validate(self) -> None:
         if self.loss not in LOSSES:
@@ -265,8 +395,8 @@ class DraftOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
-        if self.seq_len < 3:
-            raise ValueError(f"seq_len={self.seq_len} is too short for the draft (at least 3)")
+        if self.seq_len < 8:  # the Trainer's shortest row (k3.train.config)
+            raise ValueError(f"seq_len={self.seq_len} is too short for the draft (at least 8)")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
 
@@ -302,14 +432,27 @@ def load_target(ckpt: str, device, backends=None, verify: bool = True, qat: str 
     return target
 
 
+# the settings a resumed run must share with the run it continues (--steps may grow)
+RESUME_SAME = ("loss", "qat", "ttt_steps", "seq_len", "rows", "lr", "seed", "data")
+
+
+def draft_train_config(opts: DraftOptions, out: str, device) -> TrainConfig:
+    """The Trainer's settings for the draft: `steps` steps of `rows` rows, the peak learning rate with the default
+    schedule, no gradient clipping, no QK-Clip, no Quantile Balancing, fp32 (no autocast)."""
+    return TrainConfig(out=out, max_steps=opts.steps, seq_len=opts.seq_len, batch_tokens=opts.rows * opts.seq_len,
+                       lr=opts.lr, grad_clip=math.inf, balance="none", qk_clip_tau=0.0, log_every=opts.log_every,
+                       seed=opts.seed, device=str(device), qat=opts.qat)
+
+
 def train_draft(opts: DraftOptions, log=print, progress: bool = True) -> dict:
-    """Train an EAGLE-3 draft for opts.ckpt and write it to opts.out (default CK/draft); returns a summary."""
+    """Train an EAGLE-3 draft for opts.ckpt and write it to opts.out (default CK/draft); returns a summary: `out`,
+    `last` (the last logged step's record), `step`, and `interrupted` / `signal` when a signal stopped the run
+    before its end (its checkpoint is then in OUT/checkpoints, and no draft is written: `resume` continues it)."""
     from k3.data.tokenizer import load_any_tokenizer
     from k3.devices import pick_device
-    from k3.draft_checkpoint import save_draft
-    from k3.train.per_head_muon import PerHeadMuon
+    from k3.draft_checkpoint import read_draft_config, save_draft
+    from k3.run_dir import clean_interrupted, holding_run_dir, latest_checkpoint, resume_checkpoint
     from k3.train.run import load_corpus
-    from k3.train.schedule import lr_multiplier
 
     opts.validate()
     if not os.path.isdir(opts.ckpt) or not os.path.isfile(os.path.join(opts.ckpt, "config.json")):
@@ -322,57 +465,63 @@ def train_draft(opts: DraftOptions, log=print, progress: bool = True) -> dict:
         from k3.train.qat import apply_qat
 
         apply_qat(draft, opts.qat)
-    draft.train()
     try:
         tok = load_any_tokenizer(opts.ckpt)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"{opts.ckpt} has no usable tokenizer.json ({e})") from None
     train_docs, _ = load_corpus(opts.data, opts.max_corpus_mb, log=log)
-    rows = token_rows(tok, train_docs, opts.steps * opts.rows, opts.seq_len, opts.seed)
-    seg = np.zeros_like(rows)  # a new document right after every eos
-    np.cumsum(rows[:, :-1] == tok.eos_id, axis=1, out=seg[:, 1:])
+    ids = token_rows(tok, train_docs, opts.steps * opts.rows, opts.seq_len, opts.seed)
+    seg = np.zeros_like(ids)  # a new document right after every eos
+    np.cumsum(ids[:, :-1] == tok.eos_id, axis=1, out=seg[:, 1:])
     torch.manual_seed(opts.seed)
-    opt = PerHeadMuon(draft, lr=opts.lr)
-    for g in opt.param_groups:
-        g["initial_lr"] = g["lr"]
-    n_params = sum(p.numel() for p in draft.parameters())
-    log(f"target {opts.ckpt}: {target.config.num_hidden_layers} layers, frozen; draft: MTP block + W_E3 "
-        f"({n_params / 1e6:.2f}M parameters), features of AttnRes blocks {list(draft.blocks)} + the final hidden "
-        f"state; loss {opts.loss}, {opts.ttt_steps}-step training-time test, {opts.steps} steps of {opts.rows} x "
-        f"{opts.seq_len} tokens{f', QAT {opts.qat}' if opts.qat else ''}; on {device}")
-    os.makedirs(out, exist_ok=True)
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    open(metrics_path, "w").close()
-    t0 = time.perf_counter()
-    acc_sum = np.zeros(opts.ttt_steps)
-    acc_n = 0
-    last = {}
-    for step in range(1, opts.steps + 1):
-        mult = lr_multiplier((step - 1) / max(opts.steps, 1))
-        for g in opt.param_groups:
-            g["lr"] = g["initial_lr"] * mult
-        sl = slice((step - 1) * opts.rows, step * opts.rows)
-        ids = torch.from_numpy(rows[sl]).to(device)
-        s = torch.from_numpy(seg[sl]).to(device)
-        loss, acc = train_step(target, draft, opt, ids, s, opts.loss, opts.ttt_steps)
-        acc_sum += np.nan_to_num(np.array(acc))
-        acc_n += 1
-        if step % opts.log_every == 0 or step == opts.steps:
-            mean_acc = (acc_sum / acc_n).tolist()
-            el = time.perf_counter() - t0
-            last = {"step": step, "loss": loss, "accept": [round(a, 5) for a in mean_acc],
-                    "lr": opts.lr * mult, "elapsed_s": round(el, 2),
-                    "tokens_per_s": round(step * opts.rows * opts.seq_len / el, 1)}
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(last) + "\n")
-            if progress:
-                log(f"step {step}/{opts.steps}  loss {loss:.4f}  accept(1..{opts.ttt_steps}) "
-                    + " ".join(f"{a:.3f}" for a in mean_acc) + f"  {last['tokens_per_s']:.0f} tok/s")
-            acc_sum[:] = 0
-            acc_n = 0
     info = {"loss": opts.loss, "steps": opts.steps, "qat": opts.qat, "ttt_steps": opts.ttt_steps,
-            "seq_len": opts.seq_len, "rows": opts.rows, "lr": opts.lr, "seed": opts.seed, "data": opts.data,
-            "last": last}
-    save_draft(draft, out, opts.ckpt, info)
+            "seq_len": opts.seq_len, "rows": opts.rows, "lr": opts.lr, "seed": opts.seed, "data": opts.data}
+    ckdir = os.path.join(out, "checkpoints")
+    with holding_run_dir(out):
+        clean_interrupted(ckdir, log=log)
+        resume_from, skipped = resume_checkpoint(out) if opts.resume else (None, [])
+        if opts.resume and resume_from is None:
+            raise ValueError(f"--resume: no checkpoint found in {ckdir} (a finished run keeps none)"
+                             + "".join(f"; {p} is {why}" for p, why in skipped))
+        if not opts.resume and latest_checkpoint(out) is not None:
+            raise ValueError(f"{out} holds an unfinished draft run ({latest_checkpoint(out)}); pass --resume to "
+                             f"continue it, or remove {ckdir} to start over")
+        if resume_from is not None:
+            saved = read_draft_config(resume_from).get("train", {})
+            for k in RESUME_SAME:
+                if saved.get(k) != info[k]:
+                    raise ValueError(f"--resume: the run in {out} trains with {k}={saved.get(k)!r}, not {info[k]!r}; "
+                                     "give it the same settings (only --steps may change)")
+        else:
+            for f in ("metrics.jsonl", "loss.png"):  # a new run's log starts empty
+                if os.path.exists(os.path.join(out, f)):
+                    os.remove(os.path.join(out, f))
+        tcfg = draft_train_config(opts, out, device)
+        trainer = DraftTrainer(draft, tcfg, DraftRows(ids, seg, opts.rows, opts.ttt_steps), target, opts.loss,
+                               opts.ckpt, info, progress=progress, log=log)
+        if resume_from is not None:
+            if skipped:
+                log(f"--resume: skipping {'; '.join(f'{p} ({why})' for p, why in skipped)}")
+            trainer.load(resume_from, verify=opts.verify)
+            log(f"resumed from {resume_from} at step {trainer.step}")
+        n_params = sum(p.numel() for p in draft.parameters())
+        log(f"target {opts.ckpt}: {target.config.num_hidden_layers} layers, frozen; draft: MTP block + W_E3 "
+            f"({n_params / 1e6:.2f}M parameters), features of AttnRes blocks {list(draft.blocks)} + the final hidden "
+            f"state; loss {opts.loss}, {opts.ttt_steps}-step training-time test, {opts.steps} steps of {opts.rows} x "
+            f"{opts.seq_len} tokens{f', QAT {opts.qat}' if opts.qat else ''}; on {device}")
+        summary = trainer.fit(progress_bar=False)
+        logged = [r for r in trainer.history if "accept" in r]
+        last = {} if not logged else {
+            "step": logged[-1]["step"], "loss": logged[-1]["loss"], "accept": logged[-1]["accept"],
+            "lr": logged[-1]["lr"], "elapsed_s": round(logged[-1]["elapsed_s"], 2),
+            "tokens_per_s": round(logged[-1]["tokens_per_s"], 1)}
+        result = {"out": out, "last": last, "step": summary["step"], "interrupted": summary["interrupted"],
+                  "signal": summary["signal"]}
+        if summary["interrupted"] and trainer.step < opts.steps:
+            log(f"stopped at step {trainer.step} of {opts.steps}: checkpoint {summary['checkpoint']}; no draft "
+                "written (--resume continues the run)")
+            return result
+        save_draft(draft, out, opts.ckpt, {**info, "last": last})
+        shutil.rmtree(ckdir, ignore_errors=True)  # the run is finished: its result is the draft
     log(f"wrote the draft to {out} (config.json, model.safetensors, metrics.jsonl)")
-    return {"out": out, "last": last}
+    return result

@@ -21,11 +21,13 @@ Under context parallelism (k3.train.distributed) a rank gets its segment's `inpu
 `labels` only, which `NextTokenLoss` is written for: `DistributedTrainer` does not split other per-token tensors.
 A loss weighs its micro-batch so that the micro-batches' losses sum to the step's: by `mb.rows` (its share of the
 step's rows) or by `mb.step_tokens` (the step's trained tokens). It must ask the forward for `mb.stats` and hand
-the output's `stats` back: balancing and QK-Clip read them. Its `extra` statistics (detached device tensors) come
+the output's `stats` back: balancing and QK-Clip read them (a run with neither may hand back None: the EAGLE-3
+draft's). Its `extra` statistics (detached device tensors) come
 back per micro-batch to the run's `Trainer._finish_step`, which reads them once per step; nothing travels through
 module attributes.
 
-`NextTokenLoss` is pre-training's and SFT's; MOPD's is k3.posttrain.distill.MOPDLoss.
+`NextTokenLoss` is pre-training's and SFT's; MOPD's is k3.posttrain.distill.MOPDLoss, RL's k3.rl.loss.RLLoss, the
+EAGLE-3 draft's k3.posttrain.eagle3.DraftLoss (its module the draft, the frozen target inside the loss).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from k3.model.stats import ForwardStats
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch as a loss sees it (built by `Trainer._accumulate`)."""
-    tensors: dict[str, torch.Tensor]  # [rows, T] each, on the device: input_ids, labels and the run's extras
+    tensors: dict[str, torch.Tensor]  # [rows, ...] each, on the device: input_ids, labels and the run's extras
     info: BatchInfo  # the batch record the forward takes (`model(..., batch=info)`)
     stats: tuple[str, ...]  # the statistics the forward must be asked for (routing, max_logit)
     rows: float  # its rows / the step's rows (of this process)

@@ -3,9 +3,16 @@ atomic checkpoints and exact resume (checkpoints: k3.train.checkpointing; held-o
 metrics.jsonl, loss.png and the progress bar: k3.train.reporting).
 
 One loop for every kind of run: pre-training and SFT train `NextTokenLoss`, MOPD its policy-gradient loss
-(k3.posttrain.distill); a run supplies its batches (the loader, or `_next_batch`) and its loss (k3.train.losses:
+(k3.posttrain.distill), RL its own (k3.rl.trainer), the EAGLE-3 draft its training-time-test loss
+(k3.posttrain.eagle3); a run supplies its batches (the loader, or `_next_batch`) and its loss (k3.train.losses:
 one call per micro-batch), and the micro-batch loop, autocast, weight casts, statistics, OOM retry, distributed
 hooks and checkpoints are this file's.
+
+The trained module is a K3ForCausalLM, or any module with a `config` (its vocab_size), `backends` and parameters:
+what the Trainer does beyond the loss follows from what the module has and the settings ask for (Quantile
+Balancing of its LatentMoE layers unless --balance none, QK-Clip when qk_clip_tau > 0, activation checkpointing
+when the module has it). A run whose module is not a K3ForCausalLM writes and reads it in checkpoints itself
+(`_save_model`, `_load_model`).
 
 The loop is single-device code. Everything a distributed wrapper needs to change is a constructor argument
 (the model, the process group for balancing) or a method to override (`_all_reduce_grads`); there is no
@@ -23,9 +30,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.profiler import record_function
 
+from k3.checkpoint import load_state_into, save_pretrained
 from k3.model.batch import BatchInfo
+from k3.model.common import use_weight_casts
 from k3.model.latent_moe import LatentMoE
-from k3.model.model import K3ForCausalLM, check_token_ids
+from k3.model.model import check_token_ids
 from k3.ops.weight_cast import WeightCasts
 from k3.run_dir import clean_interrupted, holding_run_dir
 from k3.train import state as state_io
@@ -73,7 +82,7 @@ class StepMetrics:
 
 
 class Trainer:
-    def __init__(self, model: K3ForCausalLM, tcfg: TrainConfig, train_loader, eval_stream=None, eos_id: int = 0,
+    def __init__(self, model: torch.nn.Module, tcfg: TrainConfig, train_loader, eval_stream=None, eos_id: int = 0,
                  tokenizer_json: bytes | None = None, log=print, extra_files: dict[str, bytes] | None = None,
                  loss: Loss | None = None):
         """`eval_stream`: the held-out token stream (windows of seq_len), or a list of labelled batches (SFT rows);
@@ -88,7 +97,10 @@ class Trainer:
         self.optimizer = PerHeadMuon(optimizer_groups(model, tcfg.optimizer), lr=tcfg.lr,
                                      weight_decay=tcfg.weight_decay, backends=model.backends)
         # Training forwards only: evaluation (eval mode, no_grad) runs the plain path whatever the setting.
-        model.set_activation_checkpointing(tcfg.activation_checkpointing)
+        if hasattr(model, "set_activation_checkpointing"):
+            model.set_activation_checkpointing(tcfg.activation_checkpointing)
+        elif tcfg.activation_checkpointing:
+            raise ValueError(f"activation checkpointing: the trained module ({type(model).__name__}) has none")
         self.moe_layers = [m for m in model.modules() if isinstance(m, LatentMoE)]
         # no balancers for --balance none, unless its loads are to be measured (diagnostics: method "none")
         self.balancers = [] if tcfg.balance == "none" and not tcfg.balance_diagnostics else [
@@ -277,7 +289,7 @@ class Trainer:
         tokens = to_device_async(tokens, self.device)
         # Under autocast the weights are cast once for all micro-batches and their gradients summed straight into
         # the fp32 .grad (bitwise what autograd's cast + accumulation gives; k3.ops.weight_cast).
-        with model.use_weight_casts(self._weight_casts()):
+        with use_weight_casts(model, self._weight_casts()):
             for s in range(0, rows, mb):
                 host = {k: v[s:s + mb] for k, v in batch.items()}
                 info, part, scale = self._micro_batch(host)
@@ -390,13 +402,24 @@ class Trainer:
             return path  # e.g. the final save right after a periodic one: rewriting it would only add risk
         state = state_io.dump_parts(self.state_dict())
         save_checkpoint(self.model, self.cfg.out, self.step, state, tokenizer_json=self.tokenizer_json,
-                        keep=self.cfg.keep_checkpoints, log=self.log, extra_files=self.extra_files)
+                        keep=self.cfg.keep_checkpoints, log=self.log, extra_files=self.extra_files,
+                        save_model=self._save_model)
         self._saved_step = self.step
         return path
 
+    def _save_model(self, model, path: str, extra_files: dict) -> None:
+        """Write the trained module and `extra_files` (the trainer state, the tokenizer, ...) as the checkpoint
+        directory `path`, atomically: the official layout (k3.checkpoint.save_pretrained). A run of another module
+        writes its own (k3.checkpoint.write_checkpoint_dir), and reads it in `_load_model`."""
+        save_pretrained(model, path, extra_files=extra_files)
+
+    def _load_model(self, model, path: str, verify: bool) -> None:
+        """Fill the trained module from the checkpoint `path` that `_save_model` wrote."""
+        load_state_into(model, path, verify=verify)
+
     def load(self, ckpt_dir: str, verify: bool = True) -> None:
         """Restore model and trainer state from a checkpoint; `verify`: check the shards' SHA-256 digests."""
-        stored = load_checkpoint(self.model, ckpt_dir, verify=verify)
+        stored = load_checkpoint(self.model, ckpt_dir, verify=verify, load_model=self._load_model)
         try:
             self.load_state_dict(state_io.loads(*stored))
         except Exception as e:

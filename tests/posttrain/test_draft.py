@@ -1,13 +1,16 @@
 """EAGLE-3 draft training (report §4.1.4): the LK loss and its gradient, W_E3 = [0 0 I] reproducing the MTP layer,
-the 7-step training-time test (own outputs fed back; its masked attention equal to recurrent drafting), the frozen
-target, the draft's files, and `k3 train-draft` end to end with its error messages."""
+the 7-step training-time test (own outputs fed back; its masked attention equal to recurrent drafting), the draft's
+loss through the Trainer's loss seam, the frozen target, the draft's files, and `k3 train-draft` end to end with
+its error messages and its resume."""
 
+import copy
 import functools
 import json
 import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from helpers import randomize_
 from k3.checkpoint import save_pretrained
@@ -17,8 +20,8 @@ from k3.draft_checkpoint import DraftError, load_draft, save_draft
 from k3.model.cache import MLACache
 from k3.model.eagle3 import Eagle3Layer, default_feature_blocks
 from k3.model.model import K3ForCausalLM
-from k3.posttrain.eagle3 import acceptance, kl_loss, lk_loss, target_features, train_step, ttt_loss, unroll
-from k3.train.per_head_muon import PerHeadMuon
+from k3.posttrain.eagle3 import (DraftOptions, DraftRows, DraftTrainer, acceptance, draft_batch, draft_train_config,
+                                  kl_loss, lk_loss, target_features, ttt_loss, unroll)
 
 VOCAB = 512
 
@@ -225,14 +228,79 @@ def test_ttt_mask_equals_recurrent_drafting():
     assert checked >= 20
 
 
-def test_a_train_step_leaves_the_target_frozen_and_trains_the_draft():
+def _trainer(tmp_path, target, draft, ids, seg, loss="lk", micro_batch_rows=None):
+    """The Trainer of `k3 train-draft` (its settings, `DraftTrainer`) over the one batch ids / seg [B, T]."""
+    B, T = ids.shape
+    opts = DraftOptions(ckpt="ck", steps=1, loss=loss, seq_len=T, rows=B, lr=1e-2, log_every=1)
+    tcfg = draft_train_config(opts, str(tmp_path), "cpu")
+    tcfg.micro_batch_rows = micro_batch_rows
+    return DraftTrainer(draft, tcfg, DraftRows(ids.numpy(), seg.numpy(), B), target, loss, "ck", {}, progress=False,
+                        log=lambda *a: None)
+
+
+def _seam_step(tmp_path, target, draft, ids, seg, loss="lk"):
+    """One optimizer step of the draft on a batch through the Trainer: (the loss, the acceptance estimate of each
+    unrolled step)."""
+    m = _trainer(tmp_path, target, draft, ids, seg, loss).train_step()
+    return m.loss, m.accept
+
+
+def test_the_draft_loss_through_the_trainer_seam_is_the_ttt_loss(tmp_path):
+    """The draft's loss driven through `Trainer._accumulate` in micro-batches of unequal sizes (2, 2 and 1 rows whose
+    documents differ, so that each unrolled step's counted rows differ between micro-batches) gives the step loss,
+    the gradients, the counted rows and the acceptance estimates of `ttt_loss` on the whole batch, written out here
+    from `unroll` (not through the seam), for both losses; and the whole batch as one micro-batch (the default) is
+    `ttt_loss` bit for bit, in fp32.
+
+    Tolerances: the micro-batches are compared with target and draft in fp64 (the loss and the attention core still
+    compute in fp32): loss and acceptance at 1e-6 relative, gradients at 1e-5 of each tensor's largest entry (~2e-6
+    seen). In fp32 a batch of another shape rounds its GEMMs differently, and the 7-step recurrence through the
+    random MoE block amplifies that until the whole batch's own fp32 gradients are only within ~5e-4 of the fp64
+    ones: micro-batches then differ from it at that level, which says nothing about the seam."""
+    m = _target()
+    B, T = 5, 32
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, VOCAB, (B, T), generator=g)
+    seg = torch.zeros_like(ids)
+    for r, starts in enumerate([[10], [3, 20], [], [25], [6, 14, 22]]):  # where each row's next documents begin
+        for s in starts:
+            seg[r, s:] += 1
+    batch = draft_batch(ids, seg)
+    for loss in ("lk", "kl"):
+        for target, mb in ((copy.deepcopy(m).double(), 2), (m, B)):
+            draft = _random_fc(Eagle3Layer.from_target(target), seed=4).train()
+            tr = _trainer(tmp_path, target, draft, ids, seg, loss)
+            bias = [x.gate.e_score_correction_bias.clone() for x in tr.moe_layers]
+            value, mtp, extras = tr._accumulate(batch, mb, bias)
+            grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+            draft.zero_grad(set_to_none=True)
+            want, acc, counts = ttt_loss(unroll(target, draft, ids, seg), loss)
+            want.backward()
+            want_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+            assert mtp is None and not any(p.grad is not None for p in target.parameters())
+            assert grads.keys() == want_grads.keys() and "fc.weight" in grads
+            if mb == B:  # one micro-batch: the same operations as ttt_loss
+                assert float(value) == float(want.detach())
+                assert all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+                continue
+            assert len(extras) == 3
+            assert float(value) == pytest.approx(float(want.detach()), rel=1e-6)
+            for n in want_grads:
+                torch.testing.assert_close(grads[n], want_grads[n], rtol=0,
+                                           atol=1e-5 * float(want_grads[n].abs().max()) + 1e-12, msg=n)
+            rows = torch.stack([x["rows"] for x in extras])
+            assert rows.sum(0).tolist() == counts and len(set(map(tuple, rows.tolist()))) == 3  # unequal parts
+            accept = torch.stack([x["accept_sum"] for x in extras]).sum(0) / rows.sum(0)
+            torch.testing.assert_close(accept.double(), torch.tensor(acc, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_a_train_step_leaves_the_target_frozen_and_trains_the_draft(tmp_path):
     m = _target()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     draft = Eagle3Layer.from_target(m).train()
     start = {k: v.clone() for k, v in draft.state_dict().items()}
-    opt = PerHeadMuon(draft, lr=1e-2)
     ids, seg = _batch()
-    loss, acc = train_step(m, draft, opt, ids, seg, "lk")
+    loss, acc = _seam_step(tmp_path, m, draft, ids, seg, "lk")
     assert len(acc) == 7 and all(0 < a <= 1 for a in acc) and loss > 0
     assert all(p.grad is None for p in m.parameters())
     for k, v in m.state_dict().items():
@@ -314,3 +382,48 @@ def test_qat_runs_target_and_draft_experts_in_mxfp4(tmp_path):
     assert json.loads((tmp_path / "d" / "config.json").read_text())["train"]["qat"] == "mxfp4"
     # served beside an MXFP4 target, the draft's experts compute as the target's do
     assert expert_formats(load_draft(str(tmp_path / "d"), target)) == ("mxfp4", "mxfp8")
+
+
+def test_a_stopped_run_resumes_to_the_draft_of_an_uninterrupted_one(tmp_path, capsys, monkeypatch):
+    """`k3 train-draft` stopped after step 2 of 4 (as Ctrl-C stops it: the step finished, a checkpoint saved) writes
+    no draft and refuses to start over without --resume; --resume then ends with the uninterrupted run's draft bit
+    for bit, its metrics.jsonl holding each step once with the same losses and acceptance, and the checkpoints
+    removed."""
+    from k3.cli import main
+    from k3.posttrain import eagle3
+
+    ck = _checkpoint(str(tmp_path / "ck"))
+    text = tmp_path / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20 + "x = [i * i for i in range(9)]\n" * 20)
+    args = ["train-draft", "--ckpt", ck, "--steps", "4", "--rows", "2", "--seq-len", "24", "--data", str(text),
+            "--log-every", "1", "--device", "cpu", "--no-progress"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(args + ["--out", str(a)]) == 0
+    assert not (a / "checkpoints").exists()  # a finished run's result is the draft
+
+    step = eagle3.DraftTrainer.train_step
+
+    def step_then_stop(self):
+        m = step(self)
+        self._stop_requested = self.step == 2
+        return m
+
+    monkeypatch.setattr(eagle3.DraftTrainer, "train_step", step_then_stop)
+    assert main(args + ["--out", str(b)]) == 130
+    assert "stopped at step 2 of 4" in capsys.readouterr().out
+    assert not (b / "config.json").exists() and (b / "checkpoints" / "step-0000002").is_dir()
+    monkeypatch.setattr(eagle3.DraftTrainer, "train_step", step)
+    assert main(args + ["--out", str(b)]) == 2
+    assert "pass --resume to continue it" in capsys.readouterr().err
+    assert main(args + ["--out", str(b), "--resume", "--lr", "2e-3"]) == 2
+    assert "trains with lr=0.001, not 0.002" in capsys.readouterr().err
+    assert main(args + ["--out", str(b), "--resume"]) == 0
+    assert "at step 2" in capsys.readouterr().out
+    want, got = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    ra, rb = ([json.loads(x) for x in open(d / "metrics.jsonl")] for d in (a, b))
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]
+    assert [(r["loss"], r["accept"]) for r in ra] == [(r["loss"], r["accept"]) for r in rb]
+    assert not (b / "checkpoints").exists()
+    assert main(args + ["--out", str(b), "--resume"]) == 2
+    assert "no checkpoint found" in capsys.readouterr().err
