@@ -340,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
     s.set_defaults(fn=_cmd_serve)
 
+    from k3.route.cli import add_parser as add_route
+
+    add_route(sub)  # k3 route
+
     s = sub.add_parser("generate", help="continue a prompt")
     s.add_argument("--ckpt", required=True, help="checkpoint directory (or a run directory: its latest checkpoint)")
     s.add_argument("prompt")
