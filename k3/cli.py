@@ -16,9 +16,12 @@ def _config_from_arg(spec: str):
 
     if spec in PRESETS:
         return spec, K3Config.from_preset(spec)
+    if os.path.isdir(spec):
+        return spec, K3Config.load(_resolve_ckpt(spec, "model"))  # a checkpoint, or a run's latest
     if os.path.exists(spec):
         return spec, K3Config.load(spec)
-    raise SystemExit(f"k3: '{spec}' is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
+    raise SystemExit(f"k3: '{spec}' is neither a preset ({', '.join(PRESETS)}) nor a config file, checkpoint directory "
+                     "or run directory")
 
 
 _CUDA_GRAPHS = {"auto": True, "on": True, "1": True, "off": False, "0": False, "eager": "eager"}
@@ -78,9 +81,12 @@ def cmd_init(args) -> int:
 
 def cmd_chat_template(args) -> int:
     """`k3 chat-template migrate CK`: rewrite a checkpoint's chat_template.json as the current format_version."""
-    from k3.serve.chat import migrate_chat_template
+    from k3.serve.chat import CHAT_TEMPLATE_FILE, migrate_chat_template
 
-    path, notes = migrate_chat_template(args.ckpt)
+    ckpt = args.ckpt  # any directory holding a chat_template.json; else a checkpoint, or a run's latest
+    if not os.path.isfile(os.path.join(ckpt, CHAT_TEMPLATE_FILE)):
+        ckpt = _resolve_ckpt(ckpt, "ckpt")
+    path, notes = migrate_chat_template(ckpt)
     print(f"{path}:")
     for n in notes:
         print(f"  {n}")
@@ -258,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("info", help="parameter counts, cache sizes and FLOPs of a preset or checkpoint")
-    s.add_argument("model", help="preset name (k3, k3-mini, tiny), config.json or checkpoint directory")
+    s.add_argument("model", help="preset name (k3, k3-mini, tiny), config.json, checkpoint directory or run directory "
+                   "(its latest checkpoint)")
     s.add_argument("--context", type=_positive_int, default=4096, help="context length for the FLOP count")
     s.set_defaults(fn=cmd_info)
 
@@ -276,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("chat-template", help="a checkpoint's chat template (chat_template.json)")
     s.add_argument("action", choices=["migrate"], help="migrate: rewrite a format_version 1 file as version 2, "
                    "keeping what maps and naming what it drops")
-    s.add_argument("ckpt", help="checkpoint directory")
+    s.add_argument("ckpt", help="checkpoint directory (or a run directory: its latest checkpoint)")
     s.set_defaults(fn=cmd_chat_template)
 
     s = sub.add_parser("train", help="train a model (default: tiny on the Python standard library, on CPU)")

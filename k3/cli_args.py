@@ -93,14 +93,15 @@ def _train_config(args, defaults: dict):
     return TrainConfig(**fields)
 
 
-def _resolve_ckpt(path: str) -> str:
-    from k3.run_dir import latest_checkpoint
+def _resolve_ckpt(path: str, what: str = "--ckpt") -> str:
+    """The checkpoint a command's flag names (k3.run_dir.resolve_checkpoint: a checkpoint directory, or a run
+    directory's latest checkpoint, said on stderr); a bad path raises CheckpointPathError (a ValueError: `k3` prints
+    it and exits with status 2)."""
+    import sys
 
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-        ck = latest_checkpoint(path)
-        if ck is not None:
-            return ck  # a run directory: use its latest checkpoint
-    return path
+    from k3.run_dir import resolve_checkpoint
+
+    return resolve_checkpoint(path, what, log=lambda msg: print(f"k3: {msg}", file=sys.stderr, flush=True))
 
 
 def _add_trainer_flags(s) -> None:

@@ -140,6 +140,36 @@ def latest_checkpoint(out: str) -> str | None:
     return path if is_complete(path) else None
 
 
+class CheckpointPathError(ValueError):
+    """A checkpoint flag names no checkpoint."""
+
+
+def resolve_checkpoint(path: str, what: str = "--ckpt", log: Callable[[str], object] | None = None) -> str:
+    """The checkpoint a flag's `path` names, for every command and flag that reads a model: a checkpoint directory
+    (it holds config.json: a training checkpoint, an export, the release) is itself; a training run directory is
+    its latest complete checkpoint (`latest_checkpoint`), which `log` is told as "WHAT: PATH -> CHECKPOINT";
+    anything else raises CheckpointPathError naming the flag, the path and what was expected. `what` names the
+    flag in both ("--ckpt", "--student", "--teacher code")."""
+    expected = ("expected a checkpoint directory (with config.json) or a training run directory (its latest "
+                "complete checkpoint, under checkpoints/step-N/)")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if not os.path.exists(path):
+        why = "it does not exist"
+    elif not os.path.isdir(path):
+        why = "it is a file, not a directory"
+    elif os.path.isdir(os.path.join(path, "checkpoints")):
+        ck = latest_checkpoint(path)
+        if ck is not None:
+            if log is not None:
+                log(f"{what}: {path} -> {ck}")
+            return ck
+        why = f"a run directory without a complete checkpoint in {os.path.join(path, 'checkpoints')}"
+    else:
+        why = "no config.json and no checkpoints/ in it"
+    raise CheckpointPathError(f"{what}: {path}: no checkpoint there ({why}); {expected}")
+
+
 def truncated_files(path: str) -> list[str]:
     """The safetensors files of the checkpoint `path` that are shorter than their own header says (cut off by a
     full disk, a copy or a transfer), as "FILE (N of M bytes)"; reads the headers only. A file whose header cannot

@@ -83,3 +83,104 @@ def test_atomic_writes_get_the_mode_of_a_plain_open(tmp_path, umask, mode):
     os.chmod(path, 0o640)
     atomic_write_text(path, "{}")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+# --- 2. one checkpoint resolver for every flag that reads a model ---------------------------------------------------
+
+class _Reached(Exception):
+    """Raised in place of the work a command does with its checkpoint: carries the path it was given."""
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A training run directory holding one complete checkpoint (a tiny model; its trainer state a stub) and an
+    older incomplete one."""
+    from k3.run_dir import COMPLETE_FILES
+
+    run = tmp_path_factory.mktemp("runs") / "teacher_code"
+    ck = _init_tiny(run / "checkpoints" / "step-0000300", tokenizer="bytes")
+    with open(os.path.join(ck, "trainer_state.json"), "w") as f:
+        f.write('{"train_config": {}}')
+    open(os.path.join(ck, "trainer_state.safetensors"), "wb").close()
+    assert all(os.path.isfile(os.path.join(ck, f)) for f in COMPLETE_FILES)
+    os.makedirs(run / "checkpoints" / "step-0000400")  # a save cut short: never chosen
+    return str(run)
+
+
+def test_resolve_checkpoint_takes_a_run_dir_or_a_checkpoint_and_names_a_bad_path(run_dir, tmp_path):
+    from k3.run_dir import CheckpointPathError, resolve_checkpoint
+
+    ck = os.path.join(run_dir, "checkpoints", "step-0000300")
+    said = []
+    assert resolve_checkpoint(run_dir, "--teacher code", log=said.append) == ck
+    assert said == [f"--teacher code: {run_dir} -> {ck}"]
+    assert resolve_checkpoint(ck, "--teacher code", log=said.append) == ck and len(said) == 1  # itself, silently
+    empty_run = tmp_path / "empty_run"
+    os.makedirs(empty_run / "checkpoints" / "step-0000001")
+    (tmp_path / "file").write_text("x")
+    os.makedirs(tmp_path / "empty")
+    for bad, why in [(tmp_path / "nowhere", "it does not exist"), (tmp_path / "file", "it is a file"),
+                     (tmp_path / "empty", "no config.json and no checkpoints/"),
+                     (empty_run, f"a run directory without a complete checkpoint in {empty_run / 'checkpoints'}")]:
+        with pytest.raises(CheckpointPathError) as e:
+            resolve_checkpoint(str(bad), "--student")
+        msg = str(e.value)
+        assert msg.startswith(f"--student: {bad}: no checkpoint there ({why}") and "expected a checkpoint directory" \
+            in msg and "training run directory" in msg, msg
+
+
+# Every command flag that reads a model: (argv, the flag as messages name it, where the command's work starts: patched
+# to raise _Reached with the path it is given). CK stands for the path under test. `train --resume` reads its own
+# --out and is not one of them.
+_STUDENT = "teacher_code/checkpoints/step-0000300"  # a checkpoint (of run_dir), the student where CK is a teacher
+_CKPT_FLAGS = {
+    "eval --ckpt": (["eval", "--ckpt", "CK", "--device", "cpu"], "--ckpt", "k3.cli._load_for_inference"),
+    "generate --ckpt": (["generate", "--ckpt", "CK", "hi", "--device", "cpu"], "--ckpt", "k3.cli._load_for_inference"),
+    "serve --ckpt": (["serve", "--ckpt", "CK", "--device", "cpu"], "--ckpt", "k3.serve.cli.serve"),
+    "sft --ckpt": (["sft", "--ckpt", "CK", "--data", "x.jsonl", "--device", "cpu"], "--ckpt",
+                   "k3.posttrain.sft.run_sft"),
+    "distill --student": (["distill", "--student", "CK", "--teacher", f"code={_STUDENT}", "--prompts", "p.jsonl",
+                           "--device", "cpu"], "--student", "k3.posttrain.distill.run_distill"),
+    "distill --teacher": (["distill", "--student", _STUDENT, "--teacher", "code=CK", "--prompts", "p.jsonl",
+                           "--device", "cpu"], "--teacher code", "k3.posttrain.distill.run_distill"),
+    "quantize --ckpt": (["quantize", "--ckpt", "CK", "--out", "q"], "--ckpt", "k3.train.qat.quantize_checkpoint"),
+    "train-draft --ckpt": (["train-draft", "--ckpt", "CK", "--device", "cpu"], "--ckpt",
+                           "k3.posttrain.eagle3.train_draft"),
+    "rl --ckpt": (["rl", "--ckpt", "CK", "--tasks", "arith:2", "--device", "cpu"], "--ckpt", "k3.rl.trainer.run_rl"),
+    "env run --ckpt": (["env", "run", "--ckpt", "CK", "--tasks", "arith:1", "--out", "e", "--sandbox", "none",
+                        "--device", "cpu"], "--ckpt", "k3.serve.build.build_engine"),
+    "chat-template ckpt": (["chat-template", "migrate", "CK"], "ckpt", "k3.serve.chat.migrate_chat_template"),
+    "info model": (["info", "CK"], "model", "k3.config.K3Config.load"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(_CKPT_FLAGS))
+def test_every_checkpoint_flag_takes_a_run_dir_or_a_checkpoint(flag, run_dir, tmp_path, monkeypatch, capsys):
+    """`k3 distill --teacher code=runs/teacher_code` (the README's) stopped with "no checkpoint there" while
+    --student and the other commands' --ckpt took the run directory: every flag now resolves alike."""
+    from k3.cli import main
+
+    argv, what, target = _CKPT_FLAGS[flag]
+
+    def reached(path, *a, **kw):  # a path, or the run's options (SFTOptions.ckpt, DistillOptions, ...)
+        if not isinstance(path, str):
+            path = (path.teachers[0].split("=", 1)[1] if what.startswith("--teacher") else
+                    getattr(path, "student", None) or path.ckpt)
+        raise _Reached(path)
+
+    monkeypatch.setattr(target, reached)
+    monkeypatch.chdir(os.path.dirname(run_dir))  # where _STUDENT is
+    ck = os.path.join(run_dir, "checkpoints", "step-0000300")
+    for given in (run_dir, ck):
+        with pytest.raises(_Reached) as e:
+            main([a.replace("CK", given) for a in argv])
+        assert e.value.args[0] == ck, (given, e.value.args[0])
+        err = capsys.readouterr().err
+        assert (f"k3: {what}: {run_dir} -> {ck}" in err) == (given == run_dir), err
+    bad = str(tmp_path / "nowhere")
+    if flag == "info model":  # a name that is no path may be a preset's misspelt: its message lists both
+        with pytest.raises(SystemExit, match=re.escape(f"'{bad}' is neither a preset")):
+            main(["info", bad])
+        return
+    assert main([a.replace("CK", bad) for a in argv]) == 2
+    assert f"{what}: {bad}: no checkpoint there (it does not exist)" in capsys.readouterr().err

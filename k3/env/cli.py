@@ -142,14 +142,12 @@ def _policy_server(args):
         api_key = args.api_key or os.environ.get("K3_API_KEY")
         yield args.endpoint, args.model or _first_model(args.endpoint, api_key), api_key
         return
-    from k3.run_dir import latest_checkpoint
+    from k3.cli_args import _resolve_ckpt
     from k3.serve.app import create_app
     from k3.serve.build import build_engine
     from k3.serve.local import serve_in_thread
 
-    ckpt = args.ckpt
-    if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, "config.json")):
-        ckpt = latest_checkpoint(ckpt) or ckpt
+    ckpt = _resolve_ckpt(args.ckpt)  # a checkpoint, or a training run's latest
     engine, tokenizer, template = build_engine(ckpt, cache_memory_mb=args.cache_memory_mb, device=args.device)
     name = os.path.basename(os.path.normpath(ckpt)) or "k3"
     app = create_app(engine, tokenizer, name, chat_template=template)

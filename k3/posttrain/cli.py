@@ -35,17 +35,28 @@ def cmd_distill(args) -> int:
     device = pick_device(args.device)
     defaults = dict(GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS, seq_len=8, batch_tokens=8,
                     micro_batch_rows=None)
-    student = None if args.student is None else cli._resolve_ckpt(args.student)
+    student = None if args.student is None else cli._resolve_ckpt(args.student, "--student")
     if args.qat is None and not args.resume and student is not None and os.path.isdir(student):
         args.qat = student_qat(student)  # a QAT-trained student keeps its quantization, in training and rollouts
     tcfg = cli._train_config(args, defaults)
-    opts = DistillOptions(student=student, teachers=args.teacher, prompts=args.prompts, resume=args.resume,
+    teachers = [_resolved_teacher(spec) for spec in args.teacher]
+    opts = DistillOptions(student=student, teachers=teachers, prompts=args.prompts, resume=args.resume,
                           rollouts_per_step=args.rollouts_per_step, max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens=args.max_new_tokens, rollout_budget=args.rollout_budget, r_max=args.r_max,
                           cache_memory_mb=args.rollout_cache_mb, device=str(device),
                           backends=cli._backends(args.backend, device), verify=args.verify,
                           heldout=args.heldout or [], eval_samples=args.eval_samples)
     return cli.run_training_command("distill", lambda: run_distill(opts, tcfg, progress_bar=not args.no_progress))
+
+
+def _resolved_teacher(spec: str) -> str:
+    """A `--teacher TAG=CK` with CK resolved as every checkpoint flag's path is (a run directory: its latest
+    checkpoint)."""
+    from k3.posttrain.mopd import parse_teacher_spec
+
+    domain, effort, ck = parse_teacher_spec(spec)
+    tag = domain if effort is None else f"{domain}/{effort}"
+    return f"{tag}={cli._resolve_ckpt(ck, f'--teacher {tag}')}"
 
 
 def cmd_quantize(args) -> int:
@@ -101,7 +112,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--student", help="the checkpoint to distill into (or a run directory: its latest checkpoint)")
     s.add_argument("--teacher", action="append", required=True, metavar="TAG=CK",
                    help="a teacher: TAG = DOMAIN (every effort of the domain) or DOMAIN/EFFORT (that pair only; wins "
-                        "over the domain's), CK its checkpoint (repeatable)")
+                        "over the domain's), CK its checkpoint (or a run directory: its latest checkpoint; repeatable)")
     s.add_argument("--prompts", action="append", required=True, metavar="FILE.jsonl",
                    help="prompts, one per line: {\"messages\": [...]} or {\"prompt\": \"...\"}, with \"domain\" "
                         "and optional \"effort\" (repeatable)")

@@ -69,15 +69,13 @@ def cmd_serve(args) -> int:
     import sys
 
     from k3.checkpoint import CheckpointError
-    from k3.run_dir import latest_checkpoint
+    from k3.cli_args import _resolve_ckpt
 
-    ckpt = args.ckpt
-    if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, "config.json")):
-        ckpt = latest_checkpoint(ckpt) or ckpt  # a training run directory
     if not 0 <= args.port <= 65535:
         print(f"k3 serve: --port {args.port} is not a port number", file=sys.stderr)
         return 2
     try:
+        ckpt = _resolve_ckpt(args.ckpt)  # a checkpoint, or a training run's latest
         serve(ckpt, host=args.host, port=args.port, api_key=args.api_key, cache_memory_mb=args.cache_memory_mb,
               page_tokens=args.page_tokens, hash_block_tokens=args.hash_block_tokens, max_num_seqs=args.max_num_seqs,
               max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk, device=args.device,

@@ -261,7 +261,7 @@ def test_cli_bad_inputs_are_named(tmp_path, ckpts, capsys):
     missing = str(tmp_path / "nowhere")
     assert main(base + ["--teacher", f"code={missing}", "--teacher", f"docs={ckpts['docs']}",
                         "--out", str(tmp_path / "r1")]) == 2
-    assert f"--teacher code={missing}: no checkpoint there" in capsys.readouterr().err
+    assert f"--teacher code: {missing}: no checkpoint there" in capsys.readouterr().err
     other = _save(tmp_path / "v384", randomize_(K3ForCausalLM(_cfg().replace(vocab_size=384)), seed=3),
                   K3Tokenizer(byte_level_tokenizer(384)))
     assert main(base + ["--teacher", f"code={ckpts['code']}", "--teacher", f"docs={other}",
