@@ -14,7 +14,8 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack, stacked_linear
-from k3.ops.moe import Routing, interleaved_halves, moe_experts_any, route
+from k3.ops.moe import Routing, interleaved_halves, moe_experts_any
+from k3.ops.moe_route import route_any
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
 from k3.ops.situ import situ_glu, situ_glu_any, situ_glu_any_fused
@@ -31,7 +32,10 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class MoEGate(nn.Module):
-    """Sigmoid router. The score-correction bias is set by Quantile Balancing, not by gradients."""
+    """Sigmoid router. The score-correction bias is set by Quantile Balancing, not by gradients. Forwards without
+    gradients route through op ``moe_route`` (k3.ops.moe_route: one kernel on its fast path)."""
+
+    backends: Backends | None = None  # which implementation routes (K3ForCausalLM.set_backends)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, scaling: float):
         super().__init__()
@@ -46,7 +50,8 @@ class MoEGate(nn.Module):
 
     def from_logits(self, logits: torch.Tensor) -> Routing:
         """The routing of the router's fp32 logits [N, E]."""
-        return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+        return route_any(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
+                         backends=self.backends)
 
 
 class GroupedExperts(CastsWeights, nn.Module):

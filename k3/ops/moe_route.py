@@ -1,0 +1,124 @@
+"""The sigmoid top-k router (k3.ops.moe.route) in one kernel, for inference forwards.
+
+`route` is about nine PyTorch operations: sigmoid, the bias, top-(k+1), the gather of the selected scores, their sum,
+the renormalization and the scaling (and a fill for the cutoff when k = E); a decode step runs them per MoE layer on a
+handful of tokens, where each costs a launch and nothing else. `route_triton` does all of it in one program per token:
+the token's E logits are loaded once, the selection is k + 1 rounds of a maximum over the biased scores (the lowest
+index wins a tie), and the program writes the same four tensors `route` returns (Routing: weights, indices, scores,
+cutoff). It has no backward: the router's gradient flows through `route`'s ops, so training keeps them, and
+`MoEGate` asks for this op only in forwards without gradients (op ``moe_route``). ``TRITON_INTERPRET=1`` runs it on
+CPU tensors (the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from k3.ops import _triton
+from k3.ops.moe import Routing, route
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
+
+__all__ = ["route_any", "route_triton"]
+
+# triton.language and the combine functions, bound on first use (k3.ops._triton.bind)
+tl = None
+_SUM = None
+_MAX = None
+
+
+def _route_kernel(logits_ptr, l_stride, bias_ptr, w_ptr, i_ptr, s_ptr, c_ptr, E, scaling,
+                  K: tl.constexpr, E_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  CUTOFF: tl.constexpr):
+    """Program n: the routing of token n (module docstring)."""
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    em = e < E
+    x = tl.load(logits_ptr + n * l_stride + e, mask=em, other=0.0).to(tl.float32)
+    ex = tl.exp(-tl.abs(x))
+    s = tl.where(x >= 0, 1.0 / (1.0 + ex), ex / (1.0 + ex))  # sigmoid
+    tl.store(s_ptr + n * E + e, s, mask=em)
+    b = s
+    if HAS_BIAS:
+        b = s + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+    b = tl.where(em, b, -float("inf"))
+    kk = tl.arange(0, K)
+    picked_w = tl.full([K], 0.0, tl.float32)
+    picked_i = tl.full([K], 0, tl.int64)
+    for j in tl.static_range(K):
+        top = tl.reduce(b, 0, _MAX)
+        idx = -tl.reduce(tl.where(b == top, -e, -E_PAD), 0, _MAX)  # the lowest index among the maxima
+        w = tl.reduce(tl.where(e == idx, s, 0.0), 0, _SUM)
+        picked_w = tl.where(kk == j, w, picked_w)
+        picked_i = tl.where(kk == j, idx.to(tl.int64), picked_i)
+        b = tl.where(e == idx, -float("inf"), b)
+    if CUTOFF:  # the (k+1)-th largest biased score
+        tl.store(c_ptr + n, tl.reduce(b, 0, _MAX))
+    else:
+        tl.store(c_ptr + n, -float("inf"))
+    if RENORM:
+        picked_w = picked_w / (tl.reduce(picked_w, 0, _SUM) + 1e-20)
+    tl.store(w_ptr + n * K + kk, picked_w * scaling)
+    tl.store(i_ptr + n * K + kk, picked_i)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    import triton
+
+    _triton.bind(globals())
+    return triton.jit(_route_kernel)
+
+
+def route_triton(logits: Tensor, bias: Tensor | None, top_k: int, renormalize: bool = True,
+                 scaling_factor: float = 1.0) -> Routing:
+    """`route` in one Triton kernel (module docstring): the same arguments and results; no autograd."""
+    if logits.ndim != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be fp32 [N, E], got shape {tuple(logits.shape)} dtype {logits.dtype}")
+    N, E = logits.shape
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"bias must be [E={E}] or None, got shape {tuple(bias.shape)}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
+    if top_k & (top_k - 1):
+        raise ValueError(f"the router kernel takes a power-of-two top_k, got {top_k}")
+    ok, why = _triton.runnable()
+    if not ok:
+        raise RuntimeError(f"the router kernel cannot run: {why}")
+    dev = logits.device
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(N, top_k, device=dev, dtype=torch.float32)
+    indices = torch.empty(N, top_k, device=dev, dtype=torch.int64)
+    scores = torch.empty(N, E, device=dev, dtype=torch.float32)
+    cutoff = torch.empty(N, device=dev, dtype=torch.float32)
+    if N:
+        with torch.cuda.device(dev.index if logits.is_cuda else -1):  # the tensors' GPU; -1: no-op
+            _kernel(_triton.interpret())[(N,)](
+                logits, logits.stride(0) if N > 1 else E, bias if bias is not None else logits, weights, indices,
+                scores, cutoff, E, float(scaling_factor), K=top_k, E_PAD=1 << (E - 1).bit_length(),
+                HAS_BIAS=bias is not None, RENORM=bool(renormalize), CUTOFF=top_k < E, num_warps=1 if E <= 256 else 4)
+    return Routing(weights=weights, indices=indices, scores=scores, cutoff=cutoff)
+
+
+def _available(target) -> tuple[bool, str]:
+    return _triton.available(target)
+
+
+register(Op(
+    "moe_route", reference=route,
+    # not validated until its GPU test (tests/ops/test_moe_route.py, marked gpu) has passed
+    fast=(Fast("triton", route_triton, _available, validated=False, cpu=True),),
+    tolerance="the same experts in the same order (random logits have no ties); weights, scores and cutoff 1e-6 "
+              "relative (sigmoid from exponentials, the renormalizing sum in another order)"))
+
+
+def route_any(logits: Tensor, bias: Tensor | None, top_k: int, renormalize: bool = True, scaling_factor: float = 1.0,
+              backends: Backends | None = None) -> Routing:
+    """`route` on the implementation the registry picks for the logits (op ``moe_route``); with gradients enabled
+    always `route` itself (the kernel has no backward)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return route(logits, bias, top_k, renormalize, scaling_factor)
+    return dispatch("moe_route", logits, backends).fn(logits, bias, top_k, renormalize, scaling_factor)

@@ -1,0 +1,105 @@
+"""The router kernel (k3.ops.moe_route.route_triton) against `route` (k3.ops.moe): the same experts in the same order
+and weights, scores and cutoff within 1e-6 relative (the op's tolerance), on random logits (no ties), in Triton's CPU
+interpreter; compiled on a GPU in the test marked gpu. And MoEGate takes it only without gradients."""
+
+import pytest
+import torch
+
+from k3.ops.moe import route
+from k3.ops.moe_route import route_any, route_triton
+from k3.ops.registry import Backends
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _check(logits, bias, k, renorm, scale):
+    want = route(logits, bias, k, renorm, scale)
+    got = route_triton(logits, bias, k, renorm, scale)
+    assert torch.equal(got.indices, want.indices)
+    for name in ("weights", "scores", "cutoff"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        fin = torch.isfinite(b)
+        assert torch.equal(fin, torch.isfinite(a)), name
+        assert torch.equal(a[~fin], b[~fin]), name  # -inf cutoffs when k = E
+        if fin.any():
+            assert (a[fin] - b[fin]).abs().max() <= 1e-6 * b[fin].abs().max().clamp_min(1e-30), name
+
+
+@pytest.mark.parametrize("N,E,k", [(1, 8, 2), (5, 128, 8), (3, 100, 4), (4, 8, 8)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_kernel_equals_route(interpret, N, E, k, with_bias):
+    g = torch.Generator().manual_seed(N * E + k)
+    logits = torch.randn(N, E, generator=g) * 3
+    bias = torch.randn(E, generator=g) * 0.1 if with_bias else None
+    _check(logits, bias, k, True, 2.5)
+    _check(logits, bias, k, False, 1.0)
+
+
+def test_strided_logits_and_no_tokens(interpret):
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(6, 128 + 40, generator=g)
+    _check(y[:, :128], torch.randn(128, generator=g), 8, True, 1.0)  # the router's columns of a stacked GEMM
+    empty = route_triton(torch.zeros(0, 16), None, 2)
+    assert empty.weights.shape == (0, 2) and empty.indices.shape == (0, 2)
+
+
+def test_bad_inputs_are_named(interpret):
+    with pytest.raises(ValueError, match="fp32"):
+        route_triton(torch.zeros(2, 8, dtype=torch.bfloat16), None, 2)
+    with pytest.raises(ValueError, match="power-of-two"):
+        route_triton(torch.zeros(2, 8), None, 3)
+    with pytest.raises(ValueError, match="bias"):
+        route_triton(torch.zeros(2, 8), torch.zeros(7), 2)
+
+
+def test_gradients_keep_the_differentiable_route(interpret):
+    """With a logits tensor that needs gradients, route_any runs `route` (the kernel has no backward) whatever the
+    backends say; without gradients it runs what they pick."""
+    fast = Backends(default="torch", per_op={"moe_route": "triton"})
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    r = route_any(logits, None, 2, backends=fast)
+    r.weights[:, 0].sum().backward()  # (all weights sum to 1 per token: their sum has no gradient)
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with torch.no_grad():
+        r2 = route_any(logits, None, 2, backends=fast)
+    assert torch.equal(r2.indices, r.indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_kernel_equals_route():
+    g = torch.Generator().manual_seed(0)
+    for N in (1, 16, 64, 4096):
+        logits = (torch.randn(N, 128, generator=g) * 3).cuda()
+        _check(logits, (torch.randn(128, generator=g) * 0.1).cuda(), 8, True, 2.5)
+
+
+def test_the_engine_decodes_the_same_with_the_router_kernel(interpret):
+    """The serving engine with the router kernel (in Triton's interpreter) in every MoE layer: the same greedy tokens
+    as with `route`, log-probs within 1e-5."""
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
+    model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 20)]
+    runs = []
+    for backends in (Backends(default="torch"), Backends(default="torch", per_op={"moe_route": "triton"})):
+        model.set_backends(backends)
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
+        eng.eos_id = None
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0, logprobs=0)) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        runs.append([(s.output_ids, [e["logprob"] for e in s.logprobs]) for s in seqs])
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= 1e-5
