@@ -45,6 +45,8 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_gate_norm.py",
     "tests/ops/test_linear_ce.py",
     "tests/ops/test_rms_norm.py",
+    "tests/ops/test_kda_decode.py",
+    "tests/ops/test_moe_route.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/parallel/test_context_parallel.py"]
@@ -55,6 +57,14 @@ PYTEST = [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb
 KDA_PYTEST = ["env", "TRITON_PRINT_AUTOTUNING=1"] + [a for a in PYTEST if a != "-q"] + ["-v", "-s"]
 TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "32768", "--steps", "4",
          "--vocab-size", "32768", "--backend", "fast"]
+
+# the fused decode-step kernels pinned off (torch: the composed ops / route) and on (triton)
+_FUSED_OFF = ["env", "K3_KDA_DECODE_BACKEND=torch", "K3_MOE_ROUTE_BACKEND=torch"]
+_FUSED_ON = ["env", "K3_KDA_DECODE_BACKEND=triton", "K3_MOE_ROUTE_BACKEND=triton"]
+_KERNELS = [PY, "benchmarks/decode_ops.py", "--preset", "k3-mini", "--kernels", "--backend", "fast",
+            "--stack-projections", "on"]
+_DECODE = [PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "--decode-batch", "1", "16", "64",
+           "--backend", "fast"]
 
 # name -> (commands, time limit in seconds for the whole step)
 COMPILE_TEST_FILE = "tests/serve/test_cuda_graphs.py"
@@ -111,6 +121,9 @@ STEPS = {
                        "--steps", "1", "--continuous-steps", "0", "--vocab-size", "32768", "--backend", "torch",
                        "--seq-len", "32768", "--micro-batch-rows", "1", "--activation-checkpointing"]], 300),
     "long": ([[PY, "benchmarks/long_context.py", "--preset", "k3-mini", "--seq-len", "131072"]], 180),
+    # the fused KDA decode step and router kernel: their GPU tests, kernels per layer off and on, decode off and on
+    "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py"],
+                      _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),
 }
@@ -188,7 +201,9 @@ def load_cache(path: str, out: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for the logs and the kernel cache")
     ap.add_argument("--steps", nargs="*", default=list(STEPS), choices=list(STEPS))
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps after this many seconds")

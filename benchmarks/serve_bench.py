@@ -152,7 +152,9 @@ def decode(model, batch, dev, mb, ctx=1024, steps=32, compile_decode=False, stac
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--ttft", type=int, nargs="*", default=[2048])
     ap.add_argument("--decode-batch", type=int, nargs="*", default=[1, 4])
@@ -189,8 +191,9 @@ def main() -> None:
     for b in args.decode_batch:  # with "both": without and with, side by side per batch size
         for comp in choices[args.compile_decode]:
             for stack in choices[args.stack_projections]:
-                print(json.dumps({"preset": args.preset, **decode(model, b, dev, args.cache_mb, compile_decode=comp,
-                                                                  stack=stack)}), flush=True)
+                print(json.dumps({"preset": args.preset, "per_op": backends.per_op,
+                                  **decode(model, b, dev, args.cache_mb, compile_decode=comp, stack=stack)}),
+                      flush=True)
 
 
 if __name__ == "__main__":
