@@ -117,7 +117,9 @@ def cp_case(cfg: K3Config, P: int, T: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--ep", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--tokens", type=int, default=16384, help="S, tokens per EP rank")
     ap.add_argument("--skews", nargs="+", default=["balanced", "measured", "zipf", "hot_rank"])

@@ -196,11 +196,12 @@ def count_kernels(model, stack: bool, device) -> dict:
 
 
 def main(argv=None) -> int:
+    from k3.cli_args import DefaultsHelpFormatter
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
     from k3.ops.registry import backends_from_env
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--stack-projections", choices=["off", "on", "both"], default="both")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

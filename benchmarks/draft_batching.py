@@ -18,7 +18,9 @@ import torch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])

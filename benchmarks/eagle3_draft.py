@@ -130,7 +130,9 @@ def decode(target, tok, prompts, spec: str, draft_dir: str | None, args, tempera
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--work", required=True)
     ap.add_argument("--base", help="an existing target checkpoint (skips step 1)")
     ap.add_argument("--gpu", action="store_true", help="k3-mini on the GPU defaults (device cuda)")

@@ -25,7 +25,9 @@ from k3.serve.scheduler import SchedulerConfig
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--preset", default="k3-mini")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=8192)

@@ -65,7 +65,9 @@ def visible_pairs(seg: torch.Tensor) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=8)

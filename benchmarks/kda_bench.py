@@ -37,7 +37,9 @@ def bench(B, T, H, backend, K=128):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=["8x4096x32", "2x16384x32"])
     ap.add_argument("--backends", nargs="*", default=["fla", "torch"])
     args = ap.parse_args()

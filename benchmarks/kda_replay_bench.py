@@ -37,7 +37,9 @@ def timed(fn, runs: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

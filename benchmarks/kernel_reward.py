@@ -50,7 +50,9 @@ def anchor(names, tasks, device, limits, rounds: int, out_path: str, processes: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tasks", default="", help="comma-separated task names (default: all)")
     p.add_argument("--out", default="kernel_reward.json")

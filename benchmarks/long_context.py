@@ -27,7 +27,9 @@ PEAK_BF16 = 803e12
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--preset", default="k3-mini")
     ap.add_argument("--seq-len", type=int, default=131072)
     ap.add_argument("--vocab-size", type=int, default=32768)

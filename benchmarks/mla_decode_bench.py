@@ -84,7 +84,9 @@ def bench(cfg: K3Config, B: int, ctx: int, page_tokens: int, num_splits: int | N
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 16, 64])
     ap.add_argument("--contexts", nargs="*", type=int, default=[4096, 32768])
     ap.add_argument("--preset", default="k3-mini", help="model preset giving H, R, Dr, Dn, Dv")

@@ -80,7 +80,9 @@ def lower_bound(loads: torch.Tensor, R: int, T: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--experts", type=int, default=896)
     ap.add_argument("--top-k", type=int, default=16)

@@ -71,7 +71,9 @@ def timed(fn, runs: int, device) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     ap.add_argument("--experts", type=int, default=896)
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--latent", type=int, default=3584)

@@ -158,7 +158,9 @@ def bench_moe_combine(tokens: int, k: int = 8, L: int = 512) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ops = ["kda", "attn_res", "mla", "moe", "moe_combine"]
     ap.add_argument("--ops", nargs="*", default=ops, choices=ops)
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per call (B x T)")

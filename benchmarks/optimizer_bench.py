@@ -41,7 +41,9 @@ def ns_flops(model, steps: int = 5) -> tuple[float, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--preset", default="k3-mini", choices=["k3-mini", "tiny"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

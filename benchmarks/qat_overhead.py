@@ -70,7 +70,9 @@ def run(variant: str, args, cfg: K3Config, base: Backends, dev: torch.device) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-tokens", type=int, default=4096)

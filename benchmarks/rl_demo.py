@@ -340,7 +340,9 @@ def save(a, results: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/rl_demo")
     p.add_argument("--stages", nargs="+", default=["base", "sft", "mix", "rl", "lam", "stale"],
                    choices=["base", "sft", "mix", "rl", "lam", "stale", "control"])

@@ -71,7 +71,9 @@ def disk_bytes(path: str) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--kind", default="bwrap", choices=["bwrap", "none"])
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--files", type=int, default=20, help="files in the image")

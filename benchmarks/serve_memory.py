@@ -51,7 +51,9 @@ def _start(app):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--ckpt", default=None, help="checkpoint directory (default: a random tiny one, made here)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=300, help="small requests per round")

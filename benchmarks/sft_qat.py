@@ -286,7 +286,9 @@ def recovery(plain: float, ptq: float, qat: float) -> float | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--work", required=True, help="directory for the data and every checkpoint (reused if present)")
     p.add_argument("--base", help="an existing base checkpoint (skips pre-training)")
     p.add_argument("--preset", default="tiny")

@@ -63,7 +63,9 @@ def bench(N: int, F: int, dtype: torch.dtype, rep_ms: int) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=["65536x1024", "262144x512"], help="N x F")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement (do_bench rep)")

@@ -77,7 +77,9 @@ def sass_counts(cubin: bytes) -> collections.Counter:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     ap.add_argument("--block-f", type=int, default=512, help="columns per program (power of two, <= 1024)")
     ap.add_argument("--tile", type=int, default=4096, help="elements per program")

@@ -79,7 +79,9 @@ def run(engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="a trained checkpoint (or run directory) with an MTP layer")
     ap.add_argument("--draft", default=None, help="an EAGLE-3 draft directory (k3 train-draft) instead of the MTP layer")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])

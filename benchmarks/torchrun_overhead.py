@@ -39,7 +39,9 @@ def _tokens_per_s(run: str, skip: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--preset", default="k3-mini")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--batch-tokens", type=int, default=None)

@@ -230,7 +230,9 @@ def print_report(rep: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("trace", help="Chrome trace from torch.profiler (.json or .json.gz)")
     ap.add_argument("--top", type=int, default=5, help="kernels listed per range")
     ap.add_argument("--gap-us", type=float, default=20.0, help="GPU idle gaps shorter than this are not counted")

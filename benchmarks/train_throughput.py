@@ -52,7 +52,9 @@ PEAK_BF16 = 803e12
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    from k3.cli_args import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-tokens", type=int, default=8192)

@@ -4,8 +4,35 @@ backends and checkpoint paths, used by `k3` (k3.cli) and the commands it registe
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help that gives every option's default, as argparse.ArgumentDefaultsHelpFormatter does but also for an
+    option without a help text, and not for one whose help already speaks of its default; None and False (the
+    option left out) are not shown. The benchmark scripts' parsers use it."""
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        return bool(action.option_strings) and all(action.default is not v for v in (None, False, argparse.SUPPRESS))
+
+    def _format_action(self, action):
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if self._shows_default(action) and "default" not in text.lower():
+            text += " (default: %(default)s)"
+        return text
+
+
+class RawDefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """DefaultsHelpFormatter with the description printed as written (a script's docstring with its examples)."""
 
 
 BACKEND_HELP = ("which implementation runs the ops that have a GPU fast path: auto (each op's fast backend on CUDA "

@@ -184,3 +184,121 @@ def test_every_checkpoint_flag_takes_a_run_dir_or_a_checkpoint(flag, run_dir, tm
         return
     assert main([a.replace("CK", bad) for a in argv]) == 2
     assert f"{what}: {bad}: no checkpoint there (it does not exist)" in capsys.readouterr().err
+
+
+# --- 8. the installation's files in a venv that sees the system site-packages -------------------------------------
+
+def test_installation_files_hold_in_a_venv_with_system_site_packages(tmp_path):
+    """In a venv made with --system-site-packages, a file under both site-packages directories (pip, setuptools:
+    installed in both) came twice under one name, and test_installation_files_cover_stdlib_and_site_packages failed.
+    The venv's own copy, the one Python imports, is kept."""
+    import json
+    import subprocess
+    import sys
+
+    from k3.data.sources import installation_files
+
+    # a documentation file of this Python's site-packages, copied into the venv's: the collision pip would make
+    # (a text file, so that nothing imported in the venv changes)
+    name, src = next((n, p) for n, p in installation_files()
+                     if n.startswith(("site-packages/", "dist-packages/")) and n.endswith((".txt", ".md", ".rst")))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    copy = os.path.join(own, name.split("/", 1)[1])
+    os.makedirs(os.path.dirname(copy), exist_ok=True)
+    with open(copy, "w") as f:
+        f.write("the venv's own copy\n")
+    code = ("import json; from k3.data.sources import installation_files; "
+            "print(json.dumps(installation_files()))")
+    out = subprocess.run([py, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+    files = json.loads(out)
+    names = [n for n, _ in files]
+    assert len(set(names)) == len(names) and len({os.path.realpath(p) for _, p in files}) == len(files)
+    assert dict(files)[name] == copy and os.path.realpath(src) not in {os.path.realpath(p) for _, p in files}
+    assert any(n.endswith("numpy/__init__.py") for n in names)  # found in the system site-packages
+
+
+# --- 7. every benchmark's --help shows its defaults ---------------------------------------------------------------
+
+_BENCHMARKS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks"))
+                     if f.endswith(".py") and "argparse" in open(os.path.join(ROOT, "benchmarks", f)).read())
+
+# Runs each script as `python benchmarks/X.py --help` would (its directory first on sys.path, run as __main__), all
+# in one process so that torch is imported once; the parser is caught where the script parses its arguments.
+_HELP_PROBE = r"""
+import argparse, io, json, runpy, sys, contextlib
+root, names = sys.argv[1], sys.argv[2:]
+out = {}
+def short(v):  # how a help text may write a number: 0.0003 as 3e-4, 1.0 as 1
+    if not isinstance(v, float):
+        return [str(v)]
+    m, e = format(v, "e").split("e")
+    return [format(v, "g"), m.rstrip("0").rstrip(".") + "e" + str(int(e))]
+def candidates(v):
+    c = {str(v), repr(v), *short(v)}
+    if isinstance(v, (list, tuple)):
+        for f in (str, lambda x: short(x)[0]):
+            c |= {" ".join(map(f, v)), ",".join(map(f, v))}
+    return sorted(c)
+class Caught(BaseException):
+    pass
+def probe(self, args=None, namespace=None):
+    opts = [(a.option_strings, candidates(a.default)) for a in self._actions if a.option_strings
+            and all(a.default is not v for v in (None, False, argparse.SUPPRESS))]
+    raise Caught(self.format_help(), opts)
+argparse.ArgumentParser.parse_known_args = probe
+base = list(sys.path)
+for name in names:
+    path = f"{root}/benchmarks/{name}"
+    sys.path[:] = [f"{root}/benchmarks"] + base
+    sys.argv = [path, "--help"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(path, run_name="__main__")
+        out[name] = {"error": "no parser reached"}
+    except Caught as e:
+        out[name] = {"help": e.args[0], "options": e.args[1]}
+    except BaseException as e:
+        out[name] = {"error": f"{type(e).__name__}: {e}"}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def benchmark_help():
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _HELP_PROBE, ROOT, *_BENCHMARKS], capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _option_block(help_text: str, option: str) -> str:
+    """The lines of `--help` that describe `option`: its invocation line and the indented lines after it."""
+    lines = help_text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if re.match(rf"\s{{2}}(\S+, )*{re.escape(option)}\b", ln))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("   ")), len(lines))
+    return " ".join(lines[start:end])
+
+
+@pytest.mark.parametrize("script", _BENCHMARKS)
+def test_benchmark_help_shows_every_default(script, benchmark_help):
+    """`benchmarks/mopd_demo.py --help` showed no defaults (nor did most benchmark scripts')."""
+    got = benchmark_help[script]
+    assert "help" in got, got
+    assert len(_BENCHMARKS) >= 30 and "mopd_demo.py" in _BENCHMARKS
+    missing = []
+    for strings, values in got["options"]:
+        block = re.sub(r"\s+", "", _option_block(got["help"], strings[0]))
+        if "default" not in block or not any(re.sub(r"\s+", "", v) in block for v in values):
+            missing.append((strings[0], values[0], block))
+    assert not missing, (f"{script}: --help shows no default for {missing}; build its parser with formatter_class="
+                         "k3.cli_args.DefaultsHelpFormatter (RawDefaultsHelpFormatter to print the description as "
+                         "written)")

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import site
+import sys
 import sysconfig
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -311,9 +312,12 @@ def stdlib_root() -> str:
 
 
 def site_roots() -> list[str]:
-    """This Python's site-packages directories (purelib, platlib, site's list), real paths, deduplicated."""
+    """This Python's site-packages directories, real paths, deduplicated, in import order: the site-packages and
+    dist-packages directories on sys.path first (a venv's own, then the system's it was made to see, the user's),
+    then purelib, platlib and site's list."""
     paths = sysconfig.get_paths()
-    cands = [paths.get("purelib"), paths.get("platlib")]
+    cands = [p for p in sys.path if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")]
+    cands += [paths.get("purelib"), paths.get("platlib")]
     try:
         cands += site.getsitepackages()
     except AttributeError:  # some virtualenvs' site module lacks it
@@ -353,15 +357,18 @@ def installation_files() -> list[tuple[str, str]]:
     """(name, path) of every Python source and documentation file (.py .pyi .md .rst .txt, at most 1 MB) of
     this installation: the standard library (names relative to its root, as in the CPU corpus) and each
     site-packages directory (names prefixed with the directory's name). A file reached twice (a symbolic link,
-    purelib == platlib) is kept once."""
+    purelib == platlib) is kept once, and so is a name found under two site-packages directories (a package
+    installed both in a venv and in the system site-packages it sees, two dist-packages on Debian): the copy of
+    the first directory in import order, the one Python imports."""
     exts = (".py", ".pyi", ".md", ".rst", ".txt")
-    out, seen = [], set()
+    out, seen, names = [], set(), set()
     roots = [(stdlib_root(), "", _SKIPPED_DIRS)]
     roots += [(r, os.path.basename(r) + "/", {"__pycache__"}) for r in site_roots()]
     for root, prefix, skip in roots:
         for rel, path in python_files(root, exts, skip):
-            real = os.path.realpath(path)
-            if real not in seen:
+            real, name = os.path.realpath(path), prefix + rel
+            if real not in seen and name not in names:
                 seen.add(real)
-                out.append((prefix + rel, path))
+                names.add(name)
+                out.append((name, path))
     return out
