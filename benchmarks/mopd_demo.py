@@ -10,8 +10,8 @@ budget: the sampled reverse KL of the student to each domain's teacher on held-o
 Steps (every model a checkpoint under --work, reused when present):
   1. data, two domains from the Python standard library, held out by file: "code", the docstring-to-code
      conversations of `k3 data sft-from-source` (the user gives a signature and docstring, the assistant writes
-     the function); "docs", documentation conversations from the library's long docstrings (the user gives the
-     opening of a docstring, the assistant continues it);
+     the function); "docs", those of `k3 data docs-from-source` from the library's long docstrings (the user
+     gives the opening of a docstring, the assistant continues it);
   2. base: `k3 train` of --preset on the standard library for --pretrain-steps (unless --base);
   3. teachers: `k3 sft` of the base on each domain's conversations (a code teacher and a docs teacher);
   4. MOPD: `k3 distill` of the base (the student) with `--teacher code=... --teacher docs=...` on the training
@@ -28,7 +28,6 @@ and one JSON object (also --out FILE).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import sys
@@ -43,40 +42,8 @@ def _log(msg: str) -> None:
     print(f"[mopd_demo {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-SYSTEM_DOCS = "You write documentation."
-
-
-def docs_conversations(max_records: int, max_heldout: int, head_chars: int = 160, reply_chars: int = 320,
-                       heldout_fraction: float = 0.05) -> tuple[list[dict], list[dict]]:
-    """Documentation conversations from the standard library's docstrings (module, class and function ones of at
-    least head + reply / 2 characters): the user gives the docstring's opening lines, the assistant continues."""
-    from k3.data.corpus import is_heldout, stdlib_files, stdlib_root
-
-    root = stdlib_root()
-    train, held = [], []
-    for path in stdlib_files():
-        name = os.path.relpath(path, root)
-        try:
-            tree = ast.parse(open(path, encoding="utf-8").read())
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-        for node in nodes:
-            doc = ast.get_docstring(node)
-            if not doc or len(doc) < head_chars + reply_chars // 2:
-                continue
-            cut = doc.rfind("\n", 0, head_chars)
-            cut = cut if cut > head_chars // 3 else head_chars
-            what = name if node is tree else f"{name}:{node.name}"
-            rec = {"messages": [{"role": "system", "content": SYSTEM_DOCS},
-                                {"role": "user", "content": f"Continue the documentation of {what}:\n\n{doc[:cut]}"},
-                                {"role": "assistant", "content": doc[cut:cut + reply_chars]}],
-                   "source": what}
-            (held if is_heldout(name, heldout_fraction) else train).append(rec)
-    return train[:max_records], held[:max_heldout]
-
-
 def make_data(work: str, args) -> dict[str, tuple[str, str]]:
+    from k3.data.docs_from_source import docs_from_source
     from k3.data.sft_from_source import sft_from_source, write_jsonl
 
     out = {}
@@ -88,7 +55,7 @@ def make_data(work: str, args) -> dict[str, tuple[str, str]]:
                 short = lambda r: len(r["messages"][1]["content"]) <= args.max_prompt_chars  # noqa: E731
                 train, held = [r for r in train if short(r)], [r for r in held if short(r)]
             else:
-                train, held = docs_conversations(10 ** 9, 10 ** 9)
+                train, held, _ = docs_from_source([])
             train, held = train[: args.records], held[: args.heldout]
             write_jsonl(train, tr)
             write_jsonl(held, he)

@@ -302,3 +302,40 @@ def test_benchmark_help_shows_every_default(script, benchmark_help):
     assert not missing, (f"{script}: --help shows no default for {missing}; build its parser with formatter_class="
                          "k3.cli_args.DefaultsHelpFormatter (RawDefaultsHelpFormatter to print the description as "
                          "written)")
+
+
+# --- 3. the teachers' data of the distillation example: k3 data docs-from-source, --domain ---------------------
+
+def test_docs_from_source_holds_out_the_files_sft_from_source_does_and_tags_the_domain(tmp_path, capsys):
+    from k3.cli import main
+    from k3.data.corpus import is_heldout
+    from k3.posttrain.mopd import TeacherTable, read_prompts
+
+    doc = "Opening line of the documentation.\n" + "More words about what this does.\n" * 12
+    for i in range(8):
+        (tmp_path / "src").mkdir(exist_ok=True)
+        (tmp_path / "src" / f"m{i}.py").write_text(f'"""{doc}"""\n\n\ndef f{i}(x):\n    """{doc}"""\n    return x\n\n\n'
+                                                  f'def short{i}():\n    """Too short."""\n    return 0\n')
+    held = {f"m{i}.py" for i in range(8) if is_heldout(f"m{i}.py", 0.5)}
+    assert 0 < len(held) < 8
+    for cmd in ("docs-from-source", "sft-from-source"):
+        assert main(["data", cmd, str(tmp_path / "src"), "--out", str(tmp_path / f"{cmd}.jsonl"), "--heldout",
+                     str(tmp_path / f"{cmd}_heldout.jsonl"), "--heldout-fraction", "0.5", "--domain", "docs"]) == 0
+    out = capsys.readouterr().out
+    assert "8 files (%d held out, 0 unreadable or unparsable): 16 docstrings of at least 320 chars; wrote %d " \
+        "conversations" % (len(held), 2 * (8 - len(held))) in out, out
+    import json
+
+    for cmd in ("docs-from-source", "sft-from-source"):
+        recs = {part: [json.loads(x) for x in open(tmp_path / f"{cmd}{part}.jsonl")] for part in ("", "_heldout")}
+        assert {r["source"].split(":")[0] for r in recs["_heldout"]} == held
+        assert {r["source"].split(":")[0] for r in recs[""]} == {f"m{i}.py" for i in range(8)} - held
+        assert all(r["domain"] == "docs" for part in recs.values() for r in part)
+        ps = read_prompts([str(tmp_path / f"{cmd}.jsonl")], TeacherTable(["docs=CK"]))  # a prompt file as it is
+        assert len(ps) == len(recs[""]) and all(p.domain == "docs" for p in ps)
+    first = [json.loads(x) for x in open(tmp_path / "docs-from-source.jsonl")][0]
+    text = doc.rstrip("\n")  # the docstring as ast.get_docstring gives it
+    cut = text.rfind("\n", 0, 160)  # the last line break before 160 characters
+    assert first["messages"][1:] == [
+        {"role": "user", "content": f"Continue the documentation of {first['source']}:\n\n{text[:cut]}"},
+        {"role": "assistant", "content": text[cut:cut + 320]}]

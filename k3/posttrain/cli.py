@@ -1,5 +1,5 @@
-"""The post-training commands: `k3 sft`, `k3 distill`, `k3 quantize`, `k3 data sft-from-source` (registered by
-k3.cli)."""
+"""The post-training commands: `k3 sft`, `k3 distill`, `k3 quantize`, `k3 data sft-from-source` and
+`k3 data docs-from-source` (registered by k3.cli)."""
 
 from __future__ import annotations
 
@@ -74,22 +74,62 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_data_sft_from_source(args) -> int:
-    from k3.data.sft_from_source import sft_from_source, write_jsonl
+    from k3.data.sft_from_source import sft_from_source
 
     if args.heldout_fraction > 0 and args.heldout is None:
         raise SystemExit("k3 data sft-from-source: give --heldout FILE.jsonl for the held-out files' conversations "
                          "(or --heldout-fraction 0)")
     train, held, st = sft_from_source(args.paths, heldout_fraction=args.heldout_fraction, max_chars=args.max_chars,
                                       max_records=args.max_records, max_heldout=args.max_heldout)
-    write_jsonl(train, args.out)
-    if args.heldout is not None:
-        write_jsonl(held, args.heldout)
+    _write_data(args, train, held)
     print(f"{st.files} files ({st.heldout_files} held out, {st.unparsable_files} unreadable or unparsable): "
           f"{st.functions} functions with a docstring; left out {st.too_long} longer than {args.max_chars} chars, "
           f"{st.not_standalone} that do not compile alone, {st.leaked} held-out duplicates of training code; "
           f"wrote {st.train} conversations to {args.out}"
           + (f" and {st.heldout} to {args.heldout}" if args.heldout is not None else ""))
     return 0
+
+
+def cmd_data_docs_from_source(args) -> int:
+    from k3.data.docs_from_source import docs_from_source
+
+    if args.heldout_fraction > 0 and args.heldout is None:
+        raise SystemExit("k3 data docs-from-source: give --heldout FILE.jsonl for the held-out files' conversations "
+                         "(or --heldout-fraction 0)")
+    train, held, st = docs_from_source(args.paths, heldout_fraction=args.heldout_fraction, head_chars=args.head_chars,
+                                       reply_chars=args.reply_chars, max_records=args.max_records,
+                                       max_heldout=args.max_heldout)
+    _write_data(args, train, held)
+    print(f"{st.files} files ({st.heldout_files} held out, {st.unparsable_files} unreadable or unparsable): "
+          f"{st.docstrings} docstrings of at least {args.head_chars + args.reply_chars // 2} chars; wrote "
+          f"{st.train} conversations to {args.out}"
+          + (f" and {st.heldout} to {args.heldout}" if args.heldout is not None else ""))
+    return 0
+
+
+def _write_data(args, train: list[dict], held: list[dict]) -> None:
+    """Write a `k3 data` command's records (each tagged with --domain when given: `k3 distill` reads such a file as
+    prompts, `k3 sft` as chat data)."""
+    from k3.data.sft_from_source import write_jsonl
+
+    for r in train + held if args.domain else ():
+        r["domain"] = args.domain
+    write_jsonl(train, args.out)
+    if args.heldout is not None:
+        write_jsonl(held, args.heldout)
+
+
+def _add_data_flags(d) -> None:
+    """The flags `k3 data sft-from-source` and `k3 data docs-from-source` share."""
+    d.add_argument("paths", nargs="*", help=".py files or directories (default: the Python standard library)")
+    d.add_argument("--out", required=True, help="training conversations (.jsonl)")
+    d.add_argument("--heldout", help="held-out conversations (.jsonl): those of the held-out files")
+    d.add_argument("--heldout-fraction", type=float, default=0.05,
+                   help="fraction of files held out, by a stable hash of their relative path (default 0.05)")
+    d.add_argument("--max-records", type=cli._positive_int, help="keep at most this many training conversations")
+    d.add_argument("--max-heldout", type=cli._positive_int, help="keep at most this many held-out conversations")
+    d.add_argument("--domain", metavar="TAG", help="add \"domain\": TAG to every record, so that the file is also a "
+                   "`k3 distill --prompts` file for the teacher of that domain")
 
 
 def add_parsers(sub) -> None:
@@ -155,12 +195,14 @@ def add_parsers(sub) -> None:
     dsub = s.add_subparsers(dest="data_command", required=True)
     d = dsub.add_parser("sft-from-source", help="docstring-to-code conversations from Python sources (the user gives "
                         "a function's signature and docstring, the assistant writes the function)")
-    d.add_argument("paths", nargs="*", help=".py files or directories (default: the Python standard library)")
-    d.add_argument("--out", required=True, help="training conversations (.jsonl)")
-    d.add_argument("--heldout", help="held-out conversations (.jsonl): the functions of the held-out files")
-    d.add_argument("--heldout-fraction", type=float, default=0.05,
-                   help="fraction of files held out, by a stable hash of their relative path (default 0.05)")
+    _add_data_flags(d)
     d.add_argument("--max-chars", type=cli._positive_int, default=1500, help="longest function kept, in characters")
-    d.add_argument("--max-records", type=cli._positive_int, help="keep at most this many training conversations")
-    d.add_argument("--max-heldout", type=cli._positive_int, help="keep at most this many held-out conversations")
     d.set_defaults(fn=cmd_data_sft_from_source)
+    d = dsub.add_parser("docs-from-source", help="documentation conversations from Python sources' docstrings (the "
+                        "user gives a docstring's opening, the assistant continues it)")
+    _add_data_flags(d)
+    d.add_argument("--head-chars", type=cli._positive_int, default=160,
+                   help="the opening the user gives, in characters (cut at a line break; default 160)")
+    d.add_argument("--reply-chars", type=cli._positive_int, default=320,
+                   help="the continuation the assistant writes, in characters (default 320)")
+    d.set_defaults(fn=cmd_data_docs_from_source)
