@@ -170,7 +170,7 @@ class Sandbox(abc.ABC):
         """An independent sandbox with a copy of this one's current files and environment (for judging without
         side effects). Calls running in this sandbox are not part of the state: the fork has none."""
         self._check_open()
-        root = tempfile.mkdtemp(prefix="k3-sandbox-")
+        root = temp_root("k3-sandbox-")
         ws = os.path.join(root, "workspace")
         try:
             copy_tree(self.workspace, ws)
@@ -182,7 +182,7 @@ class Sandbox(abc.ABC):
     def snapshot(self) -> Snapshot:
         """Save the current state; `restore(snapshot)` brings it back exactly. Valid until `close()`."""
         self._check_open()
-        d = tempfile.mkdtemp(prefix="k3-snapshot-")
+        d = temp_root("k3-snapshot-")
         self._snapshots.append(d)
         copy_tree(self.workspace, os.path.join(d, "workspace"))
         return Snapshot(path=d, env=dict(self.env))
@@ -222,6 +222,78 @@ class Sandbox(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+# --- directories of sandboxes and snapshots ------------------------------------------------------------------------
+# A sandbox removes its directories when closed, collected or at exit; a process killed outright (SIGKILL, the OOM
+# killer, a lost machine) cannot, and an RL run leaves hundreds (a group of episodes each, and their forks). So each
+# directory carries its creator's identity, and the first directory a process makes sweeps those whose creator has
+# gone (this user's only; directories without the marker, which older versions made, are left alone).
+OWNER_FILE = ".k3-owner"
+_PREFIXES = ("k3-sandbox-", "k3-snapshot-")
+_swept = False
+
+
+def _identity(pid: int) -> str | None:
+    """'pid start-time' of a live process (start time in clock ticks since boot, /proc on Linux; a reused pid has
+    another), 'pid' where /proc cannot tell, None when no such process runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return f"{pid} {int(fields[19])}"  # field 22 of stat: starttime
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError, ValueError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return str(pid)
+
+
+def temp_root(prefix: str) -> str:
+    """A new private directory for a sandbox or snapshot, marked with this process's identity; the first one a
+    process makes also sweeps the directories of dead creators (`sweep_stale`)."""
+    global _swept
+    if not _swept:
+        _swept = True
+        try:
+            sweep_stale()
+        except OSError:
+            pass  # a sweep that cannot read /tmp must not stop the sandbox
+    root = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(root, OWNER_FILE), "w") as f:
+        f.write(_identity(os.getpid()) or str(os.getpid()))
+    return root
+
+
+def sweep_stale(tmp: str | None = None) -> list[str]:
+    """Remove the sandbox and snapshot directories under `tmp` (default: the temp directory) that this user owns
+    and whose creating process no longer runs. Returns the removed paths."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(tmp):
+        if not name.startswith(_PREFIXES):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                mark = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue  # no marker: not ours to judge
+        try:
+            pid = int(mark.split()[0])
+        except (ValueError, IndexError):
+            continue
+        live = _identity(pid)
+        if live is None or (" " in mark and " " in live and live != mark):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _remove_dirs(*lists: list[str]) -> None:
@@ -310,7 +382,7 @@ def create_sandbox(kind: str = "bwrap", image: str | None = None, *, limits: Lim
         raise ValueError(f"sandbox kind must be one of {list(SANDBOX_KINDS)}, got {kind!r}")
     if image is not None and not os.path.isdir(image):
         raise SandboxError(f"sandbox image {image!r} is not a directory")
-    root = tempfile.mkdtemp(prefix="k3-sandbox-")
+    root = temp_root("k3-sandbox-")
     ws = os.path.join(root, "workspace")
     try:
         if image is not None:
