@@ -242,7 +242,9 @@ def summarize(name, records, per_backend, route_m, killed, wall) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=6)
