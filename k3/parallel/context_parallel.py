@@ -448,10 +448,12 @@ class ContextParallelRecord:
         return n
 
 
-def aligned_labels(labels: Tensor) -> Tensor:
+def aligned_labels(labels: Tensor, fill: float = -100) -> Tensor:
     """Labels as the model takes them (aligned with input_ids, shifted inside) -> the target of position t at t
-    (-100 at the row's last position), which split_packed_batch and a context-parallel forward expect."""
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+    (`fill` at the row's last position, which has none), which split_packed_batch and a context-parallel forward
+    expect. Any per-token tensor [rows, T, ...] aligned like the labels (a token's behaviour log-prob, advantage)
+    is realigned the same way, with its own `fill` (k3.train.losses)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1, *labels.shape[2:]), fill)], dim=1)
 
 
 def cp_batch_info(part: CPBatch, group: dist.ProcessGroup | None):

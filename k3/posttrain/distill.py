@@ -44,7 +44,7 @@ from k3.model.batch import BatchInfo
 from k3.posttrain.mopd import Prompt, TeacherTable, encode_prompt, opd_pg_loss, read_prompts, token_logprobs
 from k3.posttrain.rollout import Rollout, RolloutEngine, default_engine_config
 from k3.run_dir import holding_run_dir
-from k3.train.losses import LossOutput, MicroBatch
+from k3.train.losses import LossOutput, MicroBatch, target_logprobs, trained_mask
 from k3.train.trainer import StepMetrics, Trainer, TrainConfig
 
 CPU_DEFAULTS = dict(lr=5e-4)
@@ -219,9 +219,11 @@ def score_rows(model, rows: list[list[int]], device, chunk: int = 8) -> torch.Te
 class MOPDLoss:
     """Eq. 15's importance-sampled policy-gradient loss (k3.posttrain.mopd.opd_pg_loss) of a micro-batch of
     `MOPDTrainer` rows: the student's log-probs of the sampled tokens from one forward, against the batch's
-    `teacher` and `behaviour` log-probs at the response tokens (labels != -100). Divided by the step's response-token
-    count, so the micro-batches' losses sum to the step's token mean. Its statistics (`extra`): per row the summed
-    reward, log-ratio and response tokens, and the clipped tokens and largest importance ratio of the micro-batch."""
+    `teacher` and `behaviour` log-probs at the response tokens (labels != -100), all elementwise in the micro-batch's
+    alignment (k3.train.losses: a context-parallel segment's are shifted with its labels). Divided by the step's
+    response-token count, so the micro-batches' losses sum to the step's token mean. Its statistics (`extra`): per
+    row the summed reward, log-ratio and response tokens (a context-parallel rank: its segment's), and the clipped
+    tokens and largest importance ratio of the micro-batch."""
 
     def __init__(self, r_max: float):
         self.r_max = r_max
@@ -229,8 +231,8 @@ class MOPDLoss:
     def __call__(self, model, mb: MicroBatch) -> LossOutput:
         t = mb.tensors
         out = model(t["input_ids"], batch=mb.info, check_ids=False, stats=mb.stats)
-        terms = opd_pg_loss(token_logprobs(out.logits, t["input_ids"]), t["teacher"], t["labels"] != IGNORE,
-                            self.r_max, behaviour_logp=t["behaviour"], normalizer=mb.step_tokens)
+        terms = opd_pg_loss(target_logprobs(out.logits, mb), t["teacher"], trained_mask(mb), self.r_max,
+                            behaviour_logp=t["behaviour"], normalizer=mb.step_tokens)
         extra = {"reward_sum": terms.reward_sum, "log_ratio_sum": terms.log_ratio_sum, "tokens": terms.tokens,
                  "clipped": terms.clipped, "max_ratio": terms.max_ratio}
         return LossOutput(terms.loss, terms.loss.detach().double(), out.stats, extra=extra)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.train.losses import LossOutput, MicroBatch
+from k3.train.losses import LossOutput, MicroBatch, target_logprobs, trained_mask
 
 IGNORE = -100
 LOSSES = ("kimi", "ppo")
@@ -101,18 +101,11 @@ def rl_token_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.
                    max_ratio=(rho.detach() * m).amax() if mask.any() else torch.ones((), device=logp.device))
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids[:, t] | ids[:, <t]) from logits [B, T, V]: [B, T], 0 at t = 0; fp32 (fp64 stays fp64)."""
-    x = logits[:, :-1]
-    lp = torch.log_softmax(x if x.dtype == torch.float64 else x.float(), -1)
-    lp = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
-
-
 class RLLoss:
     """`rl_token_loss` over a micro-batch of `RLTrainer` rows (k3.rl.trainer): the policy's log-probs of the sampled
     tokens from one forward, against the batch's `behaviour` log-probs and `advantage` at the trained tokens
-    (labels != -100). Divided by the step's trained-token count, so micro-batches sum to the step's token mean.
+    (labels != -100), all elementwise in the micro-batch's alignment (k3.train.losses: a context-parallel segment's
+    are shifted with its labels). Divided by the step's trained-token count, so micro-batches sum to the step's token mean.
     Statistics (`extra`): trained and masked tokens, sums of (log rho)^2 and |log rho|, the largest ratio, and the
     trained tokens per staleness (policy versions behind, the batch's `staleness` tensor)."""
 
@@ -123,9 +116,9 @@ class RLLoss:
     def __call__(self, model, mb: MicroBatch) -> LossOutput:
         t = mb.tensors
         out = model(t["input_ids"], batch=mb.info, check_ids=False, stats=mb.stats)
-        mask = t["labels"] != IGNORE
-        terms = rl_token_loss(token_logprobs(out.logits, t["input_ids"]), t["behaviour"], t["advantage"], mask,
-                              self.cfg, normalizer=mb.step_tokens)
+        mask = trained_mask(mb)
+        terms = rl_token_loss(target_logprobs(out.logits, mb), t["behaviour"], t["advantage"], mask, self.cfg,
+                              normalizer=mb.step_tokens)
         stale = t["staleness"].long().clamp(0, 63)
         by_staleness = torch.bincount(stale[mask], minlength=64)
         extra = {"tokens": terms.tokens, "masked": terms.masked, "log_ratio_sq": terms.log_ratio_sq,

@@ -2,7 +2,9 @@
 `Trainer` with its distributed hooks filled in, on a model already sharded by k3.parallel.parallelize.
 
 * data: each data rank trains on its contiguous rows [r R/n, (r + 1) R/n) of every global batch of R rows, so the
-  ranks together see exactly the single-process batch; FSDP2 averages the gradients over the ranks in backward;
+  ranks together see exactly the single-process batch; FSDP2 averages the gradients over the ranks in backward.
+  A loss normalized by the step's trained tokens gets their global count / the data ranks as `step_tokens`
+  (`_step_tokens`), so that average is the global token mean however unevenly the ranks' rows hold tokens;
 * the optimizer is built on the sharded parameters (Per-Head Muon gathers each block whole, see
   k3.train.per_head_muon); WeightCasts is off (FSDP2's MixedPrecisionPolicy casts);
 * reported losses are averaged over the ranks; Quantile Balancing's routing counts (ExpertBalancer.update) and
@@ -11,9 +13,10 @@
 * the gradient norm is the norm over all ranks' shards; loop decisions taken from the clock or a signal (stop,
   save) are all-reduced so that every rank takes them together;
 * context parallelism (a "cp" dimension of 2 or more): each forward is one packed row, split along the sequence
-  over the cp ranks (k3.parallel.context_parallel); each rank's loss (and MTP loss) is its segment's share of the
-  row's mean, so it is scaled by cp in backward and the reported losses sum the cp ranks' shares; QK-Clip's
-  maxima, each rank's over its own queries, are all-reduced like any rank's;
+  over the cp ranks (k3.parallel.context_parallel), its labels and every other per-token tensor of the batch
+  realigned with the positions first (k3.train.losses states the convention); each rank's loss (and MTP loss) is
+  its segment's share of the row's, so it is scaled by cp in backward and the reported losses sum the cp ranks'
+  shares; QK-Clip's maxima, each rank's over its own queries, are all-reduced like any rank's;
 * rank 0 alone writes metrics.jsonl, loss.png and the progress bar;
 * a checkpoint `step-N/` is the full model gathered to rank 0 and written in the official layout (`k3 eval` /
   `k3 serve` load it; its trainer_state files carry the settings and positions, no optimizer state), with the
@@ -45,6 +48,7 @@ from k3.files import fsync_dir
 from k3.run_dir import SHARDED_DIR, holding_run_dir, sharded_state
 from k3.train import state as state_io
 from k3.train.checkpointing import checkpoint_path, save_checkpoint
+from k3.train.losses import Loss
 from k3.train.qk_clip import apply_qk_clip_, mla_layers
 from k3.train.trainer import Trainer, TrainConfig, TrainingError
 
@@ -53,10 +57,11 @@ __all__ = ["DistributedTrainer"]
 
 class DistributedTrainer(Trainer):
     """`Trainer` over the ranks of `mesh` (dims "dp", "ep", "cp"); `model` is already parallelized over it and
-    every rank's loader yields the same global batches (same data, same seed)."""
+    every rank's loader yields the same global batches (same data, same seed). `loss`: as the Trainer's (its
+    per-token tensors are split with the labels under context parallelism, k3.train.losses)."""
 
     def __init__(self, model, tcfg: TrainConfig, train_loader, mesh: DeviceMesh, eval_stream=None, eos_id: int = 0,
-                 tokenizer_json: bytes | None = None, log=print):
+                 tokenizer_json: bytes | None = None, log=print, loss: Loss | None = None):
         self.mesh = mesh
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.data_index, self.data_ranks = data_rank(mesh)
@@ -65,7 +70,7 @@ class DistributedTrainer(Trainer):
             raise ValueError(f"the global batch has {rows} rows (--batch-tokens {tcfg.batch_tokens} / --seq-len "
                              f"{tcfg.seq_len}), which does not divide by the {self.data_ranks} data ranks")
         super().__init__(model, tcfg, train_loader, eval_stream=eval_stream, eos_id=eos_id,
-                         tokenizer_json=tokenizer_json, log=log if self.rank == 0 else _quiet)
+                         tokenizer_json=tokenizer_json, log=log if self.rank == 0 else _quiet, loss=loss)
         self.writes_files = self.rank == 0
         self.retries_oom = False
         self.cp = mesh["cp"].size()
@@ -92,23 +97,40 @@ class DistributedTrainer(Trainer):
         lo = self.data_index * n
         return {k: v[lo:lo + n] for k, v in batch.items()}
 
+    def _step_tokens(self, batch: dict) -> torch.Tensor:
+        """The step's trained tokens over all data ranks / their number D: the mean over all ranks of each rank's
+        count (the cp ranks of a data rank hold its rows, so the sum over the world counts every token cp times,
+        and world = D cp). Rank r's loss S_r / step_tokens (S_r its token sum), scaled by cp in backward and
+        averaged over the world by FSDP2, gives the gradient of sum_r S_r / (D step_tokens) = S / N, the global
+        token mean; `_reduce_losses`' sum over ranks / D reports the same S / N. One all-reduce a step."""
+        local = float((batch["labels"][:, 1:] != -100).sum())
+        n = torch.tensor(local, dtype=torch.float64, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.SUM)
+        return (n / self.world).float()
+
     def _micro_batch(self, host: dict):
-        """Under context parallelism: this rank's segment of the micro-batch's one packed row (labels aligned with
-        the positions first, as the split needs), its record carrying the cp group (k3.parallel.context_parallel).
-        Each rank's loss is its segment's share of the row's mean, so the cp ranks' losses sum to it: scaled by
-        cp in backward, FSDP2's average over all ranks becomes the sum over cp and the mean over data ranks."""
+        """Under context parallelism: this rank's segment of the micro-batch's one packed row, its record carrying
+        the cp group (k3.parallel.context_parallel). The labels are aligned with the positions first, as the split
+        needs, and so is every other per-token tensor (first dims [1, T], e.g. behaviour log-probs, advantages:
+        shifted one place left, 0 at the row's last position), cut at the same points (k3.train.losses states
+        the convention); a tensor of another shape comes whole. Each rank's loss is its segment's share of the
+        row's, so the cp ranks' losses sum to it: scaled by cp in backward, FSDP2's average over all ranks becomes
+        the sum over cp and the mean over data ranks."""
         if self.cp == 1:
             return super()._micro_batch(host)
-        from k3.parallel.context_parallel import aligned_labels, cp_batch_info, split_packed_batch
+        from k3.parallel.context_parallel import aligned_labels, cp_batch_info, split_packed_batch, split_rows
         from k3.tensors import to_device_async
 
-        parts = split_packed_batch(host["input_ids"], host["segment_ids"], self.cp,
-                                   labels=aligned_labels(host["labels"]))
-        mine = parts[self.cp_rank]
+        ids = host["input_ids"]
+        parts = split_packed_batch(ids, host["segment_ids"], self.cp, labels=aligned_labels(host["labels"]))
+        mine, plan = parts[self.cp_rank], [p.segment for p in parts]
         info = cp_batch_info(mine, self.cp_group).to(self.device)
-        ids = {"input_ids": to_device_async(mine.input_ids, self.device),
-               "labels": to_device_async(mine.labels, self.device)}
-        return info, ids, float(self.cp)
+        out = {"input_ids": mine.input_ids, "labels": mine.labels}
+        for k, v in host.items():
+            if k not in ("input_ids", "labels", "segment_ids"):
+                per_token = v.dim() >= 2 and v.shape[:2] == ids.shape
+                out[k] = split_rows(aligned_labels(v, fill=0), plan)[self.cp_rank] if per_token else v
+        return info, {k: to_device_async(v, self.device) for k, v in out.items()}, float(self.cp)
 
     def _weight_casts(self):
         return None  # FSDP2 casts the parameters for each unit's forward and reduces through autograd's hooks

@@ -10,21 +10,37 @@ one micro-batch computes:
     class MyLoss:
         def __call__(self, model, mb: MicroBatch) -> LossOutput:
             out = model(mb.tensors["input_ids"], batch=mb.info, check_ids=False, stats=mb.stats)
-            ...                                   # per-token terms from out.logits and mb.tensors[...]
-            loss = terms.sum() / mb.step_tokens   # micro-batches sum to the step's token mean
+            logp, mask = target_logprobs(out.logits, mb), trained_mask(mb)
+            ...                                   # per-token terms from logp, mask and mb.tensors[...]
+            loss = terms.sum() / mb.step_tokens   # micro-batches (and ranks) sum to the step's token mean
             return LossOutput(loss, loss.detach().double(), out.stats, extra={"my_stat": ...})
 
 `mb.tensors` holds every tensor of the step's batch but its document ids, sliced to the micro-batch's rows and on
 the device: `input_ids`, `labels` (-100: not trained) and whatever per-token tensors the run's batch carries (MOPD:
-the behaviour and teacher log-probs; an RL run: advantages, behaviour and reference log-probs, token weights).
-Under context parallelism (k3.train.distributed) a rank gets its segment's `input_ids` and position-aligned
-`labels` only, which `NextTokenLoss` is written for: `DistributedTrainer` does not split other per-token tensors.
+the behaviour and teacher log-probs; an RL run: advantages, behaviour log-probs, staleness).
+
+The convention of per-token tensors: a run's batch gives every per-token tensor ([rows, T, ...], T the rows'
+tokens) aligned like the model's `labels` input, i.e. with `input_ids`: the value at t belongs to token t (its
+label, its behaviour log-prob), which position t - 1 predicts. A loss receives them in one of two alignments,
+`mb.aligned` telling which:
+* a single process (and plain data parallelism): as the batch gives them; position 0 is never trained (nothing
+  predicts the first token);
+* context parallelism (`mb.aligned`, k3.train.distributed): the rank's segment of one packed row, each per-token
+  tensor shifted one place left before the row was split, as `labels` are (k3.parallel.context_parallel.
+  aligned_labels): the value at t belongs to token t + 1, the target of position t, which may live on the next
+  rank; the row's last position holds -100 in `labels`, 0 elsewhere.
+Either way `labels` and every per-token tensor stay aligned with each other, so a loss written elementwise over
+them, with `target_logprobs` (the log-prob of each position's label, at the label's place) and `trained_mask`,
+is right in both, and the segments' terms together are the row's.
+
 A loss weighs its micro-batch so that the micro-batches' losses sum to the step's: by `mb.rows` (its share of the
-step's rows) or by `mb.step_tokens` (the step's trained tokens). It must ask the forward for `mb.stats` and hand
-the output's `stats` back: balancing and QK-Clip read them (a run with neither may hand back None: the EAGLE-3
-draft's). Its `extra` statistics (detached device tensors) come
-back per micro-batch to the run's `Trainer._finish_step`, which reads them once per step; nothing travels through
-module attributes.
+step's rows) or by `mb.step_tokens` (the step's trained tokens; under data parallelism the global count divided
+by the data ranks, so that FSDP2's average over the ranks of the ranks' token sums / step_tokens is the global
+token mean, see MicroBatch). It must ask the forward for `mb.stats` and hand the output's `stats` back: balancing
+and QK-Clip read them (a run with neither may hand back None: the EAGLE-3 draft's). Its `extra` statistics
+(detached device tensors) come back per micro-batch to the run's `Trainer._finish_step`, which reads them once per
+step; they are this process's (under context parallelism its segment's share); nothing travels through module
+attributes.
 
 `NextTokenLoss` is pre-training's and SFT's; MOPD's is k3.posttrain.distill.MOPDLoss, RL's k3.rl.loss.RLLoss, the
 EAGLE-3 draft's k3.posttrain.eagle3.DraftLoss (its module the draft, the frozen target inside the loss).
@@ -48,7 +64,15 @@ class MicroBatch:
     info: BatchInfo  # the batch record the forward takes (`model(..., batch=info)`)
     stats: tuple[str, ...]  # the statistics the forward must be asked for (routing, max_logit)
     rows: float  # its rows / the step's rows (of this process)
-    step_tokens: torch.Tensor  # the step's trained tokens (labels != -100 past position 0), fp32 on the device
+    # the step's trained tokens (labels != -100 past position 0), fp32 on the device: a single process's own count;
+    # under data parallelism the count over all data ranks / their number (DistributedTrainer._step_tokens)
+    step_tokens: torch.Tensor
+
+    @property
+    def aligned(self) -> bool:
+        """Whether `labels` and the per-token tensors are aligned with the positions (the target of t at t: a
+        context-parallel segment) rather than with `input_ids` (see the module's docstring)."""
+        return self.info.context is not None
 
 
 @dataclass
@@ -59,6 +83,29 @@ class LossOutput:
     stats: ForwardStats | None  # the forward's statistics (those asked for in MicroBatch.stats)
     mtp: torch.Tensor | None = None  # reported (detached, fp64): its share of the step's MTP loss, if it has one
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss's own statistics (detached)
+
+
+def trained_mask(mb: MicroBatch) -> torch.Tensor:
+    """[rows, T] bool: the positions whose label is trained, in the micro-batch's alignment (position 0 of a row
+    aligned with `input_ids` never is: nothing predicts it). Their count over the step is `step_tokens`."""
+    mask = mb.tensors["labels"] != -100
+    if not mb.aligned:
+        mask[:, 0] = False
+    return mask
+
+
+def target_logprobs(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """log p(label) at the label's place, [rows, T], from the forward's logits [rows, T, V] of `mb`, 0 where no
+    label is trained (`trained_mask`): aligned with `input_ids`, the label at t is predicted by position t - 1;
+    aligned with the positions (`mb.aligned`), by position t. fp32 (fp64 logits stay fp64)."""
+    labels, mask = mb.tensors["labels"], trained_mask(mb)
+    x = logits if mb.aligned else logits[:, :-1]
+    y = labels if mb.aligned else labels[:, 1:]
+    lp = torch.log_softmax(x if x.dtype == torch.float64 else x.float(), -1)
+    lp = lp.gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    if not mb.aligned:
+        lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+    return torch.where(mask, lp, torch.zeros_like(lp))
 
 
 class Loss(Protocol):

@@ -285,8 +285,7 @@ class Trainer:
         # would stall the host until the GPU drained, so the next micro-batch could not be queued behind it.
         losses, mtps, extras = [], [], []
         check_token_ids(batch["input_ids"], model.config.vocab_size)  # here, on the host copy (no device read)
-        tokens = torch.tensor(float((batch["labels"][:, 1:] != -100).sum()), dtype=torch.float32)
-        tokens = to_device_async(tokens, self.device)
+        tokens = self._step_tokens(batch)
         # Under autocast the weights are cast once for all micro-batches and their gradients summed straight into
         # the fp32 .grad (bitwise what autograd's cast + accumulation gives; k3.ops.weight_cast).
         with use_weight_casts(model, self._weight_casts()):
@@ -310,6 +309,12 @@ class Trainer:
                     if routing is not None:  # an MTP depth longer than the micro-batch did not run
                         bal.observe(routing, b)
         return torch.stack(losses).sum(), (torch.stack(mtps).sum() if mtps else None), extras
+
+    def _step_tokens(self, batch: dict) -> torch.Tensor:
+        """`MicroBatch.step_tokens` of the step's batch: its trained tokens (labels past position 0), fp32 on the
+        device (not read back)."""
+        tokens = torch.tensor(float((batch["labels"][:, 1:] != -100).sum()), dtype=torch.float32)
+        return to_device_async(tokens, self.device)
 
     def _micro_batch(self, host: dict) -> tuple[BatchInfo, dict, float]:
         """(the micro-batch's record, its tensors on the device (all but the document ids: token ids, labels and
