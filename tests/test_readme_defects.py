@@ -304,7 +304,46 @@ def test_benchmark_help_shows_every_default(script, benchmark_help):
                          "written)")
 
 
-# --- 3. the teachers' data of the distillation example: k3 data docs-from-source, --domain ---------------------
+# --- 3. every input a README block uses is made by an earlier block ------------------------------------------------
+
+def _readme_commands() -> list[list[str]]:
+    """Every `k3 ...` command of the README's bash blocks, in order, as argument lists (continuations joined,
+    comments dropped)."""
+    import shlex
+
+    text = open(README, encoding="utf-8").read()
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            args = shlex.split(line, comments=True)
+            if args[:1] == ["k3"]:
+                out.append(args[1:])
+    return out
+
+
+def test_readme_makes_every_data_file_and_run_it_reads_before_reading_it():
+    """`data/code.jsonl` and `data/docs.jsonl` (the distillation teachers' data) and `data/prompts.jsonl` were made
+    by no step of the README."""
+    made, read = {"runs/k3"}, []  # runs/k3: `k3 train`'s default --out
+    for args in _readme_commands():
+        flags = dict(zip(args, args[1:]))
+        for i, a in enumerate(args[:-1]):
+            v = args[i + 1]
+            if a in ("--data", "--prompts", "--ckpt", "--student") or (a == "--heldout" and args[0] != "data"):
+                read.append((args[0], v))
+            elif a == "--teacher":
+                read.append((args[0], v.split("=", 1)[1]))
+        missing = [(cmd, v) for cmd, v in read if v.startswith(("data/", "runs/")) and v not in made]
+        assert not missing, (args, missing)
+        read.clear()
+        if "--out" in flags:
+            made.add(flags["--out"])
+            if flags.get("--qat") == "mxfp4":
+                made.add(flags["--out"] + "/mxfp4")  # the QAT export
+        if args[0] == "data" and "--heldout" in flags:
+            made.add(flags["--heldout"])
+    assert {"data/code.jsonl", "data/docs.jsonl", "runs/teacher_code", "runs/teacher_docs"} <= made
+
 
 def test_docs_from_source_holds_out_the_files_sft_from_source_does_and_tags_the_domain(tmp_path, capsys):
     from k3.cli import main
