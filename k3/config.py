@@ -27,6 +27,21 @@ def _pattern_layers(num_layers: int, period: int = 4) -> tuple[list[int], list[i
     return kda, full
 
 
+def layer_lists(pattern: str) -> tuple[list[int], list[int]]:
+    """(kda_layers, full_attn_layers), 1-based, of a pattern string with one letter per layer: K for KDA, M for
+    Gated MLA. "KKKMKKKMKKKMM" is K3's pattern for 13 layers; "MMMMM" all-MLA (full attention), "KKKKK" all-KDA."""
+    if not pattern or set(pattern) - {"K", "M"}:
+        raise ConfigError(f"layer pattern {pattern!r} is invalid: one letter per layer, K (KDA) or M (Gated MLA)")
+    return ([i for i, c in enumerate(pattern, 1) if c == "K"], [i for i, c in enumerate(pattern, 1) if c == "M"])
+
+
+# The ablation arms (issue 46): settings the config allows that are not K3. Each default is K3's; `K3Config.ablations`
+# names every setting that differs. The official keys (`mla_use_nope`, `mla_use_output_gate`, the layer lists) keep
+# their meaning; the others are k3's own and are written to config.json only when they differ from K3's.
+RESIDUALS = ("attn_res", "plain")
+DEFAULT_ROPE_THETA = 10000.0
+
+
 @dataclass
 class K3Config:
     # --- backbone -------------------------------------------------------------------------------
@@ -51,10 +66,11 @@ class K3Config:
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64  # "rope" in name only: these 64 shared key dims are never rotated
+    qk_rope_head_dim: int = 64  # "rope" in name only: K3 (mla_use_nope) never rotates these 64 shared key dims
     v_head_dim: int = 128
-    mla_use_nope: bool = True
-    mla_use_output_gate: bool = True
+    mla_use_nope: bool = True  # false: an ablation, RoPE on the qk_rope_head_dim slice of queries and keys
+    mla_use_output_gate: bool = True  # false: an ablation, o_proj(o) without the sigmoid output gate
+    rope_theta: float = DEFAULT_ROPE_THETA  # the RoPE base, used only when mla_use_nope is false
     # --- FFN: dense first layer, then Stable LatentMoE (§2.3) ---------------------------------------
     first_k_dense_replace: int = 1
     moe_layer_freq: int = 1
@@ -65,6 +81,7 @@ class K3Config:
     num_shared_experts: int = 2
     routed_expert_hidden_size: int = 3584
     latent_moe_use_norm: bool = True
+    moe_latent: bool = True  # false: an ablation, routed experts in the full hidden width (no latent projection)
     moe_router_activation_func: str = "sigmoid"
     moe_renormalize: bool = True
     routed_scaling_factor: float = 1.0
@@ -77,6 +94,7 @@ class K3Config:
     activation_situ_linear_beta: float = 25.0
     # --- Block Attention Residuals (§2.2) ------------------------------------------------------------
     attn_res_block_size: int = 12
+    residual: str = "attn_res"  # "plain": an ablation, h = h + sublayer(norm(h)) instead of Block AttnRes
     # --- multi-token prediction (§4.1.4) ---------------------------------------------------------
     num_nextn_predict_layers: int = 0
     # --- tokens and storage ------------------------------------------------------------------------
@@ -183,10 +201,17 @@ class K3Config:
             bad("kda_gate_lower_bound", self.kda_gate_lower_bound, "must be negative (the log-decay lies in (lower_bound, 0))")
         if not self.kda_use_full_rank_gate:
             bad("kda_use_full_rank_gate", self.kda_use_full_rank_gate, "K3 uses the full-rank output gate (true)")
-        if not self.mla_use_nope:
-            bad("mla_use_nope", self.mla_use_nope, "K3's MLA has no positional encoding (true)")
-        if not self.mla_use_output_gate:
-            bad("mla_use_output_gate", self.mla_use_output_gate, "K3's MLA is gated (true)")
+        for name in ("mla_use_nope", "mla_use_output_gate", "moe_latent"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, getattr(self, name), "must be true or false")
+        if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
+                and self.rope_theta > 0):
+            bad("rope_theta", self.rope_theta, "must be a positive number")
+        if not self.mla_use_nope and (self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2):
+            bad("qk_rope_head_dim", self.qk_rope_head_dim,
+                "RoPE (mla_use_nope false) rotates pairs of dims: must be a positive even number")
+        if self.residual not in RESIDUALS:
+            bad("residual", self.residual, f"must be one of {list(RESIDUALS)} ('attn_res' is K3's Block AttnRes)")
         if self.first_k_dense_replace > L:
             bad("first_k_dense_replace", self.first_k_dense_replace, f"must be <= num_hidden_layers ({L})")
         if self.first_k_dense_replace > 0 and self.intermediate_size <= 0:
@@ -224,6 +249,27 @@ class K3Config:
             if v is not None and not (isinstance(v, int) and 0 <= v < self.vocab_size):
                 bad(name, v, f"must be a token id in [0, vocab_size={self.vocab_size})")
 
+    # --- ablation arms ------------------------------------------------------------------------------
+    def ablations(self) -> list[str]:
+        """Every setting of this config that is not K3's architecture (the ablation arms), one line each; empty
+        for K3 (any size). `k3 info` prints them and config.json records them under `k3_ablation`."""
+        out = []
+        if set(self.full_attn_layers) != set(_pattern_layers(self.num_hidden_layers)[1]):
+            pattern = "".join("K" if self.is_kda_layer(i) else "M" for i in range(self.num_hidden_layers))
+            what = ("all Gated MLA (full attention)" if not self.kda_layers else "all KDA" if not self.full_attn_layers
+                    else "a KDA/MLA pattern")
+            out.append(f"layers {pattern}: {what}, not K3's (Gated MLA every 4th and the last layer)")
+        if not self.mla_use_nope:
+            out.append(f"mla_use_nope=false: RoPE (theta {self.rope_theta:g}) on the MLA rope slice, not NoPE")
+        if not self.mla_use_output_gate:
+            out.append("mla_use_output_gate=false: MLA without its output gate")
+        if self.residual != "attn_res":
+            out.append(f"residual={self.residual}: plain residuals instead of Block AttnRes")
+        if not self.moe_latent:
+            out.append("moe_latent=false: a standard MoE, routed experts in the hidden width without the latent "
+                       "projection")
+        return out
+
     # --- presets and I/O -----------------------------------------------------------------------
     def replace(self, **changes: Any) -> "K3Config":
         return dataclasses.replace(self, **changes)
@@ -241,6 +287,10 @@ class K3Config:
             if f.name.startswith("kda_") or f.name in ("full_attn_layers", "vision_config",
                                                           "media_placeholder_token_id"):
                 continue
+            if f.name in _ABLATION_KEYS and getattr(self, f.name) == f.default:
+                continue  # k3's own ablation keys appear only where they differ from K3: K3's file is the release's
+            if f.name == "rope_theta" and self.mla_use_nope:
+                continue  # unused without RoPE
             text[f.name] = getattr(self, f.name)
         text["linear_attn_config"] = {
             "kda_layers": list(self.kda_layers),
@@ -267,6 +317,8 @@ class K3Config:
         if self.vision_config is not None:
             out["vision_config"] = dict(self.vision_config)
             out["media_placeholder_token_id"] = self.media_placeholder_token_id
+        if self.ablations():  # for a reader of the file; derived from the keys above, ignored when read
+            out["k3_ablation"] = self.ablations()
         return out
 
     @classmethod
@@ -287,6 +339,8 @@ class K3Config:
         _check_keys(d, text, lac, strict)
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {k: v for k, v in text.items() if k in names}
+        if kwargs.get("rope_theta", 0) is None:  # transformers may write null for a NoPE model: unused, the default
+            del kwargs["rope_theta"]
         rename = {
             "kda_layers": "kda_layers", "full_attn_layers": "full_attn_layers", "num_heads": "kda_num_heads",
             "head_dim": "kda_head_dim", "short_conv_kernel_size": "kda_short_conv_kernel_size",
@@ -361,7 +415,10 @@ _LAC_KEYS = {"kda_layers": "kda_layers", "full_attn_layers": "full_attn_layers",
              "gate_lower_bound": "kda_gate_lower_bound", "use_full_rank_gate": "kda_use_full_rank_gate"}
 _REQUIRED_LAC = ("kda_layers", "full_attn_layers", "num_heads", "head_dim")
 _WRAPPER_KEYS = ("text_config", "vision_config", "media_placeholder_token_id", "ignore_index", "image_placeholder",
-                 "auto_map", "architectures", "model_type", "transformers_version", "linear_attn_config")
+                 "auto_map", "architectures", "model_type", "transformers_version", "linear_attn_config",
+                 "k3_ablation")
+# k3's own keys of the ablation arms (not in the release's file): written only when they differ from K3's value.
+_ABLATION_KEYS = ("residual", "moe_latent")
 # Generic fields transformers' PretrainedConfig serializes (unused here); never taken for misspellings.
 _GENERIC_KEYS = frozenset("""
     return_dict output_hidden_states output_attentions torchscript torch_dtype use_bfloat16 tf_legacy_loss
@@ -371,7 +428,7 @@ _GENERIC_KEYS = frozenset("""
     encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores return_dict_in_generate
     forced_bos_token_id forced_eos_token_id remove_invalid_values exponential_decay_length_penalty suppress_tokens
     begin_suppress_tokens finetuning_task id2label label2id tokenizer_class prefix sep_token_id
-    decoder_start_token_id task_specific_params problem_type _name_or_path use_cache rope_theta rope_scaling
+    decoder_start_token_id task_specific_params problem_type _name_or_path use_cache rope_scaling
     head_dim attention_dropout attention_bias _attn_implementation_autoset""".split())
 
 

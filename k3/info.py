@@ -135,6 +135,8 @@ def format_info(name: str, cfg: K3Config, info: ModelInfo, context: int) -> str:
     lines = [f"{name}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, {len(cfg.full_attn_layers)} MLA), "
              f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_token}",
              "", f"{'component':<20}{'total':>16}{'active':>16}"]
+    if cfg.ablations():  # the ablation arms this config sets (K3Config.ablations): not the K3 architecture
+        lines[1:1] = ["ablation arm, not K3: " + "; ".join(cfg.ablations())]
     for c, (t, a) in info.breakdown.items():
         lines.append(f"{c:<20}{t:>16,}{a:>16,}")
     lines.append(f"{'text model':<20}{info.total:>16,}{info.active:>16,}")

@@ -76,7 +76,7 @@ def test_reads_official_layer_lists_one_based():
     ({"hidden_act": "silu"}, "hidden_act"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"eos_token_id": 10**9}, "eos_token_id"),
-    ({"mla_use_nope": False}, "mla_use_nope"),
+    ({"mla_use_nope": "no"}, "mla_use_nope"),
     ({"dtype": "int8"}, "dtype"),
 ])
 def test_bad_values_name_the_field(change, field):

@@ -10,6 +10,10 @@ and the output site mixes completed + [final partial]. `AttnResStream` keeps tha
 `two_phase=True` computes the same result the inference way: once per block, one batched pass of every
 site's query over the completed blocks (which stay fixed for the whole block), then an online-softmax merge
 with the partial sum at each site.
+
+`PlainResidualStream` is the plain-residual ablation (config `residual="plain"`, not K3): every site's input is
+the sum of all sources, h = embedding + every earlier sublayer output, i.e. h = h + sublayer(norm(h)). It keeps
+the same block bookkeeping, so the block outputs (`features=`) and activation checkpointing work unchanged.
 """
 
 from __future__ import annotations
@@ -72,3 +76,29 @@ class AttnResStream:
 
     def output(self, w: torch.Tensor) -> torch.Tensor:
         return self._mix(("out", None), w)
+
+
+class PlainResidualStream(AttnResStream):
+    """The plain-residual ablation: a site's input is the sum of its sources (the site queries are ignored and
+    none exist), added in fp32 and returned in the sources' dtype. No two-phase form (nothing to batch)."""
+
+    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False,
+                 backends: Backends | None = None):
+        super().__init__(embedding, block_size, eps, two_phase=False, backends=backends)
+
+    def _mix(self, key, w) -> torch.Tensor:
+        sources = self.blocks + [self.partial]
+        dt = sources[0].dtype
+        for s in sources[1:]:
+            dt = torch.promote_types(dt, s.dtype)
+        total = sources[0].float()
+        for s in sources[1:]:
+            total = total + s.float()
+        return total.to(dt)
+
+
+def residual_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False,
+                    backends: Backends | None = None) -> AttnResStream:
+    """The stream of the config's `residual`: Block AttnRes (K3), or plain residuals (the ablation)."""
+    cls = PlainResidualStream if residual == "plain" else AttnResStream
+    return cls(embedding, block_size, eps, two_phase=two_phase, backends=backends)

@@ -42,11 +42,14 @@ class DecoderLayer(nn.Module):
         self.is_kda = cfg.is_kda_layer(layer_idx) if is_kda is None else is_kda
         self.input_layernorm = RMSNorm(D, eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
-        # AttnRes sites: gamma and the pseudo-query w (an nn.Linear(D, 1) in the release).
-        self.self_attention_res_norm = RMSNorm(D, eps)
-        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
-        self.mlp_res_norm = RMSNorm(D, eps)
-        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        # AttnRes sites: gamma and the pseudo-query w (an nn.Linear(D, 1) in the release); none in the plain-residual
+        # ablation (config `residual`), whose sites add their sources.
+        self.attn_res = cfg.residual == "attn_res"
+        if self.attn_res:
+            self.self_attention_res_norm = RMSNorm(D, eps)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(D, eps)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
         self.self_attn = KimiDeltaAttention(cfg, layer_idx) if self.is_kda else GatedMLA(cfg, layer_idx)
         if (cfg.is_moe_layer(layer_idx) if is_moe is None else is_moe):
             self.block_sparse_moe = LatentMoE(cfg, layer_idx)
@@ -98,7 +101,7 @@ class DecoderLayer(nn.Module):
                    want_max: bool = False) -> tuple:
         """AttnRes mix -> input norm -> KDA / Gated MLA: (output, the MLA's max logit or None). Closes the
         stream's block at a block boundary."""
-        w = site_query(self.self_attention_res_norm, self.self_attention_res_proj)
+        w = site_query(self.self_attention_res_norm, self.self_attention_res_proj) if self.attn_res else None
         x = self.input_layernorm(stream.attn_input(self.res_idx, w, upcoming or []))
         if want_max:
             return self.self_attn(x, cache, batch=batch, return_max_logit=True)
@@ -106,7 +109,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp_site(self, stream: AttnResStream, want_routing: bool = False) -> tuple:
         """AttnRes mix -> post-attention norm -> dense MLP / LatentMoE: (output, the MoE's routing or None)."""
-        h = stream.mlp_input(self.res_idx, site_query(self.mlp_res_norm, self.mlp_res_proj))
+        h = stream.mlp_input(self.res_idx, site_query(self.mlp_res_norm, self.mlp_res_proj) if self.attn_res else None)
         if want_routing:
             return self.ffn(self.post_attention_layernorm(h), return_routing=True)
         return self.ffn(self.post_attention_layernorm(h)), None

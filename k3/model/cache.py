@@ -81,6 +81,10 @@ class MLALayerCache(Protocol):
         """Store the new latent rows (c [B, T, R], k_rope [B, T, dr]) and return the attention of q [B, T, H, ·]
         over everything cached up to each query's position [B, T, H, dv]."""
 
+    def token_positions(self, c: Tensor) -> Tensor:
+        """The positions [B, T] the new rows c [B, T, R] will take (in a packed row, each request's own): what the
+        RoPE ablation rotates by, before `attend` stores the rows. K3 (NoPE) never asks."""
+
 
 class KDACache:
     """One KDA layer's contiguous decode state: the fp32 recurrent state and the q/k/v short-conv tails."""
@@ -106,6 +110,7 @@ class MLACache:
     def __init__(self) -> None:
         self.c: Tensor | None = None  # [B, L, kv_lora_rank]
         self.k_rope: Tensor | None = None  # [B, L, qk_rope_head_dim]
+        self.start = 0  # position of the first kept row (rows dropped by keep_last)
 
     @property
     def length(self) -> int:
@@ -117,6 +122,10 @@ class MLACache:
         if not past:
             return attn.expanded(q, c, k_rope)  # nothing cached before: the prefill form
         return attn.absorbed(q, self.c, self.k_rope, q_start=past)
+
+    def token_positions(self, c: Tensor) -> Tensor:
+        B, T = c.shape[:2]
+        return (self.start + self.length + torch.arange(T, device=c.device)).expand(B, T)
 
     def append(self, c: Tensor, k_rope: Tensor) -> None:
         """Keep rows c [B, T, kv_lora_rank] and k_rope [B, T, qk_rope_head_dim] after the cached ones."""
@@ -132,9 +141,10 @@ class MLACache:
             self.c, self.k_rope = self.c[:, :length], self.k_rope[:, :length]
 
     def keep_last(self, length: int) -> None:
-        """Keep the last `length` tokens (a bounded window; the layer has no positional encoding, so the kept rows
-        mean what they meant)."""
+        """Keep the last `length` tokens (a bounded window; the kept rows mean what they meant: K3's layer has no
+        positional encoding, and the RoPE ablation's later rows still take positions after the dropped ones)."""
         if self.c is not None and self.c.shape[1] > length:
+            self.start += self.c.shape[1] - length
             self.c, self.k_rope = self.c[:, -length:], self.k_rope[:, -length:]
 
     def nbytes(self) -> int:

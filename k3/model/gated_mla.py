@@ -1,4 +1,9 @@
-"""Gated MLA with no positional encoding (report §2.1.2), parameter names as in the official checkpoint."""
+"""Gated MLA with no positional encoding (report §2.1.2), parameter names as in the official checkpoint.
+
+Two ablation arms, not K3 (config `mla_use_nope`, `mla_use_output_gate`): RoPE on the qk_rope_head_dim slice of
+the queries and of the shared key dims (k3.ops.rope; the keys are rotated before the cache stores them, so every
+attention form reads them as they are), and an ungated output o_proj(o) without g_proj.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.mla import mla_absorbed, mla_attention, mla_attention_any, split_kv_b
 from k3.ops.mla_decode import mla_decode_absorbed, paged_kernel_used
 from k3.ops.registry import Backends, opaque
+from k3.ops.rope import document_positions, rope
 
 
 class GatedMLA(nn.Module):
@@ -30,11 +36,14 @@ class GatedMLA(nn.Module):
         self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + self.dr, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
-        self.g_proj = Linear(D, H * self.dv, bias=False)
+        self.g_proj = Linear(D, H * self.dv, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = Linear(H * self.dv, D, bias=False)
+        self.rope_theta = None if cfg.mla_use_nope else cfg.rope_theta  # the RoPE ablation's base, else None
 
     def projection_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
         """The projections of x that `stacked_linear` computes together, in its order (k3.model.common)."""
+        if self.g_proj is None:
+            return ((self.q_a_proj, self.kv_a_proj_with_mqa),)
         return ((self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj),)
 
     def forward(self, x: torch.Tensor, cache: MLALayerCache | None = None, batch: BatchInfo | None = None,
@@ -48,10 +57,15 @@ class GatedMLA(nn.Module):
             raise ValueError("return_max_logit is a training statistic: ask for it in a forward without a cache")
         B, T, _ = x.shape
         H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
-        q_a, kv_a, gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)  # one GEMM
+        if self.g_proj is None:
+            (q_a, kv_a), gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa), None
+        else:
+            q_a, kv_a, gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)  # one GEMM
         q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, dn + dr)
         c, k_rope = kv_a.split([self.kv_rank, dr], dim=-1)
         c = self.kv_a_layernorm(c)
+        if self.rope_theta is not None:
+            q, k_rope = self._rotate(q, k_rope, self._positions(c, cache, batch))
         if cache is not None:
             return self._gated_out(x, gate, cache.attend(self, q, c, k_rope))
         context = batch.context if batch is not None else None
@@ -73,6 +87,25 @@ class GatedMLA(nn.Module):
             o, top = o
             return self._gated_out(x, gate, o), top.detach()
         return self._gated_out(x, gate, o)
+
+    def _positions(self, c: torch.Tensor, cache, batch: BatchInfo | None) -> torch.Tensor:
+        """The RoPE positions [B, T] of this forward's tokens: where the cache puts them, else each token's place in
+        its document (packed documents each start at 0)."""
+        if cache is not None:
+            return cache.token_positions(c)
+        if batch is not None and batch.context is not None:
+            raise ValueError("the RoPE ablation (mla_use_nope false) does not run under context parallelism: a "
+                             "segment's positions depend on the earlier segments")
+        if batch is not None and batch.segment_ids is not None:
+            return document_positions(batch.segment_ids)
+        B, T = c.shape[:2]
+        return torch.arange(T, device=c.device).expand(B, T)
+
+    def _rotate(self, q: torch.Tensor, k_rope: torch.Tensor, positions: torch.Tensor):
+        """(q with its rope slice rotated, k_rope rotated) at `positions` [B, T] (the RoPE ablation)."""
+        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        q = torch.cat([q_nope, rope(q_rope, positions, self.rope_theta)], dim=-1)
+        return q, rope(k_rope, positions, self.rope_theta)
 
     # --- the attention forms a cache picks from (k3.model.cache.LatentAttention) -------------------------------
     def _expand(self, c: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +147,11 @@ class GatedMLA(nn.Module):
     def paged_kernel_used(self) -> bool:
         return paged_kernel_used(self.kv_b_proj.weight.device, self.backends)
 
-    def _gated_out(self, x: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Output gate and projection: o_proj(sigmoid(gate) * o), gate = g_proj x, o of any shape [B, T, ...]."""
+    def _gated_out(self, x: torch.Tensor, gate: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+        """Output gate and projection: o_proj(sigmoid(gate) * o), gate = g_proj x, o of any shape [B, T, ...];
+        o_proj(o) without a gate (the ungated ablation)."""
         B, T, _ = x.shape
         o = o.reshape(B, T, -1)
+        if gate is None:
+            return self.o_proj(o)
         return self.o_proj((torch.sigmoid(gate.float()) * o.float()).to(x.dtype))

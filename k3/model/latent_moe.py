@@ -4,6 +4,9 @@
 
 Routed experts are stored stacked ([E, F, L] and [E, L, F]) so they can be computed with grouped GEMMs and
 orthogonalized per expert; checkpoint I/O maps them to the official `experts.{e}.w{1,2,3}` names.
+
+The standard-MoE ablation (config `moe_latent` false, not K3) has no latent projection: the routed experts work in
+the hidden width, y = shared(x) + sum_{j in top-k} p_j E_j(x) (no W_down, RMSNorm or W_up).
 """
 
 from __future__ import annotations
@@ -105,13 +108,15 @@ class GroupedExperts(CastsWeights, nn.Module):
 class LatentMoE(nn.Module):
     def __init__(self, cfg: K3Config, layer_idx: int):
         super().__init__()
-        D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
+        self.latent = cfg.moe_latent  # false: the standard-MoE ablation, experts in the hidden width
+        D, L = cfg.hidden_size, (cfg.routed_expert_hidden_size if self.latent else cfg.hidden_size)
         self.layer_idx = layer_idx
         self.gate = MoEGate(D, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_renormalize,
                             cfg.routed_scaling_factor)
-        self.routed_expert_down_proj = Linear(D, L, bias=False)
-        self.routed_expert_norm = RMSNorm(L, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else nn.Identity()
-        self.routed_expert_up_proj = Linear(L, D, bias=False)
+        if self.latent:
+            self.routed_expert_down_proj = Linear(D, L, bias=False)
+            self.routed_expert_norm = RMSNorm(L, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else nn.Identity()
+            self.routed_expert_up_proj = Linear(L, D, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, L, cfg.moe_intermediate_size,
                                       cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         self.shared_experts = (
@@ -128,7 +133,15 @@ class LatentMoE(nn.Module):
             return ()
         w = self.gate.weight
         head = (self.gate,) if fp32_out_gemm(w.device, w.dtype) else ()
-        return (head + (self.routed_expert_down_proj, self.shared_experts.gate_proj, self.shared_experts.up_proj),)
+        return (head + self._down() + (self.shared_experts.gate_proj, self.shared_experts.up_proj),)
+
+    def _down(self) -> tuple[nn.Module, ...]:
+        """The latent down-projection, as a tuple of one (none in the standard-MoE ablation)."""
+        return (self.routed_expert_down_proj,) if self.latent else ()
+
+    def _combine(self, u: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum u back to the hidden width: W_up RMSNorm(u) (itself without the latent)."""
+        return self.routed_expert_up_proj(self.routed_expert_norm(u)) if self.latent else u
 
     def _stacked_projections(self, flat: torch.Tensor):
         """(router logits fp32, or None: the router runs on its own; z; shared gate; shared up) from one GEMM
@@ -136,17 +149,19 @@ class LatentMoE(nn.Module):
         if torch.is_grad_enabled() or self.shared_experts is None:
             return None
         sh = self.shared_experts
-        rest = (self.routed_expert_down_proj, sh.gate_proj, sh.up_proj)
-        sizes = [self.routed_expert_down_proj.out_features, sh.gate_proj.out_features, sh.up_proj.out_features]
+        rest = (*self._down(), sh.gate_proj, sh.up_proj)
+        sizes = [m.out_features for m in rest]
         stack = serving_stack(self.gate, *rest) if fp32_out_gemm(flat.device, flat.dtype) else None
         if stack is not None:
             E = self.gate.weight.shape[0]
             y = mm_fp32_out(flat, stack.t())
             logits, others = y[:, :E], y[:, E:E + sum(sizes)].to(flat.dtype)
-            return (logits, *others.split(sizes, dim=-1))
-        if serving_stack(*rest) is None:
+            out = (logits, *others.split(sizes, dim=-1))
+        elif serving_stack(*rest) is None:
             return None
-        return (None, *stacked_linear(flat, *rest))
+        else:
+            out = (None, *stacked_linear(flat, *rest))
+        return out if self.latent else (out[0], flat, *out[1:])  # z: x itself without the latent
 
     def forward(self, x: torch.Tensor, return_routing: bool = False):
         """y [..., D] for x [..., D]; with `return_routing`, (y, the routing of the flattened tokens, detached):
@@ -158,11 +173,11 @@ class LatentMoE(nn.Module):
             logits, z, sg, su = stacked
             routing = self.gate(flat) if logits is None else self.gate.from_logits(logits)
             u = self.experts(z, routing)
-            y = self.routed_expert_up_proj(self.routed_expert_norm(u)) + self.shared_experts.from_projections(sg, su)
+            y = self._combine(u) + self.shared_experts.from_projections(sg, su)
             return (y.view(shape), Routing(*(t.detach() for t in routing))) if return_routing else y.view(shape)
         routing = self.gate(flat)
-        u = self.experts(self.routed_expert_down_proj(flat), routing)
-        y = self.routed_expert_up_proj(self.routed_expert_norm(u))
+        u = self.experts(self.routed_expert_down_proj(flat) if self.latent else flat, routing)
+        y = self._combine(u)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if return_routing:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from k3.config import K3Config, VisionConfig
-from k3.model.attn_res import AttnResStream, site_query
+from k3.model.attn_res import residual_stream, site_query
 from k3.model.batch import BatchInfo, packed_cu_seqlens  # noqa: F401  (packed_cu_seqlens: re-exported)
 from k3.model.block import DecoderLayer
 from k3.model.cache import K3Cache
@@ -47,8 +47,9 @@ class K3Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        if cfg.residual == "attn_res":  # the plain-residual ablation has no output site
+            self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.two_phase_attn_res = False  # inference form of Block AttnRes (same result)
         self.activation_checkpointing = False
 
@@ -115,16 +116,17 @@ class K3Model(nn.Module):
                              "tokens, as the serving runner builds) and a batch of one row")
         found = ForwardStats(asked=want) if want else None
         S = self.config.attn_res_block_size
-        stream = AttnResStream(h, S, self.config.rms_norm_eps, two_phase=self.two_phase_attn_res,
-                               backends=self.backends)
+        stream = residual_stream(self.config.residual, h, S, self.config.rms_norm_eps,
+                                 two_phase=self.two_phase_attn_res, backends=self.backends)
         for i, layer in enumerate(self.layers):
-            upcoming = self._block_sites(i) if (self.two_phase_attn_res and i % S == 0) else None
+            upcoming = self._block_sites(i) if (stream.two_phase and i % S == 0) else None
             got = layer(stream, cache[i] if cache is not None else None, batch=batch, upcoming=upcoming, stats=want)
             if found is not None:
                 found.add(layer.layer_idx, got)
         if cache is not None:
             cache.seq_len += h.shape[1]
-        hidden = stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        plain = self.config.residual == "plain"
+        hidden = stream.output(None if plain else site_query(self.output_attn_res_norm, self.output_attn_res_proj))
         if features:
             check_feature_blocks(self.config, features)
             # stream.blocks[0] is the embedding, blocks[b] the b-th completed block; the last block is still open

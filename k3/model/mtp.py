@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.attn_res import AttnResStream, site_query
+from k3.model.attn_res import residual_stream, site_query
 from k3.model.batch import BatchInfo
 from k3.model.block import DecoderLayer
 from k3.model.common import Linear, RMSNorm
@@ -27,9 +27,10 @@ class MTPLayer(nn.Module):
         self.eh_proj = Linear(2 * D, D, bias=False)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers + depth, is_kda=False,
                                   is_moe=cfg.num_experts > 0, res_idx=0)
-        self.output_attn_res_norm = RMSNorm(D, eps)
-        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
-        self.eps, self.block_size = eps, cfg.attn_res_block_size
+        if cfg.residual == "attn_res":  # the plain-residual ablation has no output site
+            self.output_attn_res_norm = RMSNorm(D, eps)
+            self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        self.eps, self.block_size, self.residual = eps, cfg.attn_res_block_size, cfg.residual
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: BatchInfo | None = None,
                 stats: frozenset[str] = frozenset(), cache=None) -> tuple[torch.Tensor, dict]:
@@ -37,6 +38,7 @@ class MTPLayer(nn.Module):
         `batch`: the record of these T positions (`BatchInfo.shifted`). `cache`: the block's MLA decode cache
         (k3.model.cache protocol), when the layer drafts tokens one step at a time (k3.serve.speculative)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        stream = AttnResStream(x, self.block_size, self.eps, backends=self.backends)
+        stream = residual_stream(self.residual, x, self.block_size, self.eps, backends=self.backends)
         found = self.block(stream, cache, batch=batch, stats=stats)
-        return stream.output(site_query(self.output_attn_res_norm, self.output_attn_res_proj)), found
+        w = site_query(self.output_attn_res_norm, self.output_attn_res_proj) if self.residual == "attn_res" else None
+        return stream.output(w), found

@@ -147,6 +147,10 @@ class TTTContext:
         self.k_rope: list[torch.Tensor] = []
         self.keys: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def token_positions(self, c):
+        raise ValueError("the EAGLE-3 training-time test does not support the RoPE ablation (mla_use_nope false): "
+                         "its unrolled steps have no single position per row")
+
     def attend(self, attn, q, c, k_rope):
         if self.exact_mask:
             self.c.append(c)
