@@ -87,6 +87,12 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def _expert_input_dtype(model, moe) -> torch.dtype:
+    """The dtype the routed experts read: the latent's (W_down's output), or the hidden states' without the latent
+    (the standard-MoE ablation)."""
+    return (moe.routed_expert_down_proj if moe.latent else model.model.embed_tokens).weight.dtype
+
+
 def decode_graphs_support(model, need_cuda: bool = True) -> tuple[bool, str]:
     """(True, "") when a decode step of `model` can be captured, else (False, why not). The model's Backends
     decide which implementations its ops run (the registry is asked; nothing runs)."""
@@ -102,13 +108,13 @@ def decode_graphs_support(model, need_cuda: bool = True) -> tuple[bool, str]:
                        "K3_MLA_DECODE_BACKEND=triton for `k3 serve`)")
     moe = [l.ffn for l in layers if isinstance(l.ffn, LatentMoE)]
     if moe and isinstance(moe[0].experts, PackedMXExperts):
-        dtype = moe[0].routed_expert_down_proj.weight.dtype
+        dtype = _expert_input_dtype(model, moe[0])
         if not runs_on("mx_moe", "triton", Target(device, dtype), model.backends):
             return False, ("the packed MXFP4 experts run on the PyTorch reference (op mx_moe on torch), which reads "
                            "the expert counts back; the Triton kernels can be captured (mx_moe=triton: "
                            "K3_MX_MOE_BACKEND=triton for `k3 serve`)")
     elif moe:
-        dtype = moe[0].routed_expert_down_proj.weight.dtype
+        dtype = _expert_input_dtype(model, moe[0])
         if not grouped_used(device, dtype, model.backends):
             return False, ("the MoE runs on the reference expert loop (op moe on torch), which reads the expert "
                            "counts back; the grouped GEMMs can be captured (moe=grouped: K3_MOE_BACKEND=grouped "

@@ -312,3 +312,77 @@ def test_rope_refuses_context_parallelism(tiny_cfg):
     batch = BatchInfo(segment_ids=torch.zeros(1, 4, dtype=torch.long), context=object())
     with pytest.raises(ValueError, match="context parallelism"):
         layer(torch.randn(1, 4, tiny_cfg.hidden_size), batch=batch)
+
+
+# --- training and serving each arm --------------------------------------------------------------------------
+SERVE_ARMS = list(ARMS)
+
+
+def _greedy_without_cache(model, prompt, n):
+    """Greedy tokens by a full forward over the whole sequence at every step (no cache: positions from scratch)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("arm", SERVE_ARMS)
+def test_each_arm_trains_a_step_and_serves(tmp_path, arm):
+    import numpy as np
+
+    from k3.data.packing import PackedLoader
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+    from k3.serve.scheduler import SchedulerConfig
+    from k3.train.trainer import TrainConfig, Trainer
+
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=256, eos_token_id=0, pad_token_id=0, **ARMS[arm][0])
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).init_weights(seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stream = np.random.default_rng(0).integers(1, 256, size=4000).astype(np.int32)
+    tc = TrainConfig(out=str(tmp_path / "run"), max_steps=1, seq_len=32, batch_tokens=64, eval_every=10**6,
+                     eval_batches=1, save_every_minutes=1e9)
+    loader = PackedLoader(stream, tc.seq_len, tc.rows_per_step, eos_id=0, seed=0)
+    summary = Trainer(model, tc, loader, eos_id=0, log=lambda *a: None).fit(progress_bar=False)
+    assert summary["step"] == 1 and math.isfinite(summary["last_loss"] if "last_loss" in summary else 0.0)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(moved) > len(before) // 2
+    served = from_pretrained(summary["checkpoint"])  # the run's checkpoint keeps the arm
+    assert served.config == cfg and served.config.ablations() == cfg.ablations()
+    served.eval()
+    with torch.no_grad():
+        served.lm_head.weight.mul_(40)  # wide logit gaps: greedy choices do not hinge on last-bit rounding
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(1, 256, (40,), generator=g).tolist()
+    prompts = [base[:23], base[:37], base[5:14]]  # the second extends the first: a prefix-cache hit
+    want = [_greedy_without_cache(served, p, 4) for p in prompts]
+    # the eager forwards, MTP speculation, and decode steps over static buffers (a CUDA graph's, not captured)
+    for speculative, graphs in (("off", False), ("mtp", False), ("off", "eager")):
+        served.set_backends(Backends(per_op={"mla_decode": "triton", "moe": "grouped"}) if graphs else None)
+        eng = LLMEngine(served, None, EngineConfig(
+            cache_memory_mb=4.0, page_tokens=16, hash_block_tokens=8, speculative=speculative, cuda_graphs=graphs,
+            scheduler=SchedulerConfig(max_step_tokens=64, prefill_chunk=16, max_num_seqs=4)))
+        assert (eng.runner.graphs is not None) == bool(graphs)
+        assert eng.scheduler.cache.prefix.enable == (arm != "all_kda")  # its index keys on MLA pages
+        eng.eos_id = None
+        seqs = []
+        for p in prompts:
+            seqs.append(eng.add_request(list(p), SamplingParams(max_tokens=4, temperature=0)))
+            eng.step()
+        while eng.has_work():
+            eng.step()
+        assert [s.output_ids for s in seqs] == want, (arm, speculative, graphs)
+
+
+def test_prefix_cache_without_mla_layers_is_refused_unless_off():
+    from k3.serve.cache.prefix import PrefixCache
+
+    with pytest.raises(ValueError, match="without MLA layers serves with enable=False"):
+        PrefixCache(8, 0, 5)
+    cache = PrefixCache(8, 0, 5, enable=False)
+    adm = cache.admit("a", list(range(40)))
+    assert adm.hit_tokens == 0 and adm.mla_tables == [] and len(adm.kda_pages) == 5
+    assert cache.ensure_capacity("a", 60) == []
+    cache.register_tokens("a", list(range(60)))

@@ -43,6 +43,8 @@ class CacheManager:
             raise ValueError(f"cache_memory_mb={memory_mb} holds {max(num_pages, 0)} pages of {probe.page_bytes} "
                              f"bytes; one request needs at least {num_kda + num_mla}")
         self.pool = CachePool(cfg, num_pages + extra, page_tokens, dtype=dtype, device=device)
+        # The prefix index keys on MLA pages: a model without MLA layers (the all-KDA ablation) serves without it.
+        enable_prefix_cache = enable_prefix_cache and num_mla > 0
         self.prefix = PrefixCache(num_pages, num_mla, num_kda, page_tokens=page_tokens,
                                   hash_block_tokens=hash_block_tokens, enable=enable_prefix_cache)
         self.scratch_page = num_pages if scratch_page else None
@@ -107,7 +109,10 @@ class CacheManager:
             return
         self.prefix.register_tokens(seq.request_id, seq.token_view(end))
         if end % self.hash_block_tokens == 0:
-            pages = self.prefix.checkpoint_slots(seq.request_id, end)
+            # the prompt's own boundary is kept when the request moves on (as a turn boundary): the same prompt sent
+            # again, or continued with a reply that was changed (reasoning dropped from the history), starts there
+            keep = end == (len(seq.prompt_ids) - 1) // self.hash_block_tokens * self.hash_block_tokens
+            pages = self.prefix.checkpoint_slots(seq.request_id, end, turn_boundary=keep)
             if pages:
                 for src, dst in zip(self.prefix.running_pages(seq.request_id)[1], pages):
                     self.pool.copy_page(src, dst)

@@ -149,8 +149,11 @@ class _Request:
 class PrefixCache:
     def __init__(self, num_pages: int, num_mla_groups: int, num_kda_groups: int, page_tokens: int = 2048,
                  hash_block_tokens: int = 512, enable: bool = True):
-        if num_mla_groups < 1:
-            raise ValueError(f"num_mla_groups={num_mla_groups}: need at least one MLA group (hashes index its pages)")
+        if num_mla_groups < 1 and enable:
+            raise ValueError(f"num_mla_groups={num_mla_groups}: the prefix cache needs at least one MLA group (hashes "
+                             "index its pages); a model without MLA layers serves with enable=False")
+        if num_mla_groups < 0:
+            raise ValueError(f"num_mla_groups={num_mla_groups}: must be >= 0")
         if num_kda_groups < 0:
             raise ValueError(f"num_kda_groups={num_kda_groups}: must be >= 0")
         if hash_block_tokens < 1 or page_tokens < 1 or page_tokens % hash_block_tokens:
@@ -312,6 +315,8 @@ class PrefixCache:
     def ensure_capacity(self, seq_id: Hashable, total_tokens: int) -> list[list[int]]:
         """Grow every MLA block table to hold `total_tokens`; all or nothing (OutOfPages leaves them as they were)."""
         tables = self._reqs[seq_id].tables
+        if not tables:  # no MLA group: nothing grows with the tokens
+            return []
         need = -(-total_tokens // self.page_tokens) - len(tables[0])
         if need > 0:
             fresh = self._alloc(need * self.num_mla_groups)
@@ -342,7 +347,7 @@ class PrefixCache:
         req = self._reqs[seq_id]
         if len(tokens) < req.num_tokens:
             raise ValueError(f"register_tokens: {len(tokens)} tokens, fewer than the {req.num_tokens} already known")
-        if -(-len(tokens) // self.page_tokens) > len(req.tables[0]):
+        if req.tables and -(-len(tokens) // self.page_tokens) > len(req.tables[0]):
             raise ValueError(f"register_tokens: {len(tokens)} tokens exceed the block tables; ensure_capacity first")
         req.num_tokens = len(tokens)
         if not self.enable:

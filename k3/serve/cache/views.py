@@ -168,6 +168,12 @@ class PagedMLAView:
         self.lengths = lengths
         self._tables_t: Tensor | None = None
 
+    def token_positions(self, c: Tensor) -> Tensor:
+        if self.lengths is not None:  # packed: each request's tokens from its own start
+            return torch.cat([s + torch.arange(n, device=c.device) for s, n in zip(self.starts, self.lengths)])[None]
+        T = c.shape[1]
+        return torch.tensor(self.starts, device=c.device)[:, None] + torch.arange(T, device=c.device)
+
     def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
         if self.lengths is not None:
             return torch.cat([attn.absorbed(q[:, a:b], c_i, kr_i, q_start=p_i)
@@ -233,6 +239,9 @@ class StaticMLAView:
 
     def __init__(self, pool: CachePool, tables: Tensor, positions: Tensor, num_splits: int):
         self.pool, self.tables, self.positions, self.num_splits = pool, tables, positions, num_splits
+
+    def token_positions(self, c: Tensor) -> Tensor:
+        return self.positions[:, None] + torch.arange(c.shape[1], device=c.device)
 
     def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
         if not attn.paged_kernel_used():

@@ -238,6 +238,12 @@ class _RaggedCache:
         self.lengths = torch.tensor(lens, device=c.device)
         self._rows = torch.arange(B, device=c.device)
 
+    def token_positions(self, c: Tensor) -> Tensor:
+        """Each row's new positions after its context (the RoPE ablation; the contexts' dropped rows counted)."""
+        lengths = [cc.length for cc in self.caches] if self.lengths is None else self.lengths
+        start = torch.tensor([cc.start for cc in self.caches], device=c.device)
+        return (start + torch.as_tensor(lengths, device=c.device))[:, None] + torch.arange(c.shape[1], device=c.device)
+
     def attend(self, attn, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
         if self.c is None:
             self._allocate(c, k_rope)
