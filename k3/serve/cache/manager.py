@@ -109,10 +109,7 @@ class CacheManager:
             return
         self.prefix.register_tokens(seq.request_id, seq.token_view(end))
         if end % self.hash_block_tokens == 0:
-            # the prompt's own boundary is kept when the request moves on (as a turn boundary): the same prompt sent
-            # again, or continued with a reply that was changed (reasoning dropped from the history), starts there
-            keep = end == (len(seq.prompt_ids) - 1) // self.hash_block_tokens * self.hash_block_tokens
-            pages = self.prefix.checkpoint_slots(seq.request_id, end, turn_boundary=keep)
+            pages = self.prefix.checkpoint_slots(seq.request_id, end)
             if pages:
                 for src, dst in zip(self.prefix.running_pages(seq.request_id)[1], pages):
                     self.pool.copy_page(src, dst)
