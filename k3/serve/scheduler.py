@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from k3.serve.cache.manager import CacheManager
+from k3.serve.cache.prefix import prompt_boundary
 from k3.serve.sequence import Sequence, Status
 
 
@@ -158,10 +159,12 @@ class Scheduler:
         return StepPlan(plain, forwards, [w for w in work if w.draft], due, len(decode), len(decode) == len(work))
 
     def _segments(self, w: Work) -> list[Segment]:
-        """w cut at the last hash-aligned position inside it."""
+        """w cut at the last hash-aligned position inside it, and at its prompt's last hash-aligned position short
+        of the prompt's end (`prompt_boundary`), where the cache keeps a checkpoint that the same prompt sent again
+        can start from (a lookup must leave at least the last prompt token to compute)."""
         hb = self.cache.hash_block_tokens
-        aligned = (w.end // hb) * hb
-        bounds = [w.start, aligned, w.end] if w.start < aligned < w.end else [w.start, w.end]
+        cuts = {(w.end // hb) * hb, prompt_boundary(len(w.seq.prompt_ids), hb)}
+        bounds = [w.start, *sorted(c for c in cuts if w.start < c < w.end), w.end]
         return [Segment(w.seq, a, b) for a, b in zip(bounds, bounds[1:])]
 
     def _refuse_unschedulable(self) -> Sequence | None:

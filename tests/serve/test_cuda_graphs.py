@@ -278,10 +278,11 @@ def test_serve_flag_turns_graphs_off(monkeypatch):
     assert args.fn(args) == 0 and seen[-1] is False  # nothing to capture on a CPU
 
 
-def test_serve_flag_compile_decode_reaches_the_engine(monkeypatch):
+def test_serve_flag_compile_decode_reaches_the_engine(monkeypatch, tmp_path):
     from k3 import cli
     from k3.serve import cli as serve_cli
 
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory, as --ckpt's resolver wants one
     seen = []
 
     def fake_build(*a, **kw):
@@ -290,7 +291,8 @@ def test_serve_flag_compile_decode_reaches_the_engine(monkeypatch):
 
     monkeypatch.setattr(serve_cli, "build_engine", fake_build)
     parse = cli.build_parser().parse_args
-    for argv, want in ((["serve", "--ckpt", "x"], False), (["serve", "--ckpt", "x", "--compile-decode"], True)):
+    ck = str(tmp_path)
+    for argv, want in ((["serve", "--ckpt", ck], False), (["serve", "--ckpt", ck, "--compile-decode"], True)):
         args = parse(argv)
         assert serve_cli.cmd_serve(args) == 2 and seen[-1] is want
 

@@ -23,7 +23,7 @@ import torch
 from k3.config import K3Config
 from k3.serve.cache.host import HostPrefix, HostPrefixStore, PrefetchReport
 from k3.serve.cache.pool import CachePool
-from k3.serve.cache.prefix import OutOfPages, PrefixCache
+from k3.serve.cache.prefix import OutOfPages, PrefixCache, prompt_boundary
 from k3.serve.cache.views import SeqSlots
 from k3.serve.sequence import Sequence
 
@@ -109,7 +109,10 @@ class CacheManager:
             return
         self.prefix.register_tokens(seq.request_id, seq.token_view(end))
         if end % self.hash_block_tokens == 0:
-            pages = self.prefix.checkpoint_slots(seq.request_id, end)
+            # the prompt's own boundary is kept when the request moves on (as a turn boundary): the same prompt sent
+            # again, or continued with a reply that was changed (reasoning dropped from the history), starts there
+            keep = end == prompt_boundary(len(seq.prompt_ids), self.hash_block_tokens)
+            pages = self.prefix.checkpoint_slots(seq.request_id, end, turn_boundary=keep)
             if pages:
                 for src, dst in zip(self.prefix.running_pages(seq.request_id)[1], pages):
                     self.pool.copy_page(src, dst)

@@ -54,6 +54,12 @@ from typing import Hashable, Sequence
 _ROOT = hashlib.blake2b(b"k3 prefix cache", digest_size=16).digest()
 
 
+def prompt_boundary(prompt_len: int, hash_block_tokens: int) -> int:
+    """The last hash-aligned position before a prompt's last token: the longest prefix cache hit the same prompt
+    can use when it comes again (a lookup leaves at least the last prompt token to compute); 0: none."""
+    return (prompt_len - 1) // hash_block_tokens * hash_block_tokens if prompt_len > 0 else 0
+
+
 def chain_hash(prev: bytes, block: Sequence[int]) -> bytes:
     """h_i = H(h_{i-1}, tokens of block i): deterministic across processes (no Python `hash`)."""
     data = array("q", block)
