@@ -22,6 +22,7 @@ Stages (each skips what its output directory already holds, so a stopped run con
            held-out tasks (greedy, one episode each)
   lam      per seed: lambda 0.5 against 1 (--lams), each for --ablation-minutes of rollout and training time
   stale    per seed: kimi against ppo (--losses) at lambda 0.25 (many paused, stale trajectories), --rl-steps steps
+  plot     rl_lambda.png and rl_stale.png from the lam and stale stages' runs
   control  per seed: SFT alone at the cold start's own learning rate (--control-lr, default --mix-lr) for the rl
            stage's equal-token step count (or --control-steps)
 The results go to OUT/results.json and OUT/results.md, the plots to OUT/rl_demo.png.
@@ -333,6 +334,56 @@ def stage_control(a, results: dict) -> None:
         save(a, results)
 
 
+def stage_plot(a, results: dict) -> None:
+    """OUT/rl_lambda.png: rollout success of the lam stage's runs over their rollout + training seconds (lambda 1
+    and 0.5 per seed); OUT/rl_stale.png: rollout reward of the stale stage's runs over steps (kimi and ppo per seed)."""
+    import glob
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from k3.files import atomic_write_bytes
+    from k3.rl.report import read_metrics
+
+    def save_fig(fig, name):
+        import io
+
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        atomic_write_bytes(os.path.join(a.out, name), buf.getvalue())
+        print(f"wrote {os.path.join(a.out, name)}")
+
+    for stage, pattern, name in (("lam", "rl_lam*_seed*", "rl_lambda.png"), ("stale", "rl_stale_*_seed*", "rl_stale.png")):
+        runs = sorted(glob.glob(os.path.join(a.out, pattern)))
+        if not runs:
+            continue
+        seeds = sorted({r.rsplit("_seed", 1)[1] for r in runs})
+        fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.2), squeeze=False, sharey=True)
+        for ax, seed in zip(axes[0], seeds):
+            for run in sorted(r for r in runs if r.endswith(f"_seed{seed}")):
+                recs = [r for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "reward" in r]
+                label = os.path.basename(run).split("_seed")[0].replace("rl_", "")
+                if stage == "lam":
+                    t, xs = 0.0, []
+                    for r in recs:
+                        t += r["rollout_s"] + r["train_s"]
+                        xs.append(t)
+                    ax.plot(xs, [r["success"] for r in recs], marker="o", ms=3, lw=1, label=label)
+                    ax.set_xlabel("rollout + training seconds")
+                else:
+                    ax.plot([r["step"] for r in recs], [r["reward"] for r in recs], marker="o", ms=3, lw=1,
+                            label=label)
+                    ax.set_xlabel("step")
+            ax.set_title(f"seed {seed}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0][0].set_ylabel("rollout success" if stage == "lam" else "rollout reward")
+        save_fig(fig, name)
+
+
 def save(a, results: dict) -> None:
     from k3.files import atomic_write_text
 
@@ -345,7 +396,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/rl_demo")
     p.add_argument("--stages", nargs="+", default=["base", "sft", "mix", "rl", "lam", "stale"],
-                   choices=["base", "sft", "mix", "rl", "lam", "stale", "control"])
+                   choices=["base", "sft", "mix", "rl", "lam", "stale", "control", "plot"])
     p.add_argument("--results", default="results.json",
                    help="the results file in --out (separate names let several processes share one --out)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -388,7 +439,7 @@ def main(argv=None) -> int:
         {"base": lambda: stage_base(a), "sft": lambda: stage_sft(a), "mix": lambda: stage_mix(a),
          "rl": lambda: stage_rl(a, results),
          "lam": lambda: stage_lam(a, results), "stale": lambda: stage_stale(a, results),
-         "control": lambda: stage_control(a, results)}[st]()
+         "control": lambda: stage_control(a, results), "plot": lambda: stage_plot(a, results)}[st]()
         print(f"[{time.time() - t0:.0f}s] stage {st} done", flush=True)
     save(a, results)
     print(json.dumps(results, indent=1))
