@@ -317,7 +317,8 @@ def render_chat_segments(messages, template: ChatTemplate | None = None, add_gen
             _input_option(out, m, i, t)
             continue
         if role == "assistant":
-            if "content" not in m and not m.get("tool_calls"):
+            # a reply that ran out of tokens while thinking comes back with reasoning_content and no content
+            if "content" not in m and not m.get("tool_calls") and not m.get("reasoning_content"):
                 raise ValueError(f"messages[{i}] has no 'content'")
             calls, answered, last_calls_at = _assistant(out, m, i, t, thinking) or None, -1, i
             continue

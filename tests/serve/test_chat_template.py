@@ -425,3 +425,15 @@ def test_template_validation():
     with pytest.raises(ChatTemplateError, match="format_version"):
         ChatTemplate.from_dict(dict(DEFAULT_CHAT_TEMPLATE.to_dict(), format_version=3))
     assert byte_level_tokenizer(300).token_to_id("[end_of_msg]") == 260
+
+
+def test_an_assistant_reply_with_only_reasoning_goes_back_into_the_history():
+    """A reply cut off while thinking comes back with reasoning_content and no content; a client that appends it
+    to the history as it came (model_dump(exclude_none=True), as in the README) must not be refused."""
+    from k3.serve.chat_render import render_chat
+
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "reasoning_content": "hmm"},
+               {"role": "user", "content": "again"}]
+    assert render_chat(history).endswith(render_chat([{"role": "user", "content": "again"}])[-40:])
+    with pytest.raises(ValueError, match=r"messages\[1\] has no 'content'"):
+        render_chat([{"role": "user", "content": "hi"}, {"role": "assistant"}])
