@@ -77,7 +77,9 @@ STEPS = {
     # every task's GPU expert on every case in-process (fla compiles and autotunes each held-out shape)
     "tests_kernel_reward": ([PYTEST + ["tests/kernel_reward/test_tasks.py"]], 420),
     "tests_kda": ([KDA_PYTEST + ["-k", "not fp32", f] for f in KDA_TEST_FILES], 480),
-    "tests_model": ([[a for a in PYTEST if a != "-q"] + ["-v", MODEL_TEST_FILE]], 480),
+    # then the ablation arms' forwards at k3-mini shapes on the same fast backends (their kernels compiled by then)
+    "tests_model": ([[a for a in PYTEST if a != "-q"] + ["-v", MODEL_TEST_FILE],
+                     [a for a in PYTEST if a != "-q"] + ["-v", "tests/model/test_ablations_gpu.py"]], 540),
     # fla's chunk lists from host offsets (Backends.kda_host_offsets): the KDA and conv op tests of that form, the
     # in-situ model case and the check that a training forward + backward never waits for the device
     "tests_host_offsets": ([KDA_PYTEST + ["-k", "host or together", KDA_TEST_FILES[0]],

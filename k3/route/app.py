@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.route.budget import DEFAULT_CLASSES, Admission, Rejected, parse_classes
+from k3.route.defaults import DEFAULT_TOKENS_PER_BACKEND
 from k3.route.fleet import Fleet
 from k3.route.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from k3.route.metrics import Histogram, render
@@ -38,7 +39,6 @@ from k3.serve.protocol import APIError, _validation_message, error_response
 logger = logging.getLogger("k3.route")
 
 CONNECT_TIMEOUT_S = 5.0
-DEFAULT_TOKENS_PER_BACKEND = 65536  # --fleet-tokens default: this many in-flight prompt tokens per backend
 
 
 @dataclass

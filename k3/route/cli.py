@@ -41,10 +41,10 @@ def _count0(s: str) -> int:
 
 def add_parser(sub) -> None:
     from k3.cli_args import _non_negative_float, _port, _positive_float, _positive_int
-    from k3.route.app import DEFAULT_TOKENS_PER_BACKEND
     from k3.route.budget import DEFAULT_CLASSES
+    from k3.route.defaults import (DEFAULT_BYTES_PER_TOKEN, DEFAULT_PREFIX_CHARS, DEFAULT_SESSION_HEADER,
+                                   DEFAULT_TOKENS_PER_BACKEND)
     from k3.route.fleet import POLICIES
-    from k3.route.requests import DEFAULT_BYTES_PER_TOKEN, DEFAULT_PREFIX_CHARS, DEFAULT_SESSION_HEADER
     from k3.route.ring import DEFAULT_VNODES
     from k3.serve.options import _positive_mb
 

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from k3.route.defaults import DEFAULT_BYTES_PER_TOKEN, DEFAULT_PREFIX_CHARS, DEFAULT_SESSION_HEADER
 from k3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, _validation_message, parse_json_body
 
-DEFAULT_SESSION_HEADER = "X-Session-Id"
-DEFAULT_PREFIX_CHARS = 1024
-DEFAULT_BYTES_PER_TOKEN = 4.0  # a byte-level BPE's usual ratio on English and code
 CHAT_MARKUP_TOKENS = 4  # the markup of one chat message: open, role tag, separator, end of message
 
 
