@@ -43,6 +43,7 @@ SUBSTITUTIONS = [
     (r"--out runs/base --max-minutes 10\b", f"--out runs/base {_SMALL_TRAIN}"),
     (r"--max-steps (200|300)\b", "--max-steps 2 --eval-batches 1"),
     (r"--max-steps (100|30)\b", "--max-steps 1"),
+    (r"--preset tiny --max-steps 10\b", f"--preset tiny {_SMALL_TRAIN}"),
     (r"k3 eval --ckpt runs/k3\b", "k3 eval --ckpt runs/k3 --max-batches 1"),
     (r"--max-new-tokens (100|128)\b", "--max-new-tokens 8"),
     (r"--rollouts-per-step 8\b", "--rollouts-per-step 2"),
@@ -63,10 +64,11 @@ SUBSTITUTIONS = [
     (r"--ckpt /tmp/t --port 8000 &", "--ckpt /tmp/t --port {port_d} &"),
     (r"--endpoint http://127\.0\.0\.1:8000/v1", "--endpoint http://127.0.0.1:{port_d}/v1"),
     (r"--ckpt /tmp/rl --port 8000 ", "--ckpt /tmp/rl --port {port_e} & "),
+    (r"torchrun --nproc-per-node 2 ", "torchrun --nproc-per-node 2 --master-port {port_f} "),
     # The walk's own directory instead of the machine's /tmp.
     (r"/tmp/", "tmp/"),
 ]
-PORTS = ("port_a", "port_b", "port_c", "port_d", "port_e")
+PORTS = ("port_a", "port_b", "port_c", "port_d", "port_e", "port_f")
 
 
 @dataclasses.dataclass
