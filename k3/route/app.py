@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.route.budget import DEFAULT_CLASSES, Admission, Rejected, parse_classes
 from k3.route.defaults import DEFAULT_TOKENS_PER_BACKEND
@@ -33,8 +31,8 @@ from k3.route.metrics import Histogram, render
 from k3.route.proxy import ClientGone, Proxy, _Relay, until_disconnect
 from k3.route.requests import KeyOptions, parse_request
 from k3.route.ring import DEFAULT_VNODES
-from k3.serve.guard import DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyError, BodyGuardMiddleware
-from k3.serve.protocol import APIError, _validation_message, error_response
+from k3.serve.guard import DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyGuardMiddleware, add_error_handlers
+from k3.serve.protocol import error_response
 
 logger = logging.getLogger("k3.route")
 
@@ -155,37 +153,10 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     if cfg.api_key:  # added last, so it runs first
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
+    def _count_error() -> None:
         r.http_errors += 1
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        r.http_errors += 1
-        message, param = _validation_message(list(exc.errors()))
-        return error_response(400, message, "invalid_request_error", param, None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        r.http_errors += 1
-        if isinstance(exc, BodyError):
-            e = exc.error
-            return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
-        if exc.status_code == 404:
-            msg = f"no such endpoint: {request.method} {request.url.path}"
-        elif exc.status_code == 405:
-            msg = f"method {request.method} is not allowed on {request.url.path}"
-        else:
-            msg = str(exc.detail)
-        return error_response(exc.status_code, msg, "invalid_request_error", None, None,
-                              getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        r.http_errors += 1
-        logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error", None, None)
+    add_error_handlers(app, _count_error, logger)
 
     @app.get("/health")
     async def health():

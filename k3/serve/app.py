@@ -27,20 +27,18 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_stop, encode_segments
 from k3.serve.chat_api import ChatTurn, chat_options
 from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
-from k3.serve.guard import (DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyError, BodyGuardMiddleware,
-                            JSONRoute, max_token_bytes)
+from k3.serve.guard import (DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyGuardMiddleware, JSONRoute,
+                            add_error_handlers, max_token_bytes)
 from k3.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from k3.serve.metrics import MetricsExporter
-from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields,
-                               _validation_message, error_body, error_response)
+from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields, error_body,
+                               error_response)
 from k3.serve.sampling import SamplingParams
 
 logger = logging.getLogger("k3.serve")
@@ -456,37 +454,10 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     # --- errors ---------------------------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
+    def _count_error() -> None:
         srv.http_errors += 1
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        srv.http_errors += 1
-        message, param = _validation_message(list(exc.errors()))
-        return error_response(400, message, "invalid_request_error", param, None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        srv.http_errors += 1
-        if isinstance(exc, BodyError):
-            e = exc.error
-            return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
-        if exc.status_code == 404:
-            msg = f"no such endpoint: {request.method} {request.url.path}"
-        elif exc.status_code == 405:
-            msg = f"method {request.method} is not allowed on {request.url.path}"
-        else:
-            msg = str(exc.detail)
-        return error_response(exc.status_code, msg, "invalid_request_error", None, None,
-                              getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        srv.http_errors += 1
-        logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error", None, None)
+    add_error_handlers(app, _count_error, logger)
 
     # --- endpoints ------------------------------------------------------------------------------------------------
     @app.get("/health")

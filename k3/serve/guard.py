@@ -16,11 +16,12 @@ import json
 import platform
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.serve.protocol import APIError, error_response, parse_json_body
+from k3.serve.protocol import APIError, _validation_message, error_response, parse_json_body
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # request bodies above this get 413 (`k3 serve --max-request-mb`)
 TRIM_AFTER_BYTES = 2**20  # after a request body this large, freed heap memory is handed back to the OS
@@ -233,3 +234,42 @@ class APIKeyMiddleware:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def add_error_handlers(app, on_error, logger) -> None:
+    """OpenAI-shaped answers for every error an app raises (k3 serve's and k3 route's): an APIError as it says, a
+    request that fails validation 400 naming the field, the body guard's errors, 404/405 naming the endpoint and
+    method, anything unexpected 500 (logged to `logger`). `on_error()` is called once per error answered (the
+    app's error counter)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        on_error()
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        on_error()
+        message, param = _validation_message(list(exc.errors()))
+        return error_response(400, message, "invalid_request_error", param, None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        on_error()
+        if isinstance(exc, BodyError):
+            e = exc.error
+            return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+        if exc.status_code == 404:
+            msg = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            msg = str(exc.detail)
+        return error_response(exc.status_code, msg, "invalid_request_error", None, None,
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        on_error()
+        logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error", None, None)
