@@ -22,8 +22,7 @@ import ast
 import warnings
 from dataclasses import dataclass
 
-from k3.data.corpus import is_heldout
-from k3.data.sft_from_source import DEFAULT_HELDOUT_FRACTION, _source_files
+from k3.data.sft_from_source import DEFAULT_HELDOUT_FRACTION, source_texts
 
 SYSTEM = "You write documentation."
 DEFAULT_HEAD_CHARS = 160
@@ -71,20 +70,9 @@ def docs_from_source(paths: list[str], heldout_fraction: float = DEFAULT_HELDOUT
                      max_heldout: int | None = None) -> tuple[list[dict], list[dict], DocsStats]:
     """(training records, held-out records, counts) from the docstrings of the .py files under `paths` (the
     standard library without paths; see the module docstring)."""
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     stats = DocsStats()
     train, held = [], []
-    for name, path in _source_files(paths):
-        try:
-            with open(path, "rb") as f:
-                text = f.read().decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            stats.unparsable_files += 1
-            continue
-        stats.files += 1
-        h = is_heldout(name, heldout_fraction)
-        stats.heldout_files += h
+    for name, text, h in source_texts(paths, heldout_fraction, stats):
         (held if h else train).extend(file_records(text, name, head_chars, reply_chars, stats))
     train, held = train[:max_records], held[:max_heldout]
     stats.train, stats.heldout = len(train), len(held)

@@ -131,14 +131,12 @@ def _cap(records: list[dict], n: int | None) -> list[dict]:
     return [r for r in records if id(r) in keep]
 
 
-def sft_from_source(paths: list[str], heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
-                    max_chars: int = DEFAULT_MAX_CHARS, max_records: int | None = None,
-                    max_heldout: int | None = None) -> tuple[list[dict], list[dict], SourceStats]:
-    """(training records, held-out records, counts) from the .py files under `paths` (see the module docstring)."""
+def source_texts(paths: list[str], heldout_fraction: float, stats):
+    """(name, text, held out) of each readable UTF-8 .py file under `paths` (the standard library without paths),
+    held out by a hash of its name (k3.data.corpus.is_heldout); counts `files`, `unparsable_files` and
+    `heldout_files` on `stats`. What `sft_from_source` and k3.data.docs_from_source both read."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    stats = SourceStats()
-    train, held = [], []
     for name, path in _source_files(paths):
         try:
             with open(path, "rb") as f:
@@ -149,6 +147,16 @@ def sft_from_source(paths: list[str], heldout_fraction: float = DEFAULT_HELDOUT_
         stats.files += 1
         h = is_heldout(name, heldout_fraction)
         stats.heldout_files += h
+        yield name, text, h
+
+
+def sft_from_source(paths: list[str], heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+                    max_chars: int = DEFAULT_MAX_CHARS, max_records: int | None = None,
+                    max_heldout: int | None = None) -> tuple[list[dict], list[dict], SourceStats]:
+    """(training records, held-out records, counts) from the .py files under `paths` (see the module docstring)."""
+    stats = SourceStats()
+    train, held = [], []
+    for name, text, h in source_texts(paths, heldout_fraction, stats):
         (held if h else train).extend(file_records(text, name, max_chars, stats))
     seen = {r["messages"][-1]["content"] for r in train}
     kept = [r for r in held if r["messages"][-1]["content"] not in seen]
