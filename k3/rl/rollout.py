@@ -25,6 +25,12 @@ Before that, the prefixes of paused samples can be written back to host memory (
 new engine (`prefetch`): the paused samples then resume without re-prefilling their prefixes, on states computed by
 the policy that sampled them, as the report's external KV-cache pool does; `reprefill_avoided` counts the tokens.
 
+Precision. The trained module holds fp32 weights. Where the trainer's forward runs under bf16 autocast (on CUDA),
+rollouts do too (`autocast_bf16`): each weight is cast to bf16 once per policy version (a `WeightCasts` kept until
+the policy changes or the engine is parked) and every engine step reads those copies, so the engine runs the bf16
+kernels a served model runs and the behaviour log-probs are those of the trainer's own forward, up to summation
+order. Without it the engine runs fp32 weights and activations.
+
 Throttling (§5.3.1's auto-throttling scheduler): `Throttle` decides how many requests may be in the engine from its
 running and queued requests and its cache use, so that contexts that grow turn after turn do not end in preemption
 storms; it starts at `start` and adapts (additive increase while the cache has room and nothing queues,
@@ -34,6 +40,7 @@ multiplicative decrease under cache pressure, queueing or preemptions).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +49,8 @@ import torch
 from k3.env.client import Completion
 from k3.env.episode import Episode
 from k3.env.task import Task
+from k3.model.common import use_weight_casts
+from k3.ops.weight_cast import WeightCasts
 from k3.serve.chat import AssistantParser, ChatTemplate, chat_stop, markup_ids, render_chat_ids
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
@@ -145,6 +154,9 @@ class RolloutConfig:
     temperature: float = 1.0
     tool_workers: int = 4  # threads running tool calls and verifiers while the engine generates
     write_back: bool = True  # paused samples' prefixes to host memory across a policy update
+    # Sample under bf16 autocast, as the trainer's forward runs on CUDA, with each fp32 weight cast to bf16 once per
+    # policy version (k3.ops.weight_cast) rather than in every engine step. Off: the engine runs the fp32 weights.
+    autocast_bf16: bool = False
 
 
 class AgentRollouts:
@@ -169,6 +181,7 @@ class AgentRollouts:
         self._engine: LLMEngine | None = None
         self._engine_version = -1
         self._host = None  # paused prefixes written back to host memory, fetched by the next engine
+        self._casts: WeightCasts | None = None  # the bf16 weights of the current policy version (autocast_bf16)
         self.eom = chat_stop(tokenizer, template)[1][0]
         self.counters = {"prefetched_tokens": 0, "written_back_tokens": 0, "reprefill_avoided": 0,
                          "prefill_tokens": 0, "sampled_tokens": 0, "requests": 0, "preemptions": 0}
@@ -178,6 +191,7 @@ class AgentRollouts:
     def policy_changed(self) -> None:
         """The weights changed: the next `run` uses a fresh engine (paused prefixes fetched from host memory)."""
         self.version += 1
+        self._casts = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -201,6 +215,24 @@ class AgentRollouts:
                 self.counters["written_back_tokens"] += self._host.tokens
         self._engine = None
         self._engine_version = -1
+        self._casts = None  # the bf16 copies too: training has the memory
+
+    def weight_casts(self) -> WeightCasts | None:
+        """The current policy version's bf16 weight copies under `autocast_bf16` (made on first use), else None."""
+        if not self.cfg.autocast_bf16:
+            return None
+        if self._casts is None:
+            self._casts = WeightCasts()
+        return self._casts
+
+    def precision(self):
+        """The context the engine's forwards run in: bf16 autocast with the version's weight casts, or nothing."""
+        stack = contextlib.ExitStack()
+        if self.cfg.autocast_bf16:
+            dev = next(self.model.parameters()).device.type
+            stack.enter_context(torch.autocast(dev, dtype=torch.bfloat16))
+            stack.enter_context(use_weight_casts(self.model, self.weight_casts()))
+        return stack
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -311,7 +343,7 @@ class AgentRollouts:
         futures: dict[cf.Future, Sample] = {}
         stopped = False
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.precision():
                 while True:
                     if not stopped and stop():
                         stopped = True

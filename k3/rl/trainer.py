@@ -451,7 +451,7 @@ def build_rl_run(opts: RLOptions, tcfg: TrainConfig, log=print) -> RLTrainer:
                         cuda_graphs=False, max_model_len=opts.max_context)
     rcfg = RolloutConfig(harness=harness, sandbox_kind=opts.sandbox, max_turn_tokens=opts.max_turn_tokens,
                          effort=opts.effort, temperature=1.0, tool_workers=opts.tool_workers,
-                         write_back=opts.write_back)
+                         write_back=opts.write_back, autocast_bf16=tcfg.autocast_bf16)
     throttle = Throttle(start=opts.concurrency, hi=max(opts.concurrency, 1024) if not opts.fixed_concurrency
                         else opts.concurrency, fixed=opts.fixed_concurrency)
     rollouts = AgentRollouts(model, tok, template, rcfg, ecfg, throttle, log=log)

@@ -140,3 +140,53 @@ def test_throttle_backs_off_under_pressure_and_grows_with_room():
     assert f.update(Eng(99, queued=5)) == 16
     with pytest.raises(ValueError, match="throttle"):
         Throttle(start=0)
+
+
+def _row_logprobs(model, ids: list[int], autocast: bool) -> torch.Tensor:
+    """The model's log-prob of each token of `ids` given the ones before (position 0 has none: 0), one forward as
+    the trainer runs it (bf16 autocast with its step's weight casts, or fp32)."""
+    from k3.model.common import use_weight_casts
+    from k3.ops.weight_cast import WeightCasts
+
+    x = torch.tensor([ids])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            use_weight_casts(model, WeightCasts() if autocast else None):
+        logits = model(input_ids=x).logits.float()
+    lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, x[0, 1:, None])[:, 0]
+    return torch.cat([torch.zeros(1), lp])
+
+
+def test_bf16_rollouts_sample_as_the_trainer_forward_computes(policy, scripted):
+    """With autocast_bf16 (on for CUDA runs, whose trainer forward runs under bf16 autocast) the engine's forwards run
+    under bf16 autocast with each weight cast once per policy version: the behaviour log-probs are the bf16 trainer
+    forward's (within 0.01 nats: the engine's chunked prefill and decode order the bf16 sums differently), closer
+    to it than the fp32 rollouts' are; the casts are made once for all engine steps, and made again after the
+    policy changes."""
+    model, _ = policy
+    ro32 = _rollouts(policy)
+    plain = _samples(2)
+    ro32.run(plain, seed=1)
+    ro32.close()
+    ro = _rollouts(policy, autocast_bf16=True)
+    samples = _samples(2)
+    ro.run(samples, seed=1)
+    casts = ro.weight_casts()
+    made = casts.casts
+    n_weights = sum(1 for p in model.parameters() if p.dim() >= 2)
+    assert 0 < made <= n_weights, (made, n_weights)  # once per weight, not once per engine step
+    for a, s in zip(plain, samples):
+        assert s.done and s.success and s.row.ids == a.row.ids
+        sampled = torch.tensor([v >= 0 for v in s.row.versions])
+        bf16 = _row_logprobs(model, s.row.ids, autocast=True)[sampled]
+        behaviour = torch.tensor(s.row.logprobs)[sampled]
+        fp32_behaviour = torch.tensor(a.row.logprobs)[sampled]
+        gap = (behaviour - bf16).abs().max().item()
+        assert gap < 0.01, gap
+        assert gap < (fp32_behaviour - bf16).abs().max().item()
+    more = _samples(1)
+    ro.run(more, seed=3)
+    assert ro.weight_casts() is casts and casts.casts == made  # the same version reuses its casts
+    ro.policy_changed()
+    assert ro.weight_casts() is not casts
+    ro.close()
+    assert _rollouts(policy).weight_casts() is None  # off: fp32 weights, no copies
