@@ -108,6 +108,15 @@ def model_info(cfg: K3Config, context: int = 4096, cache_dtype_bytes: int = 2) -
                      mtp_active)
 
 
+def sequence_cache_bytes(info: ModelInfo, context: int) -> int:
+    """The decode cache of one sequence after `context` tokens: every KDA layer's fp32 recurrent state and conv tails
+    (fixed, whatever the length) plus every MLA layer's latent rows (growing with it), at the cache dtype
+    `model_info` was given."""
+    if context < 0:
+        raise ValueError(f"context must be a non-negative number of tokens, got {context}")
+    return info.kda_state_bytes + info.kda_conv_bytes + info.mla_cache_bytes_per_token * context
+
+
 def _vector_params(model) -> int:
     """1-D parameters in the active set (biases, A_log, dt_bias, norms counted separately) do no matmul."""
     n = 0

@@ -1,0 +1,159 @@
+"""benchmarks/hybrid_decode_cost.py: the computed cache bytes are k3.info's, the all-MLA arm's cache is its per-token
+rows times the context, the floor's weight bytes are the active parameters', and the measured path (an engine whose
+pages are set directly, stepped through its runner) decodes what the model's plain cached decode does."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from k3.config import K3Config
+from k3.info import model_info, sequence_cache_bytes
+from tests.helpers import load_benchmark, one_torch_thread, randomize_
+
+hdc = load_benchmark("hybrid_decode_cost")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "k3-mini"])
+def test_computed_cache_bytes_are_info_numbers(preset):
+    rows = hdc.computed_rows([preset], [256, 8192, 1048576], list(hdc.ARMS), batch=1, bw_tbs=4.0)
+    assert len(rows) == 3 * 3
+    for r in rows:
+        cfg = hdc.arm_config(K3Config.from_preset(preset), r["arm"])
+        info = model_info(cfg)  # bf16 cache, as the computed table counts it
+        assert r["cache_bytes"] == info.kda_state_bytes + info.kda_conv_bytes \
+            + info.mla_cache_bytes_per_token * r["context"]
+        assert r["cache_bytes"] == sequence_cache_bytes(info, r["context"])
+        assert (r["kda_layers"], r["mla_layers"]) == (len(cfg.kda_layers), len(cfg.full_attn_layers))
+
+
+def test_release_cache_is_the_specs_27_gib_at_1m():
+    """SPEC.md: 576 values per token per MLA layer, 27 GiB at 1M tokens for the release in bf16; plus its fixed
+    KDA state (k3 info: 434.1 MB fp32 + 30.5 MB conv tails)."""
+    row = hdc.computed_rows(["k3"], [2**20], ["hybrid"], batch=1, bw_tbs=4.0)[0]
+    info = model_info(K3Config.from_preset("k3"))
+    assert info.mla_cache_bytes_per_token * 2**20 == 27 * 2**30
+    assert row["cache_bytes"] == 27 * 2**30 + info.kda_state_bytes + info.kda_conv_bytes
+    assert info.kda_state_bytes == 434_110_464
+
+
+def test_all_mla_cache_is_rows_times_context_times_layers():
+    cfg = K3Config.from_preset("k3-mini")
+    full = hdc.arm_config(cfg, "all-MLA")
+    assert full.kda_layers == [] and full.full_attn_layers == list(range(1, cfg.num_hidden_layers + 1))
+    assert full.ablations() and not cfg.ablations()  # the arm is marked as not K3; the preset is K3
+    per_token_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2  # bf16 latent + shared key dims
+    rows = {(r["arm"], r["context"]): r for r in
+            hdc.computed_rows(["k3-mini"], [8192, 131072], ["hybrid", "all-MLA"], batch=1, bw_tbs=4.0)}
+    for L in (8192, 131072):
+        assert rows["all-MLA", L]["cache_bytes"] == per_token_layer * L * cfg.num_hidden_layers
+    # the hybrid grows by its MLA layers' rows only; its KDA state is the same at every length
+    grow = rows["hybrid", 131072]["cache_bytes"] - rows["hybrid", 8192]["cache_bytes"]
+    assert grow == per_token_layer * (131072 - 8192) * len(cfg.full_attn_layers)
+    # the ratio is the all-MLA floor over the hybrid's, and the cache ratio stays under layers / MLA layers
+    r = rows["all-MLA", 131072]
+    assert r["ratio"] == pytest.approx(r["floor_ms"] / rows["hybrid", 131072]["floor_ms"])
+    assert 1 < r["cache_ratio"] < cfg.num_hidden_layers / len(cfg.full_attn_layers)
+    with pytest.raises(ValueError, match="context"):
+        sequence_cache_bytes(model_info(cfg), -1)
+    with pytest.raises(ValueError, match="arm"):
+        hdc.arm_config(cfg, "all-RNN")
+
+
+def test_weight_bytes_are_the_active_parameters():
+    mini = K3Config.from_preset("k3-mini")
+    info = model_info(mini)
+    assert hdc.weight_bytes_per_step(mini, info, batch=1) == pytest.approx(2 * info.active)  # bf16, k/n experts
+    routed = info.breakdown["routed experts"][0]
+    many = hdc.weight_bytes_per_step(mini, info, batch=10_000)  # every expert touched
+    assert many == pytest.approx(2 * (info.active - info.breakdown["routed experts"][1]) + 2 * routed)
+    rel = K3Config.from_preset("k3")  # the release: routed experts in MXFP4 (4 bits + a scale per 32)
+    ri = model_info(rel)
+    act = ri.breakdown["routed experts"][1]
+    assert hdc.weight_bytes_per_step(rel, ri, 1) == pytest.approx(2 * (ri.active - act) + act * 17 / 32, rel=1e-9)
+
+
+def _plain_decode(model, prompts, steps):
+    """Prefill `prompts` [B, T] through the model's contiguous cache; return (a copy of the cache after the
+    prefill, the logits [steps][B, V] of decoding tokens `steps` [steps][B] one at a time after it)."""
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(prompts, cache=cache)
+        filled = copy.deepcopy(cache)
+        logits = [model(torch.tensor(t)[:, None], cache=cache).logits[:, -1].float() for t in steps]
+    return filled, logits
+
+
+@pytest.mark.parametrize("arm", list(hdc.ARMS))
+def test_measured_path_decodes_what_the_plain_path_does(arm):
+    """A pool filled from a real prefill (two prompts of 37 tokens, 16-token pages: three pages per MLA layer) and
+    stepped through the bench gives the model's plain cached decode, step after step (fp32: atol 1e-4, rtol 1e-4;
+    the engine also stacks the projections, which changes the summation order only)."""
+    cfg = hdc.arm_config(K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0), arm)
+    from k3.model.model import K3ForCausalLM
+
+    with one_torch_thread():
+        model = randomize_(K3ForCausalLM(cfg), seed=3).eval()
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(1, cfg.vocab_size, (2, 37), generator=g)
+        steps = torch.randint(1, cfg.vocab_size, (3, 2), generator=g).tolist()
+        filled, ref = _plain_decode(model, prompts, steps)
+        bench = hdc.DecodeBench(model, context=37, batch=2, room=4, page_tokens=16)
+        n_mla = len(cfg.full_attn_layers)
+        assert bench.pages_per_seq == n_mla * 3 + len(cfg.kda_layers)
+        assert bench.pool.num_pages == 2 * bench.pages_per_seq  # no CUDA graphs here: no scratch page
+        bench.fill_from(filled)
+        for t, want in zip(steps, ref):
+            torch.testing.assert_close(bench.step(t), want, atol=1e-4, rtol=1e-4)
+        assert bench.positions == [40, 40]
+        bench.step(steps[0])  # the fourth token of room 4
+        with pytest.raises(RuntimeError, match="room"):
+            bench.step(steps[0])  # a fifth would write past the 41 tokens the pages were given for
+
+
+def test_random_fill_and_timing_on_tiny():
+    with one_torch_thread():
+        model = hdc.build_model("tiny", "hybrid", torch.device("cpu"), "auto", 4096)
+        bench = hdc.DecodeBench(model, context=300, batch=1, room=8, page_tokens=128)
+        bench.fill_random(seed=1)
+        logits = bench.step([5])
+        assert logits.shape == (1, model.config.vocab_size) and torch.isfinite(logits).all()
+        t = bench.time_steps(steps=3, warmup=1)
+        assert t.steps == 3 and 0 < t.p10_ms <= t.median_ms <= t.p90_ms
+        # every page a step reads was written: no MLA row of the sequence's pages is left at the pool's zeros
+        mla = bench.pool.mla_view()
+        for table in bench.slots[0].mla_tables:
+            rows = mla[torch.tensor(table)].reshape(-1, bench.pool.mla_width)[:300]
+            assert (rows.abs().sum(-1) > 0).all()
+        with pytest.raises(ValueError, match="2 tokens for 1 sequences"):
+            bench.step([1, 2])
+
+
+def test_command_line_tiny(tmp_path, capsys):
+    out, png = tmp_path / "h.json", tmp_path / "h.png"
+    with one_torch_thread():
+        assert hdc.main(["--presets", "tiny", "--contexts", "256", "1024", "--measure-contexts", "256", "--arms",
+                         "hybrid", "all-MLA", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                         "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "| tiny | all-MLA (0/5) | 1K |" in text and "measured on cpu" in text
+    data = json.loads(out.read_text())
+    assert len(data["computed"]) == 4 and len(data["measured"]) == 2
+    m = {r["arm"]: r for r in data["measured"]}
+    assert m["all-MLA"]["ratio"] == pytest.approx(m["all-MLA"]["median_ms"] / m["hybrid"]["median_ms"])
+    assert m["hybrid"]["cache_dtype"] == "fp32" and m["hybrid"]["allocated_bytes"] >= m["hybrid"]["cache_bytes"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_command_line_help_and_bad_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        hdc.main(["--help"])
+    assert e.value.code == 0
+    assert "default: 50" in capsys.readouterr().out
+    for bad, msg in ((["--bw-tbs", "0"], "--bw-tbs must be positive"), (["--steps", "0"], "must be positive"),
+                     (["--backend", "fast", "--device", "cpu"], "needs a CUDA device")):
+        with pytest.raises(SystemExit):
+            hdc.main(bad + ["--no-measure"])
+        assert msg in capsys.readouterr().err
