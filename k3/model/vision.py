@@ -37,6 +37,13 @@ Inferred details (not readable from names and shapes alone; they matter only whe
   * the projector activation is exact gelu (`projector_hidden_act: gelu`), the ViT MLP's is gelu(tanh)
     (`activation_func: gelu_pytorch_tanh`).
 
+Native resolution, packed: the images of one call keep their own sizes. Their patch tokens (positions added per
+image) are concatenated into one sequence that every block encodes at once; the blocks' norms, projections and MLP
+act per token, and attention (op ``vision_attn``, k3/ops/vision_attn.py) is restricted to each image, a block-diagonal
+pattern: per-image SDPA as the reference, FlashAttention's varlen kernel or flex_attention with a block mask on GPU.
+The output is split back per image before the pixel shuffle. tests/model/vision_reference.py is an independent
+transcription of these equations that the module is tested against (tests/model/test_vision_reference.py).
+
 Video is not supported yet: the release adds a fixed (non-learned, not stored) temporal position part over
 `init_pos_emb_time` frames and factorizes attention into intra-frame and inter-frame passes with temporal
 pooling ("tpool"). An image is a single frame, for which none of that applies: this module implements T = 1.
@@ -53,6 +60,8 @@ from torch import nn
 
 from k3.config import VisionConfig
 from k3.model.common import RMSNorm
+from k3.ops.registry import Backends
+from k3.ops.vision_attn import ImagePacking, vision_attention
 
 # The ViT's RMSNorms (norm0/norm1/final_layernorm). vision_config has no key for it; the release uses 1e-5.
 VIT_RMS_NORM_EPS = 1e-5
@@ -127,7 +136,10 @@ class VisionMLP(nn.Module):
 
 class VisionBlock(nn.Module):
     """Pre-norm ViT block: x += wo(attn(norm0 x)); x += fc1(act(fc0(norm1 x))). Full (non-causal) attention
-    over the patches of one image; no rotary positions (the learned table is the only position signal)."""
+    over the patches of one image; no rotary positions (the learned table is the only position signal). The block
+    runs on a packed sequence of several images' patches: only attention needs to know where each image lies."""
+
+    backends: Backends | None = None  # which implementation runs the attention (K3ForCausalLM.set_backends)
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -139,16 +151,16 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(C, VIT_RMS_NORM_EPS)
         self.mlp = VisionMLP(C, cfg.vt_intermediate_size, cfg.activation_func)
 
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, L, C] (L patches of one image per row) -> [N, L, C]."""
-        N, L, _ = x.shape
-        qkv = self.wqkv(x).view(N, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # [N, heads, L, head_dim]
-        o = F.scaled_dot_product_attention(q, k, v)  # scale 1/sqrt(head_dim), no mask
-        return self.wo(o.transpose(1, 2).reshape(N, L, self.num_heads * self.head_dim))
+    def attention(self, x: torch.Tensor, packing: ImagePacking) -> torch.Tensor:
+        """x [T, C] (the patches of the images of `packing`, packed) -> [T, C]; each image attends to itself only
+        (op vision_attn: block-diagonal softmax attention, scale 1/sqrt(head_dim))."""
+        T = x.shape[0]
+        q, k, v = self.wqkv(x).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # [T, heads, head_dim] each
+        o = vision_attention(q, k, v, packing, backends=self.backends)
+        return self.wo(o.reshape(T, self.num_heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm0(x))
+    def forward(self, x: torch.Tensor, packing: ImagePacking) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x), packing)
         return x + self.mlp(self.norm1(x))
 
 
@@ -158,9 +170,10 @@ class VisionEncoderStack(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.vt_num_hidden_layers))
         self.final_layernorm = RMSNorm(cfg.vt_hidden_size, VIT_RMS_NORM_EPS)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packing: ImagePacking) -> torch.Tensor:
+        """x [T, C] packed patch tokens -> [T, C] normalized features."""
         for block in self.blocks:
-            x = block(x)
+            x = block(x, packing)
         return self.final_layernorm(x)
 
 
@@ -225,25 +238,46 @@ class MoonViT(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.encoder = VisionEncoderStack(cfg)
 
-    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Same-sized images [N, 3, H, W] -> normalized patch features [N, H/p, W/p, C]. Each image attends only
-        to its own patches."""
-        x = self.patch_embed(pixel_values)
-        N, h, w, C = x.shape
-        return self.encoder(x.reshape(N, h * w, C)).reshape(N, h, w, C)
-
-    def forward(self, pixel_values: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """[N, 3, H, W] tensor or a list of [3, H, W] images (sizes may differ; H, W multiples of
-        patch_size x merge kernel) -> per image the pixel-shuffled features [(H/28)*(W/28), 4*C]."""
+    def encode_packed(self, pixel_values: torch.Tensor | Sequence[torch.Tensor],
+                      ) -> tuple[torch.Tensor, ImagePacking, list[tuple[int, int]]]:
+        """Images (an [N, 3, H, W] tensor or a list of [3, H, W], sizes may differ) -> (features [T, C], packing,
+        patch grids): every image's patch embeddings plus positions, in raster order, concatenated in image order
+        into one sequence of T = sum h_i * w_i tokens that the blocks encode together, attention restricted to each
+        image. Same-sized images share one convolution call."""
         groups, n = _group_images(self.config, pixel_values)
-        out: list[torch.Tensor | None] = [None] * n
+        per_image: list[torch.Tensor | None] = [None] * n
         for idx, batch in groups:
             if batch.shape[0] == 0:
                 continue
-            merged = pixel_shuffle(self.encode(batch), self.config.merge_kernel_size)
+            emb = self.patch_embed(batch)  # [n_g, h, w, C]
             for j, i in enumerate(idx):
-                out[i] = merged[j]
-        return out  # type: ignore[return-value]
+                per_image[i] = emb[j]
+        grids = [(e.shape[0], e.shape[1]) for e in per_image]  # type: ignore[union-attr]
+        packing = ImagePacking([h * w for h, w in grids])
+        C = self.config.vt_hidden_size
+        if n == 0:
+            return self.patch_embed.proj.weight.new_zeros(0, C), packing, grids
+        x = torch.cat([e.reshape(-1, C) for e in per_image], 0)  # type: ignore[union-attr]
+        return self.encoder(x, packing), packing, grids
+
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Same-sized images [N, 3, H, W] -> normalized patch features [N, H/p, W/p, C]. Each image attends only
+        to its own patches."""
+        if pixel_values.dim() != 4:
+            raise ValueError(f"encode takes same-sized images [N, 3, H, W], got shape {tuple(pixel_values.shape)}")
+        N, _, H, W = pixel_values.shape
+        x, _, _ = self.encode_packed(pixel_values)
+        p = self.config.patch_size
+        return x.view(N, H // p, W // p, -1)
+
+    def forward(self, pixel_values: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """[N, 3, H, W] tensor or a list of [3, H, W] images (sizes may differ; H, W multiples of
+        patch_size x merge kernel) -> per image the pixel-shuffled features [(H/28)*(W/28), 4*C]. All images are
+        encoded together in one packed sequence (`encode_packed`)."""
+        x, packing, grids = self.encode_packed(pixel_values)
+        kernel = self.config.merge_kernel_size
+        return [pixel_shuffle(t.view(1, h, w, -1), kernel)[0]
+                for t, (h, w) in zip(x.split(list(packing.lengths), 0), grids)]
 
 
 class PatchMergerProjector(nn.Module):

@@ -45,12 +45,12 @@ def test_every_op_registers_its_facts():
         "moe": ["grouped"], "moe_combine": ["triton"], "situ": ["triton"], "mla_decode": ["triton"],
         "muon": ["triton"], "linear_ce": ["triton"], "rms_norm": ["triton"], "mxfp4_fake_quant": ["triton"],
         "mxfp8_fake_quant": ["triton"], "mx_moe": ["triton"], "kda_replay": ["triton"], "kda_chunk": ["fla"],
-        "kda_decode": ["triton"], "moe_route": ["triton"]}
+        "kda_decode": ["triton"], "moe_route": ["triton"], "vision_attn": ["varlen", "flex"]}
     fast = {name: op for name, op in ops().items() if op.fast}
-    # kda_chunk (KDA context parallelism's chunks on fla), kda_decode (the fused decode step) and moe_route (the
-    # router kernel) have GPU tests not yet run on a GPU
+    # kda_chunk (KDA context parallelism's chunks on fla), kda_decode (the fused decode step), moe_route (the
+    # router kernel) and vision_attn (packed images) have GPU tests not yet run on a GPU
     assert {name for name, op in fast.items() if not op.fast[0].validated} == {"muon", "mx_moe", "kda_chunk",
-                                                                              "kda_decode", "moe_route"}
+                                                                              "kda_decode", "moe_route", "vision_attn"}
     assert {name for name, op in fast.items() if op.fast[0].cpu} == {"moe", "mla_decode", "muon", "linear_ce", "mx_moe",
                                                                     "mxfp4_fake_quant", "mxfp8_fake_quant",
                                                                     "kda_replay", "kda_decode", "moe_route"}
