@@ -39,7 +39,7 @@ every row up to the sequence's length whatever it holds, the KDA step reads and 
 fixed batch the router picks the same number of experts. The steps then run from position `context` on (each
 writes its row and advances the KDA states in place); after --warmup steps (which capture the CUDA graph) --steps
 are timed one by one (CUDA events on a GPU, perf_counter on a CPU) and the median is reported, with the 10th and
-90th percentiles. Weights are random (bf16 on a GPU, the preset's dtype on a CPU), MTP off. The measured path is
+90th percentiles; the arms take turns at each length. Weights are random (bf16 on a GPU, the preset's dtype on a CPU), MTP off. The measured path is
 checked against the model's plain cached decode (tests/test_hybrid_decode_cost.py): a pool filled from a real
 prefill and stepped through it gives the plain path's logits.
 
@@ -50,6 +50,7 @@ floor column is left out (the bandwidth model is the GPU's).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -164,10 +165,12 @@ class DecodeBench:
     CUDA-graph decode steps where the model's backends allow them, stacked projections; prefix cache off), whose
     cache pages are set directly instead of by a prefill (`fill_random`, or `fill_from` a model cache), and whose
     single-token steps run through the engine's runner (`step`). `room`: tokens each sequence may still add (the
-    steps to run); the engine's pool holds exactly the pages `context + room` tokens need."""
+    steps to run); the engine's pool holds exactly the pages `context + room` tokens need. `cuda_graphs`: the
+    engine's (EngineConfig.cuda_graphs; True, as `k3 serve`; "eager" runs the static-buffer step uncaptured, which
+    the tests use on a CPU)."""
 
     def __init__(self, model, context: int, batch: int = 1, room: int = 64, page_tokens: int = 2048,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, cuda_graphs: bool | str = True):
         from k3.serve.cache.pool import CachePool
         from k3.serve.cuda_graphs import decode_graphs_mode
         from k3.serve.engine import EngineConfig, LLMEngine
@@ -185,14 +188,13 @@ class DecodeBench:
         cap = context + room
         page_bytes = CachePool(model.config, 1, page_tokens, dtype=dtype, device="meta").page_bytes
         self.pages_per_seq = n_mla * -(-cap // page_tokens) + n_kda
-        extra = 1 if decode_graphs_mode(model, True) is not None else 0  # the graphs' scratch page
+        extra = 1 if decode_graphs_mode(model, cuda_graphs) is not None else 0  # the graphs' scratch page
         # half a page over, so that the manager's floor division of the megabytes gives exactly these pages
         mb = ((batch * self.pages_per_seq + extra) * page_bytes + page_bytes // 2) / 2**20
         sched = SchedulerConfig(max_num_seqs=batch)
         self.engine = LLMEngine(model, None, EngineConfig(
             cache_memory_mb=mb, page_tokens=page_tokens, hash_block_tokens=page_tokens, enable_prefix_cache=False,
-            max_model_len=cap,
-            compile_decode=compile_decode, scheduler=sched))
+            max_model_len=cap, cuda_graphs=cuda_graphs, compile_decode=compile_decode, scheduler=sched))
         cache = self.engine.cache
         self.pool = cache.pool
         self.seqs = [Sequence([1] * context, SamplingParams(max_tokens=room, temperature=0)) for _ in range(batch)]
@@ -320,14 +322,16 @@ def fits(model, context: int, batch: int, room: int, page_tokens: int) -> tuple[
 
 def measured_rows(preset: str, contexts: list[int], arms: list[str], batch: int, device: torch.device, backend: str,
                   steps: int, warmup: int, bw_tbs: float, page_tokens: int, compile_decode: bool) -> list[dict]:
+    """Every arm at every context, the arms taking turns at each context (so a slow spell of a shared machine does
+    not fall on one arm alone); every arm's model stays built throughout."""
     rows = []
     room = warmup + steps + 1
-    for arm in arms:
-        model = build_model(preset, arm, device, backend, max(contexts) + room)
-        cfg = model.config
-        esize = 2 if device.type == "cuda" else 4  # the engine's pool: bf16 on CUDA, fp32 elsewhere
-        info = model_info(cfg, cache_dtype_bytes=esize)
-        for L in contexts:
+    esize = 2 if device.type == "cuda" else 4  # the engine's pool: bf16 on CUDA, fp32 elsewhere
+    models = {arm: build_model(preset, arm, device, backend, max(contexts) + room) for arm in arms}
+    infos = {arm: model_info(m.config, cache_dtype_bytes=esize) for arm, m in models.items()}
+    for L in contexts:
+        for arm in arms:
+            model, info = models[arm], infos[arm]
             ok, need = fits(model, L, batch, room, page_tokens)
             row = {"preset": preset, "arm": arm, "context": L, "batch": batch, "device": _device_name(device),
                    "cache_dtype": "bf16" if esize == 2 else "fp32", "cache_bytes": sequence_cache_bytes(info, L)}
@@ -343,14 +347,15 @@ def measured_rows(preset: str, contexts: list[int], arms: list[str], batch: int,
             row.update(allocated_bytes=bench.cache_bytes, graphs=bench.uses_graphs, median_ms=t.median_ms,
                        p10_ms=t.p10_ms, p90_ms=t.p90_ms, steps=t.steps)
             if device.type == "cuda":
-                floor = (weight_bytes_per_step(cfg, info, batch) + batch * cache_traffic_per_step(info, L)) \
-                    / (bw_tbs * 1e12) * 1e3
+                floor = (weight_bytes_per_step(model.config, info, batch)
+                         + batch * cache_traffic_per_step(info, L)) / (bw_tbs * 1e12) * 1e3
                 row.update(floor_ms=floor, of_floor=floor / t.median_ms)
             rows.append(row)
             del bench
+            gc.collect()  # the engine's graphs and pool go now, before the next one allocates its own
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        del model
+    rows.sort(key=lambda r: (arms.index(r["arm"]), r["context"]))
     _ratios(rows, "median_ms", "ratio")
     return rows
 

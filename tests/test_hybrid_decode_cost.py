@@ -85,28 +85,41 @@ def _plain_decode(model, prompts, steps):
     return filled, logits
 
 
-@pytest.mark.parametrize("arm", list(hdc.ARMS))
-def test_measured_path_decodes_what_the_plain_path_does(arm):
+@pytest.mark.parametrize("arm,static", [("hybrid", False), ("all-MLA", False), ("all-KDA", False),
+                                         ("hybrid", True), ("all-MLA", True)])
+def test_measured_path_decodes_what_the_plain_path_does(arm, static):
     """A pool filled from a real prefill (two prompts of 37 tokens, 16-token pages: three pages per MLA layer) and
     stepped through the bench gives the model's plain cached decode, step after step (fp32: atol 1e-4, rtol 1e-4;
-    the engine also stacks the projections, which changes the summation order only)."""
-    cfg = hdc.arm_config(K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0), arm)
+    the engine also stacks the projections, which changes the summation order only). `static`: the engine's
+    static-buffer decode step (what a CUDA graph captures), run uncaptured on the backends a graph needs (the paged
+    MLA decode's reference, the grouped MoE), with its scratch page."""
     from k3.model.model import K3ForCausalLM
+    from k3.ops.registry import Backends
 
+    cfg = hdc.arm_config(K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0), arm)
+    backends = Backends(per_op={"mla_decode": "triton", "moe": "grouped"}) if static else None
     with one_torch_thread():
-        model = randomize_(K3ForCausalLM(cfg), seed=3).eval()
+        model = randomize_(K3ForCausalLM(cfg, backends=backends), seed=3).eval()
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(1, cfg.vocab_size, (2, 37), generator=g)
         steps = torch.randint(1, cfg.vocab_size, (3, 2), generator=g).tolist()
         filled, ref = _plain_decode(model, prompts, steps)
-        bench = hdc.DecodeBench(model, context=37, batch=2, room=4, page_tokens=16)
+        bench = hdc.DecodeBench(model, context=37, batch=2, room=4, page_tokens=16,
+                                cuda_graphs="eager" if static else True)
+        assert bench.uses_graphs == static
         n_mla = len(cfg.full_attn_layers)
         assert bench.pages_per_seq == n_mla * 3 + len(cfg.kda_layers)
-        assert bench.pool.num_pages == 2 * bench.pages_per_seq  # no CUDA graphs here: no scratch page
+        assert bench.pool.num_pages == 2 * bench.pages_per_seq + static  # the static steps' scratch page
         bench.fill_from(filled)
+        if static:  # every step below replays (here: runs) the static-buffer step
+            runs = []
+            orig = bench.engine.runner.graphs.run
+            bench.engine.runner.graphs.run = lambda *a: runs.append(orig(*a)) or runs[-1]
         for t, want in zip(steps, ref):
             torch.testing.assert_close(bench.step(t), want, atol=1e-4, rtol=1e-4)
         assert bench.positions == [40, 40]
+        if static:
+            assert len(runs) == 3 and all(r is not None for r in runs)  # None: it fell back to the eager step
         bench.step(steps[0])  # the fourth token of room 4
         with pytest.raises(RuntimeError, match="room"):
             bench.step(steps[0])  # a fifth would write past the 41 tokens the pages were given for
