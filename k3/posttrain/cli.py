@@ -206,3 +206,6 @@ def add_parsers(sub) -> None:
     d.add_argument("--reply-chars", type=cli._positive_int, default=320,
                    help="the continuation the assistant writes, in characters (default 320)")
     d.set_defaults(fn=cmd_data_docs_from_source)
+    from k3.data.render_pairs import add_parser as add_render_pairs
+
+    add_render_pairs(dsub)  # k3 data render-pairs: image-text pairs (k3.data.images)
