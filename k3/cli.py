@@ -208,10 +208,16 @@ def cmd_eval(args) -> int:
 
     from k3.data.packing import tokenize_documents
     from k3.train.run import load_corpus
+    from k3.train import long_eval
     from k3.train.evaluate import eval_extent, evaluate_loss
 
+    given = [f"--{k.replace('_', '-')}" for k in long_eval.LONG_FLAGS if getattr(args, k) is not None]
+    if given and not args.long:
+        raise ValueError(f"{', '.join(given)} only apply with --long")
     ckpt = _resolve_ckpt(args.ckpt)
     model, tok, dev = _load_for_inference(ckpt, args.device, verify=args.verify)
+    if args.long:
+        return long_eval.main(args, ckpt, model, tok, dev)
     _, heldout = load_corpus(args.data or [], None, log=lambda *a: None)
     docs = heldout
     stream = tokenize_documents(tok, docs)
@@ -332,6 +338,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batches", type=_positive_int, default=None)
     s.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     s.add_argument("--no-verify", dest="verify", action="store_false", help=VERIFY_HELP)
+    g = s.add_argument_group("long context (--long; k3/train/long_eval.py)")
+    g.add_argument("--long", action="store_true", help="passkey retrieval over a depth x length grid and the "
+                   "per-position loss past the training length, instead of the held-out loss")
+    g.add_argument("--lengths", help="prompt lengths in tokens, comma-separated (default: 4096, 8192, ... up to "
+                   "--max-length, stopping at the first that does not fit in device memory)")
+    g.add_argument("--max-length", type=_positive_int, help="longest length (default: 4096 on a CPU, 1048576 on a GPU)")
+    g.add_argument("--depths", help="needle depths, fractions of the filler (default: 0,0.25,0.5,0.75,1)")
+    g.add_argument("--items", type=_positive_int, help="passkey items per cell (default: 20)")
+    g.add_argument("--choices", type=_positive_int, help="candidate keys per item, chance 1/K (default: 10)")
+    g.add_argument("--seed", type=int, help="seed of the items (default: 0)")
+    g.add_argument("--extrapolation-length", type=_positive_int, help="window length of the per-position loss "
+                   "(default: the longest passkey length that fit, at most the longest document)")
+    g.add_argument("--windows", type=_positive_int, help="windows of the per-position loss (default: 4)")
+    g.add_argument("--train-length", type=_positive_int, help="the training length marked on the curve (default: "
+                   "the checkpoint's trainer_state.json seq_len, if any)")
+    g.add_argument("--batch-tokens", type=_positive_int, help="tokens per forward; rows = batch-tokens / length, at "
+                   "least 1 (default: 32768)")
+    g.add_argument("--out", help="directory for long_eval.json, passkey_heatmap.png and extrapolation.png "
+                   "(default: long_eval)")
     s.set_defaults(fn=cmd_eval)
 
     from k3.serve.options import add_serve_arguments, add_speculative_arguments
