@@ -217,10 +217,6 @@ class LengthDoesNotFit(RuntimeError):
     """One row of this length ran out of device memory."""
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError)
-
-
 def score_items(model, items: list[PasskeyItem], device, rows: int, pad_id: int = 0) -> tuple[list[float], list[bool]]:
     """(multiple-choice score, exact match) of each item, `rows` items per forward (halved on running out of device
     memory; LengthDoesNotFit when a single row does not fit). `model`: a K3ForCausalLM (the cached path) or a
@@ -230,15 +226,15 @@ def score_items(model, items: list[PasskeyItem], device, rows: int, pad_id: int 
     while i < len(items):
         chunk = items[i:i + rows]
         prompts, cands, lens = (t.to(device) for t in _padded(chunk, pad_id))
+        logp = None
         try:
             if isinstance(model, K3ForCausalLM):
                 logp, hit = candidate_logprobs(model, prompts, cands, lens)
             else:
                 logp, hit = candidate_logprobs_full(model, prompts, cands, lens)
-        except Exception as e:
-            if not _is_oom(e):
-                raise
-            del e
+        except torch.OutOfMemoryError:
+            pass  # handled below, once the exception no longer holds the forward's tensors
+        if logp is None:
             torch.cuda.empty_cache()
             if rows == 1:
                 raise LengthDoesNotFit(f"one row of {chunk[0].length:,} tokens does not fit in device memory")
@@ -472,11 +468,12 @@ def format_table(grid: dict) -> str:
 
 
 def extrapolation_curve(model, docs: list[np.ndarray], length: int, windows: int, train_length: int | None,
-                        device, batch_tokens: int, log=print) -> dict:
-    """The per-position loss over up to `windows` windows of `length` tokens (`cut_windows`), bucketed."""
+                        device, rows: int, log=print) -> dict:
+    """The per-position loss over up to `windows` windows of `length` tokens (`cut_windows`), `rows` per forward,
+    bucketed."""
     w = torch.from_numpy(cut_windows(docs, length, windows)).to(device)
     t0 = time.monotonic()
-    per_position = position_losses(model, w, rows=max(1, batch_tokens // length))
+    per_position = position_losses(model, w, rows=rows)
     curve = bucket_curve(per_position, len(w), train_length)
     log(f"per-position loss: {len(w)} windows of {length:,} tokens, mean {curve['mean_loss']:.4f}"
         + (f", within the training length {curve['loss_within_train_length']:.4f}, beyond it "
@@ -505,16 +502,23 @@ def run_long_eval(model, tok, device, out: str, docs: list[np.ndarray], docs_wha
         raise ValueError(f"not even one row of {grid['did_not_fit']:,} tokens fits in device memory")
     log(format_table(grid))
     length = extrapolation_length or min(grid["largest_fit"], max(len(d) for d in docs))
-    while True:
+    rows = max(1, batch_tokens // length)
+    while True:  # out of device memory: half the rows, then (unless the length was asked for) half the length
+        curve = None
         try:
-            curve = extrapolation_curve(model, docs, length, windows, train_length, device, batch_tokens, log)
-            break
+            curve = extrapolation_curve(model, docs, length, windows, train_length, device, rows, log)
         except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            if extrapolation_length is not None or length // 2 < 2:
-                raise ValueError(f"--extrapolation-length {length:,}: one window does not fit in device memory")
+            pass
+        if curve is not None:
+            break
+        torch.cuda.empty_cache()
+        if rows > 1:
+            rows //= 2
+        elif extrapolation_length is None and length >= 4:
             log(f"per-position loss: one window of {length:,} tokens does not fit; trying {length // 2:,}")
             length //= 2
+        else:
+            raise ValueError(f"--extrapolation-length {length:,}: one window does not fit in device memory")
     curve["documents"] = docs_what
     record = {"passkey": grid, "extrapolation": curve}
     os.makedirs(out, exist_ok=True)

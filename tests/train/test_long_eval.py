@@ -154,6 +154,35 @@ def test_a_random_model_scores_chance(tiny):
     assert not any(exact)
 
 
+class OutOfMemoryAbove:
+    """The oracle, running out of device memory on forwards of more than `max_rows` rows or `max_tokens` tokens."""
+
+    def __init__(self, max_rows: int, max_tokens: int):
+        self.oracle, self.max_rows, self.max_tokens, self.rows_seen = InductionOracle(len(TOK)), max_rows, max_tokens, []
+
+    def __call__(self, ids, m):
+        self.rows_seen.append(ids.shape[0])
+        if ids.shape[0] > self.max_rows or ids.shape[1] > self.max_tokens:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.oracle(ids, m)
+
+
+def test_running_out_of_memory_halves_the_rows_then_stops_the_grid():
+    model = OutOfMemoryAbove(max_rows=2, max_tokens=400)
+    scores, exact = le.score_items(model, _cell(200, 0.5, 9), "cpu", rows=8)
+    assert scores == [1.0] * 9 and exact == [True] * 9
+    assert model.rows_seen[:3] == [8, 4, 2] and set(model.rows_seen[3:]) <= {1, 2}  # halved until it fits, kept
+    with pytest.raises(le.LengthDoesNotFit, match="one row of 500 tokens does not fit"):
+        le.score_items(model, _cell(500, 0.5, 2), "cpu", rows=4)
+    lines = []
+    grid = le.passkey_grid(model, TOK, FILLER, [300, 200, 500, 1000], [0.0, 1.0], 2, 3, 0, "cpu", batch_tokens=600,
+                           log=lines.append)
+    assert grid["lengths"] == [200, 300] and grid["largest_fit"] == 300 and grid["did_not_fit"] == 500
+    assert [(c["length"], c["depth"]) for c in grid["cells"]] == [(200, 0.0), (200, 1.0), (300, 0.0), (300, 1.0)]
+    assert all(c["accuracy"] == 1.0 for c in grid["cells"])
+    assert lines[-1] == "passkey: stopped at length 500: one row of 500 tokens does not fit in device memory"
+
+
 # ------------------------------------------------------------------------------------- per-position loss
 
 
