@@ -24,6 +24,25 @@ def _config_from_arg(spec: str):
                      "or run directory")
 
 
+def _context_schedule(text: str) -> list:
+    from k3.train.context_schedule import parse_context_schedule
+
+    try:
+        return parse_context_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _share(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
+    return v
+
+
 _CUDA_GRAPHS = {"auto": True, "on": True, "1": True, "off": False, "0": False, "eager": "eager"}
 
 
@@ -119,7 +138,7 @@ def _init_tokenizer(kind: str, vocab_size: int):
 
 def cmd_train(args) -> int:
     from k3.devices import pick_device
-    from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, run_training
+    from k3.train.run import CPU_DEFAULTS, GPU_DEFAULTS, RunOptions, context_flags, run_training
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK
     # One process, under torchrun or not, trains on the single-device path: FSDP2's one-rank path was seen to hand
@@ -136,6 +155,7 @@ def cmd_train(args) -> int:
         device = torch_device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     backends = _backends(args.backend, device)
     tcfg = _train_config(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
+    context_flags(tcfg, args)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
                       verify=args.verify, moon_ep=args.moon_ep, workers=args.workers, data_cache=args.data_cache)
@@ -316,6 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--moon-ep", action="store_true", help="with --ep > 1: MoonEP's balanced expert parallelism, every "
                    "rank computing the same number of token-expert pairs with redundant experts planned per layer "
                    "(report §5.2.1)")
+    s.add_argument("--context-schedule", type=_context_schedule, metavar="LEN:SHARE,...", help="progressive context "
+                   "extension (report §3.4), e.g. 8192:0.7,65536:0.2,262144:0.1: rows of each length for its share of "
+                   "the run's steps (of its time with --max-minutes alone), --batch-tokens a step at every length; "
+                   "the later stages of a default-corpus run also read standard-library packages as long documents; "
+                   "--seq-len is the first length (k3/train/context_schedule.py; --resume keeps the run's)")
+    s.add_argument("--activation-checkpointing-from", type=_positive_int, metavar="LEN", help="with "
+                   "--context-schedule: activation checkpointing in the stages of this length or more (default: in "
+                   "those whose forward holds more tokens than the first stage's)")
+    s.add_argument("--long-doc-share", type=_share, help="with --context-schedule on the default corpus: the share "
+                   "of each later stage's rows read from long documents (default 0.5)")
     s.set_defaults(fn=cmd_train)
 
     from k3.posttrain.cli import add_parsers as add_posttrain

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from k3.train.context_schedule import DEFAULT_LONG_DOC_SHARE, check_context_schedule
 from k3.train.per_head_muon import OPTIMIZERS
 
 
@@ -54,6 +55,14 @@ class TrainConfig:
     # inputs, straight-through gradients) or None. The run's builder applies it to the model; kept here so that a
     # resumed run trains the same way.
     qat: str | None = None
+    # Progressive context extension (k3.train.context_schedule): [[seq_len, share], ...], None: --seq-len throughout.
+    # With a schedule, seq_len is its first length (the held-out evaluation's length at every stage).
+    context_schedule: list | None = None
+    # A stage of this length or more runs with activation checkpointing (None: when one of its forwards holds more
+    # tokens than one of the first stage; k3.train.context_schedule.checkpointing_for)
+    activation_checkpointing_from: int | None = None
+    # the share of a later stage's rows read from long documents (runs on the default corpus)
+    long_doc_share: float = DEFAULT_LONG_DOC_SHARE
 
     def validate(self) -> None:
         def bad(name, allowed):
@@ -106,6 +115,19 @@ class TrainConfig:
             bad("save_checkpoints", "a QAT run exports its final checkpoint: it cannot run without checkpoints")
         if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
             bad("keep_checkpoints", "must be an integer >= 1")
+        if self.context_schedule is not None:
+            try:
+                check_context_schedule(self.context_schedule, self.batch_tokens)
+            except ValueError as e:
+                bad("context_schedule", str(e))
+            if self.seq_len != self.context_schedule[0][0]:
+                bad("seq_len", f"with a context schedule it is the schedule's first length, "
+                               f"{self.context_schedule[0][0]}")
+        if self.activation_checkpointing_from is not None and not (
+                isinstance(self.activation_checkpointing_from, int) and self.activation_checkpointing_from >= 1):
+            bad("activation_checkpointing_from", "must be a whole number of tokens >= 1")
+        if not (isinstance(self.long_doc_share, (int, float)) and 0 <= self.long_doc_share <= 1):
+            bad("long_doc_share", "must be a number in [0, 1]")
 
     @property
     def rows_per_step(self) -> int:

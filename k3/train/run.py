@@ -188,6 +188,17 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
     if rank > 0:
         torch.distributed.barrier()
     tok, tokens = prepare_data(opts, out, device.type == "cuda", resume_from, log, progress=progress and rank == 0)
+    long_tokens = None
+    if tcfg.context_schedule is not None:
+        if mesh is not None:
+            from k3.parallel.mesh import data_rank
+            from k3.train.context_schedule import check_context_schedule
+
+            check_context_schedule(tcfg.context_schedule, tcfg.batch_tokens, cp=mesh["cp"].size(),
+                                   data_ranks=data_rank(mesh)[1])
+        if not opts.data and len(tcfg.context_schedule) > 1 and tcfg.long_doc_share > 0:
+            long_tokens = long_doc_tokens(tok, opts.data_cache or os.path.join(out, "data"),
+                                          tcfg.context_schedule, log)
     if resume_from is None:
         cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id,
                           bos_token_id=None)
@@ -206,8 +217,11 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
         from k3.train.qat import apply_qat
 
         apply_qat(model, tcfg.qat)
-    loader = PackedLoader(tokens.train, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed,
-                          data=tokens.fingerprint)
+    if tcfg.context_schedule is None:
+        loader = PackedLoader(tokens.train, tcfg.seq_len, tcfg.rows_per_step, tok.eos_id, seed=tcfg.seed,
+                              data=tokens.fingerprint)
+    else:
+        loader = staged_loader(tcfg, tokens.train, tokens.fingerprint, tok.eos_id, long_tokens)
     tok_json = _tokenizer_json_bytes(tok)
     n = sum(p.numel() for p in model.parameters())
     if mesh is None:
@@ -232,6 +246,87 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
         f"{f', QAT {tcfg.qat} (routed experts: MXFP4 weights, MXFP8 inputs)' if tcfg.qat else ''}"
         f"{'' if mesh is None else f', sharded over {mesh.size()} ranks (mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))})'}")
     return trainer
+
+
+def context_flags(tcfg: TrainConfig, args, log=print) -> None:
+    """Put `k3 train`'s context-extension flags (--context-schedule, --activation-checkpointing-from,
+    --long-doc-share) into `tcfg`: on --resume the run's own settings unless a flag is given; a resumed run keeps
+    its schedule (another one is refused). A fresh run's --seq-len is the schedule's first length."""
+    from k3.cli_args import _saved_train_config
+
+    names = ("context_schedule", "activation_checkpointing_from", "long_doc_share")
+    given = {k: getattr(args, k, None) for k in names}
+    ck = resume_checkpoint(tcfg.out)[0] if args.resume else None
+    saved = _saved_train_config(ck) if ck is not None else {}
+    for k in names:
+        v = given[k] if given[k] is not None else saved.get(k)
+        if v is not None:
+            setattr(tcfg, k, v)
+    if ck is not None:
+        had = saved.get("context_schedule")
+        if given["context_schedule"] is not None and had != given["context_schedule"]:
+            raise ValueError(f"--resume: the run in {tcfg.out} was trained with "
+                             f"{'--context-schedule ' + _schedule_text(had) if had else 'no --context-schedule'}; "
+                             "it continues with its own (give the same --context-schedule, or none)")
+    elif tcfg.context_schedule is not None:
+        first = tcfg.context_schedule[0][0]
+        if getattr(args, "seq_len", None) not in (None, first):
+            raise ValueError(f"--seq-len {args.seq_len} with --context-schedule {_schedule_text(tcfg.context_schedule)}:"
+                             f" the run's length is the schedule's first ({first}); leave --seq-len out")
+        tcfg.seq_len = first
+
+
+def _schedule_text(stages) -> str:
+    return ",".join(f"{n}:{share:g}" for n, share in stages)
+
+
+def long_doc_tokens(tok, cache_dir: str, stages, log=print, root: str | None = None):
+    """(token stream, fingerprint) of the standard library's training package documents (k3.data.long_docs) of
+    at least 3 characters per token of the schedule's second length (about one row of it: code runs 3-4 characters
+    a token), tokenized once into `cache_dir`/long_docs.npy (reused while the documents and the tokenizer are
+    the same)."""
+    import hashlib
+
+    from k3.data.long_docs import long_documents
+    from k3.data.packing import tokenize_documents
+
+    t0 = time.perf_counter()
+    min_chars = 3 * stages[1][0]
+    docs = long_documents(heldout=False, min_chars=min_chars, root=root)
+    longest = stages[-1][0]
+    if not docs:
+        raise ValueError(f"--context-schedule: no standard-library package has {min_chars:,} characters or more to "
+                         "read as long documents; use --long-doc-share 0 or shorter stages")
+    os.makedirs(cache_dir, exist_ok=True)
+    stream = tokenize_documents(tok, docs, os.path.join(cache_dir, "long_docs.npy"))
+    if len(stream) < longest:
+        raise ValueError(f"--context-schedule: the long documents hold {len(stream):,} tokens, fewer than one row of "
+                         f"{longest:,}; use --long-doc-share 0 or shorter stages")
+    mb = sum(len(d.text) for d in docs) / 2**20
+    log(f"long documents: {len(docs)} standard-library packages of {min_chars:,}+ characters, modules in import "
+        f"order ({mb:.1f} MB, {len(stream):,} tokens, {time.perf_counter() - t0:.1f}s)")
+    return stream, "long-docs:" + hashlib.sha256(stream.tobytes()).hexdigest()[:16]
+
+
+def staged_loader(tcfg: TrainConfig, train, fingerprint: str | None, eos_id: int, long_tokens=None):
+    """The StagedLoader of `tcfg.context_schedule` (k3.train.context_schedule): stage k's rows of its length from
+    `train` (a token store), --batch-tokens / length a step; from the second stage on, with `long_tokens` ((stream,
+    fingerprint) of long documents), `tcfg.long_doc_share` of them from those."""
+    from k3.data.packing import PackedLoader
+    from k3.train.context_schedule import MixedLoader, StagedLoader
+
+    stages = tcfg.context_schedule
+
+    def make(k: int):
+        length = stages[k][0]
+        rows = tcfg.batch_tokens // length
+        base = PackedLoader(train, length, rows, eos_id, seed=tcfg.seed, data=fingerprint)
+        if k == 0 or long_tokens is None:
+            return base
+        long = PackedLoader(long_tokens[0], length, rows, eos_id, seed=tcfg.seed, data=long_tokens[1])
+        return MixedLoader(base, long, tcfg.long_doc_share, rows)
+
+    return StagedLoader(stages, make, make(0))
 
 
 def _load_resumed(trainer, ck: str, verify: bool) -> None:

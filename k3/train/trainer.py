@@ -11,7 +11,8 @@ hooks and checkpoints are this file's.
 The trained module is a K3ForCausalLM, or any module with a `config` (its vocab_size), `backends` and parameters:
 what the Trainer does beyond the loss follows from what the module has and the settings ask for (Quantile
 Balancing of its LatentMoE layers unless --balance none, QK-Clip when qk_clip_tau > 0, activation checkpointing
-when the module has it). A run whose module is not a K3ForCausalLM writes and reads it in checkpoints itself
+when the module has it; a context schedule's stages, k3.train.context_schedule, change the row length and the
+checkpointing between steps). A run whose module is not a K3ForCausalLM writes and reads it in checkpoints itself
 (`_save_model`, `_load_model`).
 
 The loop is single-device code. Everything a distributed wrapper needs to change is a constructor argument
@@ -79,6 +80,9 @@ class StepMetrics:
     # with balance_diagnostics: per MoE layer, how many experts got no token in the step
     experts_without_tokens: list[int] | None = None
     skipped: bool = False
+    # with --context-schedule: the step's stage (0-based) and row length (k3.train.context_schedule)
+    stage: int | None = None
+    seq_len: int | None = None
 
 
 class Trainer:
@@ -127,6 +131,7 @@ class Trainer:
         self.setup_s: float | None = None
         self.warmup_s = 0.0
         self.writes_files = True  # metrics.jsonl, loss.png, the progress bar (one process of a distributed run)
+        self._stage_applied: int | None = None  # the context stage whose settings the model runs with
         self.retries_oom = True  # out of memory: halve the micro-batch and retry (not on one rank of many)
 
     # --- schedule ----------------------------------------------------------------------------
@@ -149,6 +154,43 @@ class Trainer:
             return self.step / budget
         return self.elapsed / (60 * self.cfg.max_minutes)
 
+    def context_stage(self) -> int:
+        """The context stage of the next step (k3.train.context_schedule: by the step budget, else by training
+        time), never before the loader's current stage."""
+        from k3.train.context_schedule import stage_at_progress, stage_at_step
+
+        stages, budget = self.cfg.context_schedule, self.step_budget()
+        k = (stage_at_step(stages, self.step, budget) if budget is not None
+             else stage_at_progress(stages, self.progress()))
+        return max(k, self.loader.stage)
+
+    def _enter_stage(self) -> None:
+        """With a context schedule: move the loader to the next step's stage when it changes (a fresh stream of rows
+        of the stage's length, --batch-tokens / length a step) and run the model with the stage's activation
+        checkpointing."""
+        from k3.train.context_schedule import checkpointing_for
+
+        c = self.cfg
+        k = self.context_stage()
+        if k == self._stage_applied:
+            return
+        moved = k != self.loader.stage
+        self.loader.enter(k)
+        stages = c.context_schedule
+        ckpt = checkpointing_for(stages, k, c.batch_tokens, c.micro_batch_rows, c.activation_checkpointing,
+                                 c.activation_checkpointing_from)
+        if hasattr(self.model, "set_activation_checkpointing"):
+            self.model.set_activation_checkpointing(ckpt)
+        elif ckpt:
+            raise ValueError(f"activation checkpointing: the trained module ({type(self.model).__name__}) has none")
+        length = stages[k][0]
+        long = getattr(self.loader.current, "share", None)
+        self.log(f"context stage {k + 1}/{len(stages)} {'from' if moved or self.step == 0 else 'continued at'} step "
+                 f"{self.step + 1}: rows of {length:,} tokens, {c.batch_tokens // length} a step"
+                 f"{f', {long:.0%} of them from long documents' if long else ''}"
+                 f", activation checkpointing {'on' if ckpt else 'off'}")
+        self._stage_applied = k
+
     def done(self) -> bool:
         c = self.cfg
         budget = self.step_budget()
@@ -164,8 +206,10 @@ class Trainer:
         mult = lr_multiplier(self.progress(), c.warmup_frac, c.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * mult
+        if c.context_schedule is not None:
+            self._enter_stage()
         batch = self._next_batch()
-        rows = batch["input_ids"].shape[0]
+        rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
         n_tokens = int((batch["labels"][:, 1:] != -100).sum())
         bias_now = [m.gate.e_score_correction_bias.clone() for m in self.moe_layers]
         while True:
@@ -192,7 +236,7 @@ class Trainer:
                     "--micro-batch-rows or --activation-checkpointing (the last checkpoint is intact)")
             if mb == 1:
                 raise TrainingError(
-                    f"out of {self.device.type} memory even with 1-row micro-batches of {c.seq_len} tokens; "
+                    f"out of {self.device.type} memory even with 1-row micro-batches of {length} tokens; "
                     "use --activation-checkpointing or a shorter --seq-len (the last checkpoint is intact)")
             c.micro_batch_rows = mb // 2
             self.log(f"step {self.step + 1}: out of memory with {mb}-row micro-batches; "
@@ -211,6 +255,8 @@ class Trainer:
         metrics = StepMetrics(step=self.step + 1, loss=loss_sum, lr=self.optimizer.param_groups[0]["lr"],
                               grad_norm=grad_norm, tokens_per_s=0.0, elapsed_s=0.0,
                               mtp_loss=mtp_sum if has_mtp else None)
+        if c.context_schedule is not None:
+            metrics.stage, metrics.seq_len = self.loader.stage, length
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             # Skip: no parameter, bias or optimizer state changes; the data position moves on.
             self.optimizer.zero_grad(set_to_none=True)
