@@ -158,7 +158,9 @@ def cmd_train(args) -> int:
     context_flags(tcfg, args)
     opts = RunOptions(preset=args.preset, config=args.config, data=args.data or [], vocab_size=args.vocab_size,
                       resume=args.resume, device=str(device), max_corpus_mb=args.max_corpus_mb, backends=backends,
-                      verify=args.verify, moon_ep=args.moon_ep, workers=args.workers, data_cache=args.data_cache)
+                      verify=args.verify, moon_ep=args.moon_ep, workers=args.workers, data_cache=args.data_cache,
+                      images=args.images, images_heldout=args.images_heldout, image_share=args.image_share,
+                      max_image_tokens=args.max_image_tokens)
     if launched:
         return run_training_command("train", lambda: _train_distributed(opts, tcfg, dims, device,
                                                                       not args.no_progress))
@@ -231,13 +233,18 @@ def cmd_eval(args) -> int:
     from k3.train import long_eval
     from k3.train.evaluate import eval_extent, evaluate_loss
 
-    given = [f"--{k.replace('_', '-')}" for k in long_eval.LONG_FLAGS if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in long_eval.LONG_FLAGS if getattr(args, k) is not None
+             and not (k == "out" and args.transcribe)]  # --transcribe writes into --out too
     if given and not args.long:
         raise ValueError(f"{', '.join(given)} only apply with --long")
     ckpt = _resolve_ckpt(args.ckpt)
     model, tok, dev = _load_for_inference(ckpt, args.device, verify=args.verify)
     if args.long:
         return long_eval.main(args, ckpt, model, tok, dev)
+    if args.transcribe:
+        from k3.train import transcribe
+
+        return transcribe.main(args, ckpt, model, tok, dev)
     _, heldout = load_corpus(args.data or [], None, log=lambda *a: None)
     docs = heldout
     stream = tokenize_documents(tok, docs)
@@ -346,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "those whose forward holds more tokens than the first stage's)")
     s.add_argument("--long-doc-share", type=_share, help="with --context-schedule on the default corpus: the share "
                    "of each later stage's rows read from long documents (default 0.5)")
+    g = s.add_argument_group("images (the vision encoder trained with the model; k3/train/image_training.py)")
+    g.add_argument("--images", metavar="PAIRS.jsonl", help="image-text records (k3.data.images; `k3 data render-pairs` "
+                   "writes them) trained together with the text: the model gets a vision encoder (tiny: "
+                   "VisionConfig.tiny(), k3-mini: a ViT-Base-sized MoonViT-V2, --config: its vision_config) and the "
+                   "tokenizer the image placeholder; --resume continues with the run's own")
+    g.add_argument("--images-heldout", metavar="FILE", help="held-out records for the image loss (default: "
+                   "heldout.jsonl beside --images, if any)")
+    g.add_argument("--image-share", type=_share, help="share of each step's rows (so of its tokens) that "
+                   "are packed image-text records, the rest text (default 0.2)")
+    g.add_argument("--max-image-tokens", type=_positive_int, help="largest image, in encoder tokens (placeholders) "
+                   "after resizing (default 1024)")
     s.set_defaults(fn=cmd_train)
 
     from k3.posttrain.cli import add_parsers as add_posttrain
@@ -387,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "least 1 (default: 32768)")
     g.add_argument("--out", help="directory for long_eval.json, passkey_heatmap.png and extrapolation.png "
                    "(default: long_eval)")
+    g = s.add_argument_group("transcription (--transcribe; k3/train/transcribe.py)")
+    g.add_argument("--transcribe", metavar="HELDOUT.jsonl", help="greedy answers to image-text records (the prompt as "
+                   "each record gives it) and their character error rate against the records' text, instead of the "
+                   "held-out loss (--out DIR also writes DIR/transcribe.json)")
+    g.add_argument("--max-records", type=_positive_int, help="records scored (default 200)")
+    g.add_argument("--max-new-tokens", type=_positive_int, help="longest answer in tokens (default 256; also at most "
+                   "twice the reference's tokens, at least 16)")
     s.set_defaults(fn=cmd_eval)
 
     from k3.serve.options import add_serve_arguments, add_speculative_arguments

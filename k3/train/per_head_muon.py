@@ -16,6 +16,8 @@ GatedMLA q_b_proj [H*(dn+dr), r_q], kv_b_proj [H*(dn+dv), r_kv]       Muon, per 
 GroupedExperts w1/w3 [E, F, L], w2 [E, L, F]                          Muon, per expert   yes
 any other nn.Linear weight with both dims > 1, MoEGate.weight [E, D]  Muon, whole        yes
 nn.Embedding weight, K3ForCausalLM.lm_head                            AdamW              yes
+the vision encoder's patch convolution [C, 3, p, p] (its input layer)  AdamW              yes
+the vision encoder's position table [H0, W0, C]                       AdamW              no
 vectors / scalars (norms, A_log, dt_bias, biases), nn.Conv1d taps,    AdamW              no
 AttnRes pseudo-queries (nn.Linear(D, 1) ``*_res_proj``)
 ====================================================================  =================  ===========
@@ -164,6 +166,7 @@ def _classify(model: nn.Module) -> list[tuple[str, nn.Parameter, tuple]]:
     router, the output head); pass 2 the generic rules by module type; anything left falls back on shape.
     """
     from k3.model.model import K3ForCausalLM  # local: model.py imports the whole model stack
+    from k3.model.vision import PatchEmbed
 
     cls_of: dict[int, tuple] = {}
 
@@ -194,6 +197,11 @@ def _classify(model: nn.Module) -> list[tuple[str, nn.Parameter, tuple]]:
             assign(m.lm_head.weight, _ADAMW_DECAY)
         elif isinstance(m, nn.Embedding):
             assign(m.weight, _ADAMW_DECAY)
+        elif isinstance(m, PatchEmbed):
+            # The encoder's input layer, like the token embedding (Muon is for the hidden matrices), and its 2-D
+            # position table, a lookup of positions that decay would pull towards no position at all.
+            assign(m.proj.weight, _ADAMW_DECAY)
+            assign(m.pos_emb.weight, _ADAMW_NO_DECAY)
 
     # Pass 2: generic rules by module type (never overriding pass 1).
     for m in model.modules():

@@ -128,6 +128,7 @@ class ProgressBar:
         if self.bar is None:
             return
         post = {"loss": f"{m.loss:.3f}", "tok/s": f"{m.tokens_per_s:,.0f}", "lr": f"{m.lr:.2e}"}
+        post.update(m.progress_postfix() if hasattr(m, "progress_postfix") else {})  # a run's own rates (images)
         if self.max_steps is None and self.max_minutes is not None:
             post["left"] = f"{max(0.0, 60 * self.max_minutes - elapsed) / 60:.1f}min"
         self.bar.set_postfix(post, refresh=False)

@@ -36,6 +36,12 @@ class RunOptions:
     moon_ep: bool = False  # MoonEP's balanced expert parallelism (with an "ep" mesh dimension of 2 or more)
     workers: int | None = None  # tokenizing processes (None: one per CPU, k3.data.shards.default_workers)
     data_cache: str | None = None  # where token shards are kept (None: OUT/data); reused across runs
+    # Image-text records trained with the text (k3.train.image_training; None: a text-only run), their held-out
+    # file (None: heldout.jsonl beside them, if any), the share of each step's rows they fill, the tokens per image.
+    images: str | None = None
+    images_heldout: str | None = None
+    image_share: float | None = None
+    max_image_tokens: int | None = None
 
 
 # Defaults that make plain `k3 train` learn something on the machine at hand. The whole batch goes through
@@ -127,8 +133,12 @@ def prepare_data(opts: RunOptions, out: str, gpu: bool, resume_from: str | None,
         t0 = time.perf_counter()
         vocab = opts.vocab_size or (GPU_DEFAULTS if gpu else CPU_DEFAULTS)["vocab_size"]
         trained = []
-        tok = cached_tokenizer(out, lambda: trained.append(1) or _train_texts(units), vocab,
+        tok = cached_tokenizer(out, lambda: trained.append(1) or _train_texts(units), vocab - bool(opts.images),
                                data_fingerprint=source_fingerprint(units, DEFAULT_HELDOUT_FRACTION), log=log)
+        if opts.images:  # the image placeholder is the vocabulary's last id
+            from k3.train.image_training import add_image_placeholder
+
+            tok = add_image_placeholder(tok)
         how = (f"trained in {time.perf_counter() - t0:.1f}s" if trained else
                f"reused {os.path.join(out, 'tokenizer.json')}, trained on this data")
         log(f"tokenizer: byte-level BPE, {tok.vocab_size} tokens, {num_merges(tok):,} merges ({how})")
@@ -173,6 +183,10 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
             f"(step {step_of(os.path.basename(resume_from))}): the steps after it are trained again")
     if not opts.resume and latest_checkpoint(out) is not None:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    if opts.images or resume_from is not None:
+        from k3.train.image_training import check_image_options
+
+        check_image_options(opts, tcfg, resume_from, mesh, log)  # a resumed run's image settings are its own
 
     if resume_from is not None:
         from k3.checkpoint import load_config
@@ -202,6 +216,10 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
     if resume_from is None:
         cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id,
                           bos_token_id=None)
+    if opts.images:
+        from k3.train.image_training import image_model_config
+
+        cfg = image_model_config(cfg, tok, opts, resumed=resume_from is not None)
     if cfg.vocab_size < tok.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
     if mesh is not None and rank == 0:
@@ -224,7 +242,11 @@ def build_run(opts: RunOptions, tcfg: TrainConfig, log=print, progress: bool = F
         loader = staged_loader(tcfg, tokens.train, tokens.fingerprint, tok.eos_id, long_tokens)
     tok_json = _tokenizer_json_bytes(tok)
     n = sum(p.numel() for p in model.parameters())
-    if mesh is None:
+    if opts.images:
+        from k3.train.image_training import image_trainer
+
+        trainer = image_trainer(opts, tcfg, model, loader, tok, eval_stream, tok_json, log)
+    elif mesh is None:
         trainer = Trainer(model, tcfg, loader, eval_stream=eval_stream, eos_id=tok.eos_id, tokenizer_json=tok_json,
                           log=log)
     else:
