@@ -33,6 +33,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_moe_grouped.py",
     "tests/ops/test_moe_combine.py",
     "tests/ops/test_mx_moe.py",
+    "tests/ops/test_mx_moe_grouped.py",
     "tests/ops/test_mx_triton.py",
     "tests/serve/speculative/test_replay.py",
     "tests/serve/speculative/test_spec_graphs.py",

@@ -1,12 +1,15 @@
 """One release-shaped routed-expert layer served from MXFP4 storage, against dequantized bf16 and the floor.
 
     python benchmarks/mx_moe_layer.py [--experts 896] [--top-k 16] [--latent 3584] [--inter 3072]
-                                      [--tokens 1 64] [--runs 20] [--device cuda]
+                                      [--tokens 1 16 64] [--runs 20] [--device cuda] [--impls ...]
 
 K3's routed experts (report §2.3, §4.1.4; checkpoint-layout.md §2.7): 896 experts of latent width 3584 and
 expert width 3072, top-16, weights in MXFP4. For each token count the experts are drawn once (random MXFP4
 storage), the routing uniformly (each token 16 distinct experts), and side by side in one run:
 
+* ``packed-grouped``: k3.ops.mx_moe_grouped's expert-centric kernels on the packed storage (op mx_moe
+  triton_grouped: each touched expert's packed rows read once per tile of its tokens), decoding through
+  ``tl.dot_scaled``; ``packed-grouped-regs``: the same kernels with their own decode in registers;
 * ``packed-triton``: k3.ops.mx_moe's token-centric kernels on the packed storage (what `k3 serve` runs with
   mx_moe=triton);
 * ``packed-torch``: the reference (each touched expert decoded just before its GEMMs);
@@ -16,8 +19,11 @@ storage), the routing uniformly (each token 16 distinct experts), and side by si
 The floor is the bytes of the experts actually touched (packed codes + scales, or bf16 weights, for the distinct
 experts the batch routes to) over the device's copy bandwidth (`--bandwidth`, GB/s; GPU.md: 4.0 TB/s read + write
 on the H200, so 2.0 TB/s of reads is the conservative floor used by default). Timings are medians over `--runs`
-(CUDA events on GPU, wall clock on CPU) after a warm-up. One JSON line per (tokens, implementation), then a table.
-On a CPU the default shape is too large for memory: pass e.g. `--experts 64 --latent 512 --inter 512`.
+(CUDA events on GPU, wall clock on CPU) after a warm-up (which also autotunes the grouped kernels). One JSON line per
+(tokens, implementation), then a table with each one's share of its floor and its speed against bf16-grouped. An
+implementation that fails (a kernel that does not compile on this GPU) gets a row with its error, the others still
+run, and the exit status is 1. The Triton kernels run only on a GPU (the interpreter is a correctness tool, not a
+timing one). On a CPU the default shape is too large for memory: pass e.g. `--experts 64 --latent 512 --inter 512`.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import torch
 
 from k3.ops.moe import moe_experts_grouped
 from k3.ops.mx import mxfp4_dequantize
-from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed, mx_moe_packed_triton
+from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed, mx_moe_packed_grouped, mx_moe_packed_triton
 from k3.ops.situ import situ_glu
 
 B1, B2 = 4.0, 25.0
+IMPLS = ("packed-grouped", "packed-grouped-regs", "packed-triton", "packed-torch", "bf16-grouped")
+KERNELS = ("packed-grouped", "packed-grouped-regs", "packed-triton")  # compiled Triton: GPU only
 
 
 def random_packed(E: int, F: int, L: int, device) -> PackedExpertWeights:
@@ -70,7 +78,7 @@ def timed(fn, runs: int, device) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main() -> int:
     from k3.cli_args import RawDefaultsHelpFormatter
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
@@ -78,17 +86,20 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--latent", type=int, default=3584)
     ap.add_argument("--inter", type=int, default=3072)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--bandwidth", type=float, default=2000.0, help="GB/s of reads the floor assumes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to time")
     args = ap.parse_args()
+    if any(n < 1 for n in args.tokens):
+        ap.error(f"--tokens must be positive, got {args.tokens}")
     dev = torch.device(args.device)
     E, K, L, F = args.experts, args.top_k, args.latent, args.inter
     g = torch.Generator().manual_seed(0)
     w = random_packed(E, F, L, dev)
     dense = None
-    if dev.type == "cuda":  # decoded expert by expert (a whole-tensor decode's int64 codes would not fit)
+    if dev.type == "cuda" and "bf16-grouped" in args.impls:  # decoded expert by expert (a whole-tensor decode's int64 codes would not fit)
         dense = []
         for i in (0, 2, 4):
             d = torch.empty(*w[i].shape[:-1], w[i].shape[-1] * 2, dtype=torch.bfloat16, device=dev)
@@ -103,26 +114,40 @@ def main() -> None:
         idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(dev)
         wt = torch.rand(N, K, generator=g).to(dev)
         touched = int(torch.unique(idx).numel())
-        impls = {"packed-triton": lambda: mx_moe_packed_triton(z, wt, idx, w, B1, B2, "mxfp8"),
+        impls = {"packed-grouped": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8"),
+                 "packed-grouped-regs": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
+                                                                      decode="registers"),
+                 "packed-triton": lambda: mx_moe_packed_triton(z, wt, idx, w, B1, B2, "mxfp8"),
                  "packed-torch": lambda: mx_moe_packed(z, wt, idx, w, B1, B2, "mxfp8")}
         if dense is not None:
             impls["bf16-grouped"] = lambda: moe_experts_grouped(z, wt, idx, *dense,
                                                                 lambda a, b: situ_glu(a, b, B1, B2))
-        for name, fn in impls.items():
-            if name == "packed-triton" and dev.type != "cuda":
-                continue  # the interpreter is a correctness tool, not a timing one
-            s = timed(fn, min(args.runs, 3) if name == "packed-torch" else args.runs, dev)  # the reference is slow
+        for name in IMPLS:
+            if name not in args.impls or name not in impls or (name in KERNELS and dev.type != "cuda"):
+                continue
             per = bf16_per_expert if name.startswith("bf16") else packed_per_expert
             floor = touched * per / (args.bandwidth * 1e9)
-            row = dict(tokens=N, impl=name, ms=round(s * 1e3, 4), touched_experts=touched,
-                       bytes_touched=touched * per, floor_ms=round(floor * 1e3, 4),
-                       share_of_floor=round(floor / s, 3), device=str(dev))
+            row = dict(tokens=N, impl=name, touched_experts=touched, bytes_touched=touched * per,
+                       floor_ms=round(floor * 1e3, 4), device=str(dev))
+            try:
+                s = timed(impls[name], min(args.runs, 3) if name == "packed-torch" else args.runs, dev)  # slow ref
+            except Exception as e:  # a kernel that does not build here: its row says so, the others still run
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+            else:
+                row.update(ms=round(s * 1e3, 4), share_of_floor=round(floor / s, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'tokens':>6} {'impl':>14} {'ms':>9} {'floor ms':>9} {'of floor':>8}")
+    bf16 = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "bf16-grouped" and "ms" in r}
+    print(f"\n{'tokens':>6} {'impl':>19} {'ms':>9} {'floor ms':>9} {'of floor':>8} {'vs bf16':>8}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['impl']:>14} {r['ms']:>9.3f} {r['floor_ms']:>9.3f} {r['share_of_floor']:>8.1%}")
+        if "error" in r:
+            print(f"{r['tokens']:>6} {r['impl']:>19} failed: {r['error'][:120]}")
+            continue
+        speed = f"{bf16[r['tokens']] / r['ms']:>7.2f}x" if r["tokens"] in bf16 else f"{'-':>8}"
+        print(f"{r['tokens']:>6} {r['impl']:>19} {r['ms']:>9.3f} {r['floor_ms']:>9.3f} {r['share_of_floor']:>8.1%} "
+              f"{speed}")
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -30,6 +30,19 @@ Implementations (op ``mx_moe``):
   BENCHMARKS.md), so ``auto`` keeps the reference and the inference commands decode MXFP4 experts at load;
   ``--backend fast`` or ``K3_MX_MOE_BACKEND=triton`` selects it (a quarter of the memory). ``TRITON_INTERPRET=1``
   runs it on CPU tensors (the tests).
+* ``triton_grouped`` (:func:`mx_moe_packed_grouped`, kernels in k3.ops.mx_moe_grouped): expert-centric, for decode
+  and prefill alike: the (token, slot) pairs sorted by expert and cut into tiles of up to 16-64 rows of one expert;
+  one program per (tile, block of output rows) reads the expert's packed rows once for the whole tile, decodes them
+  in registers (Triton's ``tl.dot_scaled`` for bf16/fp16 inputs, or its own decode) and multiplies on the matrix
+  units with fp32 accumulation; SiTU-GLU in the gate/up epilogue, per-(token, slot) outputs from the down kernel,
+  then the deterministic fp32 combine of k3.ops.moe_combine. No host sync (CUDA graphs can capture it). Not yet
+  validated on a GPU (``K3_MX_MOE_BACKEND=triton_grouped`` selects it).
+
+The choice (k3.ops.registry): ``auto`` takes the first implementation that is available and validated. The
+token-centric kernels stay unvalidated (slower than bf16), so marking ``triton_grouped`` validated, once its GPU tests
+pass and it beats the dequantized bf16 experts at one release-shaped layer (``benchmarks/mx_moe_layer.py``), makes
+``auto`` run it on CUDA, and the inference commands then keep MXFP4 checkpoints packed (k3.checkpoint packs where
+op ``mx_moe`` runs on a kernel). ``fast`` names the first, the token-centric kernels.
 """
 
 from __future__ import annotations
@@ -42,10 +55,12 @@ from torch import Tensor
 from k3.ops import _triton
 from k3.ops.moe import expert_load
 from k3.ops.mx import MX_BLOCK, mxfp4_dequantize, mxfp8_fake_quantize
+from k3.ops.mx_moe_grouped import grouped_experts
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
 from k3.ops.situ import situ_glu
 
-__all__ = ["ACTIVATIONS", "PackedExpertWeights", "mx_moe_packed", "mx_moe_packed_any", "mx_moe_packed_triton"]
+__all__ = ["ACTIVATIONS", "PackedExpertWeights", "mx_moe_packed", "mx_moe_packed_any", "mx_moe_packed_grouped",
+           "mx_moe_packed_triton"]
 
 ACTIVATIONS = (None, "mxfp8")
 # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
@@ -276,9 +291,30 @@ def mx_moe_packed_triton(z: Tensor, weights: Tensor, indices: Tensor, w: PackedE
     return u
 
 
+def mx_moe_packed_grouped(z: Tensor, weights: Tensor, indices: Tensor, w: PackedExpertWeights, beta1: float,
+                          beta2: float, activations: str | None = "mxfp8", decode: str = "auto",
+                          block_t: int | None = None, autotune: bool | None = None) -> Tensor:
+    """:func:`mx_moe_packed` on the expert-centric grouped kernels (k3.ops.mx_moe_grouped): each touched expert's
+    packed rows read once per tile of up to `block_t` of its tokens (None: 16 at decode, up to 64 in prefill), no
+    host sync. `decode`: "dot_scaled" (Triton's MX dot, bf16/fp16 inputs), "registers" (our decode, any dtype) or
+    "auto" (the first for bf16/fp16, the second otherwise); `autotune`: None tunes the block sizes when compiled.
+    The expert indices are not range-checked on CUDA (on the router's output they are valid)."""
+    _check(z, weights, indices, w, activations)
+    ok, why = _triton.runnable()
+    if not ok:
+        raise RuntimeError(f"the MXFP4 expert kernels cannot run: {why}")
+    return grouped_experts(z, weights, indices, w, beta1, beta2, activations, decode=decode, block_t=block_t,
+                           autotune=autotune)
+
+
+# ``auto`` takes the first implementation that is available and validated (k3.ops.registry): the token-centric
+# kernels stay unvalidated (slower than the dequantized bf16 experts), so once the grouped kernels are validated,
+# ``auto`` runs them on CUDA and k3.checkpoint keeps MXFP4 checkpoints packed (its "auto" packs where op mx_moe runs
+# on a kernel). ``fast`` and ``--backend fast`` take the first, the token-centric kernels, as before.
 register(Op(
     "mx_moe", reference=mx_moe_packed,
-    fast=(Fast("triton", mx_moe_packed_triton, _triton.available, validated=False, cpu=True),),
+    fast=(Fast("triton", mx_moe_packed_triton, _triton.available, validated=False, cpu=True),
+          Fast("triton_grouped", mx_moe_packed_grouped, _triton.available, validated=False, cpu=True)),
     tolerance="fp32: 1e-5 of the largest output entry (fp32 accumulation in another order, SiTU-GLU's tanh from "
               "exponentials); bf16: 2e-2 relative (the reference rounds each GEMM's output to bf16, the kernels "
               "keep fp32 until the output)"))

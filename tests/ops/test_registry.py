@@ -44,7 +44,8 @@ def test_every_op_registers_its_facts():
         "kda": ["fla"], "short_conv": ["fla"], "attn_res": ["fla"], "gate_norm": ["fla"], "mla": ["flex"],
         "moe": ["grouped"], "moe_combine": ["triton"], "situ": ["triton"], "mla_decode": ["triton"],
         "muon": ["triton"], "linear_ce": ["triton"], "rms_norm": ["triton"], "mxfp4_fake_quant": ["triton"],
-        "mxfp8_fake_quant": ["triton"], "mx_moe": ["triton"], "kda_replay": ["triton"], "kda_chunk": ["fla"],
+        "mxfp8_fake_quant": ["triton"], "mx_moe": ["triton", "triton_grouped"], "kda_replay": ["triton"],
+        "kda_chunk": ["fla"],
         "kda_decode": ["triton"], "moe_route": ["triton"], "vision_attn": ["varlen", "flex"]}
     fast = {name: op for name, op in ops().items() if op.fast}
     # kda_chunk (KDA context parallelism's chunks on fla), kda_decode (the fused decode step), moe_route (the
@@ -57,6 +58,23 @@ def test_every_op_registers_its_facts():
     assert all(len(op.tolerance) > 20 and callable(op.reference) for op in ops().values())
     option_fields = {f.name for f in dataclasses.fields(Backends)} - {"default", "per_op"}
     assert {o for op in ops().values() for o in op.options} == option_fields  # every option belongs to an op
+
+
+def test_mx_moe_auto_takes_the_grouped_kernels_once_they_are_validated(monkeypatch):
+    # the rule of k3.ops.mx_moe: auto takes the first available and validated implementation; the token-centric
+    # kernels stay unvalidated, so validating the grouped ones makes auto (and the checkpoint loader's packed
+    # "auto") use them on CUDA, while fast keeps naming the first
+    op = ops()["mx_moe"]
+    assert [(f.name, f.validated, f.cpu) for f in op.fast] == [("triton", False, True), ("triton_grouped", False, True)]
+    _with(monkeypatch)
+    assert dispatch("mx_moe", CUDA).name == "torch"
+    fast = tuple(dataclasses.replace(f, available=YES, validated=f.name == "triton_grouped") for f in op.fast)
+    monkeypatch.setitem(registry._ops, "mx_moe", dataclasses.replace(op, fast=fast))
+    assert dispatch("mx_moe", CUDA).name == "triton_grouped" and dispatch("mx_moe", CPU).name == "torch"
+    assert Backends(default="fast").requested("mx_moe") == "triton"
+    from k3.checkpoint import _packed_choice
+
+    assert _packed_choice("auto", torch.device("cuda"), None) and not _packed_choice("auto", torch.device("cpu"), None)
 
 
 def test_auto_uses_the_reference_on_cpu_and_validated_fast_paths_on_cuda(monkeypatch):
