@@ -109,10 +109,11 @@ def decode_graphs_support(model, need_cuda: bool = True) -> tuple[bool, str]:
     moe = [l.ffn for l in layers if isinstance(l.ffn, LatentMoE)]
     if moe and isinstance(moe[0].experts, PackedMXExperts):
         dtype = _expert_input_dtype(model, moe[0])
-        if not runs_on("mx_moe", "triton", Target(device, dtype), model.backends):
+        if not any(runs_on("mx_moe", name, Target(device, dtype), model.backends)
+                   for name in ("triton", "triton_grouped")):  # both size their grids without a read-back
             return False, ("the packed MXFP4 experts run on the PyTorch reference (op mx_moe on torch), which reads "
-                           "the expert counts back; the Triton kernels can be captured (mx_moe=triton: "
-                           "K3_MX_MOE_BACKEND=triton for `k3 serve`)")
+                           "the expert counts back; the Triton kernels can be captured (mx_moe=triton or "
+                           "triton_grouped: K3_MX_MOE_BACKEND=triton_grouped for `k3 serve`)")
     elif moe:
         dtype = _expert_input_dtype(model, moe[0])
         if not grouped_used(device, dtype, model.backends):

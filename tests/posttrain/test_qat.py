@@ -370,3 +370,19 @@ def test_checkpoints_with_the_mtp_experts_stacked_still_load(tmp_path):
                            getattr(model.mtp[0].block.block_sparse_moe.experts, w))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("backend,capturable", [("torch", False), ("triton", True), ("triton_grouped", True)])
+def test_decode_graphs_of_packed_experts_follow_their_backend(tmp_path, monkeypatch, backend, capturable):
+    """A decode step over packed MXFP4 experts can be captured when op mx_moe runs on either kernel (both size their
+    grids without reading the expert counts back), not on the reference (which reads them back)."""
+    from k3.ops.registry import Backends
+    from k3.serve.cuda_graphs import decode_graphs_support
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels count as available on CPU tensors
+    _, path = _exported(tmp_path)
+    served = from_pretrained(path, packed_experts=True)
+    served.set_backends(Backends(per_op={"mx_moe": backend, "mla_decode": "triton"}))  # past the MLA check
+    ok, why = decode_graphs_support(served, need_cuda=False)
+    assert ok == capturable and (capturable or "packed MXFP4 experts" in why), why
