@@ -15,6 +15,10 @@ non-streamed answer) has its request aborted, which frees its cache pages.
 
 Hostile input is stopped at the edge by the guards of k3.serve.guard (body size, type and JSON text, the API
 key); a text too long for the context is refused before it is tokenized (`_Server.check_text_length`).
+
+Images: a chat message may hold OpenAI `image_url` parts with base64 data URLs (k3.serve.images: limits, decoding
+off the event loop, rendering with placeholder runs); the engine encodes them at prefill. A model without a vision
+encoder answers 400.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from k3.serve.chat_api import ChatTurn, chat_options
 from k3.serve.engine_loop import EngineLoop, Failure, RequestHandle
 from k3.serve.guard import (DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, BodyGuardMiddleware, JSONRoute,
                             add_error_handlers, max_token_bytes)
+from k3.serve.images import ImageLimits, decode_images, encode_with_images, find_image_parts, has_image_parts
 from k3.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from k3.serve.metrics import MetricsExporter
 from k3.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields, error_body,
@@ -105,8 +110,10 @@ class _EngineStream(StreamingResponse):
 class _Server:
     """The state behind the endpoints of one app."""
 
-    def __init__(self, engine, tokenizer, model_name: str, chat_template: ChatTemplate | None):
+    def __init__(self, engine, tokenizer, model_name: str, chat_template: ChatTemplate | None,
+                 image_limits: ImageLimits | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.image_limits = (image_limits or ImageLimits()).validate()
         self.template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.loop = EngineLoop(engine)
         self.exporter = MetricsExporter(engine)
@@ -302,15 +309,42 @@ class _Server:
             except asyncio.TimeoutError:
                 pass
 
+    async def chat_prompt(self, messages, opts) -> tuple[list[int], list | None]:
+        """A chat request's prompt ids, and its images (k3.serve.sequence.PromptImage; None without image parts).
+        APIError names a bad message, image or limit."""
+        if not has_image_parts(messages):
+            segments = opts.render(messages, self.template)
+            self.check_text_length("".join(s.text for s in segments), "messages")
+            # The markup as special ids, message text as ordinary text (k3.serve.chat: escaping); long prompts are
+            # tokenized off the event loop.
+            if sum(len(s.text) for s in segments) > 16384:
+                return await asyncio.to_thread(encode_segments, self.tokenizer, segments, self.template), None
+            return encode_segments(self.tokenizer, segments, self.template), None
+        vision = getattr(self.engine.model, "vision", None)
+        if vision is None:
+            raise APIError(400, "the request has image_url parts, but this model has no vision encoder: send text "
+                                "only", param="messages", code="images_not_supported")
+        messages, parts, sentinel = find_image_parts(messages, self.image_limits)
+        segments = opts.render(messages, self.template)
+        self.check_text_length("".join(s.text for s in segments), "messages")
+        pid = self.engine.model.config.media_placeholder_token_id
+
+        def build():  # decoding, resizing and hashing the images, and tokenizing, off the event loop
+            pixels = decode_images(parts, vision.config, self.image_limits)
+            return encode_with_images(segments, sentinel, pixels, self.tokenizer, pid, vision.config, self.template)
+
+        return await asyncio.to_thread(build)
+
     async def run(self, request: Request, prompt_ids: list[int], params: SamplingParams, turn: ChatTurn | None,
-                  stream: bool, include_usage: bool, want_logprobs: bool, echo: str | None = None) -> Response:
+                  stream: bool, include_usage: bool, want_logprobs: bool, echo: str | None = None,
+                  images: list | None = None) -> Response:
         """`turn`: a chat completion's reply side (None for a completion). `echo`: the prompt's text, returned
         before the generated text (completions, not streamed); its token logprobs come from the engine when
-        params.prompt_logprobs is set."""
+        params.prompt_logprobs is set. `images`: the prompt's images (PromptImage)."""
         chat = turn is not None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        h = self.loop.submit(prompt_ids, params, request_id=rid)
+        h = self.loop.submit(prompt_ids, params, request_id=rid, images=images)
         if stream:
             return _EngineStream(self._stream(request, h, created, turn, include_usage, want_logprobs),
                                  on_close=lambda: None if h.finished else self.loop.abort(rid),
@@ -429,12 +463,13 @@ class _Server:
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
                chat_template: ChatTemplate | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, image_limits: ImageLimits | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`. Its engine loop starts with the app (lifespan) or at the first
-    request, and stops when the app shuts down. Request bodies over `max_request_bytes` get 413."""
+    request, and stops when the app shuts down. Request bodies over `max_request_bytes` get 413. `image_limits`:
+    what a chat request's images may be (k3.serve.images.ImageLimits; default its defaults)."""
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
-    srv = _Server(engine, tokenizer, model_name, chat_template)
+    srv = _Server(engine, tokenizer, model_name, chat_template, image_limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -554,15 +589,7 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         opts = chat_options(srv.template, body.tools, body.tool_choice, body.parallel_tool_calls,
                             body.response_format, body.reasoning_effort, body.chat_template_kwargs)
-        segments = opts.render(body.messages, srv.template)
-        text_len = sum(len(s.text) for s in segments)
-        srv.check_text_length("".join(s.text for s in segments), "messages")
-        # The markup as special ids, message text as ordinary text (k3.serve.chat: escaping); long prompts are
-        # tokenized off the event loop.
-        if text_len > 16384:
-            ids = await asyncio.to_thread(encode_segments, srv.tokenizer, segments, srv.template)
-        else:
-            ids = encode_segments(srv.tokenizer, segments, srv.template)
+        ids, images = await srv.chat_prompt(body.messages, opts)
         use_mct = body.max_completion_tokens is not None  # the newer name wins
         max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -577,6 +604,6 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None,
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         turn = ChatTurn(opts, srv.template, srv.tokenizer, stops=bool(params.stop))
         return await srv.run(request, ids, params, turn, stream=bool(body.stream), include_usage=include_usage,
-                             want_logprobs=bool(body.logprobs))
+                             want_logprobs=bool(body.logprobs), images=images)
 
     return app

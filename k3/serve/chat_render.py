@@ -63,7 +63,8 @@ def message_text(content, index: int) -> str:
                                  f"got {type(part).__name__}")
             kind = part.get("type")
             if kind != "text":
-                raise ValueError(f"{where}.type {kind!r} is not supported (only 'text' parts are)")
+                raise ValueError(f"{where}.type {kind!r} is not supported (only 'text' parts are, and 'image_url' "
+                                 "parts for a model with a vision encoder)")
             text = part.get("text")
             if not isinstance(text, str):
                 raise ValueError(f"{where}.text must be a string, got {type(text).__name__}")

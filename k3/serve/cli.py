@@ -21,10 +21,10 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
           device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
           cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True,
           speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
-          speculative_auto: bool = True, compile_decode: bool = False) -> None:
+          speculative_auto: bool = True, compile_decode: bool = False, image_limits=None) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
     as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
-    DEFAULT_MAX_REQUEST_BYTES."""
+    DEFAULT_MAX_REQUEST_BYTES; `image_limits` (k3.serve.images.ImageLimits) to its defaults."""
     import uvicorn
 
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if max_request_mb is None else int(max_request_mb * 2**20)
@@ -44,7 +44,7 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
     app = create_app(engine, tokenizer, name, api_key=api_key, chat_template=template,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, image_limits=image_limits)
     stats = engine.cache_stats()
     print(f"k3 serve: model '{name}' from {ckpt_dir}; context {engine.max_model_len} tokens; cache "
           f"{stats['num_pages']} pages x {stats['page_bytes']} bytes; http://{host}:{port}/v1", flush=True)
@@ -70,6 +70,7 @@ def cmd_serve(args) -> int:
 
     from k3.checkpoint import CheckpointError
     from k3.cli_args import _resolve_ckpt
+    from k3.serve.options import image_limits
 
     if not 0 <= args.port <= 65535:
         print(f"k3 serve: --port {args.port} is not a port number", file=sys.stderr)
@@ -84,7 +85,7 @@ def cmd_serve(args) -> int:
               max_request_mb=getattr(args, "max_request_mb", None), verify=getattr(args, "verify", True),
               speculative=getattr(args, "speculative", "off"), num_draft_tokens=getattr(args, "num_draft_tokens", 3),
               draft=getattr(args, "draft", None), speculative_auto=getattr(args, "speculative_auto", True),
-              compile_decode=getattr(args, "compile_decode", False))
+              compile_decode=getattr(args, "compile_decode", False), image_limits=image_limits(args))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,17 @@ Greedy output is token-identical to decoding without speculation and sampled out
 distribution. With CUDA graphs, the verifications run as graph replays (one graph per batch bucket and number of
 positions) and the plain decode steps on graphs that also output the hidden states the draft observes.
 
+Images (report §2.4; k3.serve.images turns a chat request's image parts into them): a request may carry images
+(`add_request(..., images=[PromptImage])`), each with its placeholder run in the prompt. At the first prefill chunk
+that reaches an image, MoonViT-V2 encodes every image of the request not yet prefilled, in one packed call; each
+chunk then takes the rows of its placeholder positions (an image may span chunks, and a prefix-cache hit may cover
+part of one), which replace those positions' token embeddings, and an image's rows are dropped once prefilled
+(a preempted request encodes again). The prefix cache salts the hash of every block holding an image's placeholders
+with the image's content hash (k3.serve.cache.prefix.MediaSpan), so a repeated image and text hit, and different
+images behind the same token ids never share a block. Decode steps carry no images, so CUDA-graph decode and
+speculative verification are unchanged; a draft (MTP, EAGLE-3) reads the target's hidden states of the image
+positions and, as in its training (K3ForCausalLM.mtp_loss), the placeholder token's embedding there.
+
 Host write-back and prefetch (report §5.3.1, k3.serve.cache.host): `write_back(prefixes)` copies the cached
 prefixes of token sequences (MLA rows and KDA checkpoints together) to host memory, `prefetch(store)` brings them
 into another engine of the same model config and cache geometry, whose next requests starting with them hit them.
@@ -45,7 +56,7 @@ from k3.serve.postprocess import Postprocessor, RequestOutput
 from k3.serve.runner import ForwardBatch, ModelRunner, PromptScore
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
-from k3.serve.sequence import Sequence, Status
+from k3.serve.sequence import PromptImage, Sequence, Status
 from k3.serve.speculative.decoder import SpeculativeDecoder
 from k3.serve.speculative.draft import Draft, Eagle3Draft, MTPDraft
 from k3.serve.speculative.switch import SpecSwitch
@@ -192,7 +203,10 @@ class LLMEngine:
         return self.speculative.features if self.speculative is not None else ()
 
     # --- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    images: list[PromptImage] | None = None) -> Sequence:
+        """Queue a request. `images`: its images, in prompt order, each covering a run of the model's
+        media_placeholder_token_id in the prompt as long as the encoder makes its tokens (ValueError otherwise)."""
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -207,7 +221,11 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
+        images = list(images or ())
+        if images:
+            self.check_images(prompt_ids, images)
+        seq = Sequence(list(prompt_ids), params, images=images,
+                       **({"request_id": request_id} if request_id else {}))
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs.append(None)  # the first prompt token has no logprob: nothing predicts it
         seq.generator = torch.Generator(device=self.runner.device)
@@ -220,6 +238,34 @@ class LLMEngine:
             self.scheduler.add(seq)
         return seq
 
+    def check_images(self, prompt_ids: list[int], images: list[PromptImage]) -> None:
+        """ValueError naming the image unless every image fits the model's encoder and covers placeholders of its
+        own, in order: a [3, H, W] tensor with H, W multiples of the encoder's unit, `length` its token count, and
+        prompt_ids[start:end] all media_placeholder_token_id."""
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            raise ValueError("this model has no vision encoder (no vision_config): it takes no images")
+        pid = self.model.config.media_placeholder_token_id
+        vcfg = vision.config
+        mh, mw = vcfg.pixel_multiple
+        prev = 0
+        for k, im in enumerate(images):
+            px = im.pixel_values
+            if not (isinstance(px, torch.Tensor) and px.dim() == 3 and px.shape[0] == 3 and px.shape[1] > 0
+                    and px.shape[2] > 0 and px.shape[1] % mh == 0 and px.shape[2] % mw == 0):
+                raise ValueError(f"image {k}: pixel_values must be [3, H, W] with H, W multiples of {mh} x {mw}, "
+                                 f"got {tuple(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__}")
+            n = vcfg.num_image_tokens(px.shape[1], px.shape[2])
+            if im.length != n:
+                raise ValueError(f"image {k}: a {px.shape[1]}x{px.shape[2]} image makes {n} tokens, not {im.length}")
+            if im.start < prev or im.end > len(prompt_ids):
+                raise ValueError(f"image {k}: its run [{im.start}, {im.end}) overlaps the previous image's or lies "
+                                 f"outside the {len(prompt_ids)}-token prompt")
+            if any(t != pid for t in prompt_ids[im.start:im.end]):
+                raise ValueError(f"image {k}: prompt tokens [{im.start}, {im.end}) are not all the image "
+                                 f"placeholder id {pid}")
+            prev = im.end
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its cache (e.g. the client went away)."""
         with self.lock:
@@ -228,6 +274,7 @@ class LLMEngine:
                 return
             self.scheduler.abort(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            seq.image_embeds = None
             if self.speculative is not None:
                 self.speculative.forget(seq)
 
@@ -276,9 +323,11 @@ class LLMEngine:
         for r, forwards in enumerate(plan.forwards):
             for segs in forwards:
                 scores = [prompt_score(s.seq, s.start, s.end) for s in segs]
+                images = [self._image_rows(s.seq, s.start, s.end) for s in segs]
                 batch = ForwardBatch([s.seq.token_range(s.start, s.end) for s in segs], [s.start for s in segs],
                                      [self.scheduler.slots(s.seq) for s in segs], scores if any(scores) else None,
-                                     keep_hidden=spec is not None, features=self._features)
+                                     keep_hidden=spec is not None, features=self._features,
+                                     images=images if any(images) else None)
                 if verify is not None and r == 0 and not segs[0].single:
                     batch = batch.joined(verify)
                 res = self.runner.execute(batch)
@@ -296,9 +345,41 @@ class LLMEngine:
             raise RuntimeError("the verifications had no prefill forward to join (see SpeculativeDecoder.mixes)")
         return logits, verified
 
+    @torch.no_grad()
+    def _image_rows(self, seq: Sequence, a: int, b: int) -> list[tuple[int, torch.Tensor]] | None:
+        """The image rows of the forward over seq.tokens[a:b]: (offset in the chunk, the encoder's rows of those
+        placeholder positions) for each image with placeholders there, or None. The first chunk that needs one
+        encodes every image of the request not yet prefilled (one packed encoder call); an image's rows are
+        dropped once the chunk reaches its end."""
+        if not seq.images or a >= seq.images[-1].end:
+            return None
+        hit = [k for k, im in enumerate(seq.images) if im.start < b and im.end > a]
+        if not hit:
+            return None
+        if seq.image_embeds is None:
+            seq.image_embeds = [None] * len(seq.images)
+        if any(seq.image_embeds[k] is None for k in hit):
+            todo = [k for k, im in enumerate(seq.images) if im.end > a and seq.image_embeds[k] is None]
+            vision = self.model.vision
+            dtype = next(vision.parameters()).dtype
+            dev = self.runner.device
+            out = vision([seq.images[k].pixel_values.to(device=dev, dtype=dtype) for k in todo])
+            for k, rows in zip(todo, out):
+                seq.image_embeds[k] = rows
+            self.metrics.images_encoded += len(todo)
+        rows = []
+        for k in hit:
+            im = seq.images[k]
+            lo, hi = max(a, im.start), min(b, im.end)
+            rows.append((lo - a, seq.image_embeds[k][lo - im.start:hi - im.start]))
+            if hi == im.end:
+                seq.image_embeds[k] = None  # the chunk holds its last rows (a view keeps them until the forward)
+        return rows
+
     # --- the scheduler's notices, and the end of a request -----------------------------------------------------
     def _on_preempt(self, seq: Sequence) -> None:
         self.metrics.preemptions += 1
+        seq.image_embeds = None  # recomputed from its prefix hit: the images still to prefill are encoded again
         if self.speculative is not None:
             self.speculative.forget(seq)  # it is recomputed, and observed again, from its prefix hit
 
@@ -306,6 +387,7 @@ class LLMEngine:
         """A finished request leaves: its pages go back to the cache, the draft forgets it."""
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
+        seq.image_embeds = None
         if self.speculative is not None:
             self.speculative.forget(seq)
 

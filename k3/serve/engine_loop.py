@@ -34,8 +34,9 @@ class RequestHandle:
     """A submitted request as its HTTP handler sees it: outputs (RequestOutput or Failure) arrive on `queue`."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, images: list | None = None):
         self.request_id, self.prompt_ids, self.params, self.loop = request_id, prompt_ids, params, loop
+        self.images = images  # the prompt's images (k3.serve.sequence.PromptImage), or None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.seq = None  # the engine's Sequence, set (by the engine thread) before the first output is delivered
         self.finished = False  # set by the handler once it has consumed the final output
@@ -86,10 +87,12 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        """Queue a request; call from a running event loop (the outputs are delivered to it)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               images: list | None = None) -> RequestHandle:
+        """Queue a request (`images`: its PromptImages); call from a running event loop (the outputs are delivered
+        to it)."""
         h = RequestHandle(request_id or f"req-{uuid.uuid4().hex}", list(prompt_ids), params,
-                          asyncio.get_running_loop())
+                          asyncio.get_running_loop(), images)
         with self._mutex:
             self._to_add.append(h)
         self.start()
@@ -141,7 +144,10 @@ class EngineLoop:
                 self._send(h, Failure(503, "the server is shutting down"))
                 continue
             try:
-                h.seq = self.engine.add_request(h.prompt_ids, h.params, request_id=h.request_id)
+                if h.images:
+                    h.seq = self.engine.add_request(h.prompt_ids, h.params, request_id=h.request_id, images=h.images)
+                else:
+                    h.seq = self.engine.add_request(h.prompt_ids, h.params, request_id=h.request_id)
             except ValueError as e:
                 self.rejected += 1
                 self._send(h, Failure(400, str(e), "invalid_request_error"))

@@ -42,6 +42,7 @@ COUNTERS = (
     ("k3_spec_draft_tokens_accepted_total", "draft_tokens_accepted", "Draft tokens the target accepted."),
     ("k3_written_back_tokens_total", "written_back_tokens", "Prefix tokens written back to host memory."),
     ("k3_prefetched_tokens_total", "prefetched_tokens", "Prefix tokens fetched from host memory into the cache."),
+    ("k3_images_encoded_total", "images_encoded", "Images run through the vision encoder at prefill."),
 )
 
 
@@ -97,6 +98,7 @@ class EngineMetrics:
         self.written_back_bytes = 0
         self.prefetched_tokens = 0
         self.prefetched_bytes = 0
+        self.images_encoded = 0  # images run through the vision encoder (a prefix-cache hit over one skips it)
 
     @property
     def mean_accepted_length(self) -> float:

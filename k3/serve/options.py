@@ -84,9 +84,37 @@ def add_serve_arguments(parser) -> None:
                         help="largest prefill chunk of one request per step (default 512)")
     parser.add_argument("--max-request-mb", type=_positive_mb, default=None,
                         help="largest request body in MiB; larger ones get HTTP 413 (default 8)")
+    add_image_arguments(parser)
     parser.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_speculative_arguments(parser)
+
+
+def add_image_arguments(parser) -> None:
+    """The limits of a chat request's images (k3.serve.images.ImageLimits; their defaults are its defaults)."""
+    parser.add_argument("--max-images-per-request", type=_count, default=8,
+                        help="most image_url parts one chat request may hold; more get HTTP 400 (default 8)")
+    parser.add_argument("--max-image-mb", type=_positive_mb, default=6.0,
+                        help="largest image file in MiB (decoded from its base64 data URL); larger ones get HTTP 413 "
+                             "(default 6: its base64 fills the default 8 MiB request body)")
+    parser.add_argument("--max-image-tokens", type=_count, default=1024,
+                        help="an image is resized (aspect ratio kept) to at most this many tokens ((H/28) x "
+                             "(W/28) for the release) (default 1024, e.g. 896 x 896 px)")
+    parser.add_argument("--max-image-pixels", type=_count, default=64 << 20,
+                        help="an image whose header claims more pixels is refused before decoding (a "
+                             "decompression bomb) with HTTP 400 (default 67108864, 8192 x 8192)")
+
+
+def image_limits(args):
+    """k3.serve.images.ImageLimits from the flags of add_image_arguments (their defaults where absent)."""
+    from k3.serve.images import ImageLimits
+
+    d = ImageLimits()
+    mb = getattr(args, "max_image_mb", None)
+    return ImageLimits(max_images=getattr(args, "max_images_per_request", d.max_images),
+                       max_image_bytes=d.max_image_bytes if mb is None else int(mb * 2**20),
+                       max_image_tokens=getattr(args, "max_image_tokens", d.max_image_tokens),
+                       max_image_pixels=getattr(args, "max_image_pixels", d.max_image_pixels)).validate()
 
 
 def draft_dir(ckpt: str, speculative: str, draft: str | None) -> str | None:

@@ -21,22 +21,23 @@ from k3.serve.cache.views import KDAVerifyView, LayerLayout, layer_views
 
 
 def run_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor, mla_views: list,
-                lengths: list[int] | None = None, features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor]:
+                lengths: list[int] | None = None, features: tuple[int, ...] = (),
+                embeds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The model over the pool: ids [B, T] (packed, `lengths` given: [1, total] holding the requests' tokens one
     after another), each KDA layer's states read from pages kda_pages[g] ([n_kda, B] device tensor) and written
     back after, `mla_views` for the MLA layers. Returns (the logits of each row's (packed: each request's) last
     token [B, V] fp32, the hidden states [B, T, D] before the final norm, what a draft reads: with `features` (AttnRes
     block numbers) those blocks' outputs and the hidden states concatenated [B, T, (k + 1) D], else the hidden
-    states)."""
+    states). `embeds` [B, T, D]: the input embeddings in place of the ids' (a prefill chunk with image rows)."""
     per_layer, kda_views = layer_views(layout, pool, kda_pages, mla_views)
     cache = K3Cache(per_layer, packed=lengths is not None)
     if lengths is not None:
         # the packed requests' record, built on the host: their documents and each one's last token
         info = BatchInfo.from_lengths(lengths, device=ids.device, logits_at_ends=True)
-        out = model(ids, cache=cache, batch=info, check_ids=False, features=features)
+        out = model(ids, cache=cache, batch=info, check_ids=False, features=features, inputs_embeds=embeds)
         logits = out.logits[0].float()
     else:
-        out = model(ids, cache=cache, logits_to_keep=1, check_ids=False, features=features)
+        out = model(ids, cache=cache, logits_to_keep=1, check_ids=False, features=features, inputs_embeds=embeds)
         logits = out.logits[:, -1].float()
     hidden = out.hidden_states
     kept = torch.cat([*out.features, hidden], -1) if features else hidden

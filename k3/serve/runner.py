@@ -12,6 +12,10 @@ speculative). `execute` runs, by what the batch holds:
   views that keep the projected inputs and leave the committed states as they are;
 * both: one packed forward (speculative decoding mixed with prefill, report §5.4.2), the same effect on each.
 
+A prefill chunk over an image's placeholders carries the image's rows (`ForwardBatch.images`: the encoder's output for
+those positions, sliced by the engine): the forward then takes input embeddings, the token embeddings with those rows
+put in place, and runs eagerly (the static-buffer steps take token ids).
+
 The model runs through k3.serve.pool_forward (the same functions the static-buffer steps run), over per-layer views
 built in one place (k3.serve.cache.views.layer_views). After a verification, `replay` commits each request's
 accepted prefix: it reads the committed states from the pages, has each KDA layer replay the kept inputs
@@ -53,7 +57,10 @@ class ForwardBatch:
     every one adding the same number of tokens; some: they join the others' packed forward, any number each).
     `scores` (one entry per request, None for most; never a verification's): also score those requests' new tokens
     (`PromptScore`). `keep_hidden`: also return each plain request's hidden states; `features` (AttnRes block
-    numbers, what an EAGLE-3 draft reads): those blocks' outputs beside them (and beside a verification's)."""
+    numbers, what an EAGLE-3 draft reads): those blocks' outputs beside them (and beside a verification's).
+    `images` (one entry per request, None for most; never a verification's): image rows of the request's new tokens,
+    a list of (offset among its new tokens, rows [n, D]) that replace the embeddings of new tokens offset .. offset
+    + n - 1."""
     tokens: list[list[int]]
     starts: list[int]
     slots: list[SeqSlots]
@@ -61,6 +68,7 @@ class ForwardBatch:
     n_verify: int = 0
     keep_hidden: bool = False
     features: tuple[int, ...] = ()
+    images: list[list[tuple[int, Tensor]] | None] | None = None
 
     def joined(self, verify: "ForwardBatch") -> "ForwardBatch":
         """This forward of plain requests with the verifications of `verify` (a forward of verifications only) after
@@ -68,8 +76,9 @@ class ForwardBatch:
         if self.n_verify or verify.n_verify != len(verify.tokens):
             raise ValueError("join a forward of plain requests and one of verifications only")
         scores = None if self.scores is None else self.scores + [None] * len(verify.tokens)
+        images = None if self.images is None else self.images + [None] * len(verify.tokens)
         return ForwardBatch(self.tokens + verify.tokens, self.starts + verify.starts, self.slots + verify.slots,
-                            scores, len(verify.tokens), self.keep_hidden, self.features)
+                            scores, len(verify.tokens), self.keep_hidden, self.features, images)
 
 
 @dataclass
@@ -119,14 +128,23 @@ class ModelRunner:
         B, nv = len(batch.tokens), batch.n_verify
         if not 0 <= nv <= B:
             raise ValueError(f"n_verify={nv} for a forward of {B} requests")
+        images = batch.images if batch.images is not None and any(batch.images) else None
+        if images is not None:
+            if len(images) != B or any(images[B - nv:]):
+                raise ValueError("ForwardBatch.images needs one entry per request, and none for a verification")
+            for t, rows in zip(batch.tokens, images):
+                for off, x in rows or ():
+                    if not (0 <= off and off + x.shape[0] <= len(t)):
+                        raise ValueError(f"image rows at {off} .. {off + x.shape[0] - 1} lie outside the request's "
+                                         f"{len(t)} new tokens")
         if nv == 0:
             return self._run(batch.tokens, batch.starts, batch.slots, batch.scores, batch.keep_hidden,
-                             batch.features)
+                             batch.features, images)
         if nv == B:
             return ForwardResult(None, verified=self._verify(batch.tokens, batch.starts, batch.slots,
                                                              batch.features))
         res, verified = self._run_mixed(batch.tokens, batch.starts, batch.slots, nv, batch.scores, batch.keep_hidden,
-                                        batch.features)
+                                        batch.features, images)
         res.verified = verified
         return res
 
@@ -168,8 +186,21 @@ class ModelRunner:
         return [PagedMLAView(self.pool, [s.mla_tables[g] for s in slots], starts, self.device, lengths)
                 for g in range(len(self.layout.mla))]
 
+    def _embeds(self, ids: Tensor, images: list | None, lengths: list[int], packed: bool) -> Tensor | None:
+        """The input embeddings of `ids` with the requests' image rows in place ([B, T, D], or [1, total, D] packed),
+        or None without images (the model embeds the ids itself)."""
+        if images is None:
+            return None
+        emb = self.model.model.embed_tokens(ids)
+        for i, rows in enumerate(images):
+            r, base = (0, sum(lengths[:i])) if packed else (i, 0)
+            for off, x in rows or ():
+                emb[r, base + off: base + off + x.shape[0]] = x.to(device=emb.device, dtype=emb.dtype)
+        return emb
+
     def _run(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
-             scores: list[PromptScore | None] | None, keep_hidden: bool, features: tuple[int, ...]) -> ForwardResult:
+             scores: list[PromptScore | None] | None, keep_hidden: bool, features: tuple[int, ...],
+             images: list | None = None) -> ForwardResult:
         """Plain requests: rows of one batch, or packed; on the graphs' static buffers when they can hold it."""
         B = len(tokens)
         if not B or any(not t for t in tokens):
@@ -186,7 +217,7 @@ class ModelRunner:
         # A graph step returns only the last tokens' logits (and, when its graphs keep them, the hidden states a
         # draft reads): a forward that scores tokens, or asks for hidden states the graphs do not keep, runs eagerly.
         g = self.graphs
-        if g is not None and not packed and scores is None and keep_hidden == g.keep_hidden \
+        if g is not None and not packed and scores is None and images is None and keep_hidden == g.keep_hidden \
                 and (not keep_hidden or tuple(features) == g.features):
             out = g.run(tokens, starts, slots)
             if out is not None:
@@ -195,7 +226,8 @@ class ModelRunner:
         ids = torch.tensor([[t for seq in tokens for t in seq]] if packed else tokens, device=dev)
         logits, hidden, kept = run_on_pool(self.model, self.layout, self.pool, ids, self._kda_pages(slots),
                                            self._mla_views(slots, starts, lengths if packed else None),
-                                           lengths if packed else None, features)
+                                           lengths if packed else None, features,
+                                           self._embeds(ids, images, lengths, packed))
         scored = None
         if scores is not None:
             offs = [sum(lengths[:i]) for i in range(B)] if packed else [0] * B
@@ -237,7 +269,7 @@ class ModelRunner:
 
     def _run_mixed(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots], n_verify: int,
                    scores: list[PromptScore | None] | None = None, keep_hidden: bool = False,
-                   features: tuple[int, ...] = ()) -> tuple[ForwardResult, Verified]:
+                   features: tuple[int, ...] = (), images: list | None = None) -> tuple[ForwardResult, Verified]:
         """`execute`'s mixed forward: prefill chunks and verifications in one packed forward; the last `n_verify`
         requests are verifications (any number of drafts each). Returns (the result for the others, their logits
         rows first and then one row per verification; the `Verified` of the verifications, padded to the longest).
@@ -261,7 +293,8 @@ class ModelRunner:
                                            KDAMixedView)
         ids = torch.tensor([[t for seq in tokens for t in seq]], device=dev)
         info = BatchInfo.from_lengths(lengths, device=dev, logits_at_ends=True)
-        out = self.model(ids, cache=K3Cache(per_layer, packed=True), batch=info, check_ids=False, features=features)
+        out = self.model(ids, cache=K3Cache(per_layer, packed=True), batch=info, check_ids=False, features=features,
+                         inputs_embeds=self._embeds(ids, images, lengths, packed=True))
         hidden = out.hidden_states  # [1, total, D]
         kept = torch.cat([*out.features, hidden], -1) if features else hidden
         # the verifications' positions in the packed row, [nv, T] (a shorter one repeats its last position)

@@ -9,9 +9,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.serve.cache.prefix import MediaSpan
 from k3.serve.sampling import SamplingParams
 
 _ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image of a prompt: the encoder's input `pixel_values` [3, H, W] (k3.data.images.load_pixels), its
+    placeholder run prompt_ids[start:start + length] (length = VisionConfig.num_image_tokens(H, W)), and `digest`,
+    the hash of its content that the prefix cache keys its blocks on (k3.serve.images.image_digest)."""
+
+    pixel_values: torch.Tensor
+    start: int
+    length: int
+    digest: bytes
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 class Status(enum.Enum):
@@ -41,6 +58,15 @@ class Sequence:
     finished_at: float | None = None
     preemptions: int = 0
     generator: torch.Generator | None = None
+    images: list[PromptImage] = field(default_factory=list)  # in prompt order, their runs disjoint
+    # The encoder's output of each image still to prefill ([length, D] each; None: not encoded, or done with),
+    # computed at the first prefill chunk that needs one and sliced by the chunks (k3.serve.engine)
+    image_embeds: list | None = None
+
+    @property
+    def media(self) -> tuple[MediaSpan, ...]:
+        """The prompt's images as the prefix cache salts its block hashes with them."""
+        return tuple(MediaSpan(im.start, im.end, im.digest) for im in self.images)
 
     @property
     def tokens(self) -> list[int]:

@@ -65,9 +65,10 @@ class CacheManager:
     def admit(self, seq: Sequence) -> int | None:
         """Give a waiting request its pages and restore its prefix hit on the pool: returns the tokens hit (its
         computation starts there), or None when the pool has no room (nothing changed). A request that scores
-        its prompt computes every position, so it gets no hit (its blocks are still registered as computed)."""
+        its prompt computes every position, so it gets no hit (its blocks are still registered as computed). A
+        prompt's images are salted into its block hashes (PrefixCache.admit's `media`)."""
         try:
-            adm = self.prefix.admit(seq.request_id, seq.tokens, lookup=not seq.scores_prompt)
+            adm = self.prefix.admit(seq.request_id, seq.tokens, lookup=not seq.scores_prompt, media=seq.media)
         except OutOfPages:
             return None
         for op in adm.copies:  # copy-on-write of a partial page, checkpoint -> private state

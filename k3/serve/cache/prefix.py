@@ -8,6 +8,10 @@ group per KDA layer (a page holds one recurrent state + conv tail).
 A request owns, per MLA group, a block table (page j holds tokens [j*page_tokens, (j+1)*page_tokens)) and, per KDA
 group, one private running-state page. Prefix hashing runs on fine hash blocks of `hash_block_tokens` inside the
 coarse pages; h_i = blake2b(h_{i-1} || int64 tokens of block i), so an endpoint hash certifies its whole prefix.
+A prompt with images (k3.serve.images) also gives its `MediaSpan`s: the placeholder runs of its images with each
+image's content hash. Every block that holds placeholders of an image mixes that image's hash (and where its run lies
+in the block) into h_i, so two prompts with the same token ids and different images never share a block, and, by
+the chain, nothing after it; the same image and text sent again hash the same and hit.
 
 * MLA index: every completed hash block i of a request is registered as endpoint hash h_i -> the request's page
   holding block i (one page per MLA group, a "unit"). A partially filled page is thus registered under its last
@@ -45,11 +49,12 @@ Engine call order per scheduling step (see also the tests' simulator):
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from array import array
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 _ROOT = hashlib.blake2b(b"k3 prefix cache", digest_size=16).digest()
 
@@ -60,12 +65,35 @@ def prompt_boundary(prompt_len: int, hash_block_tokens: int) -> int:
     return (prompt_len - 1) // hash_block_tokens * hash_block_tokens if prompt_len > 0 else 0
 
 
-def chain_hash(prev: bytes, block: Sequence[int]) -> bytes:
-    """h_i = H(h_{i-1}, tokens of block i): deterministic across processes (no Python `hash`)."""
+class MediaSpan(NamedTuple):
+    """An image's placeholder run in a prompt: tokens [start, end), whose embeddings the encoder computes from the
+    image whose content hash is `key` (k3.serve.images.image_digest)."""
+
+    start: int
+    end: int
+    key: bytes
+
+
+def chain_hash(prev: bytes, block: Sequence[int], media: bytes = b"") -> bytes:
+    """h_i = H(h_{i-1}, tokens of block i, the block's media salt): deterministic across processes (no Python
+    `hash`). A full block's tokens are a fixed number of bytes, so the salt cannot be confused with tokens; a block
+    without images has the empty salt (the hash of text is unchanged)."""
     data = array("q", block)
     if sys.byteorder == "big":
         data.byteswap()
-    return hashlib.blake2b(prev + data.tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(prev + data.tobytes() + media, digest_size=16).digest()
+
+
+def media_salt(media: Sequence[MediaSpan], start: int, end: int) -> bytes:
+    """What the images of `media` put into the hash of the block of tokens [start, end): for each image with
+    placeholders there, in order, where its run starts and ends in the block, which of its rows the block begins
+    with, and its content hash. Empty for a block without images."""
+    out = b""
+    for m in media:
+        if m.start < end and m.end > start:
+            lo, hi = max(m.start, start), min(m.end, end)
+            out += struct.pack("<qqq", lo - start, hi - start, lo - m.start) + m.key
+    return out
 
 
 class OutOfPages(RuntimeError):
@@ -150,6 +178,7 @@ class _Request:
     num_tokens: int  # tokens whose KV and state are computed (hit + registered)
     ckpt: bytes | None = None  # endpoint hash of its newest checkpoint
     ckpt_pos: int = 0
+    media: tuple[MediaSpan, ...] = ()  # its prompt's images, salted into the hashes of their blocks
 
 
 class PrefixCache:
@@ -249,10 +278,12 @@ class PrefixCache:
 
     # ---- hashing and lookup --------------------------------------------------------------------------------------
 
-    def _extend_hashes(self, hashes: list[bytes], tokens: Sequence[int], n_blocks: int) -> None:
+    def _extend_hashes(self, hashes: list[bytes], tokens: Sequence[int], n_blocks: int,
+                       media: Sequence[MediaSpan] = ()) -> None:
         hb = self.hash_block_tokens
         for i in range(len(hashes), n_blocks):
-            hashes.append(chain_hash(hashes[-1] if hashes else _ROOT, tokens[i * hb:(i + 1) * hb]))
+            salt = media_salt(media, i * hb, (i + 1) * hb) if media else b""
+            hashes.append(chain_hash(hashes[-1] if hashes else _ROOT, tokens[i * hb:(i + 1) * hb], salt))
 
     def _lookup(self, hashes: list[bytes], max_blocks: int) -> list[int]:
         """Heads of the units holding hash blocks 1..n of the longest hit of at most `max_blocks` blocks."""
@@ -269,11 +300,17 @@ class PrefixCache:
 
     # ---- the engine's API ----------------------------------------------------------------------------------------
 
-    def admit(self, seq_id: Hashable, prompt_tokens: Sequence[int], lookup: bool = True) -> Admission:
+    def admit(self, seq_id: Hashable, prompt_tokens: Sequence[int], lookup: bool = True,
+              media: Sequence[MediaSpan] = ()) -> Admission:
         """Look up the longest cached prefix, pin every hit page, then allocate the private KDA pages and the CoW
         page. Raises OutOfPages (with nothing changed but evictions) if those pages cannot be found.
         lookup=False admits with no hit (every prompt token is computed, e.g. to score the prompt); the request's
-        blocks still enter the index as they are computed."""
+        blocks still enter the index as they are computed. `media`: the prompt's images (MediaSpan), salted into
+        the hashes of the blocks that hold them, for the lookup and for every block the request registers."""
+        media = tuple(media)
+        for m in media:
+            if not 0 <= m.start < m.end <= len(prompt_tokens):
+                raise ValueError(f"media span [{m.start}, {m.end}) lies outside the {len(prompt_tokens)}-token prompt")
         if seq_id in self._reqs:
             raise ValueError(f"seq_id={seq_id!r} is already admitted")
         if not prompt_tokens:
@@ -282,7 +319,7 @@ class PrefixCache:
         hashes: list[bytes] = []
         heads: list[int] = []
         if self.enable and lookup:
-            self._extend_hashes(hashes, prompt_tokens, len(prompt_tokens) // hb)
+            self._extend_hashes(hashes, prompt_tokens, len(prompt_tokens) // hb, media)
             heads = self._lookup(hashes, (len(prompt_tokens) - 1) // hb)  # at least one token left to compute
         n = len(heads)
         full, partial = divmod(n, self.blocks_per_page)
@@ -310,7 +347,7 @@ class PrefixCache:
                 copies.append(CopyOp(src, dst, (n * hb) % self.page_tokens))
         if ckpt:
             copies += [CopyOp(src, dst, None) for src, dst in zip(ckpt.pages, kda_pages)]
-        req = _Request(tables, kda_pages, hashes, registered=n, num_tokens=n * hb)
+        req = _Request(tables, kda_pages, hashes, registered=n, num_tokens=n * hb, media=media)
         if ckpt:
             req.ckpt, req.ckpt_pos = hashes[n - 1], n * hb
         self._reqs[seq_id] = req
@@ -359,7 +396,7 @@ class PrefixCache:
         if not self.enable:
             return
         n_blocks = len(tokens) // self.hash_block_tokens
-        self._extend_hashes(req.hashes, tokens, n_blocks)
+        self._extend_hashes(req.hashes, tokens, n_blocks, req.media)
         for i in range(req.registered, n_blocks):
             h = req.hashes[i]
             if h in self._blocks:  # someone else's copy of the same prefix is already indexed: keep it
@@ -467,7 +504,8 @@ class PrefixCache:
         """The longest cached prefix of `tokens` that `admit` would restore, found by the same two stages (landed MLA
         blocks, then the longest of them with a landed KDA checkpoint) over all len(tokens) // hash_block_tokens
         complete blocks (admit also leaves one prompt token to compute; a prompt that extends `tokens` hits all of
-        it). Read-only: no reference, LRU position or counter changes. tokens == 0 when nothing is cached."""
+        it). Read-only: no reference, LRU position or counter changes. tokens == 0 when nothing is cached. Token ids
+        alone carry no image: blocks a prompt with images registered (their hashes salted) are not found here."""
         hb, bpp = self.hash_block_tokens, self.blocks_per_page
         hashes: list[bytes] = []
         heads: list[int] = []
