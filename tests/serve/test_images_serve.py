@@ -307,9 +307,11 @@ def test_image_limits_are_enforced(vl):
     r = _post(vl, _msg((_url(_png(11, 224, 224)),)))  # ~150 KB of noise, over the test server's 100,000 bytes
     assert r.status_code == 413
     assert "100000 bytes" in r.text and "--max-image-mb" in r.text and "messages[0].content[0]" in r.text
-    # the context bounds the image tokens too
-    big = _url(_png(12, 28 * 16, 28 * 17))  # 272 tokens > the 256-token context; over the byte limit as well
-    assert _post(vl, _msg((big,))).status_code in (400, 413)
+    # the context bounds the image tokens too: one flat colour, a small file of 16 x 17 = 272 tokens > 256
+    buf = io.BytesIO()
+    PIL.new("RGB", (28 * 17, 28 * 16), (200, 30, 30)).save(buf, format="PNG")
+    r = _post(vl, _msg((_url(buf.getvalue()),)))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_model_without_a_vision_encoder_refuses_images(vl):
