@@ -46,7 +46,7 @@ DEFAULT_IMAGE_SHARE = 0.2
 IMAGE_EVAL_ROWS = 64  # held-out image rows read by one evaluation (at most)
 
 # k3-mini's encoder: MoonViT-V2's architecture (14 px patches, 2x2 merge, RMSNorm, learned 64x64 table, patchmergerv2
-# projector) at ViT-Base size: 12 layers of width 768, 12 heads of 64, MLP 3072, about 98M parameters with the
+# projector) at ViT-Base size: 12 layers of width 768, 12 heads of 64, MLP 3072, 101M parameters with the
 # projector, a third of k3-mini's ~0.3B active (the release pairs a 0.4B encoder with a 1T model; a small LM needs a
 # relatively larger encoder to see text at all).
 K3_MINI_VISION = dict(vt_hidden_size=768, qkv_hidden_size=768, vt_intermediate_size=3072, vt_num_attention_heads=12,
