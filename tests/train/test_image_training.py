@@ -156,7 +156,6 @@ def test_image_share_of_each_steps_tokens(tmp_path, tok):
         assert share == pytest.approx(0.2)
 
 
-@pytest.mark.slow  # about 20 s on 2 busy cores: three short runs with checkpoints
 def test_resume_equals_an_uninterrupted_run(tmp_path, tok, one_thread):
     straight = _trainer(tmp_path, tok, tmp_path / "a", 4)
     straight.fit(progress_bar=False)
