@@ -8,14 +8,16 @@ internet or inputs of your own carries a marker on the line right before its fen
     <!-- doctest: skip (needs a GPU) -->
 
 and is skipped with that reason printed. Blocks of other languages (json, output tables) are not commands and are
-not run. Shell blocks run under `bash -e` with `k3` on PATH, each in its own session; Python blocks run in one
-shared namespace, as a reader pasting them into one interpreter would. Servers a block leaves running (`k3 serve
-... &`) are waited for on their port and stopped when the walk ends.
+not run. Shell blocks run under `bash -e` with `k3` on PATH and the repository's benchmarks/ linked in (a reader runs
+the README from the checkout's root), each in its own session; Python blocks run in one shared namespace, as a reader
+pasting them into one interpreter would. Servers a block leaves running (`k3 serve ... &`, `k3 route ... &`) are
+waited for on their port and stopped when the walk ends. Each block's wall and CPU time is printed (`pytest -s`).
 """
 
 import dataclasses
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -31,31 +33,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 RUN_LANGUAGES = {"bash": "bash", "sh": "bash", "python": "python"}
 
-# Counts that make a training small (each is a count of the command's own flags, nothing else changes).
-_SMALL_TRAIN = "--max-steps 2 --eval-batches 1 --batch-tokens 2048 --max-corpus-mb 1"
+
+def _small_train(steps: int) -> str:
+    """Counts that make a training small (each a count of the command's own flags, nothing else changes)."""
+    return f"--max-steps {steps} --eval-batches 1 --batch-tokens 2048 --max-corpus-mb 1"
+
+
+# benchmarks/mopd_demo.py's step and record counts: every stage runs once, on a few records, in seconds.
+_SMALL_MOPD = ("--pretrain-steps 1 --corpus-mb 0.2 --teacher-steps 1 --records 16 --heldout 2 --mopd-steps 1 "
+               "--rollouts-per-step 2 --max-new-tokens 4 --eval-prompts 1 --eval-samples 1")
 
 # (regular expression, replacement), applied to every block in this order. Each must match somewhere (checked),
 # so the table cannot outlive the README it shrinks. {port_a}... are free loopback ports, chosen per walk.
 SUBSTITUTIONS = [
     # Training time and steps.
-    (r"k3 train --max-minutes 10\b", f"k3 train {_SMALL_TRAIN}"),
-    (r"k3 train --resume --max-minutes 20\b", f"k3 train --resume {_SMALL_TRAIN.replace('2', '3', 1)}"),
-    (r"--out runs/base --max-minutes 10\b", f"--out runs/base {_SMALL_TRAIN}"),
-    (r"--max-steps (200|300)\b", "--max-steps 2 --eval-batches 1"),
+    (r"k3 train --max-minutes 10\b", f"k3 train {_small_train(1)}"),
+    (r"k3 train --resume --max-minutes 20\b", f"k3 train --resume {_small_train(2)}"),
+    (r"--out runs/base --max-minutes 10\b", f"--out runs/base {_small_train(1)}"),
+    (r"--max-steps (200|300)\b", "--max-steps 1 --eval-batches 1 --batch-tokens 2048"),  # k3 sft
     (r"--max-steps (100|30)\b", "--max-steps 1"),
-    (r"--preset tiny --max-steps 10\b", f"--preset tiny {_SMALL_TRAIN}"),
+    (r"--preset tiny --max-steps 10\b", f"--preset tiny {_small_train(1)}"),
+    (r"mopd_demo\.py --work runs/mopd_demo +#", f"mopd_demo.py --work runs/mopd_demo {_SMALL_MOPD} #"),
+    # one thread, as every block of the walk has (OMP_NUM_THREADS=1 in its environment): two threads' spinning on
+    # 2 shared cores made the demo several times slower
+    (r"OMP_NUM_THREADS=2 python benchmarks/mopd_demo\.py", "OMP_NUM_THREADS=1 python benchmarks/mopd_demo.py"),
     (r"k3 eval --ckpt runs/k3\b", "k3 eval --ckpt runs/k3 --max-batches 1"),
     (r"--max-new-tokens (100|128)\b", "--max-new-tokens 8"),
     (r"--rollouts-per-step 8\b", "--rollouts-per-step 2"),
     (r"--rollout-budget 64\b", "--rollout-budget 8"),
     (r'reasoning_effort="high"\)', 'reasoning_effort="high", max_tokens=16)'),
-    (r"train-draft --ckpt runs/base --steps 200\b", "train-draft --ckpt runs/base --steps 2"),
+    (r"max_tokens=32\b", "max_tokens=8"),
+    (r"stream=True\)", "stream=True, max_tokens=16)"),
+    (r"train-draft --ckpt runs/base --steps 200\b", "train-draft --ckpt runs/base --steps 1"),
     (r'"def fib\(n\):"', '"def fib(n):" --max-new-tokens 8'),
     # Task counts of the agent environments and RL.
-    (r"--tasks arith:20 code:10\b", "--tasks arith:2 code:1"),
+    (r"--tasks arith:20 code:10\b", "--tasks arith:1 code:1"),
     (r"--tasks arith:1500\b", "--tasks arith:16"),
-    (r"--tasks arith:400 --heldout arith:100\b", "--tasks arith:4 --heldout arith:2"),
-    (r"--groups 8 --samples 4\b", "--groups 2 --samples 2"),
+    (r"--tasks arith:400 --heldout arith:100\b", "--tasks arith:4 --heldout arith:1"),
+    (r"--groups 8 --samples 4\b", "--groups 1 --samples 2"),
     # Servers: a free loopback port each, in the background (the walk stops them at the end).
     (r"k3 serve --ckpt runs/k3 +#", "k3 serve --ckpt runs/k3 --port {port_a} & #"),
     (r"http://127\.0\.0\.1:8000/v1\"", 'http://127.0.0.1:{port_a}/v1"'),
@@ -65,10 +80,18 @@ SUBSTITUTIONS = [
     (r"--endpoint http://127\.0\.0\.1:8000/v1", "--endpoint http://127.0.0.1:{port_d}/v1"),
     (r"--ckpt /tmp/rl --port 8000 ", "--ckpt /tmp/rl --port {port_e} & "),
     (r"torchrun --nproc-per-node 2 ", "torchrun --nproc-per-node 2 --master-port {port_f} "),
+    (r"--port 8001 &", "--port {port_g} &"),  # three instances and their router
+    (r"--port 8002 &", "--port {port_h} &"),
+    (r"--port 8003 &", "--port {port_i} &"),
+    ((r"k3 route --backend http://127\.0\.0\.1:8001 --backend http://127\.0\.0\.1:8002 "
+      r"--backend http://127\.0\.0\.1:8003 &"),
+     ("k3 route --backend http://127.0.0.1:{port_g} --backend http://127.0.0.1:{port_h} "
+      "--backend http://127.0.0.1:{port_i} --port {port_j} &")),
+    (r"http://127\.0\.0\.1:8080/v1/", "http://127.0.0.1:{port_j}/v1/"),
     # The walk's own directory instead of the machine's /tmp.
     (r"/tmp/", "tmp/"),
 ]
-PORTS = ("port_a", "port_b", "port_c", "port_d", "port_e", "port_f")
+PORTS = ("port_a", "port_b", "port_c", "port_d", "port_e", "port_f", "port_g", "port_h", "port_i", "port_j")
 
 
 @dataclasses.dataclass
@@ -117,6 +140,32 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+# A server a block leaves running: `k3 serve ... --port N ... &`, or a router, `k3 route ... --port N ... &`. Either
+# answers GET /v1/models once it can serve (the router: once one of its instances is healthy).
+_BACKGROUND_SERVER = re.compile(r"k3 (?:serve|route) [^\n&]*--port (\d+)[^\n]*&")
+
+
+def _cpu_seconds() -> float:
+    """CPU time (user + system) of this process and of its children that have been waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _sessions_cpu_seconds(sids: set[int]) -> float:
+    """CPU time (user + system) of the processes still running in the sessions `sids` (the servers the blocks left
+    running, which this process never waits for), read from /proc; 0 where there is no /proc."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[3]) in sids:  # state, ppid, pgrp, session, ...; utime and stime are the 12th and 13th
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def _wait_for_server(port: int, proc: subprocess.Popen, log: str, timeout: float = 180.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -140,6 +189,8 @@ def walk(text: str, workdir, report=print) -> list[tuple[int, str]]:
     workdir = str(workdir)
     bindir = os.path.join(workdir, ".bin")
     os.makedirs(bindir)
+    # the repository's scripts where a reader runs them, at the root of the checkout (`python benchmarks/x.py`)
+    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(workdir, "benchmarks"))
     for name, cmd in (("k3", f'exec "{sys.executable}" -m k3 "$@"'), ("python", f'exec "{sys.executable}" "$@"')):
         with open(os.path.join(bindir, name), "w") as f:
             f.write(f"#!/bin/sh\n{cmd}\n")
@@ -151,6 +202,7 @@ def walk(text: str, workdir, report=print) -> list[tuple[int, str]]:
     namespace: dict = {"__name__": "__readme__"}
     outcomes = []
     cwd = os.getcwd()
+    walk_cpu0 = _cpu_seconds()
     try:
         for b in readme_blocks(text):
             if b.language not in RUN_LANGUAGES:
@@ -160,7 +212,7 @@ def walk(text: str, workdir, report=print) -> list[tuple[int, str]]:
                 outcomes.append((b.line, f"skipped ({b.skip})"))
                 continue
             source = substitute(b.source, ports, used)
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), _cpu_seconds()
             if RUN_LANGUAGES[b.language] == "bash":
                 log = os.path.join(workdir, f".block-{b.line}.log")
                 with open(log, "w") as out:  # a file, not a pipe: a background server keeps its end open
@@ -170,7 +222,7 @@ def walk(text: str, workdir, report=print) -> list[tuple[int, str]]:
                 rc = proc.wait()
                 assert rc == 0, (f"README.md:{b.line}: the block exited with {rc}:\n{source}\n--- output ---\n"
                                  f"{open(log).read()[-4000:]}")
-                for port in re.findall(r"k3 serve [^\n&]*--port (\d+)[^\n]*&", source):
+                for port in _BACKGROUND_SERVER.findall(source):
                     _wait_for_server(int(port), proc, log)
             else:
                 os.chdir(workdir)
@@ -178,9 +230,13 @@ def walk(text: str, workdir, report=print) -> list[tuple[int, str]]:
                     exec(compile(source, f"README.md:{b.line}", "exec"), namespace)
                 finally:
                     os.chdir(cwd)
-            report(f"README.md:{b.line}: ran in {time.monotonic() - t0:.1f}s")
+            # CPU: this process's and the block's commands' (not that of a server the block leaves running)
+            report(f"README.md:{b.line}: ran in {time.monotonic() - t0:.1f}s (CPU {_cpu_seconds() - cpu0:.1f}s)")
             outcomes.append((b.line, "ran"))
     finally:
+        servers_cpu = _sessions_cpu_seconds({proc.pid for proc in sessions})
+        report(f"README walk: CPU {_cpu_seconds() - walk_cpu0:.0f}s in the blocks and their commands, "
+               f"{servers_cpu:.0f}s in the servers they left running")
         for proc in sessions:  # the servers the blocks left running, by the session each block started
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -210,7 +266,7 @@ def test_markers_name_a_reason_and_precede_a_block():
 
 @pytest.mark.slow
 def test_readme_walk(tmp_path):
-    """The whole README, in order (about five and a half minutes on 2 shared CPU cores)."""
+    """The whole README, in order (5.5 minutes on 2 shared CPU cores at a load of 4, 11 at a load of 9)."""
     text = open(README, encoding="utf-8").read()
     t0 = time.monotonic()
     outcomes, used = walk(text, tmp_path)
