@@ -51,6 +51,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_vision_attn.py",
     "tests/model/test_vision_reference.py",
     "tests/train/test_long_eval.py",
+    "tests/serve/test_images_serve.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/parallel/test_context_parallel.py"]
