@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="tiny", choices=["tiny", "k3-mini"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", action="append", help="training text (default: the standard library)")
-    p.add_argument("--max-corpus-mb", type=float, default=4.0, help="cap on the default corpus (0: none)")
+    p.add_argument("--max-corpus-mb", type=float, default=4.0, help="cap on the standard-library corpus in MB; 0 for none")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run (equal tokens per arm)")
     p.add_argument("--seq-len", type=int, default=256, help="training length")
     p.add_argument("--batch-tokens", type=int, default=2048)

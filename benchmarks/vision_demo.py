@@ -201,9 +201,12 @@ def stage_text(a) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/vision_demo")
-    p.add_argument("--stages", nargs="+", default=["render", "ocr", "text"], choices=["render", "ocr", "text"])
+    from k3.cli_args import RawDefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
+    p.add_argument("--out", default="runs/vision_demo", help="the demonstration's directory")
+    p.add_argument("--stages", nargs="+", default=["render", "ocr", "text"], choices=["render", "ocr", "text"],
+                   help="stages to run, in order")
     p.add_argument("--seed", type=int, default=0, help="seed of the line sample and of the ocr run (default 0)")
     p.add_argument("--pairs", type=int, default=20000, help="training renders (default 20000)")
     p.add_argument("--heldout", type=int, default=500, help="held-out renders at most (default 500)")

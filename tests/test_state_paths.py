@@ -866,8 +866,8 @@ def _restore_from_wrong_block(mp):
 
     orig = PrefixCache.admit
 
-    def mutated(self, seq_id, prompt_tokens, lookup=True):
-        adm = orig(self, seq_id, prompt_tokens, lookup)
+    def mutated(self, seq_id, prompt_tokens, lookup=True, **kw):
+        adm = orig(self, seq_id, prompt_tokens, lookup, **kw)
         older = [c for c in self._ckpts.values() if 0 < c.position < adm.hit_tokens]
         if older:
             src = max(older, key=lambda c: c.position).pages
