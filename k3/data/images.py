@@ -59,7 +59,7 @@ import torch
 
 from k3.config import VisionConfig
 from k3.serve.chat import ChatTemplate, markup_ids, render_chat_segments, segment_units
-from k3.serve.chat_render import Segment
+from k3.serve.chat_render import Segment, _short
 
 DEFAULT_MAX_IMAGE_TOKENS = 1024  # e.g. 896 x 896 px; the report's largest input (3584 x 3584) is 16,384 tokens
 MAX_DECODE_PIXELS = 64 << 20  # header size above this is refused before decoding (8192 x 8192 px)
@@ -243,14 +243,6 @@ class ImageTextSample:
     image_tokens: list[int]
 
 
-def _short(v, limit: int = 60) -> str:
-    try:
-        r = json.dumps(v, ensure_ascii=False) if not isinstance(v, str) else repr(v)
-    except (TypeError, ValueError):
-        r = repr(v)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
 def _source(spec, field_name: str, where: str, base_dir: str) -> ImageSource:
     """An image source object ({"path"|"base64"|"url": ...}) -> ImageSource, or ValueError naming the field."""
     if not isinstance(spec, dict):
@@ -408,12 +400,14 @@ def read_records(path: str, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Im
 
 # ------------------------------------------------------------------------------------------------- rendering
 
-def record_units(rec: ImageTextRecord, template: ChatTemplate | None = None) -> list:
-    """The record's rendering (the chat template, no generation prompt) as Segments with an ImageSlot where each
-    image goes."""
+def record_units(rec: ImageTextRecord, template: ChatTemplate | None = None, messages: list | None = None,
+                 add_generation_prompt: bool = False) -> list:
+    """The record's rendering (the chat template; by default all its messages, no generation prompt) as Segments
+    with an ImageSlot where each image goes; `messages` renders a part of them (a prompt) instead."""
     units: list = []
     k = 0
-    for s in render_chat_segments(rec.messages, template, add_generation_prompt=False):
+    for s in render_chat_segments(rec.messages if messages is None else messages, template,
+                                  add_generation_prompt=add_generation_prompt):
         if s.special or rec.sentinel not in s.text:
             units.append(s)
             continue

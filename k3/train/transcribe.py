@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from k3.data.images import (DEFAULT_MAX_IMAGE_TOKENS, ImageSlot, ImageTextRecord, encode_units, load_record_images,
-                            read_records)
+                            read_records, record_units)
 
 DEFAULT_MAX_RECORDS = 200
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -67,25 +67,13 @@ def _text_of(content) -> str:
 def prompt_of(rec: ImageTextRecord) -> tuple[list, int, str]:
     """(rendered units of the prompt with the generation prompt, images it holds, the reference text) of a record:
     its messages up to its last assistant message, which is the reference."""
-    from k3.serve.chat import render_chat_segments
-
     last = max((i for i, m in enumerate(rec.messages) if isinstance(m, dict) and m.get("role") == "assistant"),
                default=None)
     if last is None:
         raise ValueError(f"{rec.where}: the record has no assistant message to score")
     ref = _text_of(rec.messages[last].get("content"))
-    units: list = []
-    k = 0
-    for s in render_chat_segments(rec.messages[:last], None, add_generation_prompt=True):
-        if s.special or rec.sentinel not in s.text:
-            units.append(s)
-            continue
-        for j, piece in enumerate(s.text.split(rec.sentinel)):
-            if j:
-                units.append(ImageSlot(k))
-                k += 1
-            if piece:
-                units.append(s._replace(text=piece))
+    units = record_units(rec, None, rec.messages[:last], add_generation_prompt=True)
+    k = sum(isinstance(u, ImageSlot) for u in units)
     return units, k, ref
 
 
