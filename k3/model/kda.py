@@ -14,6 +14,7 @@ from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
 from k3.ops.kda_decode import kda_decode
 from k3.ops.kda_replay import kda_replay_any
+from k3.ops.kda_verify_replay import kda_verify_replay_any
 from k3.ops.registry import Backends
 
 
@@ -120,3 +121,25 @@ class KimiDeltaAttention(nn.Module):
         pre_conv = torch.stack(inputs.pre_conv, 2)
         return kda_replay_any(inputs.q, inputs.k, inputs.v, inputs.z, inputs.beta_logits, pre_conv, self.A_log,
                               self.dt_bias, self.lower_bound, state, conv, lengths, backends=self.backends)
+
+    def verify_replay(self, x: torch.Tensor, pending: KDAInputs, lengths: list[int], state: torch.Tensor,
+                      conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KDAInputs]:
+        """A verification forward of the window x [N, T, D] with the replay of the previous cycle's accepted
+        positions fused in front (report §5.4.2, k3.ops.kda_verify_replay): the first lengths[n] positions of row n
+        of `pending` (a verification's kept inputs, [N, P, ...]; 0 for none) advance the committed `state`
+        [N, H, K, V] fp32 and `conv` [N, 3, H*K, W-1] fp32, then the window runs from there. Returns (the window's
+        outputs [N, T, D], as `forward` from the state after the pending positions gives them; that state and conv
+        tail, to be written back; the window's projected inputs, the next cycle's pending ones)."""
+        N, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        xq, xk, xv, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
+                                                            self.b_proj, self.g_proj)
+        z = self.f_b_proj(f_a).view(N, T, H, K)
+        w = torch.stack([self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0]])
+        p = pending
+        r = kda_verify_replay_any(p.k, p.v, p.z, p.beta_logits, torch.stack(p.pre_conv, 2), lengths,
+                                  torch.stack([xq, xk, xv], 2), z, beta_logits.contiguous(), w, self.A_log,
+                                  self.dt_bias, self.lower_bound, state, conv, backends=self.backends)
+        o = gate_norm(r.o, gate.view(N, T, H, K), self.o_norm.weight, self.o_norm.eps, backends=self.backends)
+        return (self.o_proj(o.reshape(N, T, H * K).to(x.dtype)), r.state, r.conv,
+                KDAInputs((xq, xk, xv), r.q, r.k, r.v, z, beta_logits))

@@ -45,16 +45,19 @@ def test_every_op_registers_its_facts():
         "moe": ["grouped"], "moe_combine": ["triton"], "situ": ["triton"], "mla_decode": ["triton"],
         "muon": ["triton"], "linear_ce": ["triton"], "rms_norm": ["triton"], "mxfp4_fake_quant": ["triton"],
         "mxfp8_fake_quant": ["triton"], "mx_moe": ["triton", "triton_grouped"], "kda_replay": ["triton"],
-        "kda_chunk": ["fla"],
+        "kda_verify_replay": ["triton"], "kda_chunk": ["fla"],
         "kda_decode": ["triton"], "moe_route": ["triton"], "vision_attn": ["varlen", "flex"]}
     fast = {name: op for name, op in ops().items() if op.fast}
-    # kda_chunk (KDA context parallelism's chunks on fla), kda_decode (the fused decode step), moe_route (the
-    # router kernel) and vision_attn (packed images) have GPU tests not yet run on a GPU
+    # kda_chunk (KDA context parallelism's chunks on fla), kda_decode (the fused decode step), kda_verify_replay (the
+    # replay fused into the next verification), moe_route (the router kernel) and vision_attn (packed images) have
+    # GPU tests not yet run on a GPU
     assert {name for name, op in fast.items() if not op.fast[0].validated} == {"muon", "mx_moe", "kda_chunk",
-                                                                              "kda_decode", "moe_route", "vision_attn"}
+                                                                              "kda_decode", "kda_verify_replay",
+                                                                              "moe_route", "vision_attn"}
     assert {name for name, op in fast.items() if op.fast[0].cpu} == {"moe", "mla_decode", "muon", "linear_ce", "mx_moe",
                                                                     "mxfp4_fake_quant", "mxfp8_fake_quant",
-                                                                    "kda_replay", "kda_decode", "moe_route"}
+                                                                    "kda_replay", "kda_verify_replay", "kda_decode",
+                                                                    "moe_route"}
     assert all(len(op.tolerance) > 20 and callable(op.reference) for op in ops().values())
     option_fields = {f.name for f in dataclasses.fields(Backends)} - {"default", "per_op"}
     assert {o for op in ops().values() for o in op.options} == option_fields  # every option belongs to an op
