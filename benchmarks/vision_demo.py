@@ -5,12 +5,13 @@ to transcribe rendered lines of code, and the image share's effect on the text l
     python benchmarks/vision_demo.py --out runs/vision_demo --stages render ocr
 
 Stages (each skips what its output already holds, so a stopped run continues):
-  render  single lines of Python code of this installation (k3.data.render_pairs.source_files; printable ASCII,
-          --min-chars to --max-chars characters after stripping), drawn in one face (DejaVu Sans Mono, else Pillow's
-          default) at one size (--font-size px) in black on white, one 28 px encoder unit tall and as many units wide
-          as the line needs; OUT/pairs/train.jsonl and heldout.jsonl with the prompt "Transcribe.", held out by the
-          source file's content hash (k3.data.render_pairs.is_heldout_document; a held-out line that is also a
-          training line is dropped)
+  render  single lines of Python code of this installation (--texts code: k3.data.render_pairs.source_files;
+          printable ASCII, --min-chars to --max-chars characters after stripping; held out by the source file's
+          content hash, k3.data.render_pairs.is_heldout_document, and a held-out line that is also a training line is
+          dropped) or random digit strings of --min-chars to --max-chars digits (--texts digits; held out by the
+          string's own hash), drawn in one face (DejaVu Sans Mono, else Pillow's default) at one size (--font-size
+          px) in black on white, one 28 px encoder unit tall and as many units wide as the line needs;
+          OUT/pairs/train.jsonl and heldout.jsonl with the prompt "Transcribe."
   ocr     `k3 train --preset tiny --images OUT/pairs/train.jsonl --image-share --ocr-share` for --ocr-minutes on
           the standard library's text, then the character error rate (k3.train.transcribe) on --cer-records held-out
           renders of the untrained model (the run's own initial weights: the same config and seed) and the trained one
@@ -79,6 +80,20 @@ def code_lines(min_chars: int, max_chars: int):
             yield s, doc
 
 
+def digit_strings(min_chars: int, max_chars: int, n: int, seed: int):
+    """(string, hash) of `n` distinct random digit strings of min_chars to max_chars digits; a string's hash is its
+    own, so a held-out string is never a training one."""
+    from k3.data.sources import content_hash
+
+    rng = random.Random(seed)
+    seen = set()
+    while len(seen) < n:
+        s = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_chars, max_chars)))
+        if s not in seen:
+            seen.add(s)
+            yield s, content_hash(s.encode())
+
+
 def stage_render(a) -> None:
     from PIL import Image, ImageDraw, ImageFont
 
@@ -90,8 +105,11 @@ def stage_render(a) -> None:
         print(f"render: {dest} exists")
         return
     font = ImageFont.truetype(FONT, a.font_size) if os.path.exists(FONT) else ImageFont.load_default(a.font_size)
-    lines = list(code_lines(a.min_chars, a.max_chars))
-    random.Random(a.seed).shuffle(lines)
+    if a.texts == "digits":
+        lines = list(digit_strings(a.min_chars, a.max_chars, round((a.pairs + a.heldout) * 1.2), a.seed))
+    else:
+        lines = list(code_lines(a.min_chars, a.max_chars))
+        random.Random(a.seed).shuffle(lines)
     train, held = [], []
     for s, doc in lines:
         (held if is_heldout_document(doc, a.heldout_share) else train).append(s)
@@ -113,7 +131,7 @@ def stage_render(a) -> None:
             recs.append(json.dumps({"text": s, "images": [{"path": rel}], "prompt": PROMPT}) + "\n")
         write_synced(os.path.join(tmp, f"{split}.jsonl"), "".join(recs).encode("utf-8"))
     replace_dir(tmp, dest)
-    info = {"train": len(train), "heldout": len(held), "font": os.path.basename(FONT) if os.path.exists(FONT) else
+    info = {"texts": a.texts, "train": len(train), "heldout": len(held), "font": os.path.basename(FONT) if os.path.exists(FONT) else
             "pillow-default", "font_size": a.font_size, "chars": [a.min_chars, a.max_chars],
             "seconds": round(time.time() - t0, 1)}
     _save(a.out, "render", info)
@@ -122,12 +140,13 @@ def stage_render(a) -> None:
 
 # --------------------------------------------------------------------------------------------------------- ocr
 
-def train_argv(a, out: str, share: float, seed: int, budget: list[str]) -> list[str]:
+def train_argv(a, out: str, share: float, seed: int, budget: list[str], eval_every: int | None = None,
+               eval_batches: int = 2) -> list[str]:
     return ["train", "--preset", "tiny", "--images", os.path.join(a.out, "pairs", "train.jsonl"),
             "--image-share", str(share), "--out", out, "--seq-len", str(a.seq_len), "--batch-tokens",
             str(a.batch_tokens), "--max-corpus-mb", str(a.corpus_mb), "--data-cache", os.path.join(a.out, "data"),
-            "--seed", str(seed), "--eval-every", str(a.eval_every), "--eval-batches", "2", "--device", "cpu",
-            "--no-progress", *budget]
+            "--seed", str(seed), "--eval-every", str(eval_every or a.eval_every), "--eval-batches",
+            str(eval_batches), "--device", "cpu", "--no-progress", *budget]
 
 
 def untrained_model(ckpt: str, seed: int):
@@ -188,7 +207,9 @@ def stage_text(a) -> None:
             from k3.run_dir import latest_checkpoint
 
             if latest_checkpoint(run) is None:
-                sh(train_argv(a, run, share, seed, ["--max-steps", str(steps)]))
+                # held-out loss at the start and the end only, over --text-eval-batches batches
+                sh(train_argv(a, run, share, seed, ["--max-steps", str(steps)], eval_every=steps,
+                              eval_batches=a.text_eval_batches))
             recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
             val = [r for r in recs if "val_loss" in r]
             steps_recs = [r for r in recs if "loss" in r]
@@ -211,6 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=20000, help="training renders (default 20000)")
     p.add_argument("--heldout", type=int, default=500, help="held-out renders at most (default 500)")
     p.add_argument("--heldout-share", type=float, default=0.05, help="share of source files held out (default 0.05)")
+    p.add_argument("--texts", default="code", choices=["code", "digits"],
+                   help="what the renders show: lines of the installation's Python code, or random digit strings "
+                        "(held out by the string's own hash) (default code)")
     p.add_argument("--min-chars", type=int, default=4, help="shortest line (default 4)")
     p.add_argument("--max-chars", type=int, default=16, help="longest line (default 16)")
     p.add_argument("--font-size", type=int, default=20, help="font size in px (default 20: 12 px a character)")
@@ -225,6 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the text stage (default 0 1)")
     p.add_argument("--text-share", type=float, default=0.2, help="the image share compared with 0 (default 0.2)")
     p.add_argument("--text-steps", type=int, default=40, help="steps of the share-0 runs (default 40)")
+    p.add_argument("--text-eval-batches", type=int, default=16,
+                   help="held-out text batches of the text stage's final evaluation (default 16)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()

@@ -53,6 +53,10 @@ SUBSTITUTIONS = [
     (r"--max-steps (200|300)\b", "--max-steps 1 --eval-batches 1 --batch-tokens 2048"),  # k3 sft
     (r"--max-steps (100|30)\b", "--max-steps 1"),
     (r"--preset tiny --max-steps 10\b", f"--preset tiny {_small_train(1)}"),
+    (r"--out runs/vision --max-minutes 10\b", f"--out runs/vision {_small_train(1)} --seq-len 128"),
+    (r"render-pairs --out data/pairs --n 2000\b", "render-pairs --out data/pairs --n 40"),
+    (r"--transcribe data/pairs/heldout\.jsonl --max-records 50\b",
+     "--transcribe data/pairs/heldout.jsonl --max-records 1 --max-new-tokens 4"),
     (r"mopd_demo\.py --work runs/mopd_demo +#", f"mopd_demo.py --work runs/mopd_demo {_SMALL_MOPD} #"),
     # one thread, as every block of the walk has (OMP_NUM_THREADS=1 in its environment): two threads' spinning on
     # 2 shared cores made the demo several times slower
