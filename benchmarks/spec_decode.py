@@ -3,17 +3,23 @@
     python benchmarks/spec_decode.py --ckpt runs/k3                                 # CPU (speed meaningless)
     python benchmarks/spec_decode.py --ckpt runs/main --batch 1 4 16 64 --max-tokens 128 --json spec.json   # GPU
 
-Prompts: the first --prompt-tokens tokens of held-out documents (the standard library files the training split
-holds out, by the same stable hash). For each batch size, three engines over the same loaded model, greedy:
+Prompts: consecutive --prompt-tokens windows of held-out text: the --prompts files (.txt/.md/.py/.rst: the file is a
+document; .jsonl: each line's "text"), else the standard library files the training split holds out (by the same
+stable hash), so a long document gives several prompts and a machine with few held-out files still has enough. For
+each batch size, three engines over the same loaded model, greedy:
 
     off    no speculation (CUDA graphs where the model allows them)
     spec   --speculative mtp (or --draft DIR: eagle3) on every step
     auto   the same with --speculative-auto: speculation per batch size where it measures faster
 
-each generates --max-tokens tokens for every request after a warm-up generation (graph capture, compilation).
+each generates --max-tokens tokens for every request after a warm-up generation of the same prompts and length, so
+every CUDA graph the timed generation replays (each decode bucket, prefill chunk and verification length) is
+captured before the timing starts; `graphs_made_while_timed` counts any made inside it anyway (it should be 0).
 Reported: decode tokens/s (from the step where every request has its first token to the end), the speed-up
 against off, the mean accepted length (tokens emitted per verification), whether the outputs equal off's (they
-must: greedy speculation is lossless), and the KDA state bytes one verified request-step moves with replay
+must: greedy speculation is lossless; where bf16 near-ties make the arms differ, `divergence` gives each differing
+request's first differing position and the plain run's top-2 logit margin there, from a teacher-forced forward of
+the prompt and the plain output before it), and the KDA state bytes one verified request-step moves with replay
 (the committed state read and written once, the projected inputs of the T verified positions kept) against
 per-position snapshots (T states written, one read back at the rollback).
 """
@@ -35,23 +41,81 @@ def _log(msg: str) -> None:
     print(f"[spec {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def heldout_prompts(tok, n: int, length: int) -> list[list[int]]:
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+
+def prompt_documents(files: list[str]):
+    """The texts of `files` (see the module docstring), in order; a bad file or line stops with its name."""
+    for path in files:
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for i, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise SystemExit(f"{path}:{i}: not JSON ({e.msg})")
+                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                        raise SystemExit(f"{path}:{i}: expected an object with a string \"text\" field")
+                    yield rec["text"]
+        elif path.endswith(TEXT_SUFFIXES):
+            try:
+                yield open(path, encoding="utf-8").read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise SystemExit(f"{path}: cannot be read as UTF-8 text ({e})")
+        else:
+            raise SystemExit(f"{path}: --prompts takes {', '.join(TEXT_SUFFIXES)} or .jsonl files")
+
+
+def heldout_documents():
+    """The texts of the standard library files the training split holds out."""
     from k3.data.corpus import is_heldout, stdlib_files, stdlib_root
 
-    root, out = stdlib_root(), []
+    root = stdlib_root()
     for path in stdlib_files():
-        if not is_heldout(os.path.relpath(path, root)):
-            continue
-        try:
-            text = open(path, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError):
-            continue
+        if is_heldout(os.path.relpath(path, root)):
+            try:
+                yield open(path, encoding="utf-8").read()
+            except (OSError, UnicodeDecodeError):
+                continue
+
+
+def heldout_prompts(tok, n: int, length: int, files: list[str] | None = None) -> list[list[int]]:
+    """`n` prompts of `length` tokens: consecutive windows of each document's tokens, documents in order."""
+    out, docs = [], 0
+    for text in (prompt_documents(files) if files else heldout_documents()):
         ids = tok.encode(text)
-        if len(ids) >= length:
-            out.append(ids[:length])
-        if len(out) == n:
-            return out
-    raise SystemExit(f"only {len(out)} held-out documents have {length} tokens; lower --prompt-tokens")
+        docs += 1
+        for a in range(0, len(ids) - length + 1, length):
+            out.append(ids[a:a + length])
+            if len(out) == n:
+                return out
+    where = ", ".join(files) if files else "the held-out standard library"
+    raise SystemExit(f"{where}: {docs} documents give only {len(out)} windows of {length} tokens, {n} are needed; "
+                     "lower --prompt-tokens or give more text with --prompts")
+
+
+def graphs_made(engine) -> int:
+    """CUDA graphs (static-buffer steps) the engine has made so far: decode buckets, prefill chunks, verifications."""
+    g = getattr(engine.runner, "graphs", None)
+    return 0 if g is None else g.made
+
+
+@torch.no_grad()
+def divergence(model, prompts, plain, other) -> list[dict]:
+    """For each request whose outputs differ: the first differing position and the plain run's top-2 logit margin
+    there (a teacher-forced forward of the prompt and the plain output before that position)."""
+    out = []
+    dev = next(model.parameters()).device
+    for i, (p, a, b) in enumerate(zip(prompts, plain, other)):
+        if a == b:
+            continue
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        ids = torch.tensor([list(p) + a[:pos]], device=dev)
+        top2 = model(ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
+        out.append(dict(request=i, position=pos, top2_margin=round(float(top2[0] - top2[1]), 5)))
+    return out
 
 
 def state_bytes(cfg, T: float) -> dict:
@@ -87,6 +151,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--prompts", nargs="+", default=None, metavar="FILE",
+                    help="held-out text to take the prompts from (.txt/.md/.py/.rst or .jsonl with \"text\"); "
+                         "default: the standard library files the training split holds out")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,7 +171,7 @@ def main() -> None:
     model = from_pretrained(ckpt, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
                             packed_experts="auto").eval()
     tok = load_any_tokenizer(ckpt)
-    prompts = heldout_prompts(tok, max(args.batch), args.prompt_tokens)
+    prompts = heldout_prompts(tok, max(args.batch), args.prompt_tokens, args.prompts)
     rows = []
     for B in args.batch:
         res = {}
@@ -116,13 +183,16 @@ def main() -> None:
                                scheduler=SchedulerConfig(max_num_seqs=max(B, 1), max_step_tokens=max(8192, 8 * B)))
             eng = LLMEngine(model, tok, cfg)
             eng.eos_id = None  # every request generates max_tokens tokens
-            run(eng, prompts[:B], 8)  # warm-up: graphs, compilation
+            # warm-up: the same generation, so every graph the timed one replays is made (and compiled) now
+            run(eng, prompts[:B], args.max_tokens)
             m0 = (eng.metrics.spec_verifications, eng.metrics.draft_tokens_accepted)
+            g0 = graphs_made(eng)
             outs, rate = run(eng, prompts[:B], args.max_tokens)
             v = eng.metrics.spec_verifications - m0[0]
             acc = eng.metrics.draft_tokens_accepted - m0[1]
             res[mode] = dict(tokens_per_s=round(rate, 1), outputs=outs,
-                             mean_accepted_length=round((acc + v) / v, 3) if v else None, verifications=v)
+                             mean_accepted_length=round((acc + v) / v, 3) if v else None, verifications=v,
+                             graphs_made_while_timed=graphs_made(eng) - g0)
             if mode == "auto" and eng.spec_switch is not None:
                 res[mode]["switch"] = {str(k): st["speculative"] for k, st in eng.spec_switch.state().items()}
             _log(f"batch {B} {mode}: {rate:.1f} tok/s, accepted length {res[mode]['mean_accepted_length']}")
@@ -134,6 +204,9 @@ def main() -> None:
                    auto_speedup=round(res["auto"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3),
                    mean_accepted_length=res["spec"]["mean_accepted_length"],
                    outputs_equal=res["spec"]["outputs"] == res["off"]["outputs"] == res["auto"]["outputs"],
+                   divergence={m: divergence(model, prompts[:B], res["off"]["outputs"], res[m]["outputs"])
+                               for m in ("spec", "auto") if res[m]["outputs"] != res["off"]["outputs"]},
+                   graphs_made_while_timed={m: res[m]["graphs_made_while_timed"] for m in res},
                    auto_switch=res["auto"].get("switch"),
                    kda_bytes_per_request_step=state_bytes(model.config, args.num_draft_tokens + 1),
                    verified_positions=args.num_draft_tokens + 1, accepted_positions=T)

@@ -243,6 +243,12 @@ class DecodeGraphs:
         """The paged decode kernel's split count for a bucket (size x tokens query rows) at max_model_len."""
         return default_num_splits(size * tokens, self.num_heads, self.max_model_len, self.device)
 
+    @property
+    def made(self) -> int:
+        """Static-buffer steps made so far (each a captured graph when capturing): decode buckets, prefill chunk
+        lengths and verification lengths. A benchmark checks that none is made inside its timed window."""
+        return len(self._static)
+
     @torch.no_grad()
     def run(self, tokens: list[list[int]], starts: list[int], slots):
         """One step in which every request adds the same number of tokens T (1, or one of prefill_lengths) ->
