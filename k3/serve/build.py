@@ -12,13 +12,13 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
                  max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
                  max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True,
                  verify: bool = True, speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
-                 speculative_auto: bool = True, compile_decode: bool = False):
+                 speculative_auto: bool = True, compile_decode: bool = False, fused_replay: bool = False):
     """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template). `backends`
     (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs.
     `verify`: check the shards against the SHA-256 digests their index records. `speculative`, `num_draft_tokens`:
     EngineConfig's; `draft`: the EAGLE-3 draft's directory (default with speculative='eagle3': CK/draft);
     `speculative_auto`: EngineConfig.speculative_auto (on: speculation per batch size where it measures faster);
-    `compile_decode`: EngineConfig.compile_decode."""
+    `compile_decode`: EngineConfig.compile_decode; `fused_replay`: EngineConfig.fused_replay."""
     from k3.data.tokenizer import load_any_tokenizer
     from k3.devices import pick_device
     from k3.serve.chat import load_chat_template
@@ -32,12 +32,15 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     sched = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_step_tokens", max_step_tokens),
                                                  ("prefill_chunk", prefill_chunk)) if v is not None})
     ecfg = EngineConfig(scheduler=sched, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
-                        compile_decode=compile_decode,
+                        compile_decode=compile_decode, fused_replay=fused_replay,
                         speculative=speculative, num_draft_tokens=num_draft_tokens, speculative_auto=speculative_auto,
                         draft=draft_dir(ckpt_dir, speculative, draft),
                         **{k: v for k, v in (("cache_memory_mb", cache_memory_mb), ("page_tokens", page_tokens),
                                              ("hash_block_tokens", hash_block_tokens)) if v is not None})
     ecfg.validate()  # before the (possibly slow) load
+    if fused_replay and speculative == "off":
+        raise ValueError("--fused-replay fuses the replay of accepted drafts into the next verification: it needs "
+                         "--speculative mtp or eagle3")
     tokenizer = load_any_tokenizer(ckpt_dir)
     template = load_chat_template(ckpt_dir)
     model = load_for_generation(ckpt_dir, dev, backends=backends, verify=verify)

@@ -21,7 +21,8 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
           device: str = "auto", model_name: str | None = None, log_level: str = "info", backends=None,
           cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True,
           speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
-          speculative_auto: bool = True, compile_decode: bool = False, image_limits=None) -> None:
+          speculative_auto: bool = True, compile_decode: bool = False, image_limits=None,
+          fused_replay: bool = False) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
     as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
     DEFAULT_MAX_REQUEST_BYTES; `image_limits` (k3.serve.images.ImageLimits) to its defaults."""
@@ -35,7 +36,7 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
                                                backends=backends, cuda_graphs=cuda_graphs, verify=verify,
                                                speculative=speculative, num_draft_tokens=num_draft_tokens,
                                                draft=draft, speculative_auto=speculative_auto,
-                                               compile_decode=compile_decode)
+                                               compile_decode=compile_decode, fused_replay=fused_replay)
     if engine.runner.graphs is not None and engine.runner.graphs.capture:
         t0 = time.perf_counter()
         n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
@@ -85,7 +86,8 @@ def cmd_serve(args) -> int:
               max_request_mb=getattr(args, "max_request_mb", None), verify=getattr(args, "verify", True),
               speculative=getattr(args, "speculative", "off"), num_draft_tokens=getattr(args, "num_draft_tokens", 3),
               draft=getattr(args, "draft", None), speculative_auto=getattr(args, "speculative_auto", True),
-              compile_decode=getattr(args, "compile_decode", False), image_limits=image_limits(args))
+              compile_decode=getattr(args, "compile_decode", False), image_limits=image_limits(args),
+              fused_replay=getattr(args, "fused_replay", False))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,9 @@ verifications join the chunks' packed forward, so the step passes over the weigh
 run as one batched forward of their own (plain decode steps run in the step's other forward). The verification
 leaves the KDA states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report
 §5.4.2), KDA checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted
-length.
+length. With `EngineConfig.fused_replay` the accepted positions past the last hash-block boundary among them stay
+pending instead and are replayed in the same pass as the request's next eager verification (op kda_verify_replay),
+or before any other forward over the request (k3.serve.runner: fused replay).
 Greedy output is token-identical to decoding without speculation and sampled output has the target's
 distribution. With CUDA graphs, the verifications run as graph replays (one graph per batch bucket and number of
 positions) and the plain decode steps on graphs that also output the hidden states the draft observes.
@@ -92,6 +94,10 @@ class EngineConfig:
     # With speculation: verifications join the step's prefill forward when it runs eagerly (one pass over the weights
     # for both, a mixed ForwardBatch); False: they always run as a forward of their own.
     mix_verify: bool = True
+    # With speculation: the accepted positions' KDA replay runs in the same pass as the request's next eager
+    # verification (op kda_verify_replay, KimiDeltaAttention.verify_replay; k3.serve.runner: fused replay) instead of
+    # right after acceptance. Opt-in until its kernel is measured on a GPU.
+    fused_replay: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -104,7 +110,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
-        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections"):
+        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections", "fused_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use True or False")
         if self.draft is not None and self.speculative != "eagle3":
@@ -149,6 +155,10 @@ class LLMEngine:
         self.scheduler.on_admit = self.post.admitted
         self.scheduler.on_preempt = self._on_preempt
         self.runner = ModelRunner(model, cache.pool)
+        if cfg.fused_replay and draft is None:
+            raise ValueError("fused_replay fuses the replay of accepted drafts into the next verification: it needs "
+                             "speculative decoding (speculative='mtp' or 'eagle3', or a draft)")
+        self.runner.fused_replay = cfg.fused_replay
         self.speculative = None if draft is None else SpeculativeDecoder(
             draft, SpecSwitch() if cfg.speculative_auto else None, self.runner, self.scheduler, self.post, cfg,
             self._release)
@@ -327,7 +337,8 @@ class LLMEngine:
                 batch = ForwardBatch([s.seq.token_range(s.start, s.end) for s in segs], [s.start for s in segs],
                                      [self.scheduler.slots(s.seq) for s in segs], scores if any(scores) else None,
                                      keep_hidden=spec is not None, features=self._features,
-                                     images=images if any(images) else None)
+                                     images=images if any(images) else None,
+                                     ids=[s.seq.request_id for s in segs])
                 if verify is not None and r == 0 and not segs[0].single:
                     batch = batch.joined(verify)
                 res = self.runner.execute(batch)

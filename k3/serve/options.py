@@ -41,8 +41,8 @@ def _draft_count(text: str) -> int:
 
 
 def add_speculative_arguments(parser) -> None:
-    """--speculative, --draft, --num-draft-tokens and --speculative-auto (`k3 serve` and `k3 generate`):
-    EngineConfig.speculative, .draft, .num_draft_tokens and .speculative_auto."""
+    """--speculative, --draft, --num-draft-tokens, --speculative-auto and --fused-replay (`k3 serve` and
+    `k3 generate`): EngineConfig.speculative, .draft, .num_draft_tokens, .speculative_auto and .fused_replay."""
     parser.add_argument("--speculative", choices=["off", "mtp", "eagle3"], default="off",
                         help="speculative decoding: 'mtp' drafts with the model's MTP layer, 'eagle3' with an "
                              "EAGLE-3 draft trained by `k3 train-draft` (--draft), and verifies the drafts in one "
@@ -57,6 +57,11 @@ def add_speculative_arguments(parser) -> None:
                         help="with --speculative: measure speculative against plain decode steps per decode batch "
                              "size and keep to the faster (default on; --no-speculative-auto: speculate on every "
                              "step)")
+    parser.add_argument("--fused-replay", action="store_true", default=False,
+                        help="with --speculative: replay the accepted drafts into the KDA states in the same pass as "
+                             "the request's next verification (op kda_verify_replay) instead of right after "
+                             "acceptance; the outputs are the same. Opt-in until its kernel is measured on a GPU "
+                             "(default off)")
 
 
 def add_serve_arguments(parser) -> None:

@@ -7,17 +7,29 @@ eager forward it replaces.
   reads copies and the new states are written back after).
 * `verify_on_pool`: a speculative verification (report §5.4.2): every position's logits, the KDA layers' views
   keep the projected inputs and the states in the pages are not advanced (the accepted prefix is replayed later).
+* `verify_replay_on_pool`: the same verification with the replay of each request's pending accepted positions (a
+  previous verification's, not yet in the states) fused in front (EngineConfig.fused_replay, report §5.4.2): each
+  KDA layer runs KimiDeltaAttention.verify_replay (k3.ops.kda_verify_replay) from the committed state read once, the
+  state after the pending positions is written back once, the window's inputs are kept.
+
+The KDA layer's forward has no entry for the fused form (it reads a state and updates it; k3.model.cache), so for
+that one forward `verify_replay_on_pool` routes each KDA layer's call to its `verify_replay` (`_verify_replay_layers`,
+an instance attribute set and removed around the forward; the engine runs one forward at a time under its lock).
 """
 
 from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from k3.model.batch import BatchInfo
-from k3.model.cache import K3Cache
+from k3.model.cache import K3Cache, KDAInputs
 from k3.serve.cache.pool import CachePool
-from k3.serve.cache.views import KDAVerifyView, LayerLayout, layer_views
+from k3.serve.cache.views import KDAReplayVerifyView, KDAVerifyView, LayerLayout, layer_views
+from k3.tensors import to_device_async
 
 
 def run_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor, mla_views: list,
@@ -57,3 +69,60 @@ def verify_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda
     out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)
     hidden = torch.cat([*out.features, out.hidden_states], -1) if features else out.hidden_states
     return out.logits.float(), hidden, views
+
+
+def verify_replay_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor,
+                          mla_views: list, pending: list[KDAInputs], lengths: list[int],
+                          features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, list[KDAReplayVerifyView]]:
+    """`verify_on_pool` with each request's pending accepted positions replayed in front of its window, in the same
+    pass: pending[g] the g-th KDA layer's pending inputs [B, P, ...] (a verification's kept inputs; row b's first
+    lengths[b] positions are real, 0 for none), the states in pages kda_pages[g] the committed ones before them.
+    Returns what `verify_on_pool` returns (the logits and hidden states of the window, from the state after the
+    pending positions; each KDA layer's view holding the window's inputs). The state and conv tail after the pending
+    positions are written into the pages of the rows that had any; the window advances nothing."""
+    B = ids.shape[0]
+    if len(pending) != len(layout.kda) or len(lengths) != B:
+        raise ValueError(f"pending inputs for {len(pending)} KDA layers and {len(lengths)} rows: need "
+                         f"{len(layout.kda)} layers and {B} rows")
+    views = [KDAReplayVerifyView(*pool.read_kda(kda_pages[g]), pending[g], lengths) for g in range(len(layout.kda))]
+    per_layer, views = layer_views(layout, pool, kda_pages, mla_views, kda_given=views)
+    with _verify_replay_layers(model, layout):
+        out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)
+    rows = [b for b, n in enumerate(lengths) if n]
+    if rows:  # the state after the pending positions (accepted ones): written once
+        r = to_device_async(torch.tensor(rows), kda_pages.device) if len(rows) < B else slice(None)
+        for g, view in enumerate(views):
+            if view.state_after is None:
+                raise RuntimeError(f"KDA layer {layout.kda[g]} did not run verify_replay on its view")
+            pool.write_kda(kda_pages[g, r], view.state_after[r], view.conv_after[r])
+    hidden = torch.cat([*out.features, out.hidden_states], -1) if features else out.hidden_states
+    return out.logits.float(), hidden, views
+
+
+def _verify_replay_forward(attn, x: Tensor, cache=None, batch: BatchInfo | None = None, **kwargs) -> Tensor:
+    """A KDA layer's call inside `verify_replay_on_pool`: its verify_replay over the view's pending inputs and the
+    window x [N, T, D] -> the window's outputs [N, T, D]."""
+    if not isinstance(cache, KDAReplayVerifyView) or kwargs or (batch is not None and batch.segment_ids is not None):
+        raise RuntimeError("a fused verify-replay forward runs rows of one length over KDAReplayVerifyView caches, "
+                           f"got a {type(cache).__name__} cache")
+    out, state, conv, inputs = attn.verify_replay(x, cache.pending, cache.lengths, cache.state, cache.conv_tails)
+    cache.replayed(state, conv, inputs)
+    return out.view(x.shape)
+
+
+@contextmanager
+def _verify_replay_layers(model, layout: LayerLayout):
+    """For the duration of one forward, each KDA layer's call runs `_verify_replay_forward` (an instance attribute
+    shadowing the class's forward; whatever instance attribute was there before is put back after)."""
+    attns = [model.model.layers[li].self_attn for li in layout.kda]
+    saved = [a.__dict__.get("forward") for a in attns]
+    for a in attns:
+        a.forward = functools.partial(_verify_replay_forward, a)
+    try:
+        yield
+    finally:
+        for a, f in zip(attns, saved):
+            if f is None:
+                del a.forward
+            else:
+                a.forward = f

@@ -20,6 +20,19 @@ The model runs through k3.serve.pool_forward (the same functions the static-buff
 built in one place (k3.serve.cache.views.layer_views). After a verification, `replay` commits each request's
 accepted prefix: it reads the committed states from the pages, has each KDA layer replay the kept inputs
 (KimiDeltaAttention.replay, k3.ops.kda_replay) and writes the new states back once.
+
+Fused replay (`fused_replay`, EngineConfig.fused_replay; report §5.4.2): instead, the accepted positions stay
+pending (`hold`: their kept inputs, per request id, in `pending`), and a request's pages hold its KDA state at
+num_computed minus its pending count. Its next eager verification alone (every row of the forward a verification
+of the same length) replays them in the same pass as the new window (k3.serve.pool_forward.verify_replay_on_pool:
+the committed state read once, the state after the pending positions written once). Every other forward that reads
+a request's KDA state as committed replays its pending positions first (`flush`, the same replay as `replay`): a
+plain forward (prefill, decode, the static-buffer steps), a mixed forward's verifications, a verification on the
+static buffers (graphs keep the unfused path). While anything is pending every forward must name its requests
+(ForwardBatch.ids), so none can read a state that is behind. The engine drops a request's pending positions when it
+leaves the running set (`drop`: finished, aborted or preempted; its running pages are freed, never read again as
+committed: checkpoints are copies of committed states, taken only at hash-aligned positions the speculative
+decoder replays up to first).
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ from k3.model.cache import K3Cache, KDAInputs
 from k3.serve.cache.pool import CachePool
 from k3.serve.cache.views import KDAMixedView, KDAVerifyView, LayerLayout, PagedMLAView, SeqSlots, layer_views
 from k3.serve.cuda_graphs import DecodeGraphs
-from k3.serve.pool_forward import run_on_pool, verify_on_pool
+from k3.serve.pool_forward import run_on_pool, verify_on_pool, verify_replay_on_pool
 from k3.tensors import to_device_async
 
 
@@ -60,7 +73,8 @@ class ForwardBatch:
     numbers, what an EAGLE-3 draft reads): those blocks' outputs beside them (and beside a verification's).
     `images` (one entry per request, None for most; never a verification's): image rows of the request's new tokens,
     a list of (offset among its new tokens, rows [n, D]) that replace the embeddings of new tokens offset .. offset
-    + n - 1."""
+    + n - 1. `ids` (one per request): the requests' ids, which the runner's pending accepted positions are kept
+    under (fused replay: required while any are pending)."""
     tokens: list[list[int]]
     starts: list[int]
     slots: list[SeqSlots]
@@ -69,16 +83,30 @@ class ForwardBatch:
     keep_hidden: bool = False
     features: tuple[int, ...] = ()
     images: list[list[tuple[int, Tensor]] | None] | None = None
+    ids: list[str] | None = None
 
     def joined(self, verify: "ForwardBatch") -> "ForwardBatch":
         """This forward of plain requests with the verifications of `verify` (a forward of verifications only) after
         them: one mixed forward."""
         if self.n_verify or verify.n_verify != len(verify.tokens):
             raise ValueError("join a forward of plain requests and one of verifications only")
+        if (self.ids is None) != (verify.ids is None):
+            raise ValueError("join forwards that both name their requests (ForwardBatch.ids), or neither")
         scores = None if self.scores is None else self.scores + [None] * len(verify.tokens)
         images = None if self.images is None else self.images + [None] * len(verify.tokens)
+        ids = None if self.ids is None else self.ids + verify.ids
         return ForwardBatch(self.tokens + verify.tokens, self.starts + verify.starts, self.slots + verify.slots,
-                            scores, len(verify.tokens), self.keep_hidden, self.features, images)
+                            scores, len(verify.tokens), self.keep_hidden, self.features, images, ids)
+
+
+@dataclass
+class Pending:
+    """A request's accepted positions not yet in its KDA states (fused replay): `n` of them, `inputs` per KDA layer
+    their kept projected inputs ([n, ...] each: slices of the verification's, which nothing writes again), `pages`
+    the request's KDA running-state pages (one per KDA layer) they belong to."""
+    pages: list[int]
+    inputs: list[KDAInputs]
+    n: int
 
 
 @dataclass
@@ -114,6 +142,9 @@ class ModelRunner:
         self.layout = LayerLayout.of(model)
         # batched single-token steps (and hash-block prefill chunks, verifications) as graph replays: `use_graphs`
         self.graphs: DecodeGraphs | None = None
+        # fused replay (the module docstring): accepted positions kept per request id until the next verification
+        self.fused_replay = False
+        self.pending: dict[str, Pending] = {}
 
     def use_graphs(self, **options) -> DecodeGraphs:
         """Run the steps that fit on static buffers (k3.serve.cuda_graphs.DecodeGraphs of this runner, with
@@ -137,12 +168,24 @@ class ModelRunner:
                     if not (0 <= off and off + x.shape[0] <= len(t)):
                         raise ValueError(f"image rows at {off} .. {off + x.shape[0] - 1} lie outside the request's "
                                          f"{len(t)} new tokens")
+        if self.pending:
+            if batch.ids is None or len(batch.ids) != B:
+                raise ValueError("the runner holds accepted positions not yet in the KDA states (fused replay): a "
+                                 "forward must name its requests (ForwardBatch.ids, one per request) so that theirs "
+                                 "are replayed first")
+            for rid, sl in zip(batch.ids, batch.slots):
+                p = self.pending.get(rid)
+                if p is not None and list(sl.kda_pages) != p.pages:
+                    raise RuntimeError(f"request {rid}: pending positions held for KDA pages {p.pages}, but the "
+                                       f"forward runs it on {list(sl.kda_pages)} (dropped too late?)")
+            # a plain forward (and a mixed one's verifications) reads the states as committed: replay theirs first
+            self.flush(batch.ids if nv < B else [])
         if nv == 0:
             return self._run(batch.tokens, batch.starts, batch.slots, batch.scores, batch.keep_hidden,
                              batch.features, images)
         if nv == B:
             return ForwardResult(None, verified=self._verify(batch.tokens, batch.starts, batch.slots,
-                                                             batch.features))
+                                                             batch.features, batch.ids))
         res, verified = self._run_mixed(batch.tokens, batch.starts, batch.slots, nv, batch.scores, batch.keep_hidden,
                                         batch.features, images)
         res.verified = verified
@@ -165,14 +208,89 @@ class ModelRunner:
         starts = to_device_async(torch.tensor(offsets), dev)
         pos = (starts[:, None] + torch.arange(L, device=dev)[None]).clamp(max=T - 1)
         idx = (r[:, None], pos)  # [R, L] positions of each replayed row
+
+        def picked(g: int) -> KDAInputs:
+            inp = v.kda_views[g].inputs
+            return KDAInputs(tuple(x[idx] for x in inp.pre_conv), inp.q[idx], inp.k[idx], inp.v[idx], inp.z[idx],
+                             inp.beta_logits[idx])
+
+        self._replay_into(v.kda_pages[:, r], picked, lengths)
+
+    def _replay_into(self, pages: Tensor, inputs, lengths: list[int]) -> None:
+        """Each KDA layer g: read the states in pages[g] ([n_kda, R]), replay the first lengths[i] positions of
+        inputs(g) (a KDAInputs of [R, L, ...]) and write the states back once."""
         layers = self.model.model.layers
         for g, li in enumerate(self.layout.kda):
+            state, conv = self.pool.read_kda(pages[g])
+            self.pool.write_kda(pages[g], *layers[li].self_attn.replay(inputs(g), state, conv, lengths))
+
+    # --- fused replay: pending accepted positions ----------------------------------------------------------------
+    def hold(self, request_id: str, pages: list[int], v: Verified, row: int, offset: int, n: int) -> None:
+        """Keep positions offset .. offset + n - 1 of verified row `row` (accepted, not replayed) pending for
+        request `request_id`, whose KDA running-state pages are `pages`: its next verification replays them in
+        front of its window, any other forward over it first (`flush`)."""
+        if not self.fused_replay:
+            raise RuntimeError("hold() is fused replay's (ModelRunner.fused_replay is off): commit with replay()")
+        if request_id in self.pending:
+            raise RuntimeError(f"request {request_id} already has {self.pending[request_id].n} pending positions: "
+                               "its verification should have replayed them")
+        T = v.logits.shape[1]
+        if not (n >= 1 and 0 <= offset and offset + n <= T):
+            raise ValueError(f"pending positions {offset} .. {offset + n - 1} lie outside the verification's {T}")
+        sl = slice(offset, offset + n)
+        inputs = []
+        for g in range(len(self.layout.kda)):
             inp = v.kda_views[g].inputs
-            picked = KDAInputs(tuple(x[idx] for x in inp.pre_conv), inp.q[idx], inp.k[idx], inp.v[idx], inp.z[idx],
-                               inp.beta_logits[idx])
-            pages = v.kda_pages[g, r]
-            state, conv = self.pool.read_kda(pages)
-            self.pool.write_kda(pages, *layers[li].self_attn.replay(picked, state, conv, lengths))
+            inputs.append(KDAInputs(tuple(x[row, sl] for x in inp.pre_conv), inp.q[row, sl], inp.k[row, sl],
+                                    inp.v[row, sl], inp.z[row, sl], inp.beta_logits[row, sl]))
+        self.pending[request_id] = Pending(list(pages), inputs, n)
+
+    def pending_tokens(self, request_id: str) -> int:
+        """How many accepted positions of the request are pending (0: its KDA states are at num_computed)."""
+        p = self.pending.get(request_id)
+        return 0 if p is None else p.n
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's pending positions (it leaves: finished, aborted or preempted; its pages are freed)."""
+        self.pending.pop(request_id, None)
+
+    @torch.no_grad()
+    def flush(self, request_ids: list[str]) -> None:
+        """Replay the pending positions of those of `request_ids` that have any into their KDA states (one replay
+        for all of them), and clear them."""
+        got = [(rid, self.pending[rid]) for rid in dict.fromkeys(request_ids) if rid in self.pending]
+        if not got:
+            return
+        entries = [p for _, p in got]
+        pages = to_device_async(torch.tensor([[p.pages[g] for p in entries] for g in range(len(self.layout.kda))],
+                                             dtype=torch.long), self.device)
+        lengths = [p.n for p in entries]
+        self._replay_into(pages, lambda g: self._stacked(entries, g, max(lengths)), lengths)
+        for rid, _ in got:
+            del self.pending[rid]
+
+    def _stacked(self, entries: list[Pending | None], g: int, P: int) -> KDAInputs:
+        """KDA layer g's pending inputs of `entries` as rows [len(entries), P, ...], zero-padded (None: no row of
+        its own, all padding)."""
+        cfg = self.model.config
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        dtype = next(self.model.parameters()).dtype
+        shapes = KDAInputs(((H * K,),) * 3, (H, K), (H, K), (H, K), (H, K), (H,))
+
+        def rows(pick, shape) -> Tensor:
+            out = []
+            for e in entries:
+                x = None if e is None else pick(e.inputs[g])
+                if x is None:
+                    x = torch.zeros(P, *shape, device=self.device, dtype=dtype)
+                elif x.shape[0] < P:
+                    x = torch.cat([x, x.new_zeros(P - x.shape[0], *x.shape[1:])])
+                out.append(x)
+            return torch.stack(out)
+
+        return KDAInputs(tuple(rows(lambda i, c=c: i.pre_conv[c], shapes.pre_conv[c]) for c in range(3)),
+                         rows(lambda i: i.q, shapes.q), rows(lambda i: i.k, shapes.k), rows(lambda i: i.v, shapes.v),
+                         rows(lambda i: i.z, shapes.z), rows(lambda i: i.beta_logits, shapes.beta_logits))
 
     # --- the forwards -----------------------------------------------------------------------------------------------
     def _kda_pages(self, slots: list[SeqSlots]) -> Tensor:
@@ -241,18 +359,22 @@ class ModelRunner:
         return ForwardResult(logits, scored, rows)
 
     def _verify(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
-                features: tuple[int, ...]) -> Verified:
+                features: tuple[int, ...], ids: list[str] | None = None) -> Verified:
         """Run each request's T tokens (its last sampled token and T - 1 drafts, the same T for all) from its own
         position as the rows of one batch: a graph replay when `graphs` verifies T positions (and the batch fits),
         else eagerly. The MLA views write every position's latent rows into the pages (rows past the accepted
         length are overwritten later and released by CacheManager.truncate); the KDA states in the pages are not
-        advanced: call `replay` with the accepted lengths."""
+        advanced: call `replay` with the accepted lengths (or `hold` them, with fused replay). With fused replay
+        the eager verification replays the requests' pending positions (by `ids`) in the same pass; a graph
+        replay replays them first (`flush`)."""
         T = len(tokens[0])
         if any(len(t) != T for t in tokens):
             raise ValueError("every request of a verification adds the same number of tokens")
         kda_pages = self._kda_pages(slots)
         g = self.graphs
         if g is not None and g.verify_lengths and tuple(features) == g.features:
+            if self.pending:  # the graphs verify from committed states: the unfused replay first
+                self.flush(ids)
             out = g.run_verify(tokens, starts, slots)
             if out is not None:  # a graph replay: the same forward over static buffers
                 logits, hidden, inputs = out
@@ -262,6 +384,18 @@ class ModelRunner:
                     view.inputs = i
                     views.append(view)
                 return Verified(logits, hidden, views, kda_pages)
+        if self.fused_replay:
+            entries = [None if ids is None else self.pending.get(rid) for rid in (ids or [None] * len(tokens))]
+            lengths = [0 if e is None else e.n for e in entries]
+            P = max(lengths)
+            pending = [self._stacked(entries, gi, P) for gi in range(len(self.layout.kda))]
+            logits, hidden, views = verify_replay_on_pool(self.model, self.layout, self.pool,
+                                                          torch.tensor(tokens, device=self.device), kda_pages,
+                                                          self._mla_views(slots, starts), pending, lengths, features)
+            for rid, e in zip(ids or (), entries):
+                if e is not None:  # replayed and written: the states are at the window's start now
+                    del self.pending[rid]
+            return Verified(logits, hidden, views, kda_pages)
         logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool,
                                                torch.tensor(tokens, device=self.device), kda_pages,
                                                self._mla_views(slots, starts), features)

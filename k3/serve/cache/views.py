@@ -6,6 +6,10 @@ cache protocol (k3.model.cache) over pool pages.
   (`read`) and hands the new ones to `update`, which the runner writes back after the forward.
 * `KDAVerifyView`: the same read for a speculative verification forward, which must not advance the committed
   state: it keeps the forward's projected inputs instead, for the replay of the accepted tokens (report §5.4.2).
+* `KDAReplayVerifyView`: a verification with the replay of the request's pending accepted positions fused in front
+  (EngineConfig.fused_replay, report §5.4.2): the committed states, each row's pending inputs and their counts; the
+  layer runs KimiDeltaAttention.verify_replay on it and hands back the state after the pending positions (written
+  back once by the runner) and the window's projected inputs (kept, as `KDAVerifyView` keeps them).
 * `KDAMixedView`: a packed forward of prefill chunks and verifications together: the new states of every request
   (the runner writes back only the prefill requests') and the projected inputs of every position.
 * `PagedMLAView`: an MLA layer's block tables for an eager forward. Rows of one length (a [B, T] batch) either
@@ -54,15 +58,18 @@ class LayerLayout:
 
 
 def layer_views(layout: LayerLayout, pool: CachePool, kda_pages: Tensor, mla_views: list,
-                kda_view=None) -> tuple[list, list]:
+                kda_view=None, kda_given: list | None = None) -> tuple[list, list]:
     """(every layer's cache view, the KDA layers' views) of one forward: `kda_view` (a view class, built with its
-    `over(pool, pages)`; default KDAPageView) over each KDA layer's states in its pages kda_pages[g] ([n_kda, B] device tensor), and
-    mla_views[g] for the g-th MLA layer."""
+    `over(pool, pages)`; default KDAPageView) over each KDA layer's states in its pages kda_pages[g] ([n_kda, B]
+    device tensor), and mla_views[g] for the g-th MLA layer. `kda_given`: the KDA layers' views already built (one per KDA layer, in
+    order), used instead of `kda_view`."""
     kda_view = KDAPageView if kda_view is None else kda_view
+    if kda_given is not None and len(kda_given) != len(layout.kda):
+        raise ValueError(f"{len(kda_given)} KDA views given for {len(layout.kda)} KDA layers")
     per_layer: list = [None] * layout.num_layers
     kda_views = []
     for g, li in enumerate(layout.kda):
-        kda_views.append(kda_view.over(pool, kda_pages[g]))
+        kda_views.append(kda_given[g] if kda_given is not None else kda_view.over(pool, kda_pages[g]))
         per_layer[li] = kda_views[-1]
     for g, li in enumerate(layout.mla):
         per_layer[li] = mla_views[g]
@@ -120,6 +127,35 @@ class KDAVerifyView:
         if inputs is None:
             raise ValueError("a verification forward's KDA layer must hand its projected inputs to the cache")
         self.inputs = inputs
+
+
+class KDAReplayVerifyView(KDAVerifyView):
+    """One KDA layer's view for a verification with the replay of pending accepted positions fused in front
+    (k3.serve.runner.ModelRunner with fused_replay; KimiDeltaAttention.verify_replay, k3.ops.kda_verify_replay):
+    the committed states [N, H, K, V] and conv tails [N, 3, P, W-1] read from the pages, `pending` (a KDAInputs of
+    [N, Pn, ...]: the positions a previous verification kept and accepted, not yet in the states) and `lengths`
+    (row n's count of them, 0 for none). The layer's verify_replay hands back, through `replayed`, the state and
+    conv tail after the pending positions (`state_after`, `conv_after`: the runner writes them back once) and the
+    window's projected inputs (`inputs`, for the replay or the pending positions of the next cycle). The layer's
+    plain forward (read / update) has no business with it: both raise."""
+
+    def __init__(self, state: Tensor, conv: Tensor, pending: KDAInputs, lengths: list[int]):
+        super().__init__(state, conv)
+        self.pending, self.lengths = pending, list(lengths)
+        self.state_after: Tensor | None = None
+        self.conv_after: Tensor | None = None
+
+    def read(self) -> tuple[Tensor, list[Tensor]]:
+        raise RuntimeError("a fused verify-replay view is run by KimiDeltaAttention.verify_replay, not read by the "
+                           "layer's forward (k3.serve.pool_forward.verify_replay_on_pool routes it)")
+
+    def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
+        raise RuntimeError("a fused verify-replay view takes its results through `replayed`, not `update`")
+
+    def replayed(self, state: Tensor, conv: Tensor, inputs: KDAInputs) -> None:
+        """Keep verify_replay's results: the state [N, H, K, V] and conv tail [N, 3, P, W-1] after the pending
+        positions, and the window's projected inputs."""
+        self.state_after, self.conv_after, self.inputs = state, conv, inputs
 
 
 class KDAMixedView(KDAPageView):

@@ -7,6 +7,11 @@ keeps the drafts the target agrees with (k3.serve.speculative.accept: the output
 tokens through the postprocess step, and `commit` replays the accepted positions into the KDA states (KDA rollback by
 replay; checkpoints only of committed states) and truncates the MLA cache to them. The draft observes the target's
 hidden states of every committed position (`observe`) and forgets a request that finished, was aborted or preempted.
+
+With fused replay (EngineConfig.fused_replay) `commit` replays only up to the last hash-block boundary inside the
+accepted positions (so the checkpoint taken there is of a committed state) and leaves the rest pending with the
+runner (ModelRunner.hold), to be replayed in the same pass as the request's next verification (or before any other
+forward over it); `forget` drops them.
 `switch` (a k3.serve.speculative.switch.SpecSwitch, with EngineConfig.speculative_auto) turns speculation off per
 decode batch size where it measures slower.
 """
@@ -27,8 +32,8 @@ from k3.serve.speculative.switch import SpecSwitch
 
 
 class SpeculativeDecoder:
-    """`cfg`: the engine's EngineConfig (read at each step: `mix_verify`, `hash_block_tokens`); `release`: ends a
-    finished request's life in the engine (its pages, its entry)."""
+    """`cfg`: the engine's EngineConfig (read at each step: `mix_verify`, `hash_block_tokens`, `fused_replay`);
+    `release`: ends a finished request's life in the engine (its pages, its entry)."""
 
     def __init__(self, draft: Draft, switch: SpecSwitch | None, runner: ModelRunner, scheduler: Scheduler,
                  post: Postprocessor, cfg, release: Callable[[Sequence], None]):
@@ -42,7 +47,10 @@ class SpeculativeDecoder:
         self.draft.observe(seq, start, hidden)
 
     def forget(self, seq: Sequence) -> None:
+        """The request left the running set (finished, aborted, preempted): the draft forgets it, and its pending
+        accepted positions (fused replay) are dropped: its running pages are freed, never read as committed again."""
         self.draft.forget(seq)
+        self.runner.drop(seq.request_id)
 
     # --- the step ------------------------------------------------------------------------------------------------
     def decide(self, decode_batch: int) -> bool:
@@ -77,7 +85,7 @@ class SpeculativeDecoder:
         """The verification rows of `work` as a forward (each request's last token and its drafts)."""
         return ForwardBatch([w.seq.token_range(w.start, w.end) + p.tokens for w, p in zip(work, props)],
                             [w.start for w in work], [self.scheduler.slots(w.seq) for w in work],
-                            n_verify=len(work), features=self.features)
+                            n_verify=len(work), features=self.features, ids=[w.seq.request_id for w in work])
 
     def verify(self, work: list[Work]) -> list[RequestOutput]:
         """Draft, verify, accept and commit the speculative decode steps of this step. Requests with the same
@@ -127,6 +135,9 @@ class SpeculativeDecoder:
         """Replay each request's committed positions into its KDA state and register them with the cache. A
         hash-block boundary inside them splits the replay there, so the checkpoint taken at it holds the state at
         exactly that position (checkpoints only of committed states)."""
+        if self.cfg.fused_replay:
+            self._commit_pending(work, v, emitted)
+            return
         hb = self.cfg.hash_block_tokens
         first = []
         for w, n in zip(work, emitted):
@@ -139,3 +150,24 @@ class SpeculativeDecoder:
         self.runner.replay(v, rest, [first[i] for i in rest], [emitted[i] - first[i] for i in rest])
         for i in rest:
             self.scheduler.computed(work[i].seq, work[i].start + emitted[i])
+
+    def _commit_pending(self, work: list[Work], v: Verified, emitted: list[int]) -> None:
+        """`commit` with fused replay: each request's accepted positions up to the last hash-block boundary among
+        them are replayed now (the checkpoint `computed` takes at the boundary holds exactly that position), the rest
+        are left pending with the runner (`hold`) and registered as computed: their MLA rows are in the pages (the
+        complete hash blocks enter the prefix index), and their end is past the last boundary, so no checkpoint is
+        taken there (the KDA state there is first needed by the next forward over the request, which replays them
+        in its own pass or before it)."""
+        stale = [w.seq.request_id for w in work if self.runner.pending_tokens(w.seq.request_id)]
+        if stale:  # the verification starts from the state after them: it must have replayed them
+            raise RuntimeError(f"requests {stale} still have pending positions after their verification")
+        hb = self.cfg.hash_block_tokens
+        now = [max((w.start + n) // hb * hb - w.start, 0) for w, n in zip(work, emitted)]
+        rows = [i for i, c in enumerate(now) if c]
+        self.runner.replay(v, rows, [0] * len(rows), [now[i] for i in rows])
+        for i in rows:
+            self.scheduler.computed(work[i].seq, work[i].start + now[i])
+        for i, (w, n) in enumerate(zip(work, emitted)):
+            if n > now[i]:
+                self.runner.hold(w.seq.request_id, self.scheduler.slots(w.seq).kda_pages, v, i, now[i], n - now[i])
+                self.scheduler.computed(w.seq, w.start + n)

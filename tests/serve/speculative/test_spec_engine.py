@@ -75,9 +75,10 @@ class OracleDraft:
         self.observed.pop(seq.request_id, None)
 
 
-def _engine(draft=None, spec="off", k=3, mb=4.0, chunk=40, step_tokens=96, tokenizer=True):
+def _engine(draft=None, spec="off", k=3, mb=4.0, chunk=40, step_tokens=96, tokenizer=True, fused=False):
     eng = LLMEngine(_model(), _tok() if tokenizer else None, EngineConfig(
         cache_memory_mb=mb, page_tokens=PAGE, hash_block_tokens=HB, speculative=spec, num_draft_tokens=k,
+        fused_replay=fused,
         scheduler=SchedulerConfig(max_step_tokens=step_tokens, prefill_chunk=chunk, max_num_seqs=8)), draft=draft)
     eng.eos_id = None
     return eng
@@ -141,10 +142,11 @@ def _mixed(batch) -> bool:
     return 0 < batch.n_verify < len(batch.tokens)
 
 
-def test_oracle_draft_accepts_every_draft_and_matches_plain_decoding():
+@pytest.mark.parametrize("fused", [False, True])  # EngineConfig.fused_replay
+def test_oracle_draft_accepts_every_draft_and_matches_plain_decoding(fused):
     prompts = _prompts(0, 4)
     params = [SamplingParams(max_tokens=LONGEST, temperature=0, logprobs=2)] * len(prompts)
-    eng = _engine(OracleDraft(), k=4)
+    eng = _engine(OracleDraft(), k=4, fused=fused)
     _check(_run(eng, [list(zip(prompts, params))]), params)
     m = eng.metrics
     # every verification but those cut short near max_tokens takes all 4 drafts: the multi-token path
@@ -163,10 +165,11 @@ def test_mtp_draft_matches_plain_decoding():
     assert eng.metrics.spec_verifications > 0 and eng.metrics.draft_tokens_proposed > 0
 
 
-def test_partial_acceptance_commits_exactly_the_accepted_prefix():
+@pytest.mark.parametrize("fused", [False, True])  # EngineConfig.fused_replay
+def test_partial_acceptance_commits_exactly_the_accepted_prefix(fused):
     prompts = _prompts(2, 3)
     params = [SamplingParams(max_tokens=LONGEST, temperature=0)] * len(prompts)
-    eng = _engine(OracleDraft(wrong_every=3), k=5)
+    eng = _engine(OracleDraft(wrong_every=3), k=5, fused=fused)
     _check(_run(eng, [list(zip(prompts, params))]), params)
     m = eng.metrics
     assert 0 < m.draft_tokens_accepted < m.draft_tokens_proposed
@@ -212,12 +215,13 @@ def test_random_request_mixes_match_plain_decoding(data):
     eng.cache.prefix.check_invariants()
 
 
-def test_preemption_under_speculation_matches_plain_decoding():
+@pytest.mark.parametrize("fused", [False, True])  # EngineConfig.fused_replay
+def test_preemption_under_speculation_matches_plain_decoding(fused):
     # five prompts of their own in a 14-page pool: requests that grow past a page while decoding preempt others
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (30 + i,), generator=g).tolist() for i in range(5)]
     params = [SamplingParams(max_tokens=LONGEST, temperature=0)] * len(prompts)
-    eng = _engine(OracleDraft(wrong_every=4), k=3, mb=0.5, step_tokens=64)
+    eng = _engine(OracleDraft(wrong_every=4), k=3, mb=0.5, step_tokens=64, fused=fused)
     results = _run(eng, [list(zip(prompts, params))])
     assert eng.metrics.preemptions > 0 and eng.metrics.draft_tokens_accepted > 0
     _check(results, params)
@@ -350,11 +354,13 @@ def test_a_prompt_scored_in_a_mixed_forward_has_the_plain_engines_prompt_logprob
             assert abs(x["logprob"] - y["logprob"]) < 1e-3
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("mix", [True, False])
-def test_every_model_forward_of_a_step_runs_through_the_runners_one_door(mix):
+def test_every_model_forward_of_a_step_runs_through_the_runners_one_door(mix, fused):
     # One path into the model: prefill chunks, decode steps, verifications (alone, or mixed with prefill) all run
-    # inside ModelRunner.execute; the replay of accepted drafts is a KDA layer's, not a model forward.
-    eng = _engine(OracleDraft(wrong_every=3), k=3, step_tokens=64)
+    # inside ModelRunner.execute; the replay of accepted drafts is a KDA layer's, not a model forward (with fused
+    # replay, part of the next verification's).
+    eng = _engine(OracleDraft(wrong_every=3), k=3, step_tokens=64, fused=fused)
     eng.cfg.mix_verify = mix
     inside, kinds, outside = [False], set(), []
     execute, forward = eng.runner.execute, eng.model.forward

@@ -1,0 +1,444 @@
+"""Fused replay (EngineConfig.fused_replay, k3.serve.runner): a request's accepted positions stay pending and are
+replayed in the same pass as its next verification (KimiDeltaAttention.verify_replay, op kda_verify_replay), or before
+any other forward over it. Greedy outputs are token-identical to decoding without speculation and to speculation
+without fused replay, and after every step each running request's KDA states, once its pending positions are
+replayed (on a copy of the pool), are a plain run's at its num_computed: across batches of different lengths,
+chunked prefill joining mid-stream (mixed forwards), prefix-cache hits and hash-block boundaries inside accepted
+positions, a prefix restore after a finished request, preemption, stop strings, max_tokens near the window, the
+speculative switch and verifications on static buffers.
+
+Tolerances (fp32 on the CPU), against the model's contiguous cache fed the same tokens in one chunk: KDA states
+STATE_TOL = 1e-5 of their largest entry (the engine's chunked prefill, token recurrences and replays are the same
+math in another association; measured up to 6e-6), conv tails CONV_TOL = 5e-5 (they are raw projections of each
+layer's input, which carries the rounding of every layer below it: measured up to 1.5e-5, and 1.4e-5 on the same
+requests without fused replay). A bug moves them by far more (`test_the_state_check_fails_on_a_lost_position`).
+A fused verification against the unfused one from the same pool (replay, then verify): logits 2e-3 absolute with
+1e-5 relative (they are ~1e2 here, lm_head x 40, as in test_spec_engine.py), kept inputs 1e-4, states written
+STATE_TOL and conv tails CONV_TOL of their largest entry.
+"""
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from helpers import one_torch_thread
+from k3.ops.registry import Backends
+from k3.serve import runner as runner_mod
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.runner import ForwardBatch, ModelRunner
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+from k3.serve.speculative.switch import SpecSwitch
+
+_spec = importlib.util.spec_from_file_location("spec_engine_fixtures_f",
+                                               Path(__file__).with_name("test_spec_engine.py"))
+fx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fx)
+
+STATE_TOL = 1e-5
+CONV_TOL = 5e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_torch_thread():  # tiny matrices: more threads only contend on a busy machine
+        yield
+GRAPH_OPS = {"mla_decode": "triton", "moe": "grouped"}  # what a static-buffer step needs (on CPU: the references)
+
+
+class EveryThirdPlain(SpecSwitch):
+    """Runs every third decode step plain, the others speculative: plain decode steps over requests with pending
+    positions, and verifications that follow verifications (with pending positions to fuse)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def decide(self, batch):
+        self.n += 1
+        return self.n % 3 != 0
+
+
+def _engine(draft=None, spec="off", k=3, mb=4.0, chunk=40, step_tokens=96, fused=True, hb=fx.HB, graphs=False):
+    eng = LLMEngine(fx._model(), fx._tok(), EngineConfig(
+        cache_memory_mb=mb, page_tokens=fx.PAGE, hash_block_tokens=hb, speculative=spec, num_draft_tokens=k,
+        fused_replay=fused, cuda_graphs="eager" if graphs else False,
+        scheduler=SchedulerConfig(max_step_tokens=step_tokens, prefill_chunk=chunk, max_num_seqs=8)), draft=draft)
+    eng.eos_id = None
+    return eng
+
+
+class Watch:
+    """Counts what the fused path did, through the runner's seams: fused verifications that replayed pending
+    positions, flushes before other forwards (by kind), commits that replayed up to a boundary now."""
+
+    def __init__(self, monkeypatch):
+        self.fused_with_pending = self.flush_plain = self.flush_mixed = self.flush_graph = self.split = 0
+        orig_vr, orig_exec, orig_flush = runner_mod.verify_replay_on_pool, ModelRunner.execute, ModelRunner.flush
+        orig_replay = ModelRunner.replay
+        watch, where = self, [None]
+
+        def vr(*args, **kwargs):
+            watch.fused_with_pending += any(args[7])
+            return orig_vr(*args, **kwargs)
+
+        def execute(runner, batch):
+            nv, B = batch.n_verify, len(batch.tokens)
+            where[0] = "plain" if nv == 0 else "mixed" if nv < B else "graph"
+            try:
+                return orig_exec(runner, batch)
+            finally:
+                where[0] = None
+
+        def flush(runner, ids):
+            if where[0] is not None and any(i in runner.pending for i in ids):
+                setattr(watch, f"flush_{where[0]}", getattr(watch, f"flush_{where[0]}") + 1)
+            return orig_flush(runner, ids)
+
+        def replay(runner, v, rows, offsets, lengths):
+            watch.split += bool(rows) and runner.fused_replay
+            return orig_replay(runner, v, rows, offsets, lengths)
+
+        monkeypatch.setattr(runner_mod, "verify_replay_on_pool", vr)
+        monkeypatch.setattr(ModelRunner, "execute", execute)
+        monkeypatch.setattr(ModelRunner, "flush", flush)
+        monkeypatch.setattr(ModelRunner, "replay", replay)
+
+
+@functools.lru_cache(maxsize=4096)
+def plain_state(tokens: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA states [n_kda, H, K, V] and conv tails [n_kda, 3, P, W-1] after `tokens`: the model's contiguous cache
+    fed them in one chunk (a plain run, no speculation)."""
+    model = fx._model()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.tensor([list(tokens)]), cache=cache)
+    kda = [cache[i] for i, l in enumerate(model.model.layers) if l.is_kda]
+    return torch.cat([c.state for c in kda]), torch.stack([torch.cat(c.conv) for c in kda])
+
+
+def _close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
+    err = float((got.double() - want.double()).abs().max()) / max(float(want.abs().max()), 1e-30)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+    return err
+
+
+@torch.no_grad()
+def check_states(eng: LLMEngine) -> int:
+    """Every running request's KDA states in its pages, after replaying its pending positions on a copy of the pool
+    (the engine goes on with them pending), against a plain run's at its num_computed. Pending positions belong to
+    running requests only. Returns how many requests had pending positions."""
+    runner = eng.runner
+    running = {s.request_id for s in eng.scheduler.running}
+    assert set(runner.pending) <= running, (set(runner.pending), running)
+    held = sum(runner.pending_tokens(r) > 0 for r in running)
+    pages, pending = runner.pool.pages.clone(), dict(runner.pending)
+    try:
+        runner.flush(list(pending))
+        assert not runner.pending
+        for seq in eng.scheduler.running:
+            n = seq.num_computed
+            if n == 0:
+                continue
+            state, conv = runner.pool.read_kda(torch.tensor(eng.scheduler.slots(seq).kda_pages))
+            want_state, want_conv = plain_state(tuple(seq.tokens[:n]))
+            _close(f"{seq.request_id} at {n}: KDA states", state, want_state, STATE_TOL)
+            _close(f"{seq.request_id} at {n}: conv tails", conv, want_conv, CONV_TOL)
+    finally:
+        runner.pool.pages.copy_(pages)
+        runner.pending.clear()
+        runner.pending.update(pending)
+    return held
+
+
+def drive(eng: LLMEngine, waves, states: bool = True) -> tuple[list, int]:
+    """fx._run with the state check after every step: ([(seq, streamed ids, streamed text)], the steps that had
+    pending positions)."""
+    seqs, streamed, held = [], {}, 0
+
+    def step():
+        nonlocal held
+        for o in eng.step():
+            ids, text = streamed.setdefault(o.request_id, ([], []))
+            ids += o.new_token_ids
+            text.append(o.new_text)
+        if states:
+            held += check_states(eng) > 0
+
+    for wave in waves:
+        for prompt, p in wave:
+            seqs.append(eng.add_request(list(prompt), p))
+        for _ in range(2):
+            step()
+    for _ in range(3000):
+        if not eng.has_work():
+            break
+        step()
+    assert not eng.has_work() and not eng.runner.pending
+    return [(s, streamed[s.request_id][0], "".join(streamed[s.request_id][1])) for s in seqs], held
+
+
+def _draft(kind: str):
+    return {"oracle": fx.OracleDraft(), "noisy": fx.OracleDraft(wrong_every=3), "mtp": None}[kind]
+
+
+@pytest.mark.parametrize("kind", ["oracle", "noisy", "mtp"])
+def test_fused_replay_matches_plain_decoding_and_keeps_plain_states(kind, monkeypatch):
+    # requests of different lengths, a second wave prefilling while the first decodes (its verifications join the
+    # chunks' packed forward: their pending positions are replayed first)
+    prompts = fx._prompts(2, 5)
+    params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0, logprobs=1)] * len(prompts)
+    waves = [list(zip(prompts[:3], params[:3])), list(zip(prompts[3:], params[3:]))]
+    watch = Watch(monkeypatch)
+    eng = _engine(_draft(kind), spec="mtp" if kind == "mtp" else "off", k=5 if kind != "mtp" else 3,
+                  step_tokens=64)
+    results, held = drive(eng, waves)
+    fx._check(results, params)
+    assert held > 0 and watch.fused_with_pending > 0 and watch.flush_mixed > 0
+    # the same tokens and acceptance as speculation without fused replay
+    off = _engine(_draft(kind), spec="mtp" if kind == "mtp" else "off", k=5 if kind != "mtp" else 3, step_tokens=64,
+                  fused=False)
+    ref, _ = drive(off, waves, states=False)
+    assert [s.output_ids for s, _, _ in results] == [s.output_ids for s, _, _ in ref]
+    m, mo = eng.metrics, off.metrics
+    assert (m.spec_verifications, m.draft_tokens_accepted) == (mo.spec_verifications, mo.draft_tokens_accepted)
+    eng.cache.prefix.check_invariants()
+
+
+@torch.no_grad()
+def test_a_fused_verification_equals_replay_then_verification(monkeypatch):
+    # Each fused verification that replays pending positions is run again from the same pool the unfused way (the
+    # pending positions replayed into the pages, then verify_on_pool): the logits, the window's kept inputs and the
+    # states written agree.
+    from k3.serve.pool_forward import verify_on_pool
+
+    checked = []
+    orig = ModelRunner._verify
+
+    def both(runner, tokens, starts, slots, features, ids=None):
+        lengths = [runner.pending_tokens(i) for i in ids]
+        if not any(lengths):
+            return orig(runner, tokens, starts, slots, features, ids)
+        before, pending = runner.pool.pages.clone(), dict(runner.pending)
+        v = orig(runner, tokens, starts, slots, features, ids)
+        after = runner.pool.pages.clone()
+        runner.pool.pages.copy_(before)
+        runner.pending.update(pending)
+        runner.flush(ids)
+        kda_pages = runner._kda_pages(slots)
+        state_ref, conv_ref = runner.pool.read_kda(kda_pages.flatten())
+        logits, _, views = verify_on_pool(runner.model, runner.layout, runner.pool, torch.tensor(tokens),
+                                          kda_pages, runner._mla_views(slots, starts), features)
+        torch.testing.assert_close(v.logits, logits, rtol=1e-5, atol=2e-3)
+        for g, view in enumerate(views):
+            got, want = v.kda_views[g].inputs, view.inputs
+            for x, y in zip([*got.pre_conv, got.q, got.k, got.v, got.z, got.beta_logits],
+                            [*want.pre_conv, want.q, want.k, want.v, want.z, want.beta_logits]):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+        runner.pool.pages.copy_(after)  # go on from the fused verification's pool
+        state, conv = runner.pool.read_kda(kda_pages.flatten())
+        _close("states after the pending positions", state, state_ref, STATE_TOL)
+        _close("conv tails after the pending positions", conv, conv_ref, CONV_TOL)
+        checked.append(lengths)
+        return v
+
+    monkeypatch.setattr(ModelRunner, "_verify", both)
+    prompts = fx._prompts(1, 3)
+    params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+    eng = _engine(fx.OracleDraft(wrong_every=4), k=4)
+    results, _ = drive(eng, [list(zip(prompts, params))], states=False)
+    fx._check(results, params)
+    assert len(checked) >= 3, checked
+
+
+def test_hash_block_boundaries_inside_accepted_positions_and_a_restore_after_finish(monkeypatch):
+    # 8-token hash blocks and 5 drafts the oracle always gets right: boundaries fall inside accepted positions, where
+    # the commit replays up to the boundary now (its checkpoint holds exactly that position) and keeps the rest
+    # pending. A second request continuing the first's whole text after it finished restores the first's newest
+    # checkpoint (a generated position's) and outputs what a cold engine outputs.
+    watch = Watch(monkeypatch)
+    eng = _engine(fx.OracleDraft(), k=5, hb=8)
+    prompts = fx._prompts(3, 3)
+    params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+    results, _ = drive(eng, [list(zip(prompts, params))])
+    fx._check(results, params)
+    assert watch.split > 0 and watch.fused_with_pending > 0
+    first = results[0][0]
+    text = first.prompt_ids + first.output_ids
+    cont = text + [5, 6]
+    p = SamplingParams(max_tokens=12, temperature=0)
+    again, _ = drive(eng, [[(cont, p)]])
+    seq = again[0][0]
+    assert seq.cached_tokens > len(first.prompt_ids), (seq.cached_tokens, len(first.prompt_ids))
+    assert seq.output_ids == fx.reference(tuple(cont), 12, (), None)[0]
+    eng.cache.prefix.check_invariants()
+
+
+def test_preemption_under_a_small_cache_drops_pending_positions(monkeypatch):
+    # five prompts of their own in a 14-page pool: requests preempted with positions pending drop them (their pages
+    # are freed; check_states holds pending positions to running requests) and recompute from their prefix hit
+    dropped = []
+    orig = ModelRunner.drop
+    monkeypatch.setattr(ModelRunner, "drop", lambda r, i: (dropped.append(r.pending_tokens(i)), orig(r, i))[1])
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, fx.VOCAB, (30 + i,), generator=g).tolist() for i in range(5)]
+    params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+    eng = _engine(fx.OracleDraft(wrong_every=4), k=3, mb=0.5, step_tokens=64)
+    results, held = drive(eng, [list(zip(prompts, params))])
+    assert eng.metrics.preemptions > 0 and held > 0 and any(dropped)
+    fx._check(results, params)
+
+
+def test_plain_steps_of_the_switch_and_near_max_tokens_replay_pending_first(monkeypatch):
+    # the switch runs every other decode step plain, and max_tokens near the window leaves no room for drafts: those
+    # forwards read the states as committed, so the pending positions are replayed before them
+    watch = Watch(monkeypatch)
+    eng = _engine(fx.OracleDraft(wrong_every=3), k=5)
+    eng.spec_switch = EveryThirdPlain()
+    prompts = fx._prompts(4, 4)
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (fx.LONGEST, 7, 8, 13)]
+    results, held = drive(eng, [list(zip(prompts, params))])
+    fx._check(results, params)
+    assert held > 0 and watch.flush_plain > 0 and watch.fused_with_pending > 0
+
+
+def test_verifications_on_static_buffers_replay_pending_first(monkeypatch):
+    # cuda_graphs="eager": the verifications run as static-buffer steps (a captured graph's code on CPU), which read
+    # the committed states, so pending positions are replayed first; the plain steps of the switch too
+    model = fx._model()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    try:
+        watch = Watch(monkeypatch)
+        eng = _engine(fx.OracleDraft(wrong_every=3), k=3, graphs=True)
+        eng.spec_switch = EveryThirdPlain()
+        prompts = fx._prompts(5, 3)
+        params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+        results, _ = drive(eng, [list(zip(prompts, params))])
+        fx._check(results, params)
+        assert eng.runner.graphs.verify_steps > 0 and watch.flush_graph > 0
+    finally:
+        model.set_backends(None)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no shrinking: each example runs engines
+@given(data=st.data())
+def test_random_requests_with_fused_replay_match_plain_decoding(data):
+    kind = data.draw(st.sampled_from(["oracle", "noisy", "mtp"]))
+    draft = {"oracle": fx.OracleDraft(), "noisy": fx.OracleDraft(wrong_every=data.draw(st.integers(2, 4))),
+             "mtp": None}[kind]
+    eng = _engine(draft, spec="mtp" if kind == "mtp" else "off", k=data.draw(st.sampled_from([1, 2, 3, 5])),
+                  mb=data.draw(st.sampled_from([0.5, 4.0])), chunk=data.draw(st.sampled_from([16, 40])),
+                  step_tokens=data.draw(st.sampled_from([32, 96])), hb=data.draw(st.sampled_from([8, 16])))
+    if data.draw(st.booleans()):
+        eng.spec_switch = EveryThirdPlain()
+    base = fx._prompts(data.draw(st.integers(0, 3)), 1)[0] * 2
+    waves, params = [], []
+    for _ in range(data.draw(st.integers(1, 2))):
+        wave = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            n = data.draw(st.integers(5, 80))
+            if data.draw(st.booleans()):  # a prefix of one shared base: prefix-cache hits
+                prompt = base[:n] + data.draw(st.lists(st.integers(1, fx.VOCAB - 1), max_size=4))
+            else:
+                prompt = data.draw(st.lists(st.integers(1, fx.VOCAB - 1), min_size=n, max_size=n))
+            max_tokens = data.draw(st.integers(1, 16))
+            stop = fx._stop_string(prompt, max_tokens) if data.draw(st.booleans()) else []
+            p = SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)
+            wave.append((prompt, p))
+            params.append(p)
+        waves.append(wave)
+    results, _ = drive(eng, waves)
+    fx._check(results, params)
+    eng.cache.prefix.check_invariants()
+
+
+def test_the_state_check_fails_on_a_lost_position(monkeypatch):
+    # the check above has teeth: a hold that keeps one accepted position fewer than it was given (a state one token
+    # behind from then on) fails it
+    orig = ModelRunner.hold
+
+    def short(runner, rid, pages, v, row, offset, n):
+        return orig(runner, rid, pages, v, row, offset, n - 1) if n > 1 else orig(runner, rid, pages, v, row, offset, n)
+
+    monkeypatch.setattr(ModelRunner, "hold", short)
+    eng = _engine(fx.OracleDraft(), k=4)
+    with pytest.raises(AssertionError, match="KDA states: relative error"):
+        drive(eng, [[(fx._prompts(1, 1)[0], SamplingParams(max_tokens=fx.LONGEST, temperature=0))]])
+
+
+# --- the switch and its errors ---------------------------------------------------------------------------------------
+def test_fused_replay_is_opt_in_and_needs_speculation():
+    assert EngineConfig().fused_replay is False
+    with pytest.raises(ValueError, match="fused_replay"):
+        EngineConfig(fused_replay="yes").validate()
+    with pytest.raises(ValueError, match="fused_replay .*needs speculative decoding"):
+        _engine(None, spec="off")
+
+
+def test_a_forward_that_does_not_name_its_requests_is_refused_while_positions_are_pending():
+    eng = _engine(fx.OracleDraft(), k=3)
+    seq = eng.add_request(fx._prompts(0, 1)[0], SamplingParams(max_tokens=fx.LONGEST, temperature=0))
+    for _ in range(20):
+        eng.step()
+        if eng.runner.pending:
+            break
+    assert eng.runner.pending_tokens(seq.request_id) > 0
+    batch = ForwardBatch([[seq.tokens[seq.num_computed]]], [seq.num_computed], [eng.scheduler.slots(seq)])
+    with pytest.raises(ValueError, match=r"ForwardBatch\.ids"):
+        eng.runner.execute(batch)
+    eng.abort_request(seq.request_id)
+    assert not eng.runner.pending  # an aborted request's pending positions are dropped
+    off = _engine(fx.OracleDraft(), k=3, fused=False)
+    with pytest.raises(RuntimeError, match="fused replay"):
+        off.runner.hold("r", [0], None, 0, 0, 1)
+
+
+def test_the_fused_replay_flag(tmp_path):
+    import argparse
+
+    from k3.serve.build import build_engine
+    from k3.serve.options import add_speculative_arguments
+
+    parser = argparse.ArgumentParser()
+    add_speculative_arguments(parser)
+    assert parser.parse_args([]).fused_replay is False
+    assert parser.parse_args(["--speculative", "mtp", "--fused-replay"]).fused_replay is True
+    assert "Opt-in until its kernel is measured on a GPU" in " ".join(parser.format_help().split())
+    with pytest.raises(ValueError, match="--fused-replay .*needs --speculative mtp or eagle3"):
+        build_engine(str(tmp_path), speculative="off", fused_replay=True)  # refused before anything is loaded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gpu_fused_replay_keeps_greedy_output(backend):
+    """On the GPU (not yet run on one): a bf16 engine with the MTP draft and eager verifications, with fused replay
+    on op kda_verify_replay's reference or its Triton kernel, outputs the same greedy tokens as without fused
+    replay, and the fused verifications replayed pending positions."""
+    import copy
+
+    model = copy.deepcopy(fx._model()).cuda().set_dtype(torch.bfloat16)
+    model.set_backends(Backends(per_op={"kda_verify_replay": backend}))
+    prompts = fx._prompts(8, 4)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    runs, held = [], []
+    for fused in (True, False):
+        eng = LLMEngine(model, None, EngineConfig(
+            cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", fused_replay=fused,
+            cuda_graphs=False, scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+        eng.eos_id = None
+        seqs = [eng.add_request(list(p), params) for p in prompts]
+        n = 0
+        while eng.has_work():
+            eng.step()
+            n += bool(eng.runner.pending)
+        held.append(n)
+        runs.append([s.output_ids for s in seqs])
+    assert held[0] > 0
+    assert runs[0] == runs[1]
