@@ -358,6 +358,31 @@ def test_random_requests_with_fused_replay_match_plain_decoding(data):
     eng.cache.prefix.check_invariants()
 
 
+def test_an_eagle3_draft_reads_the_fused_verifications_features(monkeypatch):
+    # an EAGLE-3 draft observes the target's AttnRes block features beside the hidden states: a fused verification
+    # hands them out as the unfused one does (the same drafts and acceptance, and the same output)
+    from k3.model.eagle3 import Eagle3Layer
+    from k3.serve.speculative.draft import Eagle3Draft
+
+    watch = Watch(monkeypatch)
+    layer = Eagle3Layer.from_target(fx._model())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the fused features matter: W_E3 away from [0 0 I]
+        layer.fc.weight.add_(torch.randn(layer.fc.weight.shape, generator=g) * 0.05)
+    prompts = fx._prompts(1, 3)
+    params = [SamplingParams(max_tokens=12, temperature=0)] * len(prompts)
+    runs = []
+    for fused in (True, False):
+        eng = _engine(Eagle3Draft(fx._model(), layer), k=3, fused=fused)
+        assert eng.draft.features == (1, 2)
+        results, _ = drive(eng, [list(zip(prompts, params))], states=fused)
+        fx._check(results, params)
+        m = eng.metrics
+        runs.append((m.spec_verifications, m.draft_tokens_proposed, m.draft_tokens_accepted))
+    # (a random draft is rarely right: each verification commits about one position, which stays pending)
+    assert runs[0] == runs[1] and runs[0][0] > 0 and watch.fused_with_pending > 0
+
+
 def test_the_state_check_fails_on_a_lost_position(monkeypatch):
     # the check above has teeth: a hold that keeps one accepted position fewer than it was given (a state one token
     # behind from then on) fails it
