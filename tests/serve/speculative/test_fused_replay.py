@@ -424,9 +424,11 @@ def test_a_forward_that_does_not_name_its_requests_is_refused_while_positions_ar
         off.runner.hold("r", [0], None, 0, 0, 1)
 
 
-def test_the_fused_replay_flag(tmp_path):
+def test_the_fused_replay_flag(tmp_path, monkeypatch):
     import argparse
 
+    from k3 import cli
+    from k3.serve import cli as serve_cli
     from k3.serve.build import build_engine
     from k3.serve.options import add_speculative_arguments
 
@@ -437,6 +439,20 @@ def test_the_fused_replay_flag(tmp_path):
     assert "Opt-in until its kernel is measured on a GPU" in " ".join(parser.format_help().split())
     with pytest.raises(ValueError, match="--fused-replay .*needs --speculative mtp or eagle3"):
         build_engine(str(tmp_path), speculative="off", fused_replay=True)  # refused before anything is loaded
+    # `k3 serve` hands it to the engine's builder; `k3 generate` takes it too
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory, as --ckpt's resolver wants one
+    seen = []
+
+    def fake_build(*a, **kw):
+        seen.append(kw["fused_replay"])
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(serve_cli, "build_engine", fake_build)
+    parse = cli.build_parser().parse_args
+    for argv, want in ((["serve", "--ckpt", str(tmp_path)], False),
+                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--fused-replay"], True)):
+        assert serve_cli.cmd_serve(parse(argv)) == 2 and seen[-1] is want
+    assert parse(["generate", "--ckpt", str(tmp_path), "x", "--fused-replay"]).fused_replay is True
 
 
 @pytest.mark.gpu
