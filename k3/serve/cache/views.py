@@ -61,8 +61,8 @@ def layer_views(layout: LayerLayout, pool: CachePool, kda_pages: Tensor, mla_vie
                 kda_view=None, kda_given: list | None = None) -> tuple[list, list]:
     """(every layer's cache view, the KDA layers' views) of one forward: `kda_view` (a view class, built with its
     `over(pool, pages)`; default KDAPageView) over each KDA layer's states in its pages kda_pages[g] ([n_kda, B]
-    device tensor), and mla_views[g] for the g-th MLA layer. `kda_given`: the KDA layers' views already built (one per KDA layer, in
-    order), used instead of `kda_view`."""
+    device tensor), and mla_views[g] for the g-th MLA layer. `kda_given`: the KDA layers' views already built (one
+    per KDA layer, in order), used instead of `kda_view`."""
     kda_view = KDAPageView if kda_view is None else kda_view
     if kda_given is not None and len(kda_given) != len(layout.kda):
         raise ValueError(f"{len(kda_given)} KDA views given for {len(layout.kda)} KDA layers")
