@@ -64,6 +64,13 @@ class KimiDeltaAttention(nn.Module):
         if context is not None and cache is not None:
             raise ValueError("context parallelism is a training forward: give no cache with it")
         local_cu = None if context is None else (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens)
+        pending = cache.pending_replay() if hasattr(cache, "pending_replay") else None
+        if pending is not None:  # a verification with the previous cycle's accepted positions replayed in front
+            if cu_seqlens is not None:
+                raise ValueError("a fused verify-replay forward runs rows of one length, not packed documents")
+            out, state, conv, inputs = self.verify_replay(x, *pending)
+            cache.replayed(state, conv, inputs)
+            return out.view(shape)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         P = H * K

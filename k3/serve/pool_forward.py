@@ -12,15 +12,12 @@ eager forward it replaces.
   KDA layer runs KimiDeltaAttention.verify_replay (k3.ops.kda_verify_replay) from the committed state read once, the
   state after the pending positions is written back once, the window's inputs are kept.
 
-The KDA layer's forward has no entry for the fused form (it reads a state and updates it; k3.model.cache), so for
-that one forward `verify_replay_on_pool` routes each KDA layer's call to its `verify_replay` (`_verify_replay_layers`,
-an instance attribute set and removed around the forward; the engine runs one forward at a time under its lock).
+Each KDA layer recognises the fused view by its `pending_replay` (the k3.model.cache protocol) and runs its
+`verify_replay` on it.
 """
 
 from __future__ import annotations
 
-import functools
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -86,8 +83,7 @@ def verify_replay_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tens
                          f"{len(layout.kda)} layers and {B} rows")
     views = [KDAReplayVerifyView(*pool.read_kda(kda_pages[g]), pending[g], lengths) for g in range(len(layout.kda))]
     per_layer, views = layer_views(layout, pool, kda_pages, mla_views, kda_given=views)
-    with _verify_replay_layers(model, layout):
-        out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)
+    out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)
     rows = [b for b, n in enumerate(lengths) if n]
     if rows:  # the state after the pending positions (accepted ones): written once
         r = to_device_async(torch.tensor(rows), kda_pages.device) if len(rows) < B else slice(None)
@@ -97,32 +93,3 @@ def verify_replay_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tens
             pool.write_kda(kda_pages[g, r], view.state_after[r], view.conv_after[r])
     hidden = torch.cat([*out.features, out.hidden_states], -1) if features else out.hidden_states
     return out.logits.float(), hidden, views
-
-
-def _verify_replay_forward(attn, x: Tensor, cache=None, batch: BatchInfo | None = None, **kwargs) -> Tensor:
-    """A KDA layer's call inside `verify_replay_on_pool`: its verify_replay over the view's pending inputs and the
-    window x [N, T, D] -> the window's outputs [N, T, D]."""
-    if not isinstance(cache, KDAReplayVerifyView) or kwargs or (batch is not None and batch.segment_ids is not None):
-        raise RuntimeError("a fused verify-replay forward runs rows of one length over KDAReplayVerifyView caches, "
-                           f"got a {type(cache).__name__} cache")
-    out, state, conv, inputs = attn.verify_replay(x, cache.pending, cache.lengths, cache.state, cache.conv_tails)
-    cache.replayed(state, conv, inputs)
-    return out.view(x.shape)
-
-
-@contextmanager
-def _verify_replay_layers(model, layout: LayerLayout):
-    """For the duration of one forward, each KDA layer's call runs `_verify_replay_forward` (an instance attribute
-    shadowing the class's forward; whatever instance attribute was there before is put back after)."""
-    attns = [model.model.layers[li].self_attn for li in layout.kda]
-    saved = [a.__dict__.get("forward") for a in attns]
-    for a in attns:
-        a.forward = functools.partial(_verify_replay_forward, a)
-    try:
-        yield
-    finally:
-        for a, f in zip(attns, saved):
-            if f is None:
-                del a.forward
-            else:
-                a.forward = f

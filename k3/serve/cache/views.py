@@ -145,9 +145,13 @@ class KDAReplayVerifyView(KDAVerifyView):
         self.state_after: Tensor | None = None
         self.conv_after: Tensor | None = None
 
+    def pending_replay(self) -> tuple[KDAInputs, list[int], Tensor, Tensor]:
+        """What the layer's forward hands KimiDeltaAttention.verify_replay (the k3.model.cache protocol)."""
+        return self.pending, self.lengths, self.state, self.conv_tails
+
     def read(self) -> tuple[Tensor, list[Tensor]]:
-        raise RuntimeError("a fused verify-replay view is run by KimiDeltaAttention.verify_replay, not read by the "
-                           "layer's forward (k3.serve.pool_forward.verify_replay_on_pool routes it)")
+        raise RuntimeError("a fused verify-replay view is run by KimiDeltaAttention.verify_replay (through "
+                           "`pending_replay`), not read by the layer's plain forward")
 
     def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
         raise RuntimeError("a fused verify-replay view takes its results through `replayed`, not `update`")
