@@ -11,6 +11,7 @@ each batch size, three engines over the same loaded model, greedy:
     off    no speculation (CUDA graphs where the model allows them)
     spec   --speculative mtp (or --draft DIR: eagle3) on every step
     auto   the same with --speculative-auto: speculation per batch size where it measures faster
+    fused  (--fused-replay) spec with the replay fused into the next verification (eager verifications only)
 
 each generates --max-tokens tokens for every request after a warm-up generation of the same prompts and length, so
 every CUDA graph the timed generation replays (each decode bucket, prefill chunk and verification length) is
@@ -151,6 +152,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--fused-replay", action="store_true",
+                    help="a fourth engine, `fused`: speculation on every step with the accepted positions' replay "
+                         "fused into the next eager verification (EngineConfig.fused_replay)")
     ap.add_argument("--prompts", nargs="+", default=None, metavar="FILE",
                     help="held-out text to take the prompts from (.txt/.md/.py/.rst or .jsonl with \"text\"); "
                          "default: the standard library files the training split holds out")
@@ -175,11 +179,13 @@ def main() -> None:
     rows = []
     for B in args.batch:
         res = {}
-        for mode in ("off", "spec", "auto"):
+        modes = ("off", "spec", "auto") + (("fused",) if args.fused_replay else ())
+        for mode in modes:
             spec = "off" if mode == "off" else ("eagle3" if args.draft else "mtp")
             cfg = EngineConfig(cache_memory_mb=args.cache_mb, max_model_len=args.prompt_tokens + args.max_tokens + 64,
                                speculative=spec, draft=args.draft if spec == "eagle3" else None,
                                num_draft_tokens=args.num_draft_tokens, speculative_auto=mode == "auto",
+                               fused_replay=mode == "fused",
                                scheduler=SchedulerConfig(max_num_seqs=max(B, 1), max_step_tokens=max(8192, 8 * B)))
             eng = LLMEngine(model, tok, cfg)
             eng.eos_id = None  # every request generates max_tokens tokens
@@ -203,11 +209,14 @@ def main() -> None:
                    spec_speedup=round(res["spec"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3),
                    auto_speedup=round(res["auto"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3),
                    mean_accepted_length=res["spec"]["mean_accepted_length"],
-                   outputs_equal=res["spec"]["outputs"] == res["off"]["outputs"] == res["auto"]["outputs"],
+                   outputs_equal=all(res[m]["outputs"] == res["off"]["outputs"] for m in modes),
                    divergence={m: divergence(model, prompts[:B], res["off"]["outputs"], res[m]["outputs"])
-                               for m in ("spec", "auto") if res[m]["outputs"] != res["off"]["outputs"]},
+                               for m in modes[1:] if res[m]["outputs"] != res["off"]["outputs"]},
                    graphs_made_while_timed={m: res[m]["graphs_made_while_timed"] for m in res},
                    auto_switch=res["auto"].get("switch"),
+                   **({"fused_tok_s": res["fused"]["tokens_per_s"],
+                       "fused_speedup": round(res["fused"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3)}
+                      if "fused" in res else {}),
                    kda_bytes_per_request_step=state_bytes(model.config, args.num_draft_tokens + 1),
                    verified_positions=args.num_draft_tokens + 1, accepted_positions=T)
         rows.append(row)
