@@ -52,6 +52,8 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/model/test_vision_reference.py",
     "tests/train/test_long_eval.py",
     "tests/serve/test_images_serve.py",
+    "tests/ops/test_kda_verify_replay.py",
+    "tests/serve/speculative/test_fused_replay.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/parallel/test_context_parallel.py"]
@@ -129,7 +131,8 @@ STEPS = {
                        "--seq-len", "32768", "--micro-batch-rows", "1", "--activation-checkpointing"]], 300),
     "long": ([[PY, "benchmarks/long_context.py", "--preset", "k3-mini", "--seq-len", "131072"]], 180),
     # the fused KDA decode step and router kernel: their GPU tests, kernels per layer off and on, decode off and on
-    "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py"],
+    "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
+                                "tests/ops/test_kda_verify_replay.py", "tests/serve/speculative/test_fused_replay.py"],
                       _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),
