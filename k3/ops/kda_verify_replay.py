@@ -11,7 +11,9 @@ are accepted), and advanced on through the window to give the window's outputs, 
 drafts are unverified).
 
 The seam. The op takes the pending positions as a verification kept them (post-conv k and v, decay logits z, beta
-logits, the pre-conv q/k/v inputs; a row's count in `pending_lengths`, 0 for none) and the window as the layer's
+logits, the pre-conv q/k/v inputs; a row's count in `pending_lengths`, 0 for none: host ints, or an int32/int64
+tensor [N] on the inputs' device, which nothing reads back to the host, so a CUDA graph can capture the op and
+refill the counts before each replay, as k3.serve.cuda_graphs' verification steps do) and the window as the layer's
 projections give it, BEFORE the short conv: the window's conv must start from the conv tail after the pending
 positions, a tail only this op computes, so the op runs the window's conv itself and hands the window's post-conv
 q, k, v back (the caller keeps them, with z, beta logits and pre-conv, as the next cycle's pending inputs). Outputs
@@ -67,8 +69,8 @@ class VerifyReplay(NamedTuple):
     conv: Tensor
 
 
-def _check(pk: Tensor, pv: Tensor, pz: Tensor, pbeta: Tensor, ppre: Tensor, lengths: list[int], wpre: Tensor,
-           wz: Tensor, wbeta: Tensor, conv_weight: Tensor, state: Tensor, conv: Tensor) -> None:
+def _check(pk: Tensor, pv: Tensor, pz: Tensor, pbeta: Tensor, ppre: Tensor, lengths: list[int] | Tensor,
+           wpre: Tensor, wz: Tensor, wbeta: Tensor, conv_weight: Tensor, state: Tensor, conv: Tensor) -> None:
     """Shapes and counts, each error naming the argument, what it got and what it needs."""
     if wz.dim() != 4:
         raise ValueError(f"window_z has shape {tuple(wz.shape)}, expected [N, T, H, K]")
@@ -85,8 +87,22 @@ def _check(pk: Tensor, pv: Tensor, pz: Tensor, pbeta: Tensor, ppre: Tensor, leng
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {list(shape)} (N={N} rows, P={max(P, 0)} "
                              f"pending and T={T} window positions, H={H} heads of K={K}, a conv of width >= 2; "
                              "pending_k is [N, P, H, K])")
-    if len(lengths) != N or not all(isinstance(n, int) and 0 <= n <= P for n in lengths):
+    if isinstance(lengths, Tensor):  # on the device: shape, dtype and device only (the values are never read back)
+        if tuple(lengths.shape) != (N,) or lengths.dtype not in (torch.int32, torch.int64) \
+                or lengths.device != wz.device:
+            raise ValueError(f"pending_lengths is a {lengths.dtype} tensor of shape {tuple(lengths.shape)} on "
+                             f"{lengths.device}: need an int32 or int64 tensor [{N}] on {wz.device}, values in "
+                             f"[0, {P}]")
+    elif len(lengths) != N or not all(isinstance(n, int) and 0 <= n <= P for n in lengths):
         raise ValueError(f"pending_lengths={lengths}: need {N} ints in [0, {P}]")
+
+
+def _lengths_on(lengths: list[int] | Tensor, dev, dtype: torch.dtype) -> Tensor:
+    """The pending counts as a `dtype` tensor on `dev`: a device tensor as it is (cast on the device), host ints
+    through pinned memory (a plain copy from host memory would wait for the device)."""
+    if isinstance(lengths, Tensor):
+        return lengths.to(dtype)
+    return to_device_async(torch.tensor(lengths, dtype=dtype), dev)
 
 
 def _window_conv(wpre: Tensor, conv_weight: Tensor, conv_p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,7 +115,8 @@ def _window_conv(wpre: Tensor, conv_weight: Tensor, conv_p: Tensor) -> tuple[Ten
 
 
 def kda_verify_replay(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta_logits: Tensor,
-                      pending_pre_conv: Tensor, pending_lengths: list[int], window_pre_conv: Tensor, window_z: Tensor,
+                      pending_pre_conv: Tensor, pending_lengths: list[int] | Tensor, window_pre_conv: Tensor,
+                      window_z: Tensor,
                       window_beta_logits: Tensor, conv_weight: Tensor, A_log: Tensor, dt_bias: Tensor,
                       lower_bound: float, state: Tensor, conv: Tensor) -> VerifyReplay:
     """The first pending_lengths[b] pending positions of row b, then its T window positions, from the committed
@@ -107,15 +124,16 @@ def kda_verify_replay(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, p
 
     pending_k, pending_v, pending_z: [N, P, H, K] (k, v after the short conv and SiLU, k not L2-normalized; z the decay
     logits before dt_bias); pending_beta_logits [N, P, H]; pending_pre_conv [N, P, 3, H*K] the q/k/v inputs of the
-    short convs; pending_lengths: N host ints in [0, P]. window_pre_conv [N, T, 3, H*K], window_z [N, T, H, K],
-    window_beta_logits [N, T, H]: the window's projections. conv_weight [3, H*K, W]: the q, k, v conv weights.
-    A_log [H], dt_bias [H*K], lower_bound: the gate's. state [N, H, K, K] fp32 and conv [N, 3, H*K, W-1] fp32
+    short convs; pending_lengths: N host ints in [0, P], or an int32/int64 tensor [N] on the inputs' device (not
+    read back: positions past a row's count are masked on the device). window_pre_conv [N, T, 3, H*K], window_z
+    [N, T, H, K], window_beta_logits [N, T, H]: the window's projections. conv_weight [3, H*K, W]: the q, k, v conv
+    weights. A_log [H], dt_bias [H*K], lower_bound: the gate's. state [N, H, K, K] fp32 and conv [N, 3, H*K, W-1] fp32
     (oldest first): the committed ones. Returns a `VerifyReplay`."""
     _check(pending_k, pending_v, pending_z, pending_beta_logits, pending_pre_conv, pending_lengths, window_pre_conv,
            window_z, window_beta_logits, conv_weight, state, conv)
     N, P = pending_k.shape[:2]
     dev = window_z.device
-    n = to_device_async(torch.tensor(pending_lengths), dev)  # a plain copy from host memory would wait for the device
+    n = _lengths_on(pending_lengths, dev, torch.long)
     conv_p = _conv_tail(conv, pending_pre_conv, n)
     state_p = state.float().clone()
     if P:
@@ -192,7 +210,7 @@ def _kernel(interpret: bool):
 
 
 def kda_verify_replay_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta_logits: Tensor,
-                             pending_pre_conv: Tensor, pending_lengths: list[int], window_pre_conv: Tensor,
+                             pending_pre_conv: Tensor, pending_lengths: list[int] | Tensor, window_pre_conv: Tensor,
                              window_z: Tensor, window_beta_logits: Tensor, conv_weight: Tensor, A_log: Tensor,
                              dt_bias: Tensor, lower_bound: float, state: Tensor, conv: Tensor) -> VerifyReplay:
     """`kda_verify_replay` with both recurrent loops in one fused Triton kernel (the module docstring); the same
@@ -207,7 +225,7 @@ def kda_verify_replay_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Te
     N, P = pending_k.shape[:2]
     _, T, H, K = window_z.shape
     dev = window_z.device
-    n = to_device_async(torch.tensor(pending_lengths, dtype=torch.int32), dev)  # without waiting for the device
+    n = _lengths_on(pending_lengths, dev, torch.int32).contiguous()  # the kernel reads each row's count itself
     conv_p = _conv_tail(conv, pending_pre_conv, n.long())
     q, k, v = (x.reshape(N, T, H, K) for x in _window_conv(window_pre_conv, conv_weight, conv_p))
     o = torch.empty(N, T, H, K, device=dev, dtype=v.dtype)

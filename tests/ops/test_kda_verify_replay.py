@@ -111,6 +111,38 @@ def test_nothing_pending_at_all():
     assert _close(got.o, want[0], 1e-5) and torch.equal(got.state, case[6]) and torch.equal(got.conv, case[7])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_counts_as_a_device_tensor_equal_the_host_list(backend, dtype, monkeypatch):
+    """pending_lengths as a tensor (what a captured graph refills before each replay) gives exactly the host list's
+    results, on random inputs and random counts with zeros among them (all zero in one case), on the reference and
+    (in Triton's interpreter) on the kernel."""
+    fn = kda_verify_replay
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        fn = kda_verify_replay_triton
+    N, P, T = 5, 4, 3
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        case = _case(N=N, P=P, T=T, seed=10 + seed)
+        lengths = [0] * N if seed == 2 else torch.randint(0, P + 1, (N,), generator=g).tolist()
+        if seed == 0:
+            lengths[1] = 0
+        want = fn(*_args(case, lengths))
+        got = fn(*_args(case, torch.tensor(lengths, dtype=dtype)))
+        for name, a, b in zip(want._fields, got, want):
+            assert torch.equal(a, b), f"{backend}: {name} differs with the counts as a tensor ({lengths})"
+
+
+def test_device_counts_of_the_wrong_shape_or_dtype_are_named():
+    case = _case()
+    with pytest.raises(ValueError, match=r"pending_lengths is a torch.float32 tensor of shape \(4,\).*int32 or int64"):
+        kda_verify_replay(*_args(case, torch.zeros(4)))
+    with pytest.raises(ValueError, match=r"pending_lengths is a torch.int64 tensor of shape \(3,\).*\[4\]"):
+        kda_verify_replay(*_args(case, torch.zeros(3, dtype=torch.long)))
+
+
 def test_bad_inputs_are_named():
     case = _case()
     with pytest.raises(ValueError, match=r"pending_lengths=\[0, 1, 4, 2\]: need 4 ints in \[0, 3\]"):
