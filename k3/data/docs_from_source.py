@@ -22,7 +22,7 @@ import ast
 import warnings
 from dataclasses import dataclass
 
-from k3.data.sft_from_source import DEFAULT_HELDOUT_FRACTION, source_texts
+from k3.data.sft_from_source import DEFAULT_HELDOUT_FRACTION, definitions, source_texts
 
 SYSTEM = "You write documentation."
 DEFAULT_HEAD_CHARS = 160
@@ -49,7 +49,7 @@ def file_records(text: str, name: str, head_chars: int, reply_chars: int, stats:
         stats.unparsable_files += 1
         return []
     out = []
-    for node in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]:
+    for node in [tree, *definitions(tree, (ast.FunctionDef, ast.ClassDef))]:
         doc = ast.get_docstring(node)
         if not doc or len(doc) < head_chars + reply_chars // 2:
             continue

@@ -22,6 +22,7 @@ records with the smallest stable hashes of their `source`, in file order. The ou
 from __future__ import annotations
 
 import ast
+import collections
 import hashlib
 import json
 import os
@@ -50,10 +51,25 @@ class SourceStats:
     heldout: int = 0
 
 
-def _functions(tree: ast.AST):
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+_BLOCKS = (ast.stmt, ast.excepthandler, ast.match_case)  # what holds statements; an expression never does
+
+
+def definitions(tree: ast.AST, kinds: tuple[type, ...]):
+    """Every node of `kinds` (statement types: functions, classes) in `tree`, in ast.walk's order (breadth first),
+    but walking statements only: a definition is a statement, and expressions (most of a tree's nodes) cannot hold
+    one, so the nodes skipped are never on the path to one and the order of those found is ast.walk's."""
+    todo = collections.deque([tree])
+    while todo:
+        node = todo.popleft()
+        if isinstance(node, kinds):
             yield node
+        for _, value in ast.iter_fields(node):
+            if isinstance(value, list):
+                todo.extend(v for v in value if isinstance(v, _BLOCKS))
+
+
+def _functions(tree: ast.AST):
+    return definitions(tree, (ast.FunctionDef, ast.AsyncFunctionDef))
 
 
 def _has_docstring(node) -> bool:

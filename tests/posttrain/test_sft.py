@@ -314,3 +314,48 @@ def test_sft_from_source_is_deterministic_and_held_out_by_file(tmp_path, capsys)
     method = next(r for r in train + held if "def method" in r["messages"][2]["content"])
     assert method["messages"][2]["content"].startswith("def method(self):\n")  # dedented
     read_chat_jsonl(str(tmp_path / "a_train.jsonl"))  # valid `k3 sft` data
+
+
+def test_definitions_finds_what_ast_walk_finds_in_its_order():
+    """k3.data.sft_from_source.definitions walks statements only; it must find every function and class ast.walk
+    finds, in ast.walk's order, wherever they are nested (try/except*, match, with, loops, classes, functions)."""
+    import ast
+
+    from k3.data.sft_from_source import definitions
+
+    src = '''
+def a():
+    def b(): pass
+    x = lambda: (yield)
+    class C:
+        async def d(self): pass
+try:
+    def e(): pass
+except ValueError:
+    def f(): pass
+else:
+    class G: pass
+finally:
+    def h(): pass
+try:
+    pass
+except* OSError:
+    def i(): pass
+match a:
+    case 1:
+        def j(): pass
+    case _:
+        class K:
+            def l(self): pass
+with open("x") as fh:
+    for _ in fh:
+        while True:
+            if _:
+                def m(): pass
+            else:
+                async def n(): pass
+'''
+    tree = ast.parse(src)
+    for kinds in ((ast.FunctionDef, ast.AsyncFunctionDef), (ast.FunctionDef, ast.ClassDef)):
+        want = [n.name for n in ast.walk(tree) if isinstance(n, kinds)]
+        assert [n.name for n in definitions(tree, kinds)] == want and len(want) >= 8
