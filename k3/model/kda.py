@@ -129,11 +129,13 @@ class KimiDeltaAttention(nn.Module):
         return kda_replay_any(inputs.q, inputs.k, inputs.v, inputs.z, inputs.beta_logits, pre_conv, self.A_log,
                               self.dt_bias, self.lower_bound, state, conv, lengths, backends=self.backends)
 
-    def verify_replay(self, x: torch.Tensor, pending: KDAInputs, lengths: list[int], state: torch.Tensor,
+    def verify_replay(self, x: torch.Tensor, pending: KDAInputs, lengths: list[int] | torch.Tensor,
+                      state: torch.Tensor,
                       conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KDAInputs]:
         """A verification forward of the window x [N, T, D] with the replay of the previous cycle's accepted
         positions fused in front (report §5.4.2, k3.ops.kda_verify_replay): the first lengths[n] positions of row n
-        of `pending` (a verification's kept inputs, [N, P, ...]; 0 for none) advance the committed `state`
+        of `pending` (a verification's kept inputs, [N, P, ...]; 0 for none; host ints or an int tensor [N] on the
+        device, never read back: a captured verification step's) advance the committed `state`
         [N, H, K, V] fp32 and `conv` [N, 3, H*K, W-1] fp32, then the window runs from there. Returns (the window's
         outputs [N, T, D], as `forward` from the state after the pending positions gives them; that state and conv
         tail, to be written back; the window's projected inputs, the next cycle's pending ones)."""

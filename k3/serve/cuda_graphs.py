@@ -46,6 +46,15 @@ With a speculative draft (k3.serve.speculative), every step also outputs the hid
 the MLA rows of every position are written, and the logits of all T positions come out. A verification capture that fails turns off verification
 graphs only.
 
+With fused replay (k3.serve.runner, EngineConfig.fused_replay; `fused_replay`, the runner's by default) the
+verification step runs k3.serve.pool_forward.verify_replay_on_pool instead: each request's pending accepted positions
+(a previous verification's, not yet in its KDA states) are replayed in the same pass as its window. Its bucket also
+holds, per KDA layer, the pending inputs [Bb, T, ...] (a KDAInputs: at most T pending positions per request, more
+run eagerly) and one count buffer pending_lengths [Bb] (0 for padding rows and rows with nothing pending), which the
+op reads on the device; the runner's inputs are copied into them before each replay. Inside the step every row
+writes its state after the pending positions back into its pages (a row with nothing pending its committed state,
+unchanged; a padding row only the scratch page).
+
 `EngineConfig.compile_decode` (default off): the decode step (T = 1) is compiled with torch.compile (static shapes,
 one compile per bucket, done in the warm-up runs before capture) so that Inductor fuses its elementwise work (norms,
 gates, casts, residual sums) into fewer kernels; the graph then captures the compiled step. Prefill and verification
@@ -68,7 +77,7 @@ from k3.ops.moe import grouped_used
 from k3.ops.registry import Target, notice, opaque_under_compile, runs_on
 from k3.model.cache import KDAInputs
 from k3.serve.cache.views import StaticMLAView
-from k3.serve.pool_forward import run_on_pool, verify_on_pool
+from k3.serve.pool_forward import run_on_pool, verify_on_pool, verify_replay_on_pool
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
 # ... and contexts up to this long: every query row of such a step reads its request's whole latent cache, which
@@ -154,6 +163,10 @@ class _Bucket:
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
         self.kda_pages = torch.full((size, n_kda), scratch, dtype=torch.long, device=device)
         self.tables = torch.full((size, n_mla, max_pages), scratch, dtype=torch.long, device=device)
+        # a fused verification's (DecodeGraphs.fused_replay): per KDA layer the pending inputs [size, tokens, ...]
+        # and each row's count of them [size] (0: nothing pending, or a padding row); set by DecodeGraphs._bucket
+        self.pending: list[KDAInputs] | None = None
+        self.pending_lengths: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         # the captured step's outputs: (logits [size, V], hidden or None) for a decode or prefill step (hidden, with
         # keep_hidden: what the draft reads [size, tokens, width]); (logits [size, T, V], hidden, each KDA layer's
@@ -169,11 +182,13 @@ class DecodeGraphs:
     max_batch: the most requests of one step (the engine's max_num_seqs); max_model_len: the longest context
     (sets max_pages and the kernel's split count); scratch_page: a pool page no request ever gets. `keep_hidden`
     (an engine with a speculative draft): every step also outputs the forward's hidden states (with `features`,
-    those AttnRes blocks' outputs beside them), what the draft observes, and `run` returns (logits, hidden)."""
+    those AttnRes blocks' outputs beside them), what the draft observes, and `run` returns (logits, hidden).
+    `fused_replay` (None: the runner's): verifications replay the requests' pending accepted positions in the same
+    pass (`run_verify`'s `pending`; the module docstring)."""
 
     def __init__(self, runner, max_batch: int, max_model_len: int, scratch_page: int, capture: bool = True,
                  prefill_lengths: tuple[int, ...] = (), keep_hidden: bool = False, features: tuple[int, ...] = (),
-                 verify_lengths: tuple[int, ...] = (), compile_step: bool = False):
+                 verify_lengths: tuple[int, ...] = (), compile_step: bool = False, fused_replay: bool | None = None):
         pool = runner.pool
         if not 0 <= scratch_page < pool.pages.shape[0]:
             raise ValueError(f"scratch_page={scratch_page} is not a page of the pool ({pool.pages.shape[0]} pages)")
@@ -190,6 +205,8 @@ class DecodeGraphs:
         # buffers: `run_verify`
         self.verify_lengths = tuple(sorted(set(int(t) for t in verify_lengths if int(t) > 1)))
         self.verify_steps = 0
+        self.fused_replay = bool(getattr(runner, "fused_replay", False) if fused_replay is None else fused_replay)
+        self.fused_pending_steps = 0  # fused verification steps in which some request had pending positions
         self.max_model_len = max_model_len
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = decode_buckets(max_batch)
@@ -264,16 +281,32 @@ class DecodeGraphs:
         return logits[:B].clone()
 
     @torch.no_grad()
-    def run_verify(self, tokens: list[list[int]], starts: list[int], slots):
+    def run_verify(self, tokens: list[list[int]], starts: list[int], slots, pending: list[KDAInputs] | None = None,
+                   pending_lengths: list[int] | None = None):
         """A speculative verification (k3.serve.runner.ModelRunner.execute) over static buffers: every request runs
         its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
         [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs), copies; or None when it cannot
-        run here (as `run`): verify eagerly."""
-        got = self._run_static(tokens, starts, slots, verify=True)
+        run here (as `run`): verify eagerly.
+
+        With fused_replay, `pending` (per KDA layer the requests' pending inputs [B, P, ...], zero-padded; None:
+        nothing pending) and `pending_lengths` (B counts, 0 for none) are replayed in front of the windows, the states
+        after them written into the requests' pages; None (run eagerly) when a count exceeds T, the pending
+        buffers' length."""
+        if pending is not None and not self.fused_replay:
+            raise ValueError("pending positions given to a verification step without fused replay "
+                             "(DecodeGraphs.fused_replay is off)")
+        if pending is not None:
+            if pending_lengths is None or len(pending_lengths) != len(tokens) or len(pending) != len(self.layout.kda):
+                raise ValueError(f"pending inputs for {len(pending)} KDA layers and counts {pending_lengths}: need "
+                                 f"{len(self.layout.kda)} layers and {len(tokens)} counts")
+            if tokens and max(pending_lengths) > len(tokens[0]):
+                return None  # more pending positions than the buffers hold (T of them)
+        got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths))
         if got is None:
             return None
         B, (logits, hidden, inputs) = got
         self.verify_steps += 1
+        self.fused_pending_steps += pending is not None and any(pending_lengths)
         cut = lambda t: t[:B].clone()  # noqa: E731
         return cut(logits), cut(hidden), [KDAInputs(tuple(cut(x) for x in i.pre_conv), cut(i.q), cut(i.k), cut(i.v),
                                                     cut(i.z), cut(i.beta_logits)) for i in inputs]
@@ -295,9 +328,10 @@ class DecodeGraphs:
         return len(self._static)
 
     # --- internals -----------------------------------------------------------------------------------------------
-    def _run_static(self, tokens, starts, slots, verify: bool):
+    def _run_static(self, tokens, starts, slots, verify: bool, pending=(None, None)):
         """The step of `run` (verify=False) or `run_verify` over the buffers of its bucket, replayed when captured ->
-        (B, the step's outputs over the whole bucket), or None when it cannot run here."""
+        (B, the step's outputs over the whole bucket), or None when it cannot run here. `pending`: a fused
+        verification's (inputs, counts), as `run_verify`'s."""
         if self.disabled is not None:
             return None
         B = len(tokens)
@@ -316,6 +350,8 @@ class DecodeGraphs:
         if bucket is None:
             return None
         self._load(bucket, tokens, starts, slots, width)
+        if bucket.pending is not None:
+            self._load_pending(bucket, len(tokens), *pending)
         if bucket.graph is not None:
             bucket.graph.replay()
             self.replays += 1
@@ -338,8 +374,14 @@ class DecodeGraphs:
     def _verify_step(self, b: _Bucket):
         """The verification step that is captured: the model over b's T positions per row with each KDA layer's
         view keeping its inputs (the states in the pages stay as they are) -> (logits [size, T, V] fp32, hidden,
-        [KDAInputs per KDA layer])."""
+        [KDAInputs per KDA layer]). A fused bucket (b.pending) replays each row's first b.pending_lengths[row]
+        pending positions in front of its window and writes every row's state after them back into its pages."""
         self.pool.zero_page(self.scratch)
+        if b.pending is not None:
+            logits, hidden, views = verify_replay_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
+                                                          self._mla_views(b), b.pending, b.pending_lengths,
+                                                          self.features)
+            return logits, hidden, [v.inputs for v in views]
         logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
                                                self._mla_views(b), self.features)
         return logits, hidden, [v.inputs for v in views]
@@ -362,6 +404,29 @@ class DecodeGraphs:
             rows += [[[scr] * width] * n_mla] * pad
             b.tables[:, :, :width].copy_(torch.tensor(rows, dtype=torch.long))
 
+    def _load_pending(self, b: _Bucket, B: int, pending: list[KDAInputs] | None, lengths: list[int] | None) -> None:
+        """Copy a fused verification's pending inputs and counts into b's buffers (no reallocation): rows past the
+        batch, and every row when nothing is pending, get count 0, so whatever their inputs hold is never read."""
+        counts = ([0] * B if pending is None else list(lengths)) + [0] * (b.size - B)
+        b.pending_lengths.copy_(torch.tensor(counts, dtype=torch.int32))
+        if pending is None:
+            return
+        for buf, src in zip(b.pending, pending):
+            for x, y in zip((*buf.pre_conv, buf.q, buf.k, buf.v, buf.z, buf.beta_logits),
+                            (*src.pre_conv, src.q, src.k, src.v, src.z, src.beta_logits)):
+                x[:B, :y.shape[1]].copy_(y)
+
+    def _pending_buffers(self, b: _Bucket) -> None:
+        """b's fused-verification buffers: per KDA layer KDAInputs of [size, tokens, ...] in the model's dtype (the
+        kept inputs' shapes) and the counts [size] int32, all zero."""
+        cfg, dev = self.model.config, self.device
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        dtype = next(self.model.parameters()).dtype
+        z = lambda *shape: torch.zeros(b.size, b.tokens, *shape, device=dev, dtype=dtype)  # noqa: E731
+        b.pending = [KDAInputs((z(H * K), z(H * K), z(H * K)), z(H, K), z(H, K), z(H, K), z(H, K), z(H))
+                     for _ in self.layout.kda]
+        b.pending_lengths = torch.zeros(b.size, dtype=torch.int32, device=dev)
+
     def _bucket(self, size: int, tokens: int = 1, verify: bool = False) -> _Bucket | None:
         key = (size, tokens, "verify") if verify else (size, tokens)
         b = self._static.get(key)
@@ -369,6 +434,8 @@ class DecodeGraphs:
             return b
         b = _Bucket(size, tokens, len(self.layout.kda), len(self.layout.mla), self.max_pages, self.scratch,
                     self.num_splits(size, tokens), self.device)
+        if verify and self.fused_replay:
+            self._pending_buffers(b)
         what = f"{tokens}-position verification" if verify else "decode" if tokens == 1 else f"{tokens}-token prefill"
         if self.capture:
             t0 = time.perf_counter()

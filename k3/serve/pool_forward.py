@@ -69,14 +69,18 @@ def verify_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda
 
 
 def verify_replay_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor,
-                          mla_views: list, pending: list[KDAInputs], lengths: list[int],
+                          mla_views: list, pending: list[KDAInputs], lengths: list[int] | Tensor,
                           features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, list[KDAReplayVerifyView]]:
     """`verify_on_pool` with each request's pending accepted positions replayed in front of its window, in the same
     pass: pending[g] the g-th KDA layer's pending inputs [B, P, ...] (a verification's kept inputs; row b's first
     lengths[b] positions are real, 0 for none), the states in pages kda_pages[g] the committed ones before them.
     Returns what `verify_on_pool` returns (the logits and hidden states of the window, from the state after the
     pending positions; each KDA layer's view holding the window's inputs). The state and conv tail after the pending
-    positions are written into the pages of the rows that had any; the window advances nothing."""
+    positions are written into the pages of the rows that had any; the window advances nothing.
+
+    `lengths` as an int tensor [B] on the device (a static-buffer step's, refilled before each replay; nothing is read
+    back): every row's state and conv tail are written, a row with nothing pending writing back its committed ones
+    unchanged (identity steps: bit for bit) and a padding row only the scratch page its pages point at."""
     B = ids.shape[0]
     if len(pending) != len(layout.kda) or len(lengths) != B:
         raise ValueError(f"pending inputs for {len(pending)} KDA layers and {len(lengths)} rows: need "
@@ -84,7 +88,8 @@ def verify_replay_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tens
     views = [KDAReplayVerifyView(*pool.read_kda(kda_pages[g]), pending[g], lengths) for g in range(len(layout.kda))]
     per_layer, views = layer_views(layout, pool, kda_pages, mla_views, kda_given=views)
     out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)
-    rows = [b for b, n in enumerate(lengths) if n]
+    on_device = isinstance(lengths, Tensor)
+    rows = list(range(B)) if on_device else [b for b, n in enumerate(lengths) if n]
     if rows:  # the state after the pending positions (accepted ones): written once
         r = to_device_async(torch.tensor(rows), kda_pages.device) if len(rows) < B else slice(None)
         for g, view in enumerate(views):

@@ -23,16 +23,17 @@ accepted prefix: it reads the committed states from the pages, has each KDA laye
 
 Fused replay (`fused_replay`, EngineConfig.fused_replay; report §5.4.2): instead, the accepted positions stay
 pending (`hold`: their kept inputs, per request id, in `pending`), and a request's pages hold its KDA state at
-num_computed minus its pending count. Its next eager verification alone (every row of the forward a verification
-of the same length) replays them in the same pass as the new window (k3.serve.pool_forward.verify_replay_on_pool:
-the committed state read once, the state after the pending positions written once). Every other forward that reads
-a request's KDA state as committed replays its pending positions first (`flush`, the same replay as `replay`): a
-plain forward (prefill, decode, the static-buffer steps), a mixed forward's verifications, a verification on the
-static buffers (graphs keep the unfused path). While anything is pending every forward must name its requests
-(ForwardBatch.ids), so none can read a state that is behind. The engine drops a request's pending positions when it
-leaves the running set (`drop`: finished, aborted or preempted; its running pages are freed, never read again as
-committed: checkpoints are copies of committed states, taken only at hash-aligned positions the speculative
-decoder replays up to first).
+num_computed minus its pending count. Its next verification alone (every row of the forward a verification of the
+same length), eager or on the static buffers (k3.serve.cuda_graphs: the fused verification step, with the pending
+inputs copied into its buffers), replays them in the same pass as the new window (k3.serve.pool_forward.
+verify_replay_on_pool: the committed state read once, the state after the pending positions written once). Every
+other forward that reads a request's KDA state as committed replays its pending positions first (`flush`, the same
+replay as `replay`): a plain forward (prefill, decode, the static-buffer steps), a mixed forward's verifications, a
+verification on static buffers whose graphs were built without fused replay. While anything is pending every
+forward must name its requests (ForwardBatch.ids), so none can read a state that is behind. The engine drops a
+request's pending positions when it leaves the running set (`drop`: finished, aborted or preempted; its running pages
+are freed, never read again as committed: checkpoints are copies of committed states, taken only at hash-aligned
+positions the speculative decoder replays up to first).
 """
 
 from __future__ import annotations
@@ -365,18 +366,26 @@ class ModelRunner:
         else eagerly. The MLA views write every position's latent rows into the pages (rows past the accepted
         length are overwritten later and released by CacheManager.truncate); the KDA states in the pages are not
         advanced: call `replay` with the accepted lengths (or `hold` them, with fused replay). With fused replay
-        the eager verification replays the requests' pending positions (by `ids`) in the same pass; a graph
-        replay replays them first (`flush`)."""
+        the verification replays the requests' pending positions (by `ids`) in the same pass, eagerly or on the
+        static buffers of graphs built with fused replay (other graphs replay them first: `flush`)."""
         T = len(tokens[0])
         if any(len(t) != T for t in tokens):
             raise ValueError("every request of a verification adds the same number of tokens")
         kda_pages = self._kda_pages(slots)
+        entries = [None if ids is None else self.pending.get(rid) for rid in (ids or [None] * len(tokens))]
+        lengths = [0 if e is None else e.n for e in entries]
         g = self.graphs
         if g is not None and g.verify_lengths and tuple(features) == g.features:
-            if self.pending:  # the graphs verify from committed states: the unfused replay first
+            fused = self.fused_replay and g.fused_replay
+            if self.pending and not fused:  # these graphs verify from committed states: the unfused replay first
                 self.flush(ids)
-            out = g.run_verify(tokens, starts, slots)
+            pending = None
+            if fused and any(lengths):
+                pending = [self._stacked(entries, gi, max(lengths)) for gi in range(len(self.layout.kda))]
+            out = g.run_verify(tokens, starts, slots, pending, lengths if fused else None)
             if out is not None:  # a graph replay: the same forward over static buffers
+                if fused:
+                    self._replayed(ids, entries)
                 logits, hidden, inputs = out
                 views = []
                 for i in inputs:
@@ -392,14 +401,19 @@ class ModelRunner:
             logits, hidden, views = verify_replay_on_pool(self.model, self.layout, self.pool,
                                                           torch.tensor(tokens, device=self.device), kda_pages,
                                                           self._mla_views(slots, starts), pending, lengths, features)
-            for rid, e in zip(ids or (), entries):
-                if e is not None:  # replayed and written: the states are at the window's start now
-                    del self.pending[rid]
+            self._replayed(ids, entries)
             return Verified(logits, hidden, views, kda_pages)
         logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool,
                                                torch.tensor(tokens, device=self.device), kda_pages,
                                                self._mla_views(slots, starts), features)
         return Verified(logits, hidden, views, kda_pages)
+
+    def _replayed(self, ids: list[str] | None, entries: list[Pending | None]) -> None:
+        """Forget the pending positions a fused verification replayed and wrote: the states are at its window's
+        start now."""
+        for rid, e in zip(ids or (), entries):
+            if e is not None:
+                del self.pending[rid]
 
     def _run_mixed(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots], n_verify: int,
                    scores: list[PromptScore | None] | None = None, keep_hidden: bool = False,

@@ -134,18 +134,20 @@ class KDAReplayVerifyView(KDAVerifyView):
     (k3.serve.runner.ModelRunner with fused_replay; KimiDeltaAttention.verify_replay, k3.ops.kda_verify_replay):
     the committed states [N, H, K, V] and conv tails [N, 3, P, W-1] read from the pages, `pending` (a KDAInputs of
     [N, Pn, ...]: the positions a previous verification kept and accepted, not yet in the states) and `lengths`
-    (row n's count of them, 0 for none). The layer's verify_replay hands back, through `replayed`, the state and
+    (row n's count of them, 0 for none: host ints, or an int tensor [N] on the device, what a static-buffer step
+    refills before each replay). The layer's verify_replay hands back, through `replayed`, the state and
     conv tail after the pending positions (`state_after`, `conv_after`: the runner writes them back once) and the
     window's projected inputs (`inputs`, for the replay or the pending positions of the next cycle). The layer's
     plain forward (read / update) has no business with it: both raise."""
 
-    def __init__(self, state: Tensor, conv: Tensor, pending: KDAInputs, lengths: list[int]):
+    def __init__(self, state: Tensor, conv: Tensor, pending: KDAInputs, lengths: list[int] | Tensor):
         super().__init__(state, conv)
-        self.pending, self.lengths = pending, list(lengths)
+        self.pending = pending
+        self.lengths = lengths if isinstance(lengths, Tensor) else list(lengths)
         self.state_after: Tensor | None = None
         self.conv_after: Tensor | None = None
 
-    def pending_replay(self) -> tuple[KDAInputs, list[int], Tensor, Tensor]:
+    def pending_replay(self) -> tuple[KDAInputs, list[int] | Tensor, Tensor, Tensor]:
         """What the layer's forward hands KimiDeltaAttention.verify_replay (the k3.model.cache protocol)."""
         return self.pending, self.lengths, self.state, self.conv_tails
 

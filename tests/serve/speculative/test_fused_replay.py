@@ -5,7 +5,9 @@ without fused replay, and after every step each running request's KDA states, on
 replayed (on a copy of the pool), are a plain run's at its num_computed: across batches of different lengths,
 chunked prefill joining mid-stream (mixed forwards), prefix-cache hits and hash-block boundaries inside accepted
 positions, a prefix restore after a finished request, preemption, stop strings, max_tokens near the window, the
-speculative switch and verifications on static buffers.
+speculative switch and verifications on static buffers (cuda_graphs="eager": a captured graph's step run directly on
+CPU), whose fused step takes the pending positions in its buffers and writes nothing but the requests' pages and the
+scratch page.
 
 Tolerances (fp32 on the CPU), against the model's contiguous cache fed the same tokens in one chunk: KDA states
 STATE_TOL = 1e-5 of their largest entry (the engine's chunked prefill, token recurrences and replays are the same
@@ -49,6 +51,17 @@ def _one_thread():
     with one_torch_thread():  # tiny matrices: more threads only contend on a busy machine
         yield
 GRAPH_OPS = {"mla_decode": "triton", "moe": "grouped"}  # what a static-buffer step needs (on CPU: the references)
+
+
+@pytest.fixture
+def graph_ops():
+    """The shared model on the ops a static-buffer step needs, for the test's duration."""
+    model = fx._model()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    try:
+        yield model
+    finally:
+        model.set_backends(None)
 
 
 class EveryThirdPlain(SpecSwitch):
@@ -256,18 +269,22 @@ def test_a_fused_verification_equals_replay_then_verification(monkeypatch):
     assert len(checked) >= 3, checked
 
 
-def test_hash_block_boundaries_inside_accepted_positions_and_a_restore_after_finish(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_hash_block_boundaries_inside_accepted_positions_and_a_restore_after_finish(graphs, monkeypatch, request):
     # 8-token hash blocks and 5 drafts the oracle always gets right: boundaries fall inside accepted positions, where
     # the commit replays up to the boundary now (its checkpoint holds exactly that position) and keeps the rest
     # pending. A second request continuing the first's whole text after it finished restores the first's newest
-    # checkpoint (a generated position's) and outputs what a cold engine outputs.
+    # checkpoint (a generated position's) and outputs what a cold engine outputs. graphs: the verifications on
+    # static buffers, fused there.
+    if graphs:
+        request.getfixturevalue("graph_ops")
     watch = Watch(monkeypatch)
-    eng = _engine(fx.OracleDraft(), k=5, hb=8)
+    eng = _engine(fx.OracleDraft(), k=5, hb=8, graphs=graphs)
     prompts = fx._prompts(3, 3)
     params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
     results, _ = drive(eng, [list(zip(prompts, params))])
     fx._check(results, params)
-    assert watch.split > 0 and watch.fused_with_pending > 0
+    assert watch.split > 0 and _fused_pending(eng, watch) > 0 and watch.flush_graph == 0
     first = results[0][0]
     text = first.prompt_ids + first.output_ids
     cont = text + [5, 6]
@@ -279,50 +296,142 @@ def test_hash_block_boundaries_inside_accepted_positions_and_a_restore_after_fin
     eng.cache.prefix.check_invariants()
 
 
-def test_preemption_under_a_small_cache_drops_pending_positions(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_preemption_under_a_small_cache_drops_pending_positions(graphs, monkeypatch, request):
     # five prompts of their own in a 14-page pool: requests preempted with positions pending drop them (their pages
     # are freed; check_states holds pending positions to running requests) and recompute from their prefix hit
+    if graphs:
+        request.getfixturevalue("graph_ops")
     dropped = []
     orig = ModelRunner.drop
     monkeypatch.setattr(ModelRunner, "drop", lambda r, i: (dropped.append(r.pending_tokens(i)), orig(r, i))[1])
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, fx.VOCAB, (30 + i,), generator=g).tolist() for i in range(5)]
     params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
-    eng = _engine(fx.OracleDraft(wrong_every=4), k=3, mb=0.5, step_tokens=64)
+    eng = _engine(fx.OracleDraft(wrong_every=4), k=3, mb=0.5, step_tokens=64, graphs=graphs)
     results, held = drive(eng, [list(zip(prompts, params))])
     assert eng.metrics.preemptions > 0 and held > 0 and any(dropped)
+    if graphs:
+        assert eng.runner.graphs.fused_pending_steps > 0
     fx._check(results, params)
 
 
-def test_plain_steps_of_the_switch_and_near_max_tokens_replay_pending_first(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_plain_steps_of_the_switch_and_near_max_tokens_replay_pending_first(graphs, monkeypatch, request):
     # the switch runs every other decode step plain, and max_tokens near the window leaves no room for drafts: those
-    # forwards read the states as committed, so the pending positions are replayed before them
+    # forwards read the states as committed, so the pending positions are replayed before them (graphs: the plain
+    # steps on static buffers, the verifications fused there)
+    if graphs:
+        request.getfixturevalue("graph_ops")
     watch = Watch(monkeypatch)
-    eng = _engine(fx.OracleDraft(wrong_every=3), k=5)
+    eng = _engine(fx.OracleDraft(wrong_every=3), k=5, graphs=graphs)
     eng.spec_switch = EveryThirdPlain()
     prompts = fx._prompts(4, 4)
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (fx.LONGEST, 7, 8, 13)]
     results, held = drive(eng, [list(zip(prompts, params))])
     fx._check(results, params)
-    assert held > 0 and watch.flush_plain > 0 and watch.fused_with_pending > 0
+    assert held > 0 and watch.flush_plain > 0 and _fused_pending(eng, watch) > 0 and watch.flush_graph == 0
+    if graphs:
+        assert eng.runner.graphs.fused_pending_steps > 0
 
 
-def test_verifications_on_static_buffers_replay_pending_first(monkeypatch):
-    # cuda_graphs="eager": the verifications run as static-buffer steps (a captured graph's code on CPU), which read
-    # the committed states, so pending positions are replayed first; the plain steps of the switch too
-    model = fx._model()
-    model.set_backends(Backends(per_op=GRAPH_OPS))
-    try:
-        watch = Watch(monkeypatch)
-        eng = _engine(fx.OracleDraft(wrong_every=3), k=3, graphs=True)
-        eng.spec_switch = EveryThirdPlain()
-        prompts = fx._prompts(5, 3)
-        params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
-        results, _ = drive(eng, [list(zip(prompts, params))])
-        fx._check(results, params)
-        assert eng.runner.graphs.verify_steps > 0 and watch.flush_graph > 0
-    finally:
-        model.set_backends(None)
+def _fused_pending(eng, watch) -> int:
+    """Fused verifications that replayed pending positions: eager ones (the Watch) and static-buffer steps."""
+    g = eng.runner.graphs
+    return watch.fused_with_pending + (0 if g is None else g.fused_pending_steps)
+
+
+class PagesWritten:
+    """Around every static-buffer verification: the pool pages that changed are the verified requests' own (their
+    KDA running-state pages and MLA block tables) and the scratch page, nothing else (padding rows write only the
+    scratch page)."""
+
+    def __init__(self, monkeypatch, eng):
+        from k3.serve.cuda_graphs import DecodeGraphs
+
+        self.checked = 0
+        orig, scratch, watch = DecodeGraphs.run_verify, eng.cache.scratch_page, self
+
+        def run_verify(graphs, tokens, starts, slots, *args):
+            before = graphs.pool.pages.clone()
+            out = orig(graphs, tokens, starts, slots, *args)
+            if out is not None:
+                changed = set((graphs.pool.pages != before).flatten(1).any(1).nonzero().flatten().tolist())
+                own = {scratch} | {p for sl in slots for p in sl.kda_pages}
+                own |= {p for sl in slots for t in sl.mla_tables for p in t}
+                assert changed <= own, f"pages {sorted(changed - own)} written by a verification step"
+                watch.checked += 1
+            return out
+
+        monkeypatch.setattr(DecodeGraphs, "run_verify", run_verify)
+
+
+@pytest.mark.parametrize("kind", ["noisy", "mtp"])
+def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops):
+    # cuda_graphs="eager": the verifications run as static-buffer steps (a captured graph's code on CPU) with the
+    # pending positions copied into the step's buffers, replayed there, not flushed first. Five requests of different
+    # lengths finishing one by one: batches of 5, 4, 3, 2, 1 in buckets of 8, 4, 2 and 1 (padding rows); the switch's
+    # plain steps flush. Outputs are those of plain decoding and of speculation without fused replay on the same
+    # static buffers, with the same acceptance; the states those of a plain run after every step.
+    watch = Watch(monkeypatch)
+    spec, draft = ("mtp", None) if kind == "mtp" else ("off", fx.OracleDraft(wrong_every=3))
+    eng = _engine(draft, spec=spec, k=3, graphs=True)
+    pages = PagesWritten(monkeypatch, eng)
+    eng.spec_switch = EveryThirdPlain()
+    prompts = fx._prompts(5, 5)
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (fx.LONGEST, 9, 14, 19, 5)]
+    results, held = drive(eng, [list(zip(prompts, params))])
+    fx._check(results, params)
+    g = eng.runner.graphs
+    assert g.fused_replay and g.fused_pending_steps > 0 and watch.flush_graph == 0 and held > 0
+    assert g.padded_rows > 0 and len({k[0] for k in g._static if len(k) == 3}) >= 2 and pages.checked > 0
+    off = _engine(_draft(kind), spec=spec, k=3, graphs=True, fused=False)
+    off.spec_switch = EveryThirdPlain()
+    ref, _ = drive(off, [list(zip(prompts, params))], states=False)
+    assert [s.output_ids for s, _, _ in results] == [s.output_ids for s, _, _ in ref]
+    m, mo = eng.metrics, off.metrics
+    assert (m.spec_verifications, m.draft_tokens_accepted) == (mo.spec_verifications, mo.draft_tokens_accepted)
+    assert off.runner.graphs.verify_steps > 0 and not off.runner.graphs.fused_replay
+
+
+def test_more_pending_positions_than_a_short_window_verify_eagerly_fused(monkeypatch, graph_ops):
+    # drafts the oracle always gets right: 6 positions accepted per verification, pending, then max_tokens leaves
+    # room for one draft only: a window of 2, shorter than the pending count, which the static buffers ([Bb, T]) cannot
+    # hold: that verification runs eagerly, fused, the outputs and states as plain decoding's
+    watch = Watch(monkeypatch)
+    eng = _engine(fx.OracleDraft(), k=5, graphs=True)
+    g = eng.runner.graphs
+    seen = []
+    orig = type(g).run_verify
+
+    def run_verify(graphs, tokens, starts, slots, pending=None, lengths=None):
+        out = orig(graphs, tokens, starts, slots, pending, lengths)
+        seen.append((len(tokens[0]), max(lengths or [0]), out is None))
+        return out
+
+    monkeypatch.setattr(type(g), "run_verify", run_verify)
+    prompts = fx._prompts(6, 3)
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (9, 10, 16)]
+    results, held = drive(eng, [list(zip(prompts, params))])
+    fx._check(results, params)
+    assert any(n > T and fell for T, n, fell in seen), seen  # such a window went eager
+    assert all(fell == (n > T) for T, n, fell in seen), seen  # and only such windows
+    assert watch.fused_with_pending > 0 and g.fused_pending_steps > 0 and watch.flush_graph == 0
+
+
+def test_graphs_built_without_fused_replay_replay_pending_first(monkeypatch, graph_ops):
+    # static-buffer verification steps without the pending buffers (DecodeGraphs.fused_replay off) under a fused
+    # runner: the pending positions are replayed before them (flush), the states and outputs as plain decoding's
+    watch = Watch(monkeypatch)
+    eng = _engine(fx.OracleDraft(wrong_every=3), k=3, graphs=True)
+    eng.runner.graphs.fused_replay = False  # before any bucket is made
+    prompts = fx._prompts(5, 3)
+    params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+    results, _ = drive(eng, [list(zip(prompts, params))])
+    fx._check(results, params)
+    assert eng.runner.graphs.verify_steps > 0 and watch.flush_graph > 0 and eng.runner.graphs.fused_pending_steps == 0
+    with pytest.raises(ValueError, match="without fused replay"):
+        eng.runner.graphs.run_verify([[1, 2]], [0], [None], [None], [1])
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
@@ -453,6 +562,39 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
                        (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--fused-replay"], True)):
         assert serve_cli.cmd_serve(parse(argv)) == 2 and seen[-1] is want
     assert parse(["generate", "--ckpt", str(tmp_path), "x", "--fused-replay"]).fused_replay is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gpu_captured_fused_verifications_keep_greedy_output(backend):
+    """On the GPU (not yet run on one): a bf16 engine with the MTP draft and captured CUDA graphs, with fused replay
+    inside the captured verification steps (op kda_verify_replay's reference or its Triton kernel, the counts read on
+    the device), outputs the same greedy tokens as the same engine without fused replay; fused verification graphs
+    were captured and replayed with pending positions, and none flushed before a graph."""
+    import copy
+
+    model = copy.deepcopy(fx._model()).cuda().set_dtype(torch.bfloat16)
+    model.set_backends(Backends(per_op={**GRAPH_OPS, "kda_verify_replay": backend}))
+    prompts = fx._prompts(8, 4)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    runs = []
+    for fused in (True, False):
+        eng = LLMEngine(model, None, EngineConfig(
+            cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", fused_replay=fused,
+            cuda_graphs=True, scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+        eng.eos_id = None
+        eng.spec_switch = EveryThirdPlain()
+        seqs = [eng.add_request(list(p), params) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        runs.append([s.output_ids for s in seqs])
+        g = eng.runner.graphs
+        assert g is not None and g.disabled is None, g and g.disabled
+        assert g.verify_lengths, "the verification graphs were turned off (a capture failed)"
+        assert any(len(k) == 3 and b.graph is not None for k, b in g._static.items())  # a captured verification
+        assert g.fused_replay is fused and (g.fused_pending_steps > 0) is fused
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.gpu

@@ -35,10 +35,15 @@ class AlternatingSwitch(SpecSwitch):
         return self.n % 2 == 0
 
 
-def _engine(graphs, draft=None):
+class AlwaysSpeculate(SpecSwitch):
+    def decide(self, batch):
+        return True
+
+
+def _engine(graphs, draft=None, fused=False):
     eng = LLMEngine(fx._model(), fx._tok(), EngineConfig(
         cache_memory_mb=4.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", num_draft_tokens=3,
-        cuda_graphs="eager" if graphs else False,
+        cuda_graphs="eager" if graphs else False, fused_replay=fused,
         scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)), draft=draft)
     eng.eos_id = None
     eng.spec_switch = AlternatingSwitch()
@@ -121,5 +126,43 @@ def test_warm_up_sets_up_the_verification_buckets_too():
         n = g.warm_up()
         verify = {k for k in g._static if len(k) == 3}
         assert verify == {(s, t, "verify") for s in g.buckets for t in (2, 3, 4)} and n == len(g._static)
+    finally:
+        model.set_backends(None)
+
+
+def test_fused_verification_buckets_hold_pending_buffers_filled_in_place():
+    # with fused replay every verification bucket holds, per KDA layer, pending inputs [Bb, T, ...] and the counts
+    # [Bb] int32 (decode and prefill buckets none); the steps copy into them: the same storage after a run in which
+    # verifications replayed pending positions, and no bucket made past the warm-up
+    model = fx._model()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    try:
+        eng = _engine(True, fx.OracleDraft(wrong_every=3), fused=True)
+        eng.spec_switch = AlwaysSpeculate()  # verifications after verifications: pending positions to fuse
+        g = eng.runner.graphs
+        n = g.warm_up()
+        cfg, n_kda = model.config, len(g.layout.kda)
+        ptrs = {}
+        for key, b in g._static.items():
+            if len(key) != 3:
+                assert b.pending is None and b.pending_lengths is None
+                continue
+            size, T, _ = key
+            assert len(b.pending) == n_kda and b.pending_lengths.shape == (size,)
+            assert b.pending_lengths.dtype == torch.int32
+            for inp in b.pending:
+                assert inp.k.shape == (size, T, cfg.kda_num_heads, cfg.kda_head_dim)
+                assert inp.pre_conv[0].shape == (size, T, cfg.kda_num_heads * cfg.kda_head_dim)
+                assert inp.beta_logits.shape == (size, T, cfg.kda_num_heads)
+            ptrs[key] = [b.pending_lengths.data_ptr()] + [x.data_ptr() for i in b.pending
+                                                          for x in (*i.pre_conv, i.q, i.k, i.v, i.z, i.beta_logits)]
+        prompts = fx._prompts(7, 3)
+        params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+        fx._check(fx._run(eng, [list(zip(prompts, params))]), params)
+        assert g.fused_pending_steps > 0 and g.made == n
+        for key, want in ptrs.items():
+            b = g._static[key]
+            assert [b.pending_lengths.data_ptr()] + [x.data_ptr() for i in b.pending for x in (
+                *i.pre_conv, i.q, i.k, i.v, i.z, i.beta_logits)] == want
     finally:
         model.set_backends(None)
