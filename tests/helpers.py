@@ -216,6 +216,22 @@ def load_benchmark(name: str):
     return mod
 
 
+def strong_kda_layer():
+    """(a KDA layer of the tiny config, the config) with random weights whose decays and writes are strong enough
+    that a wrong replay length or a lost position shows in the state (the replay tests')."""
+    from k3.config import K3Config
+    from k3.model.kda import KimiDeltaAttention
+
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(cfg, layer_idx=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.dim() < 2 else p.shape[-1] ** -0.5))
+    return layer.eval(), cfg
+
+
 def tiny_chat_checkpoint(ckpt):
     """`k3 init` a random tiny checkpoint with the byte tokenizer at `ckpt`, save the default chat template beside
     it, and load it; returns (model, tokenizer). The servers of the serving and environment tests start from it."""

@@ -2,20 +2,16 @@
 document gives several), bad --prompts files are refused naming file:line, and a divergence names the first
 differing position and the plain run's top-2 logit margin there."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
+from helpers import load_benchmark
 
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "spec_decode.py")
-_spec = importlib.util.spec_from_file_location("spec_decode", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("spec_decode")
 
 
 class _Bytes:

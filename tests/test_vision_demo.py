@@ -1,16 +1,12 @@
 """benchmarks/vision_demo.py's render stage: the digit renders are deterministic per seed, their held-out strings are
 never training strings, and each record is the pair `k3 train --images` reads (an image of the string's width)."""
 
-import importlib.util
 import json
-import os
 
 from PIL import Image
+from helpers import load_benchmark
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vision_demo.py")
-_spec = importlib.util.spec_from_file_location("vision_demo", _PATH)
-demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(demo)
+demo = load_benchmark("vision_demo")
 
 
 def test_digit_strings_are_distinct_deterministic_and_in_range():

@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import strong_kda_layer
 
 from k3.ops import kda as ref
 from k3.ops import registry
@@ -198,20 +199,6 @@ def test_kernel_equals_the_reference(interpret, shape, lengths, dtype):
 
 # --- the layer: KimiDeltaAttention.verify_replay against replay + a verification forward -----------------------------
 
-def _layer():
-    from k3.config import K3Config
-    from k3.model.kda import KimiDeltaAttention
-
-    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    layer = KimiDeltaAttention(cfg, layer_idx=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # decays and writes strong enough that a wrong replay length shows
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.dim() < 2 else p.shape[-1] ** -0.5))
-    return layer.eval(), cfg
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_layer_verify_replay_equals_replay_then_verification(backend, monkeypatch):
@@ -226,7 +213,7 @@ def test_layer_verify_replay_equals_replay_then_verification(backend, monkeypatc
     if backend == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    layer, cfg = _layer()
+    layer, cfg = strong_kda_layer()
     B, T, D = 3, 4, cfg.hidden_size
     g = torch.Generator().manual_seed(2)
     committed = KDACache()

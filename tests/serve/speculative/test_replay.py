@@ -4,10 +4,10 @@ length."""
 
 import pytest
 import torch
+from helpers import strong_kda_layer
 
 from k3.config import K3Config
 from k3.model.cache import KDACache
-from k3.model.kda import KimiDeltaAttention
 from k3.ops.kda_replay import kda_replay, kda_replay_triton
 from k3.serve.cache.prefix import PrefixCache
 from k3.serve.cache.views import KDAVerifyView
@@ -17,20 +17,9 @@ from k3.serve.cache.views import KDAVerifyView
 TOL = 1e-5
 
 
-def _layer():
-    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    layer = KimiDeltaAttention(cfg, layer_idx=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # decays and writes strong enough that a wrong replay length shows
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.dim() < 2 else p.shape[-1] ** -0.5))
-    return layer.eval(), cfg
-
-
 @torch.no_grad()
 def test_replay_equals_feeding_the_accepted_tokens_one_at_a_time():
-    layer, cfg = _layer()
+    layer, cfg = strong_kda_layer()
     B, T, D = 3, 6, cfg.hidden_size
     g = torch.Generator().manual_seed(2)
     prefix = torch.randn(B, 7, D, generator=g)
@@ -62,7 +51,7 @@ def test_replay_equals_feeding_the_accepted_tokens_one_at_a_time():
 @torch.no_grad()
 def test_replay_in_two_pieces_equals_one():
     """The engine splits a replay at a hash-block boundary (to checkpoint the state there): same result."""
-    layer, cfg = _layer()
+    layer, cfg = strong_kda_layer()
     g = torch.Generator().manual_seed(3)
     committed = KDACache()
     layer(torch.randn(2, 5, cfg.hidden_size, generator=g), committed)
