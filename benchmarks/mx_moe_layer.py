@@ -17,8 +17,10 @@ storage), the routing uniformly (each token 16 distinct experts), and side by si
   grouped: k3's path for a dequantized checkpoint), on GPU only, where the grouped GEMM takes bf16.
 
 The floor is the bytes of the experts actually touched (packed codes + scales, or bf16 weights, for the distinct
-experts the batch routes to) over the device's copy bandwidth (`--bandwidth`, GB/s; GPU.md: 4.0 TB/s read + write
-on the H200, so 2.0 TB/s of reads is the conservative floor used by default). Timings are medians over `--runs`
+experts the batch routes to) over the device's memory bandwidth (`--bandwidth`, GB/s; default 4000, the H200's
+device-to-device copy counting bytes read and written, the figure the decode floors of serve_bench.py use: a kernel
+that only reads streams at about that rate; an earlier default of 2000 counted reads at half of it, and the bf16
+grouped GEMMs ran at 142% of that floor on an H100). Timings are medians over `--runs`
 (CUDA events on GPU, wall clock on CPU) after a warm-up (which also autotunes the grouped kernels). One JSON line per
 (tokens, implementation), then a table with each one's share of its floor and its speed against bf16-grouped. An
 implementation that fails (a kernel that does not compile on this GPU) gets a row with its error, the others still
@@ -88,7 +90,7 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=3072)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--bandwidth", type=float, default=2000.0, help="GB/s of reads the floor assumes")
+    ap.add_argument("--bandwidth", type=float, default=4000.0, help="GB/s the floor assumes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to time")
     args = ap.parse_args()

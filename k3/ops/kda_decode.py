@@ -266,9 +266,8 @@ def kda_decode_triton(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logits
 
 register(Op(
     "kda_decode", reference=kda_decode_composed,
-    # not validated until its GPU test (tests/ops/test_kda_decode.py, marked gpu) has passed: `auto` keeps the
-    # composed ops, `--backend fast` or per_op={"kda_decode": "triton"} asks for it
-    fast=(Fast("triton", kda_decode_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU test (tests/ops/test_kda_decode.py, marked gpu) passed on an H100 (2026-12-06, fp32 and bf16)
+    fast=(Fast("triton", kda_decode_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32: output 1e-5 and state 1e-5 of their largest entries (sums in another order, sigmoids from "
               "exponentials); bf16: the same after the shared roundings (up to one bf16 ulp of the output); conv "
               "tails bit for bit"))

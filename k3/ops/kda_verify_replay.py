@@ -29,9 +29,9 @@ are the recurrence's o, before the output norm and gate (k3.ops.gate_norm), as t
   positions (their count read on the device) doing the key's L2 norm, the decay gate from z, A_log and dt_bias,
   sigmoid(beta), the decay and the delta-rule read and write; stores the slice once; then loops over the window
   doing the same plus the output read o_t = S_t^T (scale * q_t / |q_t|), on a register copy that is never stored.
-  Not yet run on a GPU (``validated=False``: ``auto`` keeps the reference on CUDA until
-  ``pytest -m gpu tests/ops/test_kda_verify_replay.py`` has passed there); ``TRITON_INTERPRET=1`` runs it on CPU
-  tensors (the tests). The report's kernel also fuses the short conv, the input projections' norms and the output
+  Validated: ``pytest -m gpu tests/ops/test_kda_verify_replay.py`` passed on an H100 (2026-12-06: fp32, bf16, and
+  no read-back of the counts), so ``auto`` takes it on CUDA; ``TRITON_INTERPRET=1`` runs it on CPU tensors (the
+  tests). The report's kernel also fuses the short conv, the input projections' norms and the output
   norm; the conv is a few elementwise passes over [N, T + W - 1, 3P] here.
 """
 
@@ -245,9 +245,8 @@ def kda_verify_replay_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Te
 
 register(Op(
     "kda_verify_replay", reference=kda_verify_replay,
-    # not validated until its GPU tests (tests/ops/test_kda_verify_replay.py, marked gpu) have passed: `auto` keeps
-    # the reference on CUDA, per_op={"kda_verify_replay": "triton"} or --backend fast asks for it
-    fast=(Fast("triton", kda_verify_replay_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_kda_verify_replay.py, marked gpu) passed on an H100 (2026-12-06)
+    fast=(Fast("triton", kda_verify_replay_triton, _triton.available, validated=True, cpu=True),),
     tolerance="state and outputs 1e-5 of their largest entry (fp32 sums of the K-term reads in another order; "
               "sigmoid from exponentials); bf16 outputs one bf16 step; the conv tail and the window's conv are the "
               "same PyTorch code, bit for bit"))

@@ -109,8 +109,8 @@ def _available(target) -> tuple[bool, str]:
 
 register(Op(
     "moe_route", reference=route,
-    # not validated until its GPU test (tests/ops/test_moe_route.py, marked gpu) has passed
-    fast=(Fast("triton", route_triton, _available, validated=False, cpu=True),),
+    # validated: its GPU test (tests/ops/test_moe_route.py, marked gpu) passed on an H100 (2026-12-06)
+    fast=(Fast("triton", route_triton, _available, validated=True, cpu=True),),
     tolerance="the same experts in the same order (random logits have no ties); weights, scores and cutoff 1e-6 "
               "relative (sigmoid from exponentials, the renormalizing sum in another order)"))
 

@@ -251,7 +251,9 @@ def test_gpu_packed_encoder_on_fast_attention_matches_reference(backend, dtype, 
 
     cfg = VisionConfig(vt_num_hidden_layers=2)
     encs = {}
-    for name, b in [("ref", Backends(default="torch")), ("fast", Backends(per_op={"vision_attn": backend}))]:
+    # every other op on its reference in both, so the attention is the only difference
+    for name, b in [("ref", Backends(default="torch")), ("fast", Backends(default="torch",
+                                                                          per_op={"vision_attn": backend}))]:
         encs[name] = random_encoder(cfg, seed=3).cuda().to(dtype)
         for m in encs[name].modules():
             m.backends = b

@@ -160,15 +160,15 @@ def test_bad_inputs_are_named():
         kda_verify_replay(*args)
 
 
-def test_auto_keeps_the_reference_until_the_kernel_is_validated(monkeypatch):
+def test_auto_takes_the_validated_kernel_on_cuda_and_the_reference_on_cpu(monkeypatch):
     op = ops()["kda_verify_replay"]
-    assert [(f.name, f.validated, f.cpu) for f in op.fast] == [("triton", False, True)]
+    assert [(f.name, f.validated, f.cpu) for f in op.fast] == [("triton", True, True)]
     fast = tuple(dataclasses.replace(f, available=lambda t: (True, "")) for f in op.fast)
     monkeypatch.setitem(registry._ops, "kda_verify_replay", dataclasses.replace(op, fast=fast))
     monkeypatch.setattr(registry, "_notices", set())
     cuda = Target(torch.device("cuda"), torch.bfloat16)
-    assert dispatch("kda_verify_replay", cuda).name == "torch"
-    assert dispatch("kda_verify_replay", cuda, registry.Backends(default="fast")).name == "triton"
+    assert dispatch("kda_verify_replay", cuda).name == "triton"
+    assert dispatch("kda_verify_replay", cuda, registry.Backends(default="torch")).name == "torch"
     assert dispatch("kda_verify_replay", Target(torch.device("cpu"))).name == "torch"
 
 

@@ -123,16 +123,20 @@ class Watch:
         monkeypatch.setattr(ModelRunner, "replay", replay)
 
 
-@functools.lru_cache(maxsize=4096)
-def plain_state(tokens: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KDA states [n_kda, H, K, V] and conv tails [n_kda, 3, P, W-1] after `tokens`: the model's contiguous cache
-    fed them in one chunk (a plain run, no speculation)."""
-    model = fx._model()
+def states_after(model, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA states [n_kda, H, K, V] and conv tails [n_kda, 3, P, W-1] after `tokens`: `model`'s contiguous cache
+    fed them in one chunk (a plain run, no speculation), on the model's device."""
     cache = model.new_cache()
     with torch.no_grad():
-        model(torch.tensor([list(tokens)]), cache=cache)
+        model(torch.tensor([list(tokens)], device=next(model.parameters()).device), cache=cache)
     kda = [cache[i] for i, l in enumerate(model.model.layers) if l.is_kda]
     return torch.cat([c.state for c in kda]), torch.stack([torch.cat(c.conv) for c in kda])
+
+
+@functools.lru_cache(maxsize=4096)
+def plain_state(tokens: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """states_after on the shared fp32 CPU model."""
+    return states_after(fx._model(), tokens)
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
@@ -142,7 +146,7 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> floa
 
 
 @torch.no_grad()
-def check_states(eng: LLMEngine) -> int:
+def check_states(eng: LLMEngine, plain=plain_state, state_tol: float = STATE_TOL, conv_tol: float = CONV_TOL) -> int:
     """Every running request's KDA states in its pages, after replaying its pending positions on a copy of the pool
     (the engine goes on with them pending), against a plain run's at its num_computed. Pending positions belong to
     running requests only. Returns how many requests had pending positions."""
@@ -158,10 +162,11 @@ def check_states(eng: LLMEngine) -> int:
             n = seq.num_computed
             if n == 0:
                 continue
-            state, conv = runner.pool.read_kda(torch.tensor(eng.scheduler.slots(seq).kda_pages))
-            want_state, want_conv = plain_state(tuple(seq.tokens[:n]))
-            _close(f"{seq.request_id} at {n}: KDA states", state, want_state, STATE_TOL)
-            _close(f"{seq.request_id} at {n}: conv tails", conv, want_conv, CONV_TOL)
+            state, conv = runner.pool.read_kda(torch.tensor(eng.scheduler.slots(seq).kda_pages,
+                                                            device=runner.pool.pages.device))
+            want_state, want_conv = plain(tuple(seq.tokens[:n]))
+            _close(f"{seq.request_id} at {n}: KDA states", state, want_state, state_tol)
+            _close(f"{seq.request_id} at {n}: conv tails", conv, want_conv, conv_tol)
     finally:
         runner.pool.pages.copy_(pages)
         runner.pending.clear()
@@ -169,7 +174,7 @@ def check_states(eng: LLMEngine) -> int:
     return held
 
 
-def drive(eng: LLMEngine, waves, states: bool = True) -> tuple[list, int]:
+def drive(eng: LLMEngine, waves, states: bool = True, **check) -> tuple[list, int]:
     """fx._run with the state check after every step: ([(seq, streamed ids, streamed text)], the steps that had
     pending positions)."""
     seqs, streamed, held = [], {}, 0
@@ -181,7 +186,7 @@ def drive(eng: LLMEngine, waves, states: bool = True) -> tuple[list, int]:
             ids += o.new_token_ids
             text.append(o.new_text)
         if states:
-            held += check_states(eng) > 0
+            held += check_states(eng, **check) > 0
 
     for wave in waves:
         for prompt, p in wave:
@@ -564,51 +569,13 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
     assert parse(["generate", "--ckpt", str(tmp_path), "x", "--fused-replay"]).fused_replay is True
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_gpu_captured_fused_verifications_keep_greedy_output(backend):
-    """On the GPU (not yet run on one): a bf16 engine with the MTP draft and captured CUDA graphs, with fused replay
-    inside the captured verification steps (op kda_verify_replay's reference or its Triton kernel, the counts read on
-    the device), outputs the same greedy tokens as the same engine without fused replay; fused verification graphs
-    were captured and replayed with pending positions, and none flushed before a graph."""
+def _gpu_engine_runs(backend, dtype):
+    """Greedy outputs of an eager CUDA engine with the MTP draft, with and without fused replay (op
+    kda_verify_replay on `backend`)."""
     import copy
 
-    model = copy.deepcopy(fx._model()).cuda().set_dtype(torch.bfloat16)
-    model.set_backends(Backends(per_op={**GRAPH_OPS, "kda_verify_replay": backend}))
-    prompts = fx._prompts(8, 4)
-    params = SamplingParams(max_tokens=16, temperature=0)
-    runs = []
-    for fused in (True, False):
-        eng = LLMEngine(model, None, EngineConfig(
-            cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", fused_replay=fused,
-            cuda_graphs=True, scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
-        eng.eos_id = None
-        eng.spec_switch = EveryThirdPlain()
-        seqs = [eng.add_request(list(p), params) for p in prompts]
-        while eng.has_work():
-            eng.step()
-        runs.append([s.output_ids for s in seqs])
-        g = eng.runner.graphs
-        assert g is not None and g.disabled is None, g and g.disabled
-        assert g.verify_lengths, "the verification graphs were turned off (a capture failed)"
-        assert any(len(k) == 3 and b.graph is not None for k, b in g._static.items())  # a captured verification
-        assert g.fused_replay is fused and (g.fused_pending_steps > 0) is fused
-    assert runs[0] == runs[1]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_gpu_fused_replay_keeps_greedy_output(backend):
-    """On the GPU (not yet run on one): a bf16 engine with the MTP draft and eager verifications, with fused replay
-    on op kda_verify_replay's reference or its Triton kernel, outputs the same greedy tokens as without fused
-    replay, and the fused verifications replayed pending positions."""
-    import copy
-
-    model = copy.deepcopy(fx._model()).cuda().set_dtype(torch.bfloat16)
+    model = copy.deepcopy(fx._model()).cuda().set_dtype(dtype)
     model.set_backends(Backends(per_op={"kda_verify_replay": backend}))
-    prompts = fx._prompts(8, 4)
     params = SamplingParams(max_tokens=16, temperature=0)
     runs, held = [], []
     for fused in (True, False):
@@ -616,12 +583,80 @@ def test_gpu_fused_replay_keeps_greedy_output(backend):
             cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", fused_replay=fused,
             cuda_graphs=False, scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
         eng.eos_id = None
-        seqs = [eng.add_request(list(p), params) for p in prompts]
+        seqs = [eng.add_request(list(p), params) for p in fx._prompts(8, 4)]
         n = 0
         while eng.has_work():
             eng.step()
             n += bool(eng.runner.pending)
         held.append(n)
         runs.append([s.output_ids for s in seqs])
-    assert held[0] > 0
+    assert held[0] > 0  # the fused engine held pending positions
+    return runs
+
+
+# On the GPU: fp32 engines must give the same greedy tokens with and without fused replay (the same math in another
+# association, as on the CPU). In bf16, greedy outputs part at near-ties whether or not the replay is fused (on the
+# CPU this model's bf16 speculative and plain runs part at top-2 margins of 2-3% of the top logit, and a quarter of
+# its positions have margins under 2%), so the bf16 test checks the states instead: after every step, each running
+# request's KDA states equal a plain bf16 run's over the same tokens within BF16_STATE_TOL of their largest entry and
+# conv tails within BF16_CONV_TOL (bf16 activations through chunked and recurrent forms, each layer's input carrying
+# the rounding of the layers below; measured on the CPU up to 0.024 and 0.056; a hold that loses one position moves
+# them by 0.95 and 1.40).
+BF16_STATE_TOL = 0.06
+BF16_CONV_TOL = 0.15
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_fused_replay_keeps_greedy_output_fp32(backend):
+    """A fp32 CUDA engine with the MTP draft and eager verifications outputs the same greedy tokens with and without
+    fused replay. (Captured steps need the grouped expert GEMM, bf16 only on CUDA: the bf16 test below covers them.)"""
+    runs = _gpu_engine_runs(backend, torch.float32)
     assert runs[0] == runs[1]
+
+
+def _bf16_fused_states(device: str, backend: str, cuda_graphs, hold=None):
+    """A bf16 engine with fused replay on `device` and the oracle draft (the fp32 model's greedy tokens: most are
+    accepted, so several positions are pending at a time), states checked after every step against the
+    same model's plain bf16 run; returns the steps that held pending positions."""
+    import copy
+
+    model = copy.deepcopy(fx._model()).to(device).set_dtype(torch.bfloat16)
+    model.set_backends(Backends(per_op={**(GRAPH_OPS if cuda_graphs else {}), "kda_verify_replay": backend}))
+    eng = LLMEngine(model, None, EngineConfig(
+        cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, num_draft_tokens=4, fused_replay=True,
+        cuda_graphs=cuda_graphs, scheduler=SchedulerConfig(max_step_tokens=64, prefill_chunk=40, max_num_seqs=8)),
+        draft=fx.OracleDraft())
+    eng.eos_id = None
+    prompts = fx._prompts(2, 5)
+    params = SamplingParams(max_tokens=fx.LONGEST, temperature=0)
+    waves = [[(p, params) for p in prompts[:3]], [(p, params) for p in prompts[3:]]]
+    # the plain runs on the reference ops (no kernel compiled or autotuned for each new length)
+    plain_model = copy.deepcopy(model).set_backends(Backends(default="torch"))
+    _, held = drive(eng, waves, plain=functools.lru_cache(maxsize=None)(lambda t: states_after(plain_model, t)),
+                    state_tol=BF16_STATE_TOL, conv_tol=BF16_CONV_TOL)
+    return held
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["captured", "eager"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_fused_replay_bf16_keeps_plain_states(backend, cuda_graphs):
+    """A bf16 CUDA engine with fused replay (eager or captured verifications): after every step each running
+    request's KDA states and conv tails are a plain bf16 run's over its tokens (BF16_STATE_TOL)."""
+    assert _bf16_fused_states("cuda", backend, cuda_graphs) > 0
+
+
+def test_the_bf16_state_check_holds_and_fails_on_a_lost_position(monkeypatch):
+    # the bf16 tolerances on the CPU: the fused path passes them, and a hold that keeps one position fewer fails them
+    assert _bf16_fused_states("cpu", "torch", False) > 0
+    orig = ModelRunner.hold
+
+    def short(runner, rid, pages, v, row, offset, n):
+        return orig(runner, rid, pages, v, row, offset, n - 1) if n > 1 else orig(runner, rid, pages, v, row, offset, n)
+
+    monkeypatch.setattr(ModelRunner, "hold", short)
+    with pytest.raises(AssertionError, match="relative error"):
+        _bf16_fused_states("cpu", "torch", False)
