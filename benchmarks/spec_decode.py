@@ -22,7 +22,11 @@ must: greedy speculation is lossless; where bf16 near-ties make the arms differ,
 request's first differing position and the plain run's top-2 logit margin there, from a teacher-forced forward of
 the prompt and the plain output before it), and the KDA state bytes one verified request-step moves with replay
 (the committed state read and written once, the projected inputs of the T verified positions kept) against
-per-position snapshots (T states written, one read back at the rollback).
+per-position snapshots (T states written, one read back at the rollback). With `--stage-times`, `stage_ms` breaks a
+speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms per cycle, from one
+more generation that waits for the device at every stage boundary, so its total is a little above the timed run's).
+`auto_switch` is the switch's decision per batch bucket, `auto_switch_rates` each arm's median tokens/s over the
+decode-only steps it measured there.
 """
 
 from __future__ import annotations
@@ -143,6 +147,19 @@ def run(engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
     return [s.output_ids for s in seqs], n / max(t_end - (t_first or t_end), 1e-9)
 
 
+def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
+    """One more generation with the speculative cycle's stages timed (SpeculativeDecoder.stage_times): the mean ms
+    per cycle of each stage and of the whole cycle."""
+    from k3.serve.speculative.decoder import StageTimes
+
+    engine.speculative.stage_times = st = StageTimes(device)
+    try:
+        run(engine, prompts, max_tokens)
+    finally:
+        engine.speculative.stage_times = None
+    return st.per_cycle_ms()
+
+
 def main() -> None:
     from k3.cli_args import RawDefaultsHelpFormatter
 
@@ -158,6 +175,10 @@ def main() -> None:
     ap.add_argument("--prompts", nargs="+", default=None, metavar="FILE",
                     help="held-out text to take the prompts from (.txt/.md/.py/.rst or .jsonl with \"text\"); "
                          "default: the standard library files the training split holds out")
+    ap.add_argument("--stage-times", action="store_true",
+                    help="after each speculating engine's timed generation, one more with the cycle's stages timed "
+                         "(waiting for the device at each stage boundary): `stage_ms` per arm, the mean ms per "
+                         "cycle of draft, verify, accept, commit and observe")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -201,6 +222,13 @@ def main() -> None:
                              graphs_made_while_timed=graphs_made(eng) - g0)
             if mode == "auto" and eng.spec_switch is not None:
                 res[mode]["switch"] = {str(k): st["speculative"] for k, st in eng.spec_switch.state().items()}
+                # what the switch measured per bucket: each arm's median tokens/s over its decode-only steps
+                res[mode]["switch_rates"] = {str(k): {a: None if st[f"{a}_tokens_per_s"] is None
+                                                      else round(st[f"{a}_tokens_per_s"], 1) for a in ("spec", "plain")}
+                                             for k, st in eng.spec_switch.state().items()}
+            if args.stage_times and mode != "off":
+                res[mode]["stage_ms"] = stage_times(eng, prompts[:B], args.max_tokens, dev)
+                _log(f"batch {B} {mode}: per cycle {res[mode]['stage_ms']}")
             _log(f"batch {B} {mode}: {rate:.1f} tok/s, accepted length {res[mode]['mean_accepted_length']}")
             del eng
         T = res["spec"]["mean_accepted_length"] or 1.0
@@ -213,7 +241,9 @@ def main() -> None:
                    divergence={m: divergence(model, prompts[:B], res["off"]["outputs"], res[m]["outputs"])
                                for m in modes[1:] if res[m]["outputs"] != res["off"]["outputs"]},
                    graphs_made_while_timed={m: res[m]["graphs_made_while_timed"] for m in res},
-                   auto_switch=res["auto"].get("switch"),
+                   **({"stage_ms": {m: res[m]["stage_ms"] for m in res if "stage_ms" in res[m]}}
+                      if args.stage_times else {}),
+                   auto_switch=res["auto"].get("switch"), auto_switch_rates=res["auto"].get("switch_rates"),
                    **({"fused_tok_s": res["fused"]["tokens_per_s"],
                        "fused_speedup": round(res["fused"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3)}
                       if "fused" in res else {}),

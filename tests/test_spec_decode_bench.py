@@ -1,6 +1,7 @@
-"""benchmarks/spec_decode.py's prompts and divergence report: prompts are consecutive windows of held-out text (a long
-document gives several), bad --prompts files are refused naming file:line, and a divergence names the first
-differing position and the plain run's top-2 logit margin there."""
+"""benchmarks/spec_decode.py's prompts, divergence report and stage times: prompts are consecutive windows of held-out
+text (a long document gives several), bad --prompts files are refused naming file:line, a divergence names the first
+differing position and the plain run's top-2 logit margin there, and `stage_times` breaks the speculative cycle down
+into its stages without changing the engine's output."""
 
 import json
 
@@ -53,3 +54,48 @@ def test_divergence_is_the_first_differing_position_and_the_plain_top2_margin():
     assert got[0]["top2_margin"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-4) and got[0]["top2_margin"] >= 0
     # one output a prefix of the other: they differ where the shorter ends
     assert bench.divergence(model, [[5]], [[1, 2]], [[1]])[0]["position"] == 1
+
+
+def test_stage_times_break_the_cycle_down_and_leave_the_output_unchanged():
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+    from k3.serve.speculative.decoder import StageTimes
+
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=512)
+    model = K3ForCausalLM(cfg).init_weights(seed=0).eval()
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+
+    def engine():
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=8.0, speculative="mtp", speculative_auto=False,
+                                                  scheduler=SchedulerConfig(max_num_seqs=2)))
+        eng.eos_id = None
+        return eng
+
+    want, _ = bench.run(engine(), prompts, 12)
+    eng = engine()
+    v0 = eng.metrics.spec_verifications
+    eng.speculative.stage_times = st = StageTimes("cpu")
+    got, _ = bench.run(eng, prompts, 12)
+    assert got == want  # the timer changes nothing in the output
+    # a cycle is one `verify` call of a step: the step's verifications (both requests', or one's)
+    v = eng.metrics.spec_verifications - v0
+    assert 0 < st.cycles <= v <= 2 * st.cycles
+    ms = bench.stage_times(eng, prompts, 12, "cpu")
+    assert eng.speculative.stage_times is None  # profiling is off again afterwards
+    assert set(ms) == set(StageTimes.STAGES) | {"cycle"}
+    assert all(ms[k] >= 0 for k in StageTimes.STAGES) and ms["draft"] > 0 and ms["verify"] > 0
+    assert ms["cycle"] == pytest.approx(sum(ms[k] for k in StageTimes.STAGES), abs=0.01)
+
+def test_stage_times_count_each_verify_call_once():
+    from k3.serve.speculative.decoder import StageTimes
+
+    st = StageTimes("cpu")
+    for _ in range(4):
+        st.cycles += 1
+        with st.stage("draft"):
+            sum(range(1000))
+    ms = st.per_cycle_ms()
+    assert ms["draft"] > 0 and ms["verify"] == 0 and ms["cycle"] == ms["draft"]
+    with pytest.raises(KeyError):
+        with st.stage("nonsense"):
+            pass

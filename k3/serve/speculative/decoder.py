@@ -14,12 +14,18 @@ runner (ModelRunner.hold), to be replayed in the same pass as the request's next
 forward over it); `forget` drops them.
 `switch` (a k3.serve.speculative.switch.SpecSwitch, with EngineConfig.speculative_auto) turns speculation off per
 decode batch size where it measures slower.
+
+`stage_times` (a `StageTimes`, None by default) times each stage of the cycle when set: for profiling only, since it
+waits for the device at every stage boundary (benchmarks/spec_decode.py --stage-times).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 
+import torch
 from torch import Tensor
 
 from k3.serve.postprocess import Postprocessor, RequestOutput, merge
@@ -29,6 +35,42 @@ from k3.serve.sequence import Sequence, Status
 from k3.serve.speculative.accept import accept, greedy_targets
 from k3.serve.speculative.draft import Draft, Proposal
 from k3.serve.speculative.switch import SpecSwitch
+
+
+class StageTimes:
+    """Wall time per stage of the speculative cycle, summed over the cycles (`verify` calls) it saw: `draft` (the
+    proposals), `verify` (the verification forwards), `accept` (acceptance, emitting, stop rules), `commit` (the
+    replay or holding of the accepted positions, the cache's bookkeeping) and `observe` (the draft told the committed
+    hidden states, the MLA cache truncated). Each stage waits for `device` before and after it, so the stages'
+    device work is counted in them and not in the next one."""
+
+    STAGES = ("draft", "verify", "accept", "commit", "observe")
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.cycles = 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def stage(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] += time.perf_counter() - t0
+
+    def per_cycle_ms(self) -> dict[str, float]:
+        """Each stage's mean milliseconds per cycle, and their sum as `cycle`."""
+        n = max(self.cycles, 1)
+        out = {k: round(v * 1e3 / n, 3) for k, v in self.seconds.items()}
+        out["cycle"] = round(sum(self.seconds.values()) * 1e3 / n, 3)
+        return out
 
 
 class SpeculativeDecoder:
@@ -41,6 +83,10 @@ class SpeculativeDecoder:
         self.runner, self.scheduler, self.post, self.cfg, self.release = runner, scheduler, post, cfg, release
         # AttnRes blocks whose outputs the draft reads beside the hidden state (an EAGLE-3 draft's)
         self.features: tuple[int, ...] = tuple(getattr(draft, "features", ()))
+        self.stage_times: StageTimes | None = None
+
+    def _stage(self, name: str):
+        return nullcontext() if self.stage_times is None else self.stage_times.stage(name)
 
     # --- what the draft is told ----------------------------------------------------------------------------------
     def observe(self, seq: Sequence, start: int, hidden: Tensor) -> None:
@@ -90,20 +136,41 @@ class SpeculativeDecoder:
     def verify(self, work: list[Work]) -> list[RequestOutput]:
         """Draft, verify, accept and commit the speculative decode steps of this step. Requests with the same
         number of drafts are verified as the rows of one batched forward (all of them, but near max_tokens)."""
-        props = self.propose(work)
+        if self.stage_times is not None:
+            self.stage_times.cycles += 1
+        with self._stage("draft"):
+            props = self.propose(work)
         groups: dict[int, list[int]] = {}
         for i, w in enumerate(work):
             groups.setdefault(w.draft, []).append(i)
         outputs = []
         for idx in groups.values():
             ws, ps = [work[i] for i in idx], [props[i] for i in idx]
-            outputs += self.accept(ws, ps, self.runner.execute(self.rows(ws, ps)).verified)
+            with self._stage("verify"):
+                v = self.runner.execute(self.rows(ws, ps)).verified
+            outputs += self.accept(ws, ps, v)
         return outputs
 
     def accept(self, work: list[Work], props: list[Proposal], v: Verified) -> list[RequestOutput]:
         """Accept each verified request's drafts (row i of the verification `v`), emit the tokens, commit the
         accepted positions' KDA states by replay and truncate the MLA cache to them."""
         seqs = [w.seq for w in work]
+        with self._stage("accept"):
+            outs, emitted = self._accept(seqs, work, props, v)
+        with self._stage("commit"):
+            self.commit(work, v, emitted)
+        with self._stage("observe"):
+            for i, s in enumerate(seqs):
+                if s.status == Status.FINISHED:
+                    self.release(s)
+                else:
+                    self.draft.observe(s, work[i].start, v.hidden[i, :emitted[i]])
+                    self.scheduler.cache.truncate(s, s.num_computed)
+        return outs
+
+    def _accept(self, seqs: list[Sequence], work: list[Work], props: list[Proposal],
+                v: Verified) -> tuple[list[RequestOutput], list[int]]:
+        """The acceptance of each row and the tokens emitted: (outputs, tokens emitted per request)."""
         outs, emitted = [], []
         greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0])
         m = self.post.metrics
@@ -122,14 +189,7 @@ class SpeculativeDecoder:
             m.spec_verifications += 1
             m.draft_tokens_proposed += w.draft
             m.draft_tokens_accepted += len(toks) - 1
-        self.commit(work, v, emitted)
-        for i, s in enumerate(seqs):
-            if s.status == Status.FINISHED:
-                self.release(s)
-            else:
-                self.draft.observe(s, work[i].start, v.hidden[i, :emitted[i]])
-                self.scheduler.cache.truncate(s, s.num_computed)
-        return outs
+        return outs, emitted
 
     def commit(self, work: list[Work], v: Verified, emitted: list[int]) -> None:
         """Replay each request's committed positions into its KDA state and register them with the cache. A
