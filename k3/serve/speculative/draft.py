@@ -122,16 +122,21 @@ class MTPDraft:
             if K > 1:  # the guesses run against the contexts as now kept (the last `window` rows each)
                 cache = _RaggedCache([prep[i][0].cache for i in rows], K - 1)
             h = h[torch.arange(len(rows), device=h.device), torch.tensor(n, device=h.device) - 1][:, None]
-            for j in range(K):
-                logits = self.model.head(h)[:, -1]
+            if all(seqs[i].params.temperature == 0 for i in rows):  # greedy: chained on the device, one read-back
+                chosen = self._greedy_chain(h, K, cache).tolist()
                 for r, i in enumerate(rows):
-                    if j < ks[i]:  # a request with fewer drafts draws nothing more: its generator is untouched
-                        tok, q = _choose(logits[r], seqs[i].params, seqs[i].generator)
-                        tokens[i].append(tok)
-                        qs[i].append(q)
-                if j + 1 < K:
-                    nxt = torch.tensor([[tokens[i][-1]] for i in rows], device=h.device)
-                    h = self._step(h, emb(nxt), False, cache)
+                    tokens[i], qs[i] = chosen[r][:ks[i]], [None]
+            else:
+                for j in range(K):
+                    logits = self.model.head(h)[:, -1]
+                    for r, i in enumerate(rows):
+                        if j < ks[i]:  # a request with fewer drafts draws nothing more: its generator is untouched
+                            tok, q = _choose(logits[r], seqs[i].params, seqs[i].generator)
+                            tokens[i].append(tok)
+                            qs[i].append(q)
+                    if j + 1 < K:
+                        nxt = torch.tensor([[tokens[i][-1]] for i in rows], device=h.device)
+                        h = self._step(h, emb(nxt), False, cache)
         out = []
         for i, (s, k) in enumerate(zip(seqs, ks)):
             if prep[i] is None:
@@ -176,6 +181,10 @@ class MTPDraft:
             return Proposal([seq.token_range(seq.num_computed, seq.num_computed + 1)[0]] * k)
         h, cache = f
         committed = cache.length
+        if seq.params.temperature == 0:  # greedy: chained on the device, one read-back
+            tokens = self._greedy_chain(h, k, cache)[0].tolist()
+            cache.truncate(committed)
+            return Proposal(tokens)
         emb = self.model.model.embed_tokens
         tokens, qs = [], []
         for i in range(k):
@@ -186,6 +195,19 @@ class MTPDraft:
                 h = self._step(h, emb(torch.tensor([[tok]], device=h.device)), False, cache)
         cache.truncate(committed)  # the guesses' rows are not context
         return Proposal(tokens, None if qs[0] is None else torch.stack(qs))
+
+    def _greedy_chain(self, h: Tensor, k: int, cache) -> Tensor:
+        """k greedy drafting steps of every row from the last outputs h [R, 1, D]: each step's argmax token feeds the
+        next step's embedding on the device, with no read-back between steps (the host reads the [R, k] tokens
+        once). The same tokens as choosing each on the host."""
+        emb = self.model.model.embed_tokens
+        out = []
+        for j in range(k):
+            tok = self.model.head(h)[:, -1].argmax(-1)  # [R]
+            out.append(tok)
+            if j + 1 < k:
+                h = self._step(h, emb(tok[:, None]), False, cache)
+        return torch.stack(out, 1)
 
     def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
         """One drafting step: the layer's output [1, T, D] from its input (the target's at the first step, else the

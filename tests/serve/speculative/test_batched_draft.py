@@ -97,3 +97,40 @@ def test_a_request_with_nothing_observed_gets_placeholder_drafts_beside_batched_
     props = draft.propose(seqs, [3, 2])
     assert len(props[0].tokens) == 3
     assert props[1].tokens == [seqs[1].tokens[9]] * 2
+
+
+def _host_greedy(draft, seq, k):
+    """The greedy drafts chosen one at a time on the host (each token read back, then embedded for the next step):
+    the reference of the draft's on-device chain."""
+    h, cache = draft._first(seq)
+    committed = cache.length
+    emb = draft.model.model.embed_tokens
+    tokens = []
+    with torch.no_grad():
+        for i in range(k):
+            tokens.append(int(draft.model.head(h)[0, -1].argmax()))
+            if i + 1 < k:
+                h = draft._step(h, emb(torch.tensor([[tokens[-1]]])), False, cache)
+    cache.truncate(committed)
+    return tokens
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_greedy_drafts_chained_on_the_device_equal_host_choices(kind):
+    # the greedy drafts are chained on the device (argmax feeding the next embedding, one read-back per proposal),
+    # alone (one request) and batched; a host loop choosing each token is the reference
+    model = _model()
+    width = model.config.hidden_size * (1 + (len(Eagle3Layer(model.config).blocks) if kind == "eagle3" else 0))
+    lengths, ks = [7, 30, 12], [3, 4, 2]
+    ref, ref_seqs = _draft(kind, model), _seqs(lengths, 0.0)
+    _observe(ref, ref_seqs, width)
+    want = [_host_greedy(ref, s, k) for s, k in zip(ref_seqs, ks)]
+    assert len(set(map(tuple, want))) == 3  # distinct drafts: a row mix-up would show
+    draft = _draft(kind, model)
+    seqs = _seqs(lengths, 0.0)
+    _observe(draft, seqs, width)
+    assert [p.tokens for p in draft.propose(seqs, ks)] == want
+    draft = _draft(kind, model)
+    seqs = _seqs(lengths[:1], 0.0)
+    _observe(draft, seqs, width)
+    assert draft.propose(seqs, ks[:1])[0].tokens == want[0]
