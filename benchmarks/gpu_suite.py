@@ -136,6 +136,15 @@ STEPS = {
                       _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),
+    # speculative decoding on a trained k3-mini (one command each, on the same machine: runs/spec_gpu stays there).
+    # On a fresh machine the first training step compiles and autotunes for ~3.5 minutes (counted in the budget),
+    # so spec_train is followed by spec_train_more (--resume: the budget counts across resumes) before spec
+    "spec_train": ([[PY, "-m", "k3", "train", "--out", "runs/spec_gpu", "--max-minutes", "5.5", "--eval-batches", "2",
+                     "--no-progress"]], 560),
+    "spec_train_more": ([[PY, "-m", "k3", "train", "--out", "runs/spec_gpu", "--resume", "--max-minutes", "13",
+                          "--eval-batches", "8", "--no-progress"]], 560),
+    "spec": ([[PY, "benchmarks/spec_decode.py", "--ckpt", "runs/spec_gpu", "--batch", "1", "4", "16", "64",
+               "--max-tokens", "128", "--fused-replay", "--stage-times", "--json", "{out}/spec.json"]], 560),
 }
 
 
