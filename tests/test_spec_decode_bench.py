@@ -86,7 +86,8 @@ def test_stage_times_break_the_cycle_down_and_leave_the_output_unchanged():
     assert all(ms[k] >= 0 for k in StageTimes.STAGES) and ms["draft"] > 0 and ms["verify"] > 0
     assert ms["cycle"] == pytest.approx(sum(ms[k] for k in StageTimes.STAGES), abs=0.01)
 
-def test_stage_times_count_each_verify_call_once():
+
+def test_stage_times_average_over_cycles_and_refuse_an_unknown_stage():
     from k3.serve.speculative.decoder import StageTimes
 
     st = StageTimes("cpu")
@@ -96,6 +97,5 @@ def test_stage_times_count_each_verify_call_once():
             sum(range(1000))
     ms = st.per_cycle_ms()
     assert ms["draft"] > 0 and ms["verify"] == 0 and ms["cycle"] == ms["draft"]
-    with pytest.raises(KeyError):
-        with st.stage("nonsense"):
-            pass
+    with pytest.raises(KeyError, match="unknown stage 'nonsense'"), st.stage("nonsense"):
+        pass

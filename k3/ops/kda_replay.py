@@ -16,8 +16,8 @@ once, whatever the number of accepted tokens (no outputs are computed: the verif
 The conv tail is a gather of W - 1 inputs per channel, done in PyTorch. The report goes further and fuses the
 replay into the next draft window's verification (short conv, norms, gate, recurrence and output norm in one
 loop): op ``kda_verify_replay`` (k3.ops.kda_verify_replay) runs both recurrences in one kernel (the conv and the
-output norm still outside it; validated on a GPU, used by the engine with ``--fused-replay``). Validated on an H200 (``auto``
-takes it on CUDA): 0.21-0.35 ms for 1-64 requests of k3-mini's layer shape against the reference's 2.1-2.3 ms, but
+output norm still outside it; used by the engine with ``--fused-replay``). This kernel is validated on an H200
+(``auto`` takes it on CUDA): 0.21-0.35 ms for 1-64 requests of k3-mini's layer shape against the reference's 2.1-2.3 ms, but
 only 8-12% of a state copy's bandwidth (BENCHMARKS.md; the report's fused verify-and-replay loop is the way to the
 copy). ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
 """

@@ -275,7 +275,8 @@ def grouped_experts(z: Tensor, weights: Tensor, indices: Tensor, w, beta1: float
                     autotune: bool | None = None) -> Tensor:
     """The routed experts on the grouped kernels (the caller, k3.ops.mx_moe.mx_moe_packed_grouped, has checked
     the inputs). `decode`: "dot_scaled", "registers", or "auto" (registers: measured faster than dot_scaled at 1, 16
-    and 64 release-shaped tokens on an H100); `block_t`: rows per tile (None: :func:`block_tokens`); `autotune`: None tunes when compiled."""
+    and 64 release-shaped tokens on an H100); `block_t`: rows per tile (None: :func:`block_tokens`); `autotune`:
+    None tunes when compiled."""
     if decode not in DECODES:
         raise ValueError(f"decode={decode!r} is invalid: use one of {DECODES}")
     N, L = z.shape

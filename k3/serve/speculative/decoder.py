@@ -57,6 +57,8 @@ class StageTimes:
 
     @contextmanager
     def stage(self, name: str):
+        if name not in self.seconds:
+            raise KeyError(f"unknown stage {name!r}: one of {', '.join(self.STAGES)}")
         self._sync()
         t0 = time.perf_counter()
         try:

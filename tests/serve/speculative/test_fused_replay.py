@@ -19,6 +19,7 @@ A fused verification against the unfused one from the same pool (replay, then ve
 STATE_TOL and conv tails CONV_TOL of their largest entry.
 """
 
+import copy
 import functools
 import importlib.util
 from pathlib import Path
@@ -497,15 +498,21 @@ def test_an_eagle3_draft_reads_the_fused_verifications_features(monkeypatch):
     assert runs[0] == runs[1] and runs[0][0] > 0 and watch.fused_with_pending > 0
 
 
-def test_the_state_check_fails_on_a_lost_position(monkeypatch):
-    # the check above has teeth: a hold that keeps one accepted position fewer than it was given (a state one token
-    # behind from then on) fails it
+def _lose_one_position(monkeypatch):
+    """A mutation: the runner's hold keeps one accepted position fewer than it was given (a state one token behind
+    from then on)."""
     orig = ModelRunner.hold
 
     def short(runner, rid, pages, v, row, offset, n):
         return orig(runner, rid, pages, v, row, offset, n - 1) if n > 1 else orig(runner, rid, pages, v, row, offset, n)
 
     monkeypatch.setattr(ModelRunner, "hold", short)
+
+
+def test_the_state_check_fails_on_a_lost_position(monkeypatch):
+    # the check above has teeth: a hold that keeps one accepted position fewer than it was given (a state one token
+    # behind from then on) fails it
+    _lose_one_position(monkeypatch)
     eng = _engine(fx.OracleDraft(), k=4)
     with pytest.raises(AssertionError, match="KDA states: relative error"):
         drive(eng, [[(fx._prompts(1, 1)[0], SamplingParams(max_tokens=fx.LONGEST, temperature=0))]])
@@ -572,8 +579,6 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
 def _gpu_engine_runs(backend, dtype):
     """Greedy outputs of an eager CUDA engine with the MTP draft, with and without fused replay (op
     kda_verify_replay on `backend`)."""
-    import copy
-
     model = copy.deepcopy(fx._model()).cuda().set_dtype(dtype)
     model.set_backends(Backends(per_op={"kda_verify_replay": backend}))
     params = SamplingParams(max_tokens=16, temperature=0)
@@ -616,12 +621,10 @@ def test_gpu_fused_replay_keeps_greedy_output_fp32(backend):
     assert runs[0] == runs[1]
 
 
-def _bf16_fused_states(device: str, backend: str, cuda_graphs, hold=None):
+def _bf16_fused_states(device: str, backend: str, cuda_graphs):
     """A bf16 engine with fused replay on `device` and the oracle draft (the fp32 model's greedy tokens: most are
     accepted, so several positions are pending at a time), states checked after every step against the
     same model's plain bf16 run; returns the steps that held pending positions."""
-    import copy
-
     model = copy.deepcopy(fx._model()).to(device).set_dtype(torch.bfloat16)
     model.set_backends(Backends(per_op={**(GRAPH_OPS if cuda_graphs else {}), "kda_verify_replay": backend}))
     eng = LLMEngine(model, None, EngineConfig(
@@ -652,11 +655,6 @@ def test_gpu_fused_replay_bf16_keeps_plain_states(backend, cuda_graphs):
 def test_the_bf16_state_check_holds_and_fails_on_a_lost_position(monkeypatch):
     # the bf16 tolerances on the CPU: the fused path passes them, and a hold that keeps one position fewer fails them
     assert _bf16_fused_states("cpu", "torch", False) > 0
-    orig = ModelRunner.hold
-
-    def short(runner, rid, pages, v, row, offset, n):
-        return orig(runner, rid, pages, v, row, offset, n - 1) if n > 1 else orig(runner, rid, pages, v, row, offset, n)
-
-    monkeypatch.setattr(ModelRunner, "hold", short)
+    _lose_one_position(monkeypatch)
     with pytest.raises(AssertionError, match="relative error"):
         _bf16_fused_states("cpu", "torch", False)
