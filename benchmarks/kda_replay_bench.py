@@ -6,7 +6,11 @@
 For one KDA layer of k3-mini's shape (8 heads of 128 x 128 fp32 state per request by default), `--requests` rows
 each replay `--accepted` of a `--window`-position verification from their committed state. Side by side in one run:
 ``triton`` (k3.ops.kda_replay.kda_replay_triton: the state read once and written once), ``torch`` (the reference,
-kda_replay) and ``copy`` (state.clone(): the bandwidth ceiling for reading and writing the state once). Bandwidth
+kda_replay), ``copy`` (state.clone(): the bandwidth ceiling for reading and writing the state once) and the report's
+form, the replay fused into the next verification (k3.ops.kda_verify_replay_triton: the `--accepted` pending positions
+then a `--window`-position verification in one pass, the state read once and written once): ``verify_replay``, with
+``verify`` (the same kernel with nothing pending: the verification alone, the state still read and written once) beside it, so the replay's own
+cost in the fused form is verify_replay - verify. Bandwidth
 counts the state's bytes read + written (the per-position inputs are a few percent more). The issue's goal: the
 replay kernel at >= 80% of copy bandwidth. Medians of CUDA-event timings after a warm-up; one JSON line per case.
 """
@@ -20,6 +24,7 @@ import statistics
 import torch
 
 from k3.ops.kda_replay import kda_replay, kda_replay_triton
+from k3.ops.kda_verify_replay import kda_verify_replay_triton
 
 
 def timed(fn, runs: int) -> float:
@@ -62,9 +67,18 @@ def main() -> None:
         q, k, v, z, beta, pre, A_log, dt_bias, lb, state, conv = a
         lengths = [args.accepted] * N
         state_bytes = 2 * state.numel() * 4  # read + write
+        # the fused form: pending post-conv k, v, decay logits, beta logits and pre-conv inputs, then the window's
+        # pre-conv inputs, decay and beta logits; the conv weight [3, H*K, W] of a width-4 short conv
+        A = args.accepted
+        pend = (r(N, A, H, K), r(N, A, H, K), r(N, A, H, K), r(N, A, H), r(N, A, 3, H * K))
+        win = (r(N, L, 3, H * K), r(N, L, H, K), r(N, L, H), r(3, H * K, 4, dtype=torch.float32))
+        gate = (A_log, dt_bias, lb, state, torch.zeros(N, 3, H * K, 3, device="cuda"))
+        none = tuple(x[:, :0] for x in pend)
         rows = {"triton": timed(lambda: kda_replay_triton(*a, lengths), args.runs),
                 "torch": timed(lambda: kda_replay(*a, lengths), args.runs),
-                "copy": timed(lambda: state.clone(), args.runs)}
+                "copy": timed(lambda: state.clone(), args.runs),
+                "verify_replay": timed(lambda: kda_verify_replay_triton(*pend, lengths, *win, *gate), args.runs),
+                "verify": timed(lambda: kda_verify_replay_triton(*none, [0] * N, *win, *gate), args.runs)}
         for name, s in rows.items():
             print(json.dumps(dict(requests=N, impl=name, us=round(s * 1e6, 2), state_gb_per_s=round(
                 state_bytes / s / 1e9, 1), share_of_copy=round(rows["copy"] / s, 3), accepted=args.accepted,

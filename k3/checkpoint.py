@@ -477,8 +477,8 @@ def _packed_choice(packed_experts: bool | str, device: torch.device, backends) -
     if dispatch("mx_moe", Target(device), backends).name != "torch":
         return True
     notice(f"the MXFP4 experts are decoded at load into dense weights: op mx_moe runs on its reference on {device}, "
-           "which would decode every touched expert in every forward (the packed kernels: mx_moe=triton, "
-           "K3_MX_MOE_BACKEND=triton)")
+           "which would decode every touched expert in every forward (the packed kernels, on CUDA: "
+           "mx_moe=triton_grouped, K3_MX_MOE_BACKEND=triton_grouped)")
     return False
 
 

@@ -27,25 +27,21 @@ Implementations (op ``mx_moe``):
   (many tokens per expert) this form re-reads weights per token; a grouped MXFP4 kernel for prefill is not
   written yet. Its GPU tests pass on an H200, but at one release-shaped layer it is slower than the dequantized
   bf16 grouped GEMMs (1.56 vs 0.94 ms at 1 token, 47 vs 14 ms at 64: 9-15% of its bytes-touched floor,
-  BENCHMARKS.md), so ``auto`` keeps the reference and the inference commands decode MXFP4 experts at load;
-  ``--backend fast`` or ``K3_MX_MOE_BACKEND=triton`` selects it (a quarter of the memory). ``TRITON_INTERPRET=1``
+  BENCHMARKS.md), so ``auto`` never takes it; ``--backend fast`` or ``K3_MX_MOE_BACKEND=triton`` selects it (a quarter of the memory). ``TRITON_INTERPRET=1``
   runs it on CPU tensors (the tests).
 * ``triton_grouped`` (:func:`mx_moe_packed_grouped`, kernels in k3.ops.mx_moe_grouped): expert-centric, for decode
   and prefill alike: the (token, slot) pairs sorted by expert and cut into tiles of up to 16-64 rows of one expert;
   one program per (tile, block of output rows) reads the expert's packed rows once for the whole tile, decodes them
   in registers (Triton's ``tl.dot_scaled`` for bf16/fp16 inputs, or its own decode) and multiplies on the matrix
   units with fp32 accumulation; SiTU-GLU in the gate/up epilogue, per-(token, slot) outputs from the down kernel,
-  then the deterministic fp32 combine of k3.ops.moe_combine. No host sync (CUDA graphs can capture it). Its GPU
-  tests passed at 1, 16 and 64 tokens on an H100 (2026-12-06), where it ran a release-shaped layer faster than the
-  dequantized bf16 experts at all three sizes (1.04x, 1.19x, 1.21x); the 512-token (prefill tiles) and CUDA-graph
-  capture tests did not finish in that run's time, so it is not yet marked validated
-  (``K3_MX_MOE_BACKEND=triton_grouped`` selects it).
+  then the deterministic fp32 combine of k3.ops.moe_combine. No host sync (CUDA graphs can capture it). Validated:
+  its GPU tests (1, 16, 64 and 512 tokens, and the capture in a CUDA graph) passed on an H100 (2026-12-06), where it
+  ran a release-shaped layer faster than the dequantized bf16 experts at 1, 16 and 64 tokens (1.04x, 1.19x, 1.21x).
 
 The choice (k3.ops.registry): ``auto`` takes the first implementation that is available and validated. The
-token-centric kernels stay unvalidated (slower than bf16), so marking ``triton_grouped`` validated, once its GPU tests
-pass and it beats the dequantized bf16 experts at one release-shaped layer (``benchmarks/mx_moe_layer.py``), makes
-``auto`` run it on CUDA, and the inference commands then keep MXFP4 checkpoints packed (k3.checkpoint packs where
-op ``mx_moe`` runs on a kernel). ``fast`` names the first, the token-centric kernels.
+token-centric kernels stay unvalidated (slower than bf16), so ``auto`` runs ``triton_grouped`` on CUDA, and the
+inference commands keep MXFP4 checkpoints packed there (k3.checkpoint packs where op ``mx_moe`` runs on a kernel);
+on CPU ``auto`` keeps the reference, which decodes at load. ``fast`` names the first, the token-centric kernels.
 """
 
 from __future__ import annotations
@@ -311,13 +307,14 @@ def mx_moe_packed_grouped(z: Tensor, weights: Tensor, indices: Tensor, w: Packed
 
 
 # ``auto`` takes the first implementation that is available and validated (k3.ops.registry): the token-centric
-# kernels stay unvalidated (slower than the dequantized bf16 experts), so once the grouped kernels are validated,
-# ``auto`` runs them on CUDA and k3.checkpoint keeps MXFP4 checkpoints packed (its "auto" packs where op mx_moe runs
-# on a kernel). ``fast`` and ``--backend fast`` take the first, the token-centric kernels, as before.
+# kernels stay unvalidated (slower than the dequantized bf16 experts), the grouped ones are validated (GPU tests passed
+# on an H100, 2026-12-06, and faster than bf16 at 1, 16 and 64 tokens), so ``auto`` runs them on CUDA and
+# k3.checkpoint keeps MXFP4 checkpoints packed (its "auto" packs where op mx_moe runs on a kernel). ``fast`` and
+# ``--backend fast`` take the first, the token-centric kernels, as before.
 register(Op(
     "mx_moe", reference=mx_moe_packed,
     fast=(Fast("triton", mx_moe_packed_triton, _triton.available, validated=False, cpu=True),
-          Fast("triton_grouped", mx_moe_packed_grouped, _triton.available, validated=False, cpu=True)),
+          Fast("triton_grouped", mx_moe_packed_grouped, _triton.available, validated=True, cpu=True)),
     tolerance="fp32: 1e-5 of the largest output entry (fp32 accumulation in another order, SiTU-GLU's tanh from "
               "exponentials); bf16: 2e-2 relative (the reference rounds each GEMM's output to bf16, the kernels "
               "keep fp32 until the output)"))

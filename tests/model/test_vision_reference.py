@@ -269,6 +269,10 @@ def test_gpu_packed_encoder_on_fast_attention_matches_reference(backend, dtype, 
     for name, p in encs["fast"].named_parameters():
         assert rel(p.grad.float(), ref_params[name].grad.float()) < tol, name
     if dtype == torch.float32:
+        # cuDNN convolutions run fp32 as TF32 by default (torch.backends.cudnn.allow_tf32): the patch embedding's
+        # conv alone then sits ~2.6e-4 from float64 (measured on an H100). Against float64 the conv runs in fp32
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            out = encs["fast"](imgs, packed=True)
         cpu_sd = {k: v.cpu() for k, v in encs["ref"].state_dict().items()}
         with torch.no_grad():
             ref64 = torch.cat(reference_image_tokens(cpu_sd, cfg.to_dict(), [im.cpu() for im in imgs[:3]]))

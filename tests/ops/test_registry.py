@@ -48,10 +48,10 @@ def test_every_op_registers_its_facts():
         "kda_verify_replay": ["triton"], "kda_chunk": ["fla"],
         "kda_decode": ["triton"], "moe_route": ["triton"], "vision_attn": ["varlen", "flex"]}
     fast = {name: op for name, op in ops().items() if op.fast}
-    # kda_chunk (KDA context parallelism's chunks on fla) has GPU tests not yet run on a GPU; vision_attn's first path
-    # (varlen) is validated, its second (flex) not (see below)
+    # kda_chunk (KDA context parallelism's chunks on fla) has GPU tests not yet run on a GPU; mx_moe's first path (the
+    # token-centric kernels) stays unvalidated, its second (grouped) is validated; vision_attn's two paths both are
     assert {name for name, op in fast.items() if not op.fast[0].validated} == {"muon", "mx_moe", "kda_chunk"}
-    assert [(f.name, f.validated) for f in ops()["vision_attn"].fast] == [("varlen", True), ("flex", False)]
+    assert [(f.name, f.validated) for f in ops()["vision_attn"].fast] == [("varlen", True), ("flex", True)]
     assert {name for name, op in fast.items() if op.fast[0].cpu} == {"moe", "mla_decode", "muon", "linear_ce", "mx_moe",
                                                                     "mxfp4_fake_quant", "mxfp8_fake_quant",
                                                                     "kda_replay", "kda_verify_replay", "kda_decode",
@@ -61,21 +61,20 @@ def test_every_op_registers_its_facts():
     assert {o for op in ops().values() for o in op.options} == option_fields  # every option belongs to an op
 
 
-def test_mx_moe_auto_takes_the_grouped_kernels_once_they_are_validated(monkeypatch):
+def test_mx_moe_auto_takes_the_grouped_kernels(monkeypatch):
     # the rule of k3.ops.mx_moe: auto takes the first available and validated implementation; the token-centric
-    # kernels stay unvalidated, so validating the grouped ones makes auto (and the checkpoint loader's packed
-    # "auto") use them on CUDA, while fast keeps naming the first
+    # kernels stay unvalidated, the grouped ones are validated, so auto (and the checkpoint loader's packed "auto")
+    # use them on CUDA, while fast keeps naming the first; with the grouped ones unvalidated auto keeps the reference
     op = ops()["mx_moe"]
-    assert [(f.name, f.validated, f.cpu) for f in op.fast] == [("triton", False, True), ("triton_grouped", False, True)]
+    assert [(f.name, f.validated, f.cpu) for f in op.fast] == [("triton", False, True), ("triton_grouped", True, True)]
     _with(monkeypatch)
-    assert dispatch("mx_moe", CUDA).name == "torch"
-    fast = tuple(dataclasses.replace(f, available=YES, validated=f.name == "triton_grouped") for f in op.fast)
-    monkeypatch.setitem(registry._ops, "mx_moe", dataclasses.replace(op, fast=fast))
     assert dispatch("mx_moe", CUDA).name == "triton_grouped" and dispatch("mx_moe", CPU).name == "torch"
     assert Backends(default="fast").requested("mx_moe") == "triton"
     from k3.checkpoint import _packed_choice
 
     assert _packed_choice("auto", torch.device("cuda"), None) and not _packed_choice("auto", torch.device("cpu"), None)
+    _with(monkeypatch, validated=False)
+    assert dispatch("mx_moe", CUDA).name == "torch" and not _packed_choice("auto", torch.device("cuda"), None)
 
 
 def test_auto_uses_the_reference_on_cpu_and_validated_fast_paths_on_cuda(monkeypatch):

@@ -67,11 +67,13 @@ def test_dispatch_keeps_the_reference_on_cpu_and_names_what_the_fast_paths_need(
     assert [f.name for f in op.fast] == ["varlen", "flex"]
     ok, why = op.fast[0].available(Target(torch.device("cuda"), torch.float32))
     assert not ok and "bf16/fp16" in why
-    # auto on CUDA: varlen (validated on a GPU) for bf16 where this torch has it; fp32 keeps the reference (varlen
-    # takes bf16/fp16 only, flex is not validated)
-    cuda16 = Target(torch.device("cuda"), torch.bfloat16)
-    assert dispatch("vision_attn", cuda16).name == ("varlen" if op.fast[0].available(cuda16)[0] else "torch")
-    assert dispatch("vision_attn", Target(torch.device("cuda"), torch.float32)).name == "torch"
+    # auto on CUDA (both paths validated on a GPU): varlen for bf16 where this torch has it; fp32 goes to flex (varlen
+    # takes bf16/fp16 only) where flex can run, else the reference
+    cuda16, cuda32 = Target(torch.device("cuda"), torch.bfloat16), Target(torch.device("cuda"), torch.float32)
+    assert [f.validated for f in op.fast] == [True, True]
+    assert dispatch("vision_attn", cuda16).name == ("varlen" if op.fast[0].available(cuda16)[0] else
+                                                    "flex" if op.fast[1].available(cuda16)[0] else "torch")
+    assert dispatch("vision_attn", cuda32).name == ("flex" if op.fast[1].available(cuda32)[0] else "torch")
 
 
 def test_packing_is_checked():
