@@ -1,11 +1,14 @@
-"""RMSNorm of bf16/fp16 activations with an fp32 weight, forward and backward as one Triton kernel each.
+"""RMSNorm of bf16/fp16 activations with an fp32 weight (training) or a weight of the activations' dtype (a served
+bf16 model), forward and backward as one Triton kernel each.
 
 The model's RMSNorm (``k3.model.common.RMSNorm``, the release's form) on a bf16 input is
 
     x_hat = bf16(x * rsqrt(mean(x^2) + eps))      computed in fp32, rounded back to the input dtype
     y     = bf16(weight * x_hat)                  fp32 weight, product rounded to the input dtype
 
-which in PyTorch is a cast, the fused norm, a cast, a multiply and a cast forward, and as many kernels backward
+(with a bf16 weight the product of two bf16 values is exact in fp32, so rounding it once gives what the bf16
+multiply gives: one kernel covers both), which in PyTorch is a cast, the fused norm, a cast, a multiply and a cast
+forward (four kernels per norm in every decode step of a served model), and as many kernels backward
 plus a reduction for the weight's gradient. Here the forward reads x once and writes y and the per-row rstd; the
 backward reads x, dy and rstd once and writes dx and per-program partial sums of d(weight), with the same roundings
 as autograd's: d(x_hat) = bf16(dy * weight) (the multiply's gradient with respect to a bf16 input), then the fp32
@@ -129,9 +132,11 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """:func:`rms_norm_reference` as one Triton kernel forward and one backward (x bf16/fp16, weight fp32 [D])."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
-        raise ValueError(f"the RMSNorm kernel takes bf16/fp16 x and an fp32 weight, got {x.dtype} and {weight.dtype}")
+    """:func:`rms_norm_reference` as one Triton kernel forward and one backward (x bf16/fp16, weight [D] fp32 or of
+    x's dtype; the weight's gradient in the weight's dtype)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (torch.float32, x.dtype):
+        raise ValueError(f"the RMSNorm kernel takes bf16/fp16 x and an fp32 weight or one of x's dtype, got {x.dtype} "
+                         f"and {weight.dtype}")
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}")
     ok, why = _triton.runnable()
@@ -145,12 +150,13 @@ register(Op(
     fast=(Fast("triton", rms_norm_triton, _triton.available, validated=True),),
     tolerance="output and input gradient one bf16 step, 2^-7 (both sides round the same fp32 values; the norm's sum "
               "runs in another order), two in the interpreter (it truncates); the weight's gradient 1e-4 (fp32 sums "
-              "over rows in another order), 1e-2 in the interpreter"))
+              "over rows in another order), 1e-2 in the interpreter; a bf16 weight's gradient one bf16 step (the "
+              "reference sums it in bf16)"))
 
 
 def rms_norm_any(x: Tensor, weight: Tensor, eps: float, backends: Backends | None = None) -> Tensor:
     """:func:`rms_norm_reference` on the implementation the registry picks (op ``rms_norm``) for a bf16/fp16 x and
-    an fp32 weight; the reference for anything else (the kernel's domain)."""
-    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32:
+    an fp32 weight or one of x's dtype; the reference for anything else (the kernel's domain)."""
+    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (torch.float32, x.dtype):
         return dispatch("rms_norm", x, backends).fn(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
