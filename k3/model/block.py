@@ -70,10 +70,12 @@ class DecoderLayer(nn.Module):
         return KDACache() if self.is_kda else MLACache()
 
     def forward(self, stream: AttnResStream, cache=None, batch: BatchInfo | None = None, upcoming=None,
-                stats: frozenset[str] = frozenset()) -> dict:
+                stats: frozenset[str] = frozenset(), queries: tuple | None = None) -> dict:
         """Advance `stream` by this layer (mixer site, then FFN site). With `activation_checkpointing` on, each
         site is checkpointed in training forwards only: a module in eval mode, a forward without gradients, a
-        decode cache or two-phase AttnRes run the plain path (those are inference forms).
+        decode cache or two-phase AttnRes run the plain path (those are inference forms). `queries`: this layer's
+        two site queries (`site_queries()`) when the caller computed them already (k3.model.model computes every
+        layer's at once in forwards without gradients).
 
         Returns this layer's statistics among `stats` ({"max_logit": [H]} for a Gated MLA layer, {"routing":
         Routing} for a LatentMoE layer; k3.model.stats), detached."""
@@ -86,9 +88,10 @@ class DecoderLayer(nn.Module):
             stream.add(out)
             out, routing = _checkpointed(stream, lambda s: self._mlp_site(s, want_routing))
         else:
-            out, top = self._attn_site(stream, cache, batch, upcoming, want_max)
+            w_attn, w_mlp = (None, None) if queries is None else queries
+            out, top = self._attn_site(stream, cache, batch, upcoming, want_max, w_attn)
             stream.add(out)
-            out, routing = self._mlp_site(stream, want_routing)
+            out, routing = self._mlp_site(stream, want_routing, w_mlp)
         stream.add(out)
         found = {}
         if top is not None:
@@ -98,18 +101,22 @@ class DecoderLayer(nn.Module):
         return found
 
     def _attn_site(self, stream: AttnResStream, cache=None, batch: BatchInfo | None = None, upcoming=None,
-                   want_max: bool = False) -> tuple:
+                   want_max: bool = False, w: torch.Tensor | None = None) -> tuple:
         """AttnRes mix -> input norm -> KDA / Gated MLA: (output, the MLA's max logit or None). Closes the
-        stream's block at a block boundary."""
-        w = site_query(self.self_attention_res_norm, self.self_attention_res_proj) if self.attn_res else None
+        stream's block at a block boundary. `w`: the site's query, computed here when None."""
+        if w is None and self.attn_res:
+            w = site_query(self.self_attention_res_norm, self.self_attention_res_proj)
         x = self.input_layernorm(stream.attn_input(self.res_idx, w, upcoming or []))
         if want_max:
             return self.self_attn(x, cache, batch=batch, return_max_logit=True)
         return self.self_attn(x, cache, batch=batch), None
 
-    def _mlp_site(self, stream: AttnResStream, want_routing: bool = False) -> tuple:
-        """AttnRes mix -> post-attention norm -> dense MLP / LatentMoE: (output, the MoE's routing or None)."""
-        h = stream.mlp_input(self.res_idx, site_query(self.mlp_res_norm, self.mlp_res_proj) if self.attn_res else None)
+    def _mlp_site(self, stream: AttnResStream, want_routing: bool = False, w: torch.Tensor | None = None) -> tuple:
+        """AttnRes mix -> post-attention norm -> dense MLP / LatentMoE: (output, the MoE's routing or None). `w`: the
+        site's query, computed here when None."""
+        if w is None and self.attn_res:
+            w = site_query(self.mlp_res_norm, self.mlp_res_proj)
+        h = stream.mlp_input(self.res_idx, w)
         if want_routing:
             return self.ffn(self.post_attention_layernorm(h), return_routing=True)
         return self.ffn(self.post_attention_layernorm(h)), None

@@ -82,6 +82,24 @@ class K3Model(nn.Module):
             sites.append((("out", None), site_query(self.output_attn_res_norm, self.output_attn_res_proj)))
         return sites
 
+    def _site_queries(self) -> list[torch.Tensor] | None:
+        """Every AttnRes site's query in one pass, [2L + 1, D] fp32 (layer i's mixer site at row 2i, its FFN site at
+        2i + 1, the output site last): the norms' weights and the projections' stacked, cast and multiplied, five
+        operations where site by site it takes three per site (78 kernels per k3-mini decode step). The same
+        elementwise products as `site_query`, bit for bit. None for the plain-residual ablation or weights of mixed
+        dtypes (then each site computes its own)."""
+        if self.config.residual != "attn_res":
+            return None
+        norms = [n for layer in self.layers for n in (layer.self_attention_res_norm, layer.mlp_res_norm)]
+        projs = [p for layer in self.layers for p in (layer.self_attention_res_proj, layer.mlp_res_proj)]
+        norms.append(self.output_attn_res_norm)
+        projs.append(self.output_attn_res_proj)
+        if len({n.weight.dtype for n in norms}) != 1 or len({p.weight.dtype for p in projs}) != 1:
+            return None
+        g = torch.stack([n.weight for n in norms]).float()
+        w = torch.stack([p.weight[0] for p in projs]).float()
+        return list((g * w).unbind(0))
+
     def forward(self, input_ids=None, inputs_embeds=None, cache: K3Cache | None = None,
                 segment_ids: torch.Tensor | None = None, batch: BatchInfo | None = None, stats=(),
                 features: tuple[int, ...] = ()):
@@ -118,15 +136,20 @@ class K3Model(nn.Module):
         S = self.config.attn_res_block_size
         stream = residual_stream(self.config.residual, h, S, self.config.rms_norm_eps,
                                  two_phase=self.two_phase_attn_res, backends=self.backends)
+        # forwards without gradients (serving, evaluation, rollouts) take every site's query at once; a training
+        # forward computes each at its site, inside the site's checkpointed region where that is on
+        qs = self._site_queries() if not torch.is_grad_enabled() else None
         for i, layer in enumerate(self.layers):
             upcoming = self._block_sites(i) if (stream.two_phase and i % S == 0) else None
-            got = layer(stream, cache[i] if cache is not None else None, batch=batch, upcoming=upcoming, stats=want)
+            got = layer(stream, cache[i] if cache is not None else None, batch=batch, upcoming=upcoming, stats=want,
+                        queries=None if qs is None else (qs[2 * i], qs[2 * i + 1]))
             if found is not None:
                 found.add(layer.layer_idx, got)
         if cache is not None:
             cache.seq_len += h.shape[1]
         plain = self.config.residual == "plain"
-        hidden = stream.output(None if plain else site_query(self.output_attn_res_norm, self.output_attn_res_proj))
+        hidden = stream.output(None if plain else qs[-1] if qs is not None
+                               else site_query(self.output_attn_res_norm, self.output_attn_res_proj))
         if features:
             check_feature_blocks(self.config, features)
             # stream.blocks[0] is the embedding, blocks[b] the b-th completed block; the last block is still open

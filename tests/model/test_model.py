@@ -47,6 +47,35 @@ def test_future_tokens_never_change_earlier_logits(tiny_cfg):
     assert not torch.allclose(a[:, 60:], b[:, 60:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_site_queries_taken_at_once_equal_each_site_computing_its_own(tiny_cfg, dtype, monkeypatch):
+    # Forwards without gradients take every AttnRes site's query in one pass (K3Model._site_queries); with it
+    # switched off each site computes its own. The same products bit for bit: the hidden states are equal, prefill
+    # and decode.
+    model = make(tiny_cfg, seed=4).to(dtype)
+    qs = model.model._site_queries()
+    layers = model.model.layers
+    want = [q for layer in layers for q in layer.site_queries()]
+    want.append(model.model.output_attn_res_norm.weight.float() * model.model.output_attn_res_proj.weight[0].float())
+    assert len(qs) == 2 * len(layers) + 1 and all(a.dtype == torch.float32 and torch.equal(a, b)
+                                                  for a, b in zip(qs, want))
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 12))
+    outs = []
+    for at_once in (True, False):
+        if not at_once:
+            monkeypatch.setattr(model.model, "_site_queries", lambda: None)
+        cache = model.new_cache()
+        outs.append([model.model(ids[:, :9], cache=cache)] + [model.model(ids[:, t:t + 1], cache=cache)
+                                                               for t in range(9, 12)])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    monkeypatch.undo()
+    # the plain-residual ablation has no site queries; mixed dtypes fall back to each site's own
+    assert make(tiny_cfg.replace(residual="plain")).model._site_queries() is None
+    model.model.output_attn_res_norm.float()
+    assert dtype == torch.float32 or model.model._site_queries() is None
+
+
 @torch.no_grad()
 def test_two_phase_attn_res_equals_direct(tiny_cfg):
     cfg = tiny_cfg.replace(num_hidden_layers=9, kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8, 9],
