@@ -1,4 +1,5 @@
-"""Small tensor helpers: host-to-device copies that do not wait for the device, and a one-entry result cache."""
+"""Small tensor helpers: host-to-device copies that do not wait for the device, a one-entry result cache, and
+read-only constants made once per device."""
 
 from __future__ import annotations
 
@@ -43,3 +44,28 @@ class LastResult:
         self._value = build()
         self._key = sig
         return self._value
+
+
+# (kind, device, dtype) -> every buffer made for it, the last the largest: older ones are kept alive (a CUDA graph
+# captured while one was current reads its memory on every replay, so it must never return to the allocator)
+_CONSTANTS: dict = {}
+
+
+def constant(kind: str, n: int, device, dtype):
+    """A read-only [n] tensor on `device`: "ones" (all 1) or "arange" (0 .. n - 1), a view of a buffer made once
+    and grown by doubling, so the ops that need one launch no fill kernel for it in every step. Never write to it.
+    Under torch.compile it is made afresh (the trace then holds the fill)."""
+    import torch
+
+    if kind not in ("ones", "arange"):
+        raise ValueError(f"constant kind {kind!r}: 'ones' or 'arange'")
+    device = torch.device(device)
+    if torch.compiler.is_compiling():
+        return torch.ones(n, device=device, dtype=dtype) if kind == "ones" else torch.arange(n, device=device,
+                                                                                               dtype=dtype)
+    bufs = _CONSTANTS.setdefault((kind, device, dtype), [])
+    if not bufs or bufs[-1].numel() < n:
+        size = max(n, 2 * bufs[-1].numel() if bufs else 64)
+        bufs.append(torch.ones(size, device=device, dtype=dtype) if kind == "ones"
+                    else torch.arange(size, device=device, dtype=dtype))
+    return bufs[-1][:n]

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from k3.ops.registry import Backends, Fast, Op, Target, dispatch, importable, register
+from k3.tensors import constant
 
 __all__ = ["AttnResPartial", "attn_res", "attn_res_any", "attn_res_fla", "attn_res_inter", "attn_res_merge",
            "fla_available"]
@@ -120,8 +121,8 @@ def attn_res_fla(sources: Sequence[Tensor], w: Tensor, eps: float = 1e-5) -> Ten
     sources = [s if s.data_ptr() % 16 == 0 else s.clone() for s in sources]
     v = sources[0]
     _check_query("w", w, v.shape[-1])
-    ones = torch.ones(v.shape[-1], device=v.device, dtype=torch.float32)
-    return fused_attnres(w.float(), sources, ones, rms_eps=eps)
+    # the norm weight fla's kernel takes, all ones (w holds gamma): a constant made once per device
+    return fused_attnres(w.float(), sources, constant("ones", v.shape[-1], v.device, torch.float32), rms_eps=eps)
 
 
 register(Op(

@@ -504,7 +504,13 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
     for name, t in (("w_kc", w_kc), ("w_vc", w_vc)):
         if not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
-    q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_kc.float())
+    if q_nope.is_cuda and q_nope.dtype in (torch.bfloat16, torch.float16) and w_kc.dtype == q_nope.dtype:
+        # one batched GEMM accumulating and writing fp32 (aten bmm.dtype, CUDA): the products of two bf16 values are
+        # exact in fp32, so this is the fp32 einsum below up to summation order, without its casts (an fp32 copy of
+        # w_kc, [H, Dn, R], per layer and step). The kernel reads q_lat through its strides.
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_kc, out_dtype=torch.float32).transpose(0, 1)
+    else:
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_kc.float())
     o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits)
     return torch.einsum("bhr,hvr->bhv", o_lat, w_vc.float()).to(q_nope.dtype)
 

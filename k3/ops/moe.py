@@ -22,6 +22,7 @@ from torch import Tensor
 from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.registry import Backends, Fast, Op, Target, dispatch, register, runs_on
 from k3.ops.weight_cast import WeightCasts, cached_stack, weight
+from k3.tensors import constant
 
 __all__ = ["Routing", "route", "expert_load", "moe_experts", "moe_experts_any", "moe_experts_grouped",
            "grouped_available", "grouped_used"]
@@ -239,12 +240,13 @@ def moe_experts_grouped(
     if not z.is_cuda and flat_expert.numel() and bool(((flat_expert < 0) | (flat_expert >= E)).any()):
         raise ValueError(f"indices must lie in [0, num_experts={E}), got min {int(flat_expert.min())} "
                          f"max {int(flat_expert.max())}")
-    order = torch.argsort(flat_expert, stable=True)  # [N*k] pair ids sorted by expert
-    counts = torch.zeros(E, dtype=torch.int32, device=z.device)
-    counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))  # no host sync
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    sorted_expert, order = torch.sort(flat_expert, stable=True)  # [N*k] pair ids sorted by expert
+    # offs[e]: the pairs routed to experts <= e, the end of expert e's rows (the cumulative counts), read off the
+    # sorted ids: one search, no host sync
+    offs = torch.searchsorted(sorted_expert, constant("arange", E, z.device, flat_expert.dtype), right=True,
+                              out_int32=True)
     inverse = torch.empty_like(order)  # row of the sorted pairs holding each (token, slot)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
+    inverse[order] = constant("arange", order.numel(), order.device, order.dtype)
     x = moe_dispatch(z, order, inverse, k, backends)  # [M, L] grouped by expert
 
     if w13 is not None:
