@@ -102,9 +102,11 @@ def heldout_prompts(tok, n: int, length: int, files: list[str] | None = None) ->
 
 
 def graphs_made(engine) -> int:
-    """CUDA graphs (static-buffer steps) the engine has made so far: decode buckets, prefill chunks, verifications."""
+    """CUDA graphs (static-buffer steps) the engine has made so far: decode buckets, prefill chunks, verifications,
+    and the MTP draft's captured greedy chains."""
     g = getattr(engine.runner, "graphs", None)
-    return 0 if g is None else g.made
+    chains = getattr(engine.draft, "chains", None) if engine.draft is not None else None
+    return (0 if g is None else g.made) + (0 if chains is None else len(chains.made))
 
 
 @torch.no_grad()

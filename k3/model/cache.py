@@ -30,9 +30,10 @@ class LatentAttention(Protocol):
     def expanded(self, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
         """Prefill of rows with no cached context: keys and values expanded per head from the new latent rows."""
 
-    def absorbed(self, q: Tensor, c_all: Tensor, kr_all: Tensor, q_start, kv_len=None) -> Tensor:
+    def absorbed(self, q: Tensor, c_all: Tensor, kr_all: Tensor, q_start, kv_len=None, check: bool = True) -> Tensor:
         """Attention against a latent cache (c_all [B, L, R], kr_all [B, L, dr]) in the absorbed form: query t of
-        row b sits at position q_start (+ b's offset) + t; `kv_len` the valid length of each row (None: all)."""
+        row b sits at position q_start (+ b's offset) + t; `kv_len` the valid length of each row (None: all).
+        `check=False` with tensor positions and lengths valid by construction: nothing is read back to check them."""
 
     def masked(self, q: Tensor, c_all: Tensor, kr_all: Tensor, mask: Tensor) -> Tensor:
         """Attention against latent rows (c_all [B, L, R], kr_all [B, L, dr]) with an explicit visibility mask

@@ -119,10 +119,12 @@ class GatedMLA(nn.Module):
         k, v = self._expand(c, k_rope)
         return mla_attention(q, k, v, self.scale)
 
-    def absorbed(self, q: torch.Tensor, c_all: torch.Tensor, kr_all: torch.Tensor, q_start, kv_len=None):
+    def absorbed(self, q: torch.Tensor, c_all: torch.Tensor, kr_all: torch.Tensor, q_start, kv_len=None,
+                 check: bool = True):
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.dn, self.dv)
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
-        return mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=q_start, kv_len=kv_len)
+        return mla_absorbed(q_nope, q_rope, c_all, kr_all, w_kc, w_vc, self.scale, q_start=q_start, kv_len=kv_len,
+                            check=check)
 
     def masked(self, q: torch.Tensor, c_all: torch.Tensor, kr_all: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of q [B, T, H, dn + dr] over the latent rows c_all [B, L, R] / kr_all [B, L, dr] that `mask`

@@ -174,6 +174,7 @@ def mla_absorbed(
     scale: float,
     q_start: int | Tensor | None = None,
     kv_len: int | Tensor | None = None,
+    check: bool = True,
 ) -> Tensor:
     """MLA against the latent cache with the up-projections absorbed (decode form).
 
@@ -194,6 +195,8 @@ def mla_absorbed(
             Default ``kv_len - Tq``: the queries are the last Tq cached positions.
         kv_len: int, list of B ints or LongTensor [B] in [1, L]: valid cache length per batch row;
             positions >= kv_len are padding and ignored whatever they contain. Default L.
+        check: verify that tensor ``kv_len`` and ``q_start`` lie in range, which reads them back from the device.
+            False (a caller whose lengths are valid by construction, e.g. inside a CUDA graph) skips that read.
 
     Returns:
         o: [B, Tq, H, Dv] in ``q_nope.dtype`` (scores and softmax in fp32).
@@ -219,13 +222,16 @@ def mla_absorbed(
             raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
 
     device = q_nope.device
-    lengths = _checked_positions("kv_len", L if kv_len is None else kv_len, B, device, 1, L, f"in [1, L={L}]")
-    if q_start is None:  # the queries are the last Tq cached positions
-        host_len = _host_positions("kv_len", L if kv_len is None else kv_len, B)
-        q_start = [n - Tq for n in host_len] if host_len is not None else lengths - Tq
-    # q_start >= 0 keeps key 0 visible to every query, so no softmax row is empty.
-    start = _checked_positions("q_start", q_start, B, device, 0, None,
-                               f">= 0 (default kv_len - Tq needs kv_len >= Tq={Tq})")
+    if not check and isinstance(kv_len, Tensor) and isinstance(q_start, Tensor):
+        lengths, start = _as_positions("kv_len", kv_len, B, device), _as_positions("q_start", q_start, B, device)
+    else:
+        lengths = _checked_positions("kv_len", L if kv_len is None else kv_len, B, device, 1, L, f"in [1, L={L}]")
+        if q_start is None:  # the queries are the last Tq cached positions
+            host_len = _host_positions("kv_len", L if kv_len is None else kv_len, B)
+            q_start = [n - Tq for n in host_len] if host_len is not None else lengths - Tq
+        # q_start >= 0 keeps key 0 visible to every query, so no softmax row is empty.
+        start = _checked_positions("q_start", q_start, B, device, 0, None,
+                                   f">= 0 (default kv_len - Tq needs kv_len >= Tq={Tq})")
 
     k_pos = torch.arange(L, device=device)
     in_cache = k_pos[None, :] < lengths[:, None]  # [B, L]

@@ -134,8 +134,11 @@ class LLMEngine:
         mcfg = model.config
         device = next(model.parameters()).device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        graphs = decode_graphs_mode(model, cfg.cuda_graphs)
         if draft is None and cfg.speculative == "mtp":
-            draft = MTPDraft(model)
+            # the greedy drafting steps after the first run as captured chains where the decode steps are captured
+            # (on the same static-buffer code uncaptured with cuda_graphs "eager")
+            draft = MTPDraft(model, chain_graphs={"capture": True, "eager": "eager"}.get(graphs, False))
         if draft is None and cfg.speculative == "eagle3":
             if cfg.draft is None:
                 raise ValueError("speculative='eagle3' needs the draft's directory (EngineConfig.draft; --draft DIR)")
@@ -143,7 +146,6 @@ class LLMEngine:
 
             draft = Eagle3Draft(model, load_draft(cfg.draft, model))
         self.clock = time.perf_counter  # what the switch's step times are read from (a test's fake clock)
-        graphs = decode_graphs_mode(model, cfg.cuda_graphs)
         n_kda = sum(1 for l in model.model.layers if l.is_kda)
         cache = CacheManager(mcfg, len(model.model.layers) - n_kda, n_kda, cfg.cache_memory_mb, cfg.page_tokens,
                              cfg.hash_block_tokens, cfg.enable_prefix_cache, dtype=dtype, device=device,

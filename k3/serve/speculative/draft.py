@@ -14,6 +14,13 @@ attention has no positional encoding, so a bounded window is still a valid conte
 guesses are dropped after each proposal. Positions served from the prefix cache were never computed here, so they
 are absent from that context (lower acceptance, same output).
 
+Greedy proposals chain on the device (each argmax feeds the next step's embedding; one read-back per proposal). With
+`chain_graphs` (the engine's, where its decode steps are captured) the steps after the first run on static buffers
+(`_Chains`: per bucket of requests, powers of 2 up to 64, and of context length, powers of 2 from 64, the contexts
+copied in before each run; the attention reads no length back) captured as one CUDA graph per bucket, or uncaptured
+("eager", the tests on CPU). The first step, over each request's newly observed positions, stays eager; sampled
+proposals, the RoPE ablation, larger batches and longer contexts draft eagerly as before.
+
 `Eagle3Draft` is the same procedure with a fine-tuned draft layer (k3.model.eagle3.Eagle3Layer): its first step
 reads, in place of the target's hidden state, the fusion W_E3 [h_a; h_b; h] of the outputs of two AttnRes blocks
 and the hidden state. A draft that reads block features names them in its `features` attribute (AttnRes block
@@ -30,8 +37,10 @@ import torch
 from torch import Tensor
 
 from k3.model.cache import MLACache
+from k3.ops.registry import notice
 from k3.serve.sampling import SamplingParams, probs
 from k3.serve.sequence import Sequence
+from k3.tensors import to_device_async
 
 
 @dataclass
@@ -69,7 +78,7 @@ class _Context:
 class MTPDraft:
     features: tuple[int, ...] = ()
 
-    def __init__(self, model, window: int = 4096):
+    def __init__(self, model, window: int = 4096, chain_graphs: bool | str = False):
         if not len(model.mtp):
             raise ValueError("speculative='mtp' needs a model with an MTP layer (num_nextn_predict_layers >= 1), "
                              "this one has none")
@@ -77,6 +86,7 @@ class MTPDraft:
             raise ValueError(f"window={window} must be positive")
         self.model, self.layer, self.window = model, model.mtp[0], window
         self._ctx: dict[str, _Context] = {}
+        self.chains = _chains(self, chain_graphs)
 
     def observe(self, seq: Sequence, start: int, hidden: Tensor) -> None:
         ctx = self._ctx.get(seq.request_id)
@@ -119,11 +129,12 @@ class MTPDraft:
                 L = ctx.length  # where row r's new positions start in the ragged rows
                 ctx.append(cache.c[r:r + 1, L:L + n[r]].clone(), cache.k_rope[r:r + 1, L:L + n[r]].clone())
                 ctx.keep_last(self.window)
+            contexts = [prep[i][0].cache for i in rows]
             if K > 1:  # the guesses run against the contexts as now kept (the last `window` rows each)
-                cache = _RaggedCache([prep[i][0].cache for i in rows], K - 1)
+                cache = _RaggedCache(contexts, K - 1)
             h = h[torch.arange(len(rows), device=h.device), torch.tensor(n, device=h.device) - 1][:, None]
             if all(seqs[i].params.temperature == 0 for i in rows):  # greedy: chained on the device, one read-back
-                chosen = self._greedy_chain(h, K, cache).tolist()
+                chosen = self._chain(h, K, contexts, cache).tolist()
                 for r, i in enumerate(rows):
                     tokens[i], qs[i] = chosen[r][:ks[i]], [None]
             else:
@@ -182,7 +193,7 @@ class MTPDraft:
         h, cache = f
         committed = cache.length
         if seq.params.temperature == 0:  # greedy: chained on the device, one read-back
-            tokens = self._greedy_chain(h, k, cache)[0].tolist()
+            tokens = self._chain(h, k, [cache], cache)[0].tolist()
             cache.truncate(committed)
             return Proposal(tokens)
         emb = self.model.model.embed_tokens
@@ -195,6 +206,15 @@ class MTPDraft:
                 h = self._step(h, emb(torch.tensor([[tok]], device=h.device)), False, cache)
         cache.truncate(committed)  # the guesses' rows are not context
         return Proposal(tokens, None if qs[0] is None else torch.stack(qs))
+
+    def _chain(self, h: Tensor, k: int, contexts: list[MLACache], cache) -> Tensor:
+        """`_greedy_chain` from h [R, 1, D] after the contexts: on the captured chain of R's bucket where there is
+        one (`chains`), else eagerly against `cache`."""
+        if self.chains is not None and k > 1:
+            out = self.chains.run(h, k, contexts)
+            if out is not None:
+                return out
+        return self._greedy_chain(h, k, cache)
 
     def _greedy_chain(self, h: Tensor, k: int, cache) -> Tensor:
         """k greedy drafting steps of every row from the last outputs h [R, 1, D]: each step's argmax token feeds the
@@ -228,6 +248,7 @@ class Eagle3Draft(MTPDraft):
         self.model, self.layer, self.window = model, layer.eval(), window
         self.features = tuple(layer.blocks)
         self._ctx: dict[str, _Context] = {}
+        self.chains = None  # the greedy guess steps stay eager (the EAGLE-3 layer's chain is not captured yet)
 
     def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
         return self.layer(hidden, embeds, fused=first, cache=cache)
@@ -277,6 +298,138 @@ class _RaggedCache:
         start = self.lengths
         self.lengths = self.lengths + T
         return attn.absorbed(q, self.c, self.k_rope, q_start=start, kv_len=self.lengths)
+
+
+class _StaticRaggedCache(_RaggedCache):
+    """`_RaggedCache` over buffers of a fixed shape (c [Rb, Lb, R], k_rope [Rb, Lb, dr], lengths [Rb]): the static
+    inputs of a captured chain. `fill` copies the contexts in (before a replay; rows past them get length 0 and
+    compute on zeros); `start` begins a chain (inside the graph: each attend advances a copy of the lengths), and the
+    attention runs without reading the lengths back (they are valid by construction). NoPE layers only: the RoPE
+    ablation's positions come from the host."""
+
+    def __init__(self, rows: int, length: int, like_c: Tensor, like_kr: Tensor):
+        super().__init__([], 0)
+        self.c = like_c.new_zeros(rows, length, like_c.shape[-1])
+        self.k_rope = like_kr.new_zeros(rows, length, like_kr.shape[-1])
+        self.filled = torch.zeros(rows, dtype=torch.long, device=like_c.device)
+        self._rows = torch.arange(rows, device=like_c.device)
+
+    def fill(self, caches: list[MLACache]) -> None:
+        lens = [cc.length for cc in caches]
+        for i, cc in enumerate(caches):
+            if lens[i]:
+                self.c[i, :lens[i]].copy_(cc.c[0])
+                self.k_rope[i, :lens[i]].copy_(cc.k_rope[0])
+        host = torch.zeros(self.filled.shape[0], dtype=torch.long)
+        host[:len(lens)] = torch.tensor(lens, dtype=torch.long)
+        self.filled.copy_(to_device_async(host, self.filled.device))
+
+    def start(self) -> None:
+        self.lengths = self.filled.clone()
+
+    def token_positions(self, c: Tensor) -> Tensor:
+        raise RuntimeError("a captured draft chain runs NoPE MLA layers only (the RoPE ablation drafts eagerly)")
+
+    def attend(self, attn, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        T = q.shape[1]
+        pos = self.lengths[:, None] + torch.arange(T, device=c.device)
+        rows = self._rows[:, None].expand(-1, T)
+        self.c[rows, pos] = c
+        self.k_rope[rows, pos] = k_rope
+        start = self.lengths
+        self.lengths = self.lengths + T
+        return attn.absorbed(q, self.c, self.k_rope, q_start=start, kv_len=self.lengths, check=False)
+
+
+class _Chain:
+    """The k greedy drafting steps of up to `rows` requests with contexts of up to `length` - (k - 1) rows, on static
+    buffers: h [rows, 1, D] in, tokens [rows, k] out. `eager`: run the same code on the buffers uncaptured (any
+    device: the tests); else captured as one CUDA graph after two warm-up runs on a side stream."""
+
+    def __init__(self, draft: "MTPDraft", rows: int, length: int, k: int, like_h: Tensor, like_c: Tensor,
+                 like_kr: Tensor, eager: bool, pool=None):
+        self.draft, self.rows, self.length, self.k = draft, rows, length, k
+        self.h = like_h.new_zeros(rows, 1, like_h.shape[-1])
+        self.cache = _StaticRaggedCache(rows, length, like_c, like_kr)
+        self.graph = None
+        self.tokens: Tensor | None = None
+        if not eager:
+            side = torch.cuda.Stream(device=like_h.device)
+            side.wait_stream(torch.cuda.current_stream(like_h.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._body()
+            torch.cuda.current_stream(like_h.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.tokens = self._body()
+
+    def _body(self) -> Tensor:
+        self.cache.start()
+        return self.draft._greedy_chain(self.h, self.k, self.cache)
+
+    def run(self, h: Tensor, contexts: list[MLACache]) -> Tensor:
+        R = h.shape[0]
+        self.h[:R].copy_(h)
+        self.cache.fill(contexts)
+        if self.graph is None:
+            return self._body()[:R]
+        self.graph.replay()
+        return self.tokens[:R].clone()
+
+
+class _Chains:
+    """The draft's captured greedy chains, one per (rows bucket, context bucket, k), made on first use: rows in
+    powers of 2 up to MAX_ROWS, context lengths in powers of 2 from 64 up to the draft's window + k (a context of L
+    rows runs in the bucket of L + k - 1). Larger batches, longer contexts and layers with RoPE draft eagerly."""
+
+    MAX_ROWS = 64
+    MAX_BUFFER_ROWS = 1 << 17  # rows x length of one chain's buffers (c in fp32 inside the attention: 256 MB at R=512)
+
+    def __init__(self, draft: "MTPDraft", eager: bool):
+        self.draft, self.eager = draft, eager
+        self.made: dict[tuple[int, int, int], _Chain] = {}
+        self.pool = None if eager else torch.cuda.graph_pool_handle()
+        attn = draft.layer.block.self_attn
+        self.nope = getattr(attn, "rope_theta", None) is None
+
+    @staticmethod
+    def _bucket(n: int, least: int = 1) -> int:
+        return max(least, 1 << (n - 1).bit_length())
+
+    def run(self, h: Tensor, k: int, contexts: list[MLACache]) -> Tensor | None:
+        """tokens [R, k] of the captured chain, or None where this batch drafts eagerly."""
+        R = h.shape[0]
+        longest = max(cc.length for cc in contexts)
+        if not self.nope or R > self.MAX_ROWS or not longest or any(cc.c is None for cc in contexts):
+            return None
+        rows, length = self._bucket(R), self._bucket(longest + k - 1, 64)
+        if rows * length > self.MAX_BUFFER_ROWS or length > self._bucket(self.draft.window + k - 1, 64):
+            return None
+        key = (rows, length, k)
+        if key not in self.made:
+            c = contexts[0]
+            try:
+                self.made[key] = _Chain(self.draft, rows, length, k, h, c.c, c.k_rope, self.eager, self.pool)
+            except Exception as e:  # e.g. an op that reads back from the device under capture: draft eagerly
+                if self.eager:
+                    raise
+                notice(f"the draft's greedy steps run eagerly: capturing them failed ({type(e).__name__}: {e})")
+                self.nope = False
+                return None
+        return self.made[key].run(h, contexts)
+
+
+def _chains(draft: "MTPDraft", mode: bool | str) -> _Chains | None:
+    """The draft's chains for `mode`: True (captured on CUDA; None elsewhere), "eager" (the static buffers
+    uncaptured, any device), False (None: eager drafting as before)."""
+    if mode not in (True, False, "eager"):
+        raise ValueError(f"chain_graphs={mode!r}: True, False or 'eager'")
+    if mode is False:
+        return None
+    if mode is True and next(draft.layer.parameters()).device.type != "cuda":
+        return None
+    return _Chains(draft, eager=mode == "eager")
 
 
 def _choose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:

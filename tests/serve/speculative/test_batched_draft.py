@@ -134,3 +134,67 @@ def test_greedy_drafts_chained_on_the_device_equal_host_choices(kind):
     seqs = _seqs(lengths[:1], 0.0)
     _observe(draft, seqs, width)
     assert draft.propose(seqs, ks[:1])[0].tokens == want[0]
+
+
+def test_greedy_chains_on_static_buffers_equal_the_eager_drafts():
+    # The greedy drafting steps after the first run on a chain of static buffers (what a CUDA graph captures;
+    # here uncaptured, "eager"): contexts copied into [rows bucket, length bucket] buffers, padding rows of length 0,
+    # lengths never read back. The drafts equal the eager ones, alone and batched (3 requests in a bucket of 4),
+    # across two proposals (the buffers refilled), and in a larger context bucket once the window passes 64 rows.
+    model = _model()
+    for window, lengths, ks in [(40, [7, 30, 12], [3, 4, 2]), (100, [90, 5], [3, 3])]:
+        eager, chained = MTPDraft(model, window=window), MTPDraft(model, window=window, chain_graphs="eager")
+        assert eager.chains is None and chained.chains is not None
+        for group in (lengths[:1], lengths):
+            got = {}
+            for name, draft in (("eager", eager), ("chained", chained)):
+                seqs = _seqs(group, 0.0, seed=len(group))
+                _observe(draft, seqs, model.config.hidden_size)
+                first = [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
+                for s in seqs:  # one more committed position each, then a second proposal
+                    s.prompt_ids.append(1)
+                    s.num_computed += 1
+                    draft.observe(s, s.num_computed - 1, torch.randn(1, model.config.hidden_size,
+                                                                     generator=torch.Generator().manual_seed(7)))
+                got[name] = first + [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
+                for s in seqs:
+                    draft.forget(s)
+            assert got["chained"] == got["eager"]
+        k = max(ks)
+        want_rows = {1, 4} if len(lengths) == 3 else {1, 2}
+        assert {rows for rows, _, _ in chained.chains.made} == want_rows
+        assert {length for _, length, _ in chained.chains.made} == ({64} if window == 40 else {128})
+        assert all(kk <= k for _, _, kk in chained.chains.made)
+    with pytest.raises(ValueError, match="chain_graphs"):
+        MTPDraft(model, chain_graphs="yes")
+    assert MTPDraft(model, chain_graphs=True).chains is None  # capture is for CUDA: a CPU model drafts eagerly
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_greedy_chains_equal_the_eager_drafts():
+    # the chains captured as CUDA graphs (fp32 model on the fast backends the engine's graphs need), one request
+    # and three, two proposals each: the same drafts as drafting eagerly
+    from k3.ops.registry import Backends
+
+    model = _model().cuda()
+    model.set_backends(Backends(default="fast"))
+    eager, chained = MTPDraft(model, window=40), MTPDraft(model, window=40, chain_graphs=True)
+    width = model.config.hidden_size
+    for group in ([7], [7, 30, 12]):
+        got = {}
+        for name, draft in (("eager", eager), ("chained", chained)):
+            seqs = _seqs(group, 0.0, seed=len(group))
+            g = torch.Generator().manual_seed(1)
+            for s in seqs:
+                draft.observe(s, 0, torch.randn(s.num_computed, width, generator=g).cuda())
+            got[name] = [p.tokens for p in draft.propose(seqs, [3] * len(group))]
+            for s in seqs:
+                s.prompt_ids.append(1)
+                s.num_computed += 1
+                draft.observe(s, s.num_computed - 1, torch.randn(1, width, generator=g).cuda())
+            got[name] += [p.tokens for p in draft.propose(seqs, [3] * len(group))]
+            for s in seqs:
+                draft.forget(s)
+        assert got["chained"] == got["eager"]
+    assert chained.chains.made and all(c.graph is not None for c in chained.chains.made.values())

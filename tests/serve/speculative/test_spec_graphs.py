@@ -76,6 +76,8 @@ def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does(d
                 g = eng.runner.graphs
                 assert g.verify_lengths == (2, 3, 4)
                 assert g.verify_steps > 0 and g.steps > g.verify_steps  # verifications and plain decode steps
+                if draft == "mtp":  # the MTP draft's greedy steps after the first ran on chains of static buffers
+                    assert eng.draft.chains is not None and eng.draft.chains.made
         assert runs[True][0] > 0
         assert runs[True] == runs[False]  # the same drafts were proposed and accepted
         # the same hidden states observed at the same positions (the static step's fixed-split paged attention sums in
