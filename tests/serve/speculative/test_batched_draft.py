@@ -173,13 +173,14 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_captured_greedy_chains_equal_the_eager_drafts():
-    # the chains captured as CUDA graphs (fp32 model on the fast backends the engine's graphs need), one request
-    # and three, two proposals each: the same drafts as drafting eagerly
+    # the chains captured as CUDA graphs (a bf16 model on the fast backends the engine's graphs need), one request
+    # and three, two proposals each: the same drafts as the same static buffers uncaptured (which the CPU test holds
+    # equal to drafting without them)
     from k3.ops.registry import Backends
 
-    model = _model().cuda()
+    model = _model().cuda().to(torch.bfloat16)
     model.set_backends(Backends(default="fast"))
-    eager, chained = MTPDraft(model, window=40), MTPDraft(model, window=40, chain_graphs=True)
+    eager, chained = MTPDraft(model, window=40, chain_graphs="eager"), MTPDraft(model, window=40, chain_graphs=True)
     width = model.config.hidden_size
     for group in ([7], [7, 30, 12]):
         got = {}
@@ -187,12 +188,12 @@ def test_gpu_captured_greedy_chains_equal_the_eager_drafts():
             seqs = _seqs(group, 0.0, seed=len(group))
             g = torch.Generator().manual_seed(1)
             for s in seqs:
-                draft.observe(s, 0, torch.randn(s.num_computed, width, generator=g).cuda())
+                draft.observe(s, 0, torch.randn(s.num_computed, width, generator=g).cuda().to(torch.bfloat16))
             got[name] = [p.tokens for p in draft.propose(seqs, [3] * len(group))]
             for s in seqs:
                 s.prompt_ids.append(1)
                 s.num_computed += 1
-                draft.observe(s, s.num_computed - 1, torch.randn(1, width, generator=g).cuda())
+                draft.observe(s, s.num_computed - 1, torch.randn(1, width, generator=g).cuda().to(torch.bfloat16))
             got[name] += [p.tokens for p in draft.propose(seqs, [3] * len(group))]
             for s in seqs:
                 draft.forget(s)
