@@ -15,11 +15,15 @@ guesses are dropped after each proposal. Positions served from the prefix cache 
 are absent from that context (lower acceptance, same output).
 
 Greedy proposals chain on the device (each argmax feeds the next step's embedding; one read-back per proposal). With
-`chain_graphs` (the engine's, where its decode steps are captured) the steps after the first run on static buffers
-(`_Chains`: per bucket of requests, powers of 2 up to 64, and of context length, powers of 2 from 64, the contexts
-copied in before each run; the attention reads no length back) captured as one CUDA graph per bucket, or uncaptured
-("eager", the tests on CPU). The first step, over each request's newly observed positions, stays eager; sampled
-proposals, the RoPE ablation, larger batches and longer contexts draft eagerly as before.
+`chain_graphs` (the engine's, where its decode steps are captured) they run on static buffers (`_Chains`: per bucket
+of requests, powers of 2 up to 64, and of context length, powers of 2 from 64, the contexts copied in before each
+run; the attention reads no length back) captured as one CUDA graph per bucket, or uncaptured ("eager", the tests on
+CPU). In the steady state, when every request has at most k + 1 newly observed positions (the accepted drafts and the
+bonus token) and its context stays within the window, the whole proposal is one graph: the first step over those
+positions right-padded to k + 1 (each row's count on the device), then the k heads and k - 1 steps; the new context
+rows are copied back to the requests afterwards. Otherwise (a prompt just prefilled, positions decoded plainly) the
+first step runs eagerly and the rest on a graph. Sampled proposals, the RoPE ablation, larger batches and longer
+contexts draft eagerly as before; a capture that fails says so once and drafts eagerly from then on.
 
 `Eagle3Draft` is the same procedure with a fine-tuned draft layer (k3.model.eagle3.Eagle3Layer): its first step
 reads, in place of the target's hidden state, the fusion W_E3 [h_a; h_b; h] of the outputs of two AttnRes blocks
@@ -106,6 +110,10 @@ class MTPDraft:
         positions (a different number each, right-padded), the later ones one new position per request, each
         against its own context (rows of different lengths, `_RaggedCache`). Equal to `propose_sequential`, which
         a single request takes (its context grows in place, nothing is copied)."""
+        if self.chains is not None and seqs and all(s.params.temperature == 0 for s in seqs):
+            out = self.chains.propose(seqs, ks)  # the whole proposal on one captured graph, where it fits one
+            if out is not None:
+                return out
         if len(seqs) == 1:
             return [self._propose_one(seqs[0], ks[0])]
         prep = [self._first_inputs(s) for s in seqs]
@@ -174,6 +182,14 @@ class MTPDraft:
         first = C - hidden.shape[0]  # MTP position t reads the target's hidden at t and token t + 1
         ctx.pending, ctx.pending_start = [], None
         return ctx, hidden, torch.tensor(seq.token_range(first + 1, C + 1), device=hidden.device)
+
+    def _pending(self, seq: Sequence) -> tuple[_Context, int] | None:
+        """(seq's context, how many observed positions its first drafting step would run), without taking them;
+        None where `_first_inputs` gives None."""
+        ctx = self._ctx.get(seq.request_id)
+        if ctx is None or not ctx.pending or ctx.next_pos != seq.num_computed:
+            return None
+        return ctx, min(self.window, sum(h.shape[0] for h in ctx.pending))
 
     def _first(self, seq: Sequence) -> tuple[Tensor, MLACache] | None:
         """The first drafting step of seq alone: its observed positions run through the layer, their rows appended
@@ -327,6 +343,11 @@ class _StaticRaggedCache(_RaggedCache):
     def start(self) -> None:
         self.lengths = self.filled.clone()
 
+    def commit(self, counts: Tensor) -> None:
+        """After a first step of right-padded positions: each row's context is its filled rows and its first
+        `counts` new ones (the padding rows after them are overwritten by the next steps, and never seen)."""
+        self.lengths = self.filled + counts
+
     def token_positions(self, c: Tensor) -> Tensor:
         raise RuntimeError("a captured draft chain runs NoPE MLA layers only (the RoPE ablation drafts eagerly)")
 
@@ -347,9 +368,13 @@ class _Chain:
     device: the tests); else captured as one CUDA graph after two warm-up runs on a side stream."""
 
     def __init__(self, draft: "MTPDraft", rows: int, length: int, k: int, like_h: Tensor, like_c: Tensor,
-                 like_kr: Tensor, eager: bool, pool=None):
-        self.draft, self.rows, self.length, self.k = draft, rows, length, k
-        self.h = like_h.new_zeros(rows, 1, like_h.shape[-1])
+                 like_kr: Tensor, eager: bool, pool=None, first: int = 0):
+        self.draft, self.rows, self.length, self.k, self.first = draft, rows, length, k, first
+        # first > 0: the chain begins with the first drafting step over up to `first` observed positions per row
+        # (hidden states h [rows, first, D] and next tokens ids [rows, first], right-padded, counts [rows])
+        self.h = like_h.new_zeros(rows, max(first, 1), like_h.shape[-1])
+        self.ids = torch.zeros(rows, first, dtype=torch.long, device=like_h.device)
+        self.counts = torch.zeros(rows, dtype=torch.long, device=like_h.device)
         self.cache = _StaticRaggedCache(rows, length, like_c, like_kr)
         self.graph = None
         self.tokens: Tensor | None = None
@@ -366,7 +391,32 @@ class _Chain:
 
     def _body(self) -> Tensor:
         self.cache.start()
-        return self.draft._greedy_chain(self.h, self.k, self.cache)
+        h = self.h
+        if self.first:
+            h = self.draft._step(h, self.draft.model.model.embed_tokens(self.ids), True, self.cache)
+            self.cache.commit(self.counts)
+            h = h[self.cache._rows, (self.counts - 1).clamp(min=0)][:, None]
+        return self.draft._greedy_chain(h, self.k, self.cache)
+
+    def run_first(self, hidden: list[Tensor], ids: list[Tensor], contexts: list[MLACache]) -> Tensor:
+        """The first step over each row's observed positions (hidden[i] [n_i, D], ids[i] [n_i]), then the chain:
+        tokens [R, k]; the new rows of row i stay in the buffers at its context's length (`new_rows`)."""
+        R = len(hidden)
+        for i, (x, t) in enumerate(zip(hidden, ids)):
+            self.h[i, :x.shape[0]].copy_(x)
+            self.ids[i, :t.shape[0]].copy_(t)
+        n = torch.zeros(self.rows, dtype=torch.long)
+        n[:R] = torch.tensor([x.shape[0] for x in hidden], dtype=torch.long)
+        self.counts.copy_(to_device_async(n, self.counts.device))
+        self.cache.fill(contexts)
+        if self.graph is None:
+            return self._body()[:R]
+        self.graph.replay()
+        return self.tokens[:R].clone()
+
+    def new_rows(self, i: int, start: int, n: int) -> tuple[Tensor, Tensor]:
+        """Row i's n new latent rows from `start` (its context's length before the step), as [1, n, .] copies."""
+        return self.cache.c[i:i + 1, start:start + n].clone(), self.cache.k_rope[i:i + 1, start:start + n].clone()
 
     def run(self, h: Tensor, contexts: list[MLACache]) -> Tensor:
         R = h.shape[0]
@@ -406,18 +456,68 @@ class _Chains:
         rows, length = self._bucket(R), self._bucket(longest + k - 1, 64)
         if rows * length > self.MAX_BUFFER_ROWS or length > self._bucket(self.draft.window + k - 1, 64):
             return None
-        key = (rows, length, k)
+        chain = self.get(rows, length, k, h, contexts[0])
+        return None if chain is None else chain.run(h, contexts)
+
+    def get(self, rows: int, length: int, k: int, like_h: Tensor, like: MLACache, first: int = 0) -> _Chain | None:
+        """The chain of that bucket, made (captured) on first use; None once a capture has failed."""
+        key = (rows, length, k, first)
         if key not in self.made:
-            c = contexts[0]
+            if not self.nope:
+                return None
             try:
-                self.made[key] = _Chain(self.draft, rows, length, k, h, c.c, c.k_rope, self.eager, self.pool)
+                self.made[key] = _Chain(self.draft, rows, length, k, like_h, like.c, like.k_rope, self.eager,
+                                        self.pool, first=first)
             except Exception as e:  # e.g. an op that reads back from the device under capture: draft eagerly
                 if self.eager:
                     raise
                 notice(f"the draft's greedy steps run eagerly: capturing them failed ({type(e).__name__}: {e})")
                 self.nope = False
                 return None
-        return self.made[key].run(h, contexts)
+        return self.made[key]
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal] | None:
+        return _propose_on_chain(self, seqs, ks)
+
+
+def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int]) -> list[Proposal] | None:
+    """A whole greedy proposal (first step and chain) on one captured graph: every request has at most k + 1
+    observed positions pending (the steady state: the accepted drafts and the bonus token) and a context that stays
+    within the window; else None (drafted as before)."""
+    draft = chains.draft
+    k = max(ks)
+    peeks = [draft._pending(s) for s in seqs]
+    if k < 1 or not chains.nope or len(seqs) > chains.MAX_ROWS or any(
+            p is None or p[1] > k + 1 or p[0].cache.c is None or p[0].cache.length + p[1] > draft.window
+            for p in peeks):
+        return None
+    rows = chains._bucket(len(seqs))
+    length = chains._bucket(max(p[0].cache.length for p in peeks) + 2 * k, 64)
+    if rows * length > chains.MAX_BUFFER_ROWS:
+        return None
+    prep = [draft._first_inputs(s) for s in seqs]  # takes the pending positions
+    contexts = [p[0].cache for p in prep]
+    chain = chains.get(rows, length, k, prep[0][1], contexts[0], first=k + 1)
+    if chain is None:  # the capture failed: the pending positions are taken, so draft eagerly from them here
+        return None if not prep else _eager_from(draft, seqs, ks, prep)
+    starts = [cc.length for cc in contexts]
+    tokens = chain.run_first([p[1] for p in prep], [p[2] for p in prep], contexts).tolist()
+    for i, (cc, p) in enumerate(zip(contexts, prep)):
+        cc.append(*chain.new_rows(i, starts[i], p[1].shape[0]))
+        cc.keep_last(draft.window)
+    return [Proposal(tokens[i][:k_i]) for i, k_i in enumerate(ks)]
+
+
+def _eager_from(draft: "MTPDraft", seqs: list[Sequence], ks: list[int], prep) -> list[Proposal]:
+    """The proposal drafted eagerly from first inputs already taken (`_first_inputs`): their observed positions
+    given back to their contexts as pending, then the usual path."""
+    for s, (ctx, hidden, _) in zip(seqs, prep):
+        ctx.pending, ctx.pending_start = [hidden], s.num_computed - hidden.shape[0]
+    chains, draft.chains = draft.chains, None
+    try:
+        return draft.propose(seqs, ks)
+    finally:
+        draft.chains = chains
 
 
 def _chains(draft: "MTPDraft", mode: bool | str) -> _Chains | None:

@@ -150,21 +150,28 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts():
             for name, draft in (("eager", eager), ("chained", chained)):
                 seqs = _seqs(group, 0.0, seed=len(group))
                 _observe(draft, seqs, model.config.hidden_size)
-                first = [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
-                for s in seqs:  # one more committed position each, then a second proposal
-                    s.prompt_ids.append(1)
-                    s.num_computed += 1
-                    draft.observe(s, s.num_computed - 1, torch.randn(1, model.config.hidden_size,
-                                                                     generator=torch.Generator().manual_seed(7)))
-                got[name] = first + [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
+                got[name] = [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
+                g = torch.Generator().manual_seed(7)
+                # then rounds of 1-3 newly committed positions per request (accepted drafts and the bonus token),
+                # different per request, each followed by a proposal that reads the rows the last one kept
+                for r, more in enumerate([[1, 3, 2], [2, 1, 3], [1, 1, 1]]):
+                    for s, m in zip(seqs, more):
+                        s.prompt_ids.extend(torch.randint(1, VOCAB, (m,), generator=g).tolist())
+                        draft.observe(s, s.num_computed, torch.randn(m, model.config.hidden_size, generator=g))
+                        s.num_computed += m
+                    got[name] += [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
                 for s in seqs:
                     draft.forget(s)
             assert got["chained"] == got["eager"]
+        # both forms ran: the chain after an eager first step (first proposals: whole prompts observed), and the
+        # whole proposal on one chain (second proposals: one new position each, at most k + 1 pending)
         k = max(ks)
+        made = chained.chains.made
         want_rows = {1, 4} if len(lengths) == 3 else {1, 2}
-        assert {rows for rows, _, _ in chained.chains.made} == want_rows
-        assert {length for _, length, _ in chained.chains.made} == ({64} if window == 40 else {128})
-        assert all(kk <= k for _, _, kk in chained.chains.made)
+        assert {rows for rows, _, _, _ in made} == want_rows
+        assert {length for _, length, _, first in made if not first} == ({64} if window == 40 else {128})
+        assert {first for *_, first in made} == {0} | {max(ks[:len(g)]) + 1 for g in (lengths[:1], lengths)}
+        assert all(kk <= k for _, _, kk, _ in made)
     with pytest.raises(ValueError, match="chain_graphs"):
         MTPDraft(model, chain_graphs="yes")
     assert MTPDraft(model, chain_graphs=True).chains is None  # capture is for CUDA: a CPU model drafts eagerly
@@ -199,3 +206,40 @@ def test_gpu_captured_greedy_chains_equal_the_eager_drafts():
                 draft.forget(s)
         assert got["chained"] == got["eager"]
     assert chained.chains.made and all(c.graph is not None for c in chained.chains.made.values())
+
+
+def test_a_failed_chain_capture_drafts_eagerly_with_the_same_drafts(monkeypatch):
+    # a capture that fails (on a GPU: an op that reads back under capture) says so once and drafts eagerly from the
+    # positions the chain had taken, with the same drafts; later proposals stay eager
+    from k3.serve.speculative import draft as draft_mod
+
+    model = _model()
+    eager, failing = MTPDraft(model, window=40), MTPDraft(model, window=40, chain_graphs="eager")
+    failing.chains.eager = False  # as on CUDA, where a failure is caught
+
+    real = draft_mod._Chain
+
+    def broken(draft, rows, length, k, h, c, kr, eager, pool, first=0):
+        # the chain after an eager first step is made (uncaptured); the whole-proposal chain's capture fails, after
+        # the proposal took the pending positions
+        if first:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(draft, rows, length, k, h, c, kr, True, pool, first=0)
+
+    monkeypatch.setattr(draft_mod, "_Chain", broken)
+    notices = []
+    monkeypatch.setattr(draft_mod, "notice", notices.append)
+    got = {}
+    for name, draft in (("eager", eager), ("failing", failing)):
+        seqs = _seqs([7, 30], 0.0, seed=3)
+        _observe(draft, seqs, model.config.hidden_size)
+        got[name] = [p.tokens for p in draft.propose(seqs, [3, 3])]
+        for s in seqs:
+            s.prompt_ids.append(1)
+            draft.observe(s, s.num_computed, torch.randn(1, model.config.hidden_size,
+                                                         generator=torch.Generator().manual_seed(2)))
+            s.num_computed += 1
+        got[name] += [p.tokens for p in draft.propose(seqs, [3, 3])]
+    assert got["failing"] == got["eager"]
+    assert len(notices) == 1 and "capturing them failed" in notices[0]
+    assert [first for *_, first in failing.chains.made] == [0] and not failing.chains.nope
