@@ -323,8 +323,12 @@ class _StaticRaggedCache(_RaggedCache):
     attention runs without reading the lengths back (they are valid by construction). NoPE layers only: the RoPE
     ablation's positions come from the host."""
 
-    def __init__(self, rows: int, length: int, like_c: Tensor, like_kr: Tensor):
+    def __init__(self, rows: int, length: int, like_c: Tensor, like_kr: Tensor,
+                 shared: "_StaticRaggedCache | None" = None):
         super().__init__([], 0)
+        if shared is not None:  # another chain's buffers of the same shape (replays never overlap)
+            self.c, self.k_rope, self.filled, self._rows = shared.c, shared.k_rope, shared.filled, shared._rows
+            return
         self.c = like_c.new_zeros(rows, length, like_c.shape[-1])
         self.k_rope = like_kr.new_zeros(rows, length, like_kr.shape[-1])
         self.filled = torch.zeros(rows, dtype=torch.long, device=like_c.device)
@@ -368,14 +372,14 @@ class _Chain:
     device: the tests); else captured as one CUDA graph after two warm-up runs on a side stream."""
 
     def __init__(self, draft: "MTPDraft", rows: int, length: int, k: int, like_h: Tensor, like_c: Tensor,
-                 like_kr: Tensor, eager: bool, pool=None, first: int = 0):
+                 like_kr: Tensor, eager: bool, pool=None, first: int = 0, shared: _StaticRaggedCache | None = None):
         self.draft, self.rows, self.length, self.k, self.first = draft, rows, length, k, first
         # first > 0: the chain begins with the first drafting step over up to `first` observed positions per row
         # (hidden states h [rows, first, D] and next tokens ids [rows, first], right-padded, counts [rows])
         self.h = like_h.new_zeros(rows, max(first, 1), like_h.shape[-1])
         self.ids = torch.zeros(rows, first, dtype=torch.long, device=like_h.device)
         self.counts = torch.zeros(rows, dtype=torch.long, device=like_h.device)
-        self.cache = _StaticRaggedCache(rows, length, like_c, like_kr)
+        self.cache = _StaticRaggedCache(rows, length, like_c, like_kr, shared)
         self.graph = None
         self.tokens: Tensor | None = None
         if not eager:
@@ -431,7 +435,9 @@ class _Chain:
 class _Chains:
     """The draft's captured greedy chains, one per (rows bucket, context bucket, k), made on first use: rows in
     powers of 2 up to MAX_ROWS, context lengths in powers of 2 from 64 up to the draft's window + k (a context of L
-    rows runs in the bucket of L + k - 1). Larger batches, longer contexts and layers with RoPE draft eagerly."""
+    rows runs in the bucket of L + k - 1). Larger batches, longer contexts and layers with RoPE draft eagerly.
+    Memory: the chains of one (rows, length) share their context buffers (rows x length latent rows, at most
+    MAX_BUFFER_ROWS); the graphs share one memory pool. Neither counts against the engine's cache budget."""
 
     MAX_ROWS = 64
     MAX_BUFFER_ROWS = 1 << 17  # rows x length of one chain's buffers (c in fp32 inside the attention: 256 MB at R=512)
@@ -465,9 +471,11 @@ class _Chains:
         if key not in self.made:
             if not self.nope:
                 return None
+            # chains of one (rows, length) share their context buffers (the largest part of their memory)
+            shared = next((c.cache for (r, n, _, _), c in self.made.items() if (r, n) == (rows, length)), None)
             try:
                 self.made[key] = _Chain(self.draft, rows, length, k, like_h, like.c, like.k_rope, self.eager,
-                                        self.pool, first=first)
+                                        self.pool, first=first, shared=shared)
             except Exception as e:  # e.g. an op that reads back from the device under capture: draft eagerly
                 if self.eager:
                     raise

@@ -172,6 +172,9 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts():
         assert {length for _, length, _, first in made if not first} == ({64} if window == 40 else {128})
         assert {first for *_, first in made} == {0} | {max(ks[:len(g)]) + 1 for g in (lengths[:1], lengths)}
         assert all(kk <= k for _, _, kk, _ in made)
+        for (r, n, _, _), chain in made.items():  # chains of one (rows, length) share their context buffers
+            assert all(other.cache.c is chain.cache.c for (r2, n2, _, _), other in made.items() if (r2, n2) == (r, n))
+        assert any(sum((r2, n2) == (r, n) for r2, n2, _, _ in made) > 1 for r, n, _, _ in made)
     with pytest.raises(ValueError, match="chain_graphs"):
         MTPDraft(model, chain_graphs="yes")
     assert MTPDraft(model, chain_graphs=True).chains is None  # capture is for CUDA: a CPU model drafts eagerly
@@ -219,12 +222,12 @@ def test_a_failed_chain_capture_drafts_eagerly_with_the_same_drafts(monkeypatch)
 
     real = draft_mod._Chain
 
-    def broken(draft, rows, length, k, h, c, kr, eager, pool, first=0):
+    def broken(draft, rows, length, k, h, c, kr, eager, pool, first=0, shared=None):
         # the chain after an eager first step is made (uncaptured); the whole-proposal chain's capture fails, after
         # the proposal took the pending positions
         if first:
             raise RuntimeError("operation not permitted when stream is capturing")
-        return real(draft, rows, length, k, h, c, kr, True, pool, first=0)
+        return real(draft, rows, length, k, h, c, kr, True, pool, first=0, shared=shared)
 
     monkeypatch.setattr(draft_mod, "_Chain", broken)
     notices = []
