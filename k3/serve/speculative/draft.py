@@ -435,7 +435,7 @@ class _Chain:
 class _Chains:
     """The draft's captured greedy chains, one per (rows bucket, context bucket, k), made on first use: rows in
     powers of 2 up to MAX_ROWS, context lengths in powers of 2 from 64 up to the draft's window + k (a context of L
-    rows runs in the bucket of L + k - 1). Larger batches, longer contexts and layers with RoPE draft eagerly.
+    rows runs in the bucket of L + k - 1, or of L + 2k for a whole proposal). Larger batches, longer contexts and layers with RoPE draft eagerly.
     Memory: the chains of one (rows, length) share their context buffers (rows x length latent rows, at most
     MAX_BUFFER_ROWS); the graphs share one memory pool. Neither counts against the engine's cache budget."""
 
