@@ -278,6 +278,8 @@ class _RaggedCache:
     requests' own contexts are not touched here (the proposal copies committed rows back; guesses are never
     context)."""
 
+    check = True  # the attention checks the lengths (a read-back); the static form's are valid by construction
+
     def __init__(self, caches: list[MLACache], extra: int):
         self.caches, self.extra = caches, extra
         self.c: Tensor | None = None
@@ -313,7 +315,7 @@ class _RaggedCache:
         self.k_rope[rows, pos] = k_rope
         start = self.lengths
         self.lengths = self.lengths + T
-        return attn.absorbed(q, self.c, self.k_rope, q_start=start, kv_len=self.lengths)
+        return attn.absorbed(q, self.c, self.k_rope, q_start=start, kv_len=self.lengths, check=self.check)
 
 
 class _StaticRaggedCache(_RaggedCache):
@@ -322,6 +324,8 @@ class _StaticRaggedCache(_RaggedCache):
     compute on zeros); `start` begins a chain (inside the graph: each attend advances a copy of the lengths), and the
     attention runs without reading the lengths back (they are valid by construction). NoPE layers only: the RoPE
     ablation's positions come from the host."""
+
+    check = False  # the buffers' lengths are valid by construction: nothing read back
 
     def __init__(self, rows: int, length: int, like_c: Tensor, like_kr: Tensor,
                  shared: "_StaticRaggedCache | None" = None):
@@ -354,16 +358,6 @@ class _StaticRaggedCache(_RaggedCache):
 
     def token_positions(self, c: Tensor) -> Tensor:
         raise RuntimeError("a captured draft chain runs NoPE MLA layers only (the RoPE ablation drafts eagerly)")
-
-    def attend(self, attn, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
-        T = q.shape[1]
-        pos = self.lengths[:, None] + torch.arange(T, device=c.device)
-        rows = self._rows[:, None].expand(-1, T)
-        self.c[rows, pos] = c
-        self.k_rope[rows, pos] = k_rope
-        start = self.lengths
-        self.lengths = self.lengths + T
-        return attn.absorbed(q, self.c, self.k_rope, q_start=start, kv_len=self.lengths, check=False)
 
 
 class _Chain:
