@@ -54,6 +54,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/serve/test_images_serve.py",
     "tests/ops/test_kda_verify_replay.py",
     "tests/serve/speculative/test_fused_replay.py",
+    "tests/ops/test_attn_res_norm.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/parallel/test_context_parallel.py"]
@@ -65,9 +66,9 @@ KDA_PYTEST = ["env", "TRITON_PRINT_AUTOTUNING=1"] + [a for a in PYTEST if a != "
 TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "32768", "--steps", "4",
          "--vocab-size", "32768", "--backend", "fast"]
 
-# the fused decode-step kernels pinned off (torch: the composed ops / route) and on (triton)
-_FUSED_OFF = ["env", "K3_KDA_DECODE_BACKEND=torch", "K3_MOE_ROUTE_BACKEND=torch"]
-_FUSED_ON = ["env", "K3_KDA_DECODE_BACKEND=triton", "K3_MOE_ROUTE_BACKEND=triton"]
+# the fused decode-step kernels pinned off (torch: the composed ops / route / AttnRes sites) and on (triton)
+_FUSED_OFF = ["env", "K3_KDA_DECODE_BACKEND=torch", "K3_MOE_ROUTE_BACKEND=torch", "K3_ATTN_RES_NORM_BACKEND=torch"]
+_FUSED_ON = ["env", "K3_KDA_DECODE_BACKEND=triton", "K3_MOE_ROUTE_BACKEND=triton", "K3_ATTN_RES_NORM_BACKEND=triton"]
 _KERNELS = [PY, "benchmarks/decode_ops.py", "--preset", "k3-mini", "--kernels", "--backend", "fast",
             "--stack-projections", "on"]
 _DECODE = [PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "--decode-batch", "1", "16", "64",
@@ -134,7 +135,7 @@ STEPS = {
     # kernels per layer off and on, decode off and on
     "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
                                 "tests/ops/test_kda_verify_replay.py", "tests/serve/speculative/test_fused_replay.py",
-                                "tests/serve/speculative/test_batched_draft.py"],
+                                "tests/serve/speculative/test_batched_draft.py", "tests/ops/test_attn_res_norm.py"],
                       _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),

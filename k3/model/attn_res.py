@@ -23,7 +23,8 @@ from torch import nn
 
 from k3.model.common import RMSNorm
 from k3.ops.attn_res import attn_res_any, attn_res_inter, attn_res_merge
-from k3.ops.registry import Backends
+from k3.ops.attn_res_norm import attn_res_norm_impl
+from k3.ops.registry import REFERENCE, Backends
 
 
 def site_query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -32,30 +33,83 @@ def site_query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
 
 
 class AttnResStream:
+    """The stream's state through a forward: the completed blocks and the running partial sum.
+
+    `fuse` (a forward without gradients, one-pass mixing): each site whose caller passes the sublayer's input norm
+    runs as one kernel when the registry picks a fast implementation of op ``attn_res_norm`` (k3.ops.attn_res_norm:
+    the mix and the norm together), and the sublayer outputs added with `add` stay pending until the next site
+    reads the partial sum, whose kernel adds them on its way (one pass instead of an add, a mix and a norm). Reading
+    `partial` anywhere else does the pending add first, so every reader sees the sum."""
+
     def __init__(self, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False,
-                 backends: Backends | None = None):
+                 backends: Backends | None = None, fuse: bool = False):
         self.blocks: list[torch.Tensor] = []
-        self.partial: torch.Tensor | None = embedding
+        self._partial: torch.Tensor | None = embedding
+        self._pending: torch.Tensor | None = None  # a sublayer output not yet added to the partial sum (`fuse`)
         self.block_size, self.eps, self.two_phase = block_size, eps, two_phase
         self.backends = backends  # which implementation runs the mix (the model's)
         self._stats = None  # phase-1 statistics for the sites of the current block
         self._site_of: dict = {}
+        # the fused site's function, or None: the sites run as the mix (op attn_res) and the caller's norm
+        self._fused = None
+        if fuse and not two_phase:
+            impl = attn_res_norm_impl(embedding, backends)
+            self._fused = None if impl.name == REFERENCE else impl.fn
 
-    def _mix(self, key, w: torch.Tensor) -> torch.Tensor:
-        if self.two_phase and key in self._site_of:
-            return attn_res_merge(self._stats, self._site_of[key], self.partial, w, self.eps)
+    @property
+    def fused(self) -> bool:
+        """Whether the sites run as one kernel each with the pending adds (see the class docstring)."""
+        return self._fused is not None
+
+    @property
+    def partial(self) -> torch.Tensor | None:
+        if self._pending is not None:
+            self._partial, self._pending = self._partial + self._pending, None
+        return self._partial
+
+    @partial.setter
+    def partial(self, value: torch.Tensor | None) -> None:
+        self._partial, self._pending = value, None
+
+    def _sources(self) -> list[torch.Tensor]:
+        """The completed blocks and the partial sum (pending add done), in one dtype."""
         sources = self.blocks + [self.partial]
         dt = sources[0].dtype
         if any(s.dtype != dt for s in sources):  # under autocast the embedding is fp32, layer outputs bf16
             for s in sources[1:]:
                 dt = torch.promote_types(dt, s.dtype)
             sources = [s.to(dt) for s in sources]
-        return attn_res_any(sources, w, self.eps, backends=self.backends)
+        return sources
 
-    def attn_input(self, layer_idx: int, w: torch.Tensor, upcoming: list[tuple[object, torch.Tensor]]):
-        """Input of layer `layer_idx`'s mixer. `upcoming` lists (key, query) of the sites of the block
-        that starts here (only used at a block boundary, for the two-phase batched pass)."""
-        h = self.partial if not self.blocks else self._mix(("attn", layer_idx), w)
+    def _mix(self, key, w: torch.Tensor) -> torch.Tensor:
+        if self.two_phase and key in self._site_of:
+            return attn_res_merge(self._stats, self._site_of[key], self.partial, w, self.eps)
+        return attn_res_any(self._sources(), w, self.eps, backends=self.backends)
+
+    def _site(self, key, w: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """The site's mix, through `norm` when one is given: as one fused kernel with the pending add when the stream
+        fuses and the sources share a dtype, else the mix then the norm."""
+        if self._fused is not None:
+            sources = self.blocks + [self._partial]
+            if all(s.dtype == sources[0].dtype for s in sources) and \
+                    (self._pending is None or self._pending.dtype == sources[0].dtype):
+                y, self._partial = self._fused(sources, w, self.eps, None if norm is None else norm.weight,
+                                               self.eps if norm is None else norm.eps, self._pending)
+                self._pending = None
+                return y
+        h = self._mix(key, w)
+        return h if norm is None else norm(h)
+
+    def attn_input(self, layer_idx: int, w: torch.Tensor, upcoming: list[tuple[object, torch.Tensor]],
+                   norm: RMSNorm | None = None):
+        """Input of layer `layer_idx`'s mixer, through the mixer's input `norm` when given. `upcoming` lists (key,
+        query) of the sites of the block that starts here (only used at a block boundary, for the two-phase batched
+        pass)."""
+        if not self.blocks:
+            h = self.partial
+            h = h if norm is None else norm(h)
+        else:
+            h = self._site(("attn", layer_idx), w, norm)
         if layer_idx % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
@@ -69,13 +123,22 @@ class AttnResStream:
         return h
 
     def add(self, out: torch.Tensor) -> None:
-        self.partial = out if self.partial is None else self.partial + out
+        """Add a sublayer's output to the partial sum (kept pending for the next site's kernel when fusing)."""
+        if self._partial is None:
+            self.partial = out
+        elif self._fused is not None:
+            if self._pending is not None:  # two adds without a site between them (not in a decoder layer)
+                self._partial = self._partial + self._pending
+            self._pending = out
+        else:
+            self._partial = self._partial + out
 
-    def mlp_input(self, layer_idx: int, w: torch.Tensor) -> torch.Tensor:
-        return self._mix(("mlp", layer_idx), w)
+    def mlp_input(self, layer_idx: int, w: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """Input of layer `layer_idx`'s FFN, through the FFN's input `norm` when given."""
+        return self._site(("mlp", layer_idx), w, norm)
 
     def output(self, w: torch.Tensor) -> torch.Tensor:
-        return self._mix(("out", None), w)
+        return self._site(("out", None), w, None)
 
 
 class PlainResidualStream(AttnResStream):
@@ -83,7 +146,7 @@ class PlainResidualStream(AttnResStream):
     none exist), added in fp32 and returned in the sources' dtype. No two-phase form (nothing to batch)."""
 
     def __init__(self, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False,
-                 backends: Backends | None = None):
+                 backends: Backends | None = None, fuse: bool = False):
         super().__init__(embedding, block_size, eps, two_phase=False, backends=backends)
 
     def _mix(self, key, w) -> torch.Tensor:
@@ -98,7 +161,8 @@ class PlainResidualStream(AttnResStream):
 
 
 def residual_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: float, two_phase: bool = False,
-                    backends: Backends | None = None) -> AttnResStream:
-    """The stream of the config's `residual`: Block AttnRes (K3), or plain residuals (the ablation)."""
+                    backends: Backends | None = None, fuse: bool = False) -> AttnResStream:
+    """The stream of the config's `residual`: Block AttnRes (K3), or plain residuals (the ablation, never fused).
+    `fuse`: the sites may run as fused kernels (forwards without gradients; AttnResStream)."""
     cls = PlainResidualStream if residual == "plain" else AttnResStream
-    return cls(embedding, block_size, eps, two_phase=two_phase, backends=backends)
+    return cls(embedding, block_size, eps, two_phase=two_phase, backends=backends, fuse=fuse)

@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
         stream's block at a block boundary. `w`: the site's query, computed here when None."""
         if w is None and self.attn_res:
             w = site_query(self.self_attention_res_norm, self.self_attention_res_proj)
-        x = self.input_layernorm(stream.attn_input(self.res_idx, w, upcoming or []))
+        x = stream.attn_input(self.res_idx, w, upcoming or [], norm=self.input_layernorm)
         if want_max:
             return self.self_attn(x, cache, batch=batch, return_max_logit=True)
         return self.self_attn(x, cache, batch=batch), None
@@ -116,10 +116,10 @@ class DecoderLayer(nn.Module):
         site's query, computed here when None."""
         if w is None and self.attn_res:
             w = site_query(self.mlp_res_norm, self.mlp_res_proj)
-        h = stream.mlp_input(self.res_idx, w)
+        x = stream.mlp_input(self.res_idx, w, norm=self.post_attention_layernorm)
         if want_routing:
-            return self.ffn(self.post_attention_layernorm(h), return_routing=True)
-        return self.ffn(self.post_attention_layernorm(h)), None
+            return self.ffn(x, return_routing=True)
+        return self.ffn(x), None
 
 
 def _checkpointed(stream: AttnResStream, site) -> tuple:

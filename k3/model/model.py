@@ -134,8 +134,11 @@ class K3Model(nn.Module):
                              "tokens, as the serving runner builds) and a batch of one row")
         found = ForwardStats(asked=want) if want else None
         S = self.config.attn_res_block_size
+        # forwards without gradients (serving, evaluation, rollouts) may run each AttnRes site and the norm after it
+        # as one kernel (k3.ops.attn_res_norm), where the registry picks one
         stream = residual_stream(self.config.residual, h, S, self.config.rms_norm_eps,
-                                 two_phase=self.two_phase_attn_res, backends=self.backends)
+                                 two_phase=self.two_phase_attn_res, backends=self.backends,
+                                 fuse=not torch.is_grad_enabled())
         # forwards without gradients (serving, evaluation, rollouts) take every site's query at once; a training
         # forward computes each at its site, inside the site's checkpointed region where that is on
         qs = self._site_queries() if not torch.is_grad_enabled() else None

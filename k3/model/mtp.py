@@ -38,7 +38,8 @@ class MTPLayer(nn.Module):
         `batch`: the record of these T positions (`BatchInfo.shifted`). `cache`: the block's MLA decode cache
         (k3.model.cache protocol), when the layer drafts tokens one step at a time (k3.serve.speculative)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        stream = residual_stream(self.residual, x, self.block_size, self.eps, backends=self.backends)
+        stream = residual_stream(self.residual, x, self.block_size, self.eps, backends=self.backends,
+                                 fuse=not torch.is_grad_enabled())
         found = self.block(stream, cache, batch=batch, stats=stats)
         w = site_query(self.output_attn_res_norm, self.output_attn_res_proj) if self.residual == "attn_res" else None
         return stream.output(w), found

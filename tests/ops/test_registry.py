@@ -38,7 +38,7 @@ def _fast(op: str) -> str:
 def test_every_op_registers_its_facts():
     # The fast implementations, which are validated on GPU (all but the Muon update kernels, which measured no faster
     # than the PyTorch passes, the packed MXFP4 expert kernels, slower than the dequantized experts' GEMMs, and KCP's
-    # fla chunks, not yet run on a GPU) and
+    # fla chunks and the fused AttnRes site with its norm, not yet run on a GPU) and
     # which also run on CPU when asked for; a tolerance with its reason for each op.
     assert {name: [f.name for f in op.fast] for name, op in ops().items()} == {
         "kda": ["fla"], "short_conv": ["fla"], "attn_res": ["fla"], "gate_norm": ["fla"], "mla": ["flex"],
@@ -46,16 +46,18 @@ def test_every_op_registers_its_facts():
         "muon": ["triton"], "linear_ce": ["triton"], "rms_norm": ["triton"], "mxfp4_fake_quant": ["triton"],
         "mxfp8_fake_quant": ["triton"], "mx_moe": ["triton", "triton_grouped"], "kda_replay": ["triton"],
         "kda_verify_replay": ["triton"], "kda_chunk": ["fla"],
-        "kda_decode": ["triton"], "moe_route": ["triton"], "vision_attn": ["varlen", "flex"]}
+        "kda_decode": ["triton"], "moe_route": ["triton"], "vision_attn": ["varlen", "flex"],
+        "attn_res_norm": ["triton"]}
     fast = {name: op for name, op in ops().items() if op.fast}
     # kda_chunk (KDA context parallelism's chunks on fla) has GPU tests not yet run on a GPU; mx_moe's first path (the
     # token-centric kernels) stays unvalidated, its second (grouped) is validated; vision_attn's two paths both are
-    assert {name for name, op in fast.items() if not op.fast[0].validated} == {"muon", "mx_moe", "kda_chunk"}
+    assert {name for name, op in fast.items() if not op.fast[0].validated} == {"muon", "mx_moe", "kda_chunk",
+                                                                               "attn_res_norm"}
     assert [(f.name, f.validated) for f in ops()["vision_attn"].fast] == [("varlen", True), ("flex", True)]
     assert {name for name, op in fast.items() if op.fast[0].cpu} == {"moe", "mla_decode", "muon", "linear_ce", "mx_moe",
                                                                     "mxfp4_fake_quant", "mxfp8_fake_quant",
                                                                     "kda_replay", "kda_verify_replay", "kda_decode",
-                                                                    "moe_route"}
+                                                                    "moe_route", "attn_res_norm"}
     assert all(len(op.tolerance) > 20 and callable(op.reference) for op in ops().values())
     option_fields = {f.name for f in dataclasses.fields(Backends)} - {"default", "per_op"}
     assert {o for op in ops().values() for o in op.options} == option_fields  # every option belongs to an op
@@ -138,7 +140,8 @@ def test_fast_runs_every_fast_path_and_refuses_one_that_cannot_run(monkeypatch):
 def test_names_are_checked_when_the_choice_is_built():
     with pytest.raises(ValueError, match="Backends.default='turbo' is invalid: use auto, torch, fast"):
         Backends(default="turbo")
-    with pytest.raises(ValueError, match="per_op names no op 'kda_host_offsets'; the ops are attn_res, gate_norm"):
+    with pytest.raises(ValueError,
+                       match="per_op names no op 'kda_host_offsets'; the ops are attn_res, attn_res_norm, gate_norm"):
         Backends(per_op={"kda_host_offsets": "fla"})
     with pytest.raises(ValueError, match=r"per_op\['attn_res'\]='turbo' is invalid: use auto, torch, fla"):
         Backends(per_op={"attn_res": "turbo"})
