@@ -55,6 +55,7 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/ops/test_kda_verify_replay.py",
     "tests/serve/speculative/test_fused_replay.py",
     "tests/ops/test_attn_res_norm.py",
+    "tests/ops/test_mla_out.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/parallel/test_context_parallel.py"]
@@ -66,9 +67,10 @@ KDA_PYTEST = ["env", "TRITON_PRINT_AUTOTUNING=1"] + [a for a in PYTEST if a != "
 TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-tokens", "32768", "--steps", "4",
          "--vocab-size", "32768", "--backend", "fast"]
 
-# the fused decode-step kernels pinned off (torch: the composed ops / route / AttnRes sites) and on (triton)
-_FUSED_OFF = ["env", "K3_KDA_DECODE_BACKEND=torch", "K3_MOE_ROUTE_BACKEND=torch", "K3_ATTN_RES_NORM_BACKEND=torch"]
-_FUSED_ON = ["env", "K3_KDA_DECODE_BACKEND=triton", "K3_MOE_ROUTE_BACKEND=triton", "K3_ATTN_RES_NORM_BACKEND=triton"]
+# the fused decode-step kernels pinned off (torch: the composed ops) and on (triton)
+_FUSED = ("KDA_DECODE", "MOE_ROUTE", "ATTN_RES_NORM", "MLA_ABSORB_V", "MLA_GATE")
+_FUSED_OFF = ["env"] + [f"K3_{op}_BACKEND=torch" for op in _FUSED]
+_FUSED_ON = ["env"] + [f"K3_{op}_BACKEND=triton" for op in _FUSED]
 _KERNELS = [PY, "benchmarks/decode_ops.py", "--preset", "k3-mini", "--kernels", "--backend", "fast",
             "--stack-projections", "on"]
 _DECODE = [PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "--decode-batch", "1", "16", "64",
@@ -135,7 +137,8 @@ STEPS = {
     # kernels per layer off and on, decode off and on
     "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
                                 "tests/ops/test_kda_verify_replay.py", "tests/serve/speculative/test_fused_replay.py",
-                                "tests/serve/speculative/test_batched_draft.py", "tests/ops/test_attn_res_norm.py"],
+                                "tests/serve/speculative/test_batched_draft.py", "tests/ops/test_attn_res_norm.py",
+                                "tests/ops/test_mla_out.py"],
                       _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),

@@ -16,6 +16,7 @@ from k3.model.cache import MLALayerCache
 from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.mla import mla_absorbed, mla_attention, mla_attention_any, split_kv_b
 from k3.ops.mla_decode import mla_decode_absorbed, paged_kernel_used
+from k3.ops.mla_out import mla_gate_any
 from k3.ops.registry import Backends, opaque
 from k3.ops.rope import document_positions, rope
 
@@ -143,7 +144,7 @@ class GatedMLA(nn.Module):
         q_nope, q_rope = q.reshape(B * T, self.num_heads, -1).split([self.dn, self.dr], dim=-1)
         # opaque to a compiled decode step (the engine's --compile-decode): Inductor cannot re-emit the Triton kernel
         o = opaque(mla_decode_absorbed)(q_nope, q_rope, pages, tables, lengths, w_kc, w_vc, self.scale,
-                                        num_splits=num_splits)
+                                        num_splits=num_splits, backends=self.backends)
         return o.view(B, T, self.num_heads, self.dv)
 
     def paged_kernel_used(self) -> bool:
@@ -156,4 +157,4 @@ class GatedMLA(nn.Module):
         o = o.reshape(B, T, -1)
         if gate is None:
             return self.o_proj(o)
-        return self.o_proj((torch.sigmoid(gate.float()) * o.float()).to(x.dtype))
+        return self.o_proj(mla_gate_any(gate, o, x.dtype, backends=self.backends))

@@ -63,6 +63,7 @@ from torch import Tensor
 
 from k3.ops import _triton
 from k3.ops.mla import mla_absorbed
+from k3.ops.mla_out import mla_absorb_v_any
 from k3.ops.registry import Backends, Fast, Op, Target, register, runs_on
 
 __all__ = [
@@ -479,7 +480,8 @@ def mla_decode_paged(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_table: Ten
 
 
 def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table: Tensor, kv_len: Tensor,
-                        w_kc: Tensor, w_vc: Tensor, scale: float, num_splits: int | None = None) -> Tensor:
+                        w_kc: Tensor, w_vc: Tensor, scale: float, num_splits: int | None = None,
+                        backends: Backends | None = None) -> Tensor:
     """:func:`k3.ops.mla.mla_absorbed` for one query per request (Tq = 1, at position kv_len - 1) against the
     paged cache: absorbs ``w_kc`` into the query and ``w_vc`` into the output around :func:`mla_decode_paged`.
 
@@ -487,6 +489,7 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
         q_nope: [B, H, Dn]; q_rope: [B, H, Dr].
         kv, block_table, kv_len, scale, num_splits: as in :func:`mla_decode_paged`.
         w_kc: [H, Dn, R], w_vc: [H, Dv, R] (see :func:`k3.ops.mla.split_kv_b`).
+        backends: picks the value absorption's implementation (op ``mla_absorb_v``, k3.ops.mla_out).
 
     Returns:
         o: [B, H, Dv] in ``q_nope.dtype`` (everything up to the cast in fp32).
@@ -512,7 +515,7 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
     else:
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_kc.float())
     o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits)
-    return torch.einsum("bhr,hvr->bhv", o_lat, w_vc.float()).to(q_nope.dtype)
+    return mla_absorb_v_any(o_lat, w_vc, q_nope.dtype, backends)
 
 
 def paged_available(target: Target) -> tuple[bool, str]:

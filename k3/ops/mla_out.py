@@ -1,0 +1,182 @@
+"""The two steps between Gated MLA's decode attention and its output projection, one Triton kernel each (inference).
+
+After the paged decode kernel (k3.ops.mla_decode) has the latent output o_lat [B, H, R] in fp32, a serving step
+of a Gated MLA layer still runs
+
+    o = bf16(einsum("bhr,hvr->bhv", o_lat, fp32(w_vc)))     the value absorption (op ``mla_absorb_v``)
+    y = bf16(sigmoid(fp32(gate)) * fp32(o))                 the output gate (op ``mla_gate``)
+
+which PyTorch computes as a cast of w_vc, the batched GEMM, a cast, then two casts, the sigmoid, the product and a
+cast: about eight kernels per MLA layer and step. Here each line is one kernel with the same roundings (o rounded
+to the activations' dtype once, then y once; fp32 products and sums inside):
+
+* `mla_absorb_v_triton`: program (row b, head h, block of value columns) sums ``o_lat[b, h, r] * w_vc[h, v, r]``
+  over r in fp32 (IEEE products, no TF32), reading w_vc through its strides (a view of ``kv_b_proj.weight``,
+  k3.ops.mla.split_kv_b) in its own dtype;
+* `mla_gate_triton`: program (row, block of columns) reads the gate through its row stride (a slice of the stacked
+  projections' output) and o, and writes y.
+
+Neither has a backward: the model calls them in forwards without gradients only (k3.model.gated_mla), through the
+registry (ops ``mla_absorb_v`` and ``mla_gate``), whose references are the lines above written out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from k3.ops import _triton
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
+
+__all__ = ["mla_absorb_v", "mla_absorb_v_any", "mla_absorb_v_triton", "mla_gate", "mla_gate_any", "mla_gate_triton"]
+
+tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
+_SUM = None
+
+
+# --- references ----------------------------------------------------------------------------------------------------
+def _check_absorb(o_lat: Tensor, w_vc: Tensor, dtype: torch.dtype) -> None:
+    if not isinstance(o_lat, Tensor) or o_lat.ndim != 3 or o_lat.dtype != torch.float32:
+        raise ValueError(f"o_lat must be an fp32 tensor [B, H, R], got "
+                         f"{(tuple(o_lat.shape), o_lat.dtype) if isinstance(o_lat, Tensor) else type(o_lat).__name__}")
+    _, H, R = o_lat.shape
+    if not isinstance(w_vc, Tensor) or w_vc.ndim != 3 or w_vc.shape[0] != H or w_vc.shape[2] != R \
+            or not w_vc.dtype.is_floating_point:
+        raise ValueError(f"w_vc must be a floating tensor [H={H}, Dv, R={R}], got "
+                         f"{tuple(w_vc.shape) if isinstance(w_vc, Tensor) else type(w_vc).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating dtype, got {dtype}")
+
+
+def mla_absorb_v(o_lat: Tensor, w_vc: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The value absorption of the latent decode output: o [B, H, Dv] = o_lat [B, H, R] (fp32) times w_vc [H, Dv, R]
+    per head, in fp32, rounded to `out_dtype`."""
+    _check_absorb(o_lat, w_vc, out_dtype)
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_vc.float()).to(out_dtype)
+
+
+def _check_gate(gate: Tensor, o: Tensor) -> None:
+    if not isinstance(gate, Tensor) or not isinstance(o, Tensor) or gate.shape != o.shape \
+            or not gate.dtype.is_floating_point or not o.dtype.is_floating_point:
+        raise ValueError(f"gate and o must be floating tensors of one shape, got "
+                         f"{getattr(gate, 'shape', type(gate).__name__)} and {getattr(o, 'shape', type(o).__name__)}")
+
+
+def mla_gate(gate: Tensor, o: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """Gated MLA's output gate: sigmoid(gate) * o in fp32, rounded to `out_dtype` (gate and o of one shape)."""
+    _check_gate(gate, o)
+    return (torch.sigmoid(gate.float()) * o.float()).to(out_dtype)
+
+
+# --- kernels -------------------------------------------------------------------------------------------------------
+def _absorb_kernel(o_ptr, w_ptr, y_ptr, H, R, DV, s_ob, s_oh, s_wh, s_wv, s_yb, s_yh, BV: tl.constexpr,
+                   BR: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    vs = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = vs < DV
+    acc = vs * 0.0
+    for r0 in range(0, R, BR):
+        rs = r0 + tl.arange(0, BR)
+        rm = rs < R
+        o = tl.load(o_ptr + b * s_ob + h * s_oh + rs, mask=rm, other=0.0)
+        w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + rs[None, :], mask=vm[:, None] & rm[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.reduce(w * o[None, :], 1, _SUM)
+    tl.store(y_ptr + b * s_yb + h * s_yh + vs, acc.to(y_ptr.dtype.element_ty), mask=vm)
+
+
+def _gate_kernel(g_ptr, o_ptr, y_ptr, C, s_g, s_o, s_y, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < C
+    g = tl.load(g_ptr + r * s_g + cols, mask=m, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + r * s_o + cols, mask=m, other=0.0).to(tl.float32)
+    e = tl.exp(-tl.abs(g))  # the sigmoid from exp(-|g|) <= 1: no overflow at either end
+    sig = tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    tl.store(y_ptr + r * s_y + cols, (sig * o).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    import triton
+
+    _triton.bind(globals())
+    return triton.jit(_absorb_kernel), triton.jit(_gate_kernel)
+
+
+def _runnable(what: str, *tensors: Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(f"the {what} kernel has no backward: call it without gradients (inference forwards)")
+    ok, why = _triton.runnable()
+    if not ok:
+        raise RuntimeError(f"the {what} kernel cannot run: {why}")
+
+
+def mla_absorb_v_triton(o_lat: Tensor, w_vc: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`mla_absorb_v` as one Triton kernel (the module docstring). Forward only."""
+    _check_absorb(o_lat, w_vc, out_dtype)
+    _runnable("value absorption", o_lat, w_vc)
+    B, H, R = o_lat.shape
+    Dv = w_vc.shape[1]
+    if o_lat.stride(2) != 1:
+        o_lat = o_lat.contiguous()
+    if w_vc.stride(2) != 1:
+        w_vc = w_vc.contiguous()
+    y = torch.empty(B, H, Dv, device=o_lat.device, dtype=out_dtype)
+    bv = min(64, 1 << max(Dv - 1, 1).bit_length())
+    br = min(128, 1 << max(R - 1, 1).bit_length())
+    if B:
+        with torch.cuda.device(o_lat.device.index if o_lat.is_cuda else -1):
+            _kernels(_triton.interpret())[0][(B, H, -(-Dv // bv))](
+                o_lat, w_vc, y, H, R, Dv, o_lat.stride(0), o_lat.stride(1), w_vc.stride(0), w_vc.stride(1),
+                y.stride(0), y.stride(1), BV=bv, BR=br, num_warps=4)
+    return y
+
+
+def mla_gate_triton(gate: Tensor, o: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`mla_gate` as one Triton kernel (the module docstring). Forward only."""
+    _check_gate(gate, o)
+    _runnable("output gate", gate, o)
+    C = gate.shape[-1]
+    g2, o2 = gate.reshape(-1, C), o.reshape(-1, C)  # a row-strided gate (a slice of the stacked output) stays a view
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if o2.stride(-1) != 1:
+        o2 = o2.contiguous()
+    y = torch.empty(gate.shape, device=gate.device, dtype=out_dtype)
+    n = g2.shape[0]
+    block = min(1024, 1 << max(C - 1, 1).bit_length())
+    if n:
+        with torch.cuda.device(gate.device.index if gate.is_cuda else -1):
+            _kernels(_triton.interpret())[1][(n, -(-C // block))](g2, o2, y, C, g2.stride(0), o2.stride(0), C,
+                                                                 BLOCK=block, num_warps=4)
+    return y
+
+
+register(Op(
+    "mla_absorb_v", reference=mla_absorb_v,
+    fast=(Fast("triton", mla_absorb_v_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="fp32 outputs 1e-5 of the largest entry (the same fp32 products summed in another order); bf16 one "
+              "bf16 step (the same fp32 sum rounded once), two in the interpreter (it truncates)"))
+
+register(Op(
+    "mla_gate", reference=mla_gate,
+    fast=(Fast("triton", mla_gate_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="fp32 1e-6 relative (the sigmoid from one exponential of -|gate|); bf16 one bf16 step (the same fp32 product up to "
+              "the sigmoid's last bit, rounded once), two in the interpreter (it truncates)"))
+
+
+def mla_absorb_v_any(o_lat: Tensor, w_vc: Tensor, out_dtype: torch.dtype, backends: Backends | None = None) -> Tensor:
+    """`mla_absorb_v` on the implementation the registry picks (op ``mla_absorb_v``)."""
+    return dispatch("mla_absorb_v", o_lat, backends).fn(o_lat, w_vc, out_dtype)
+
+
+def mla_gate_any(gate: Tensor, o: Tensor, out_dtype: torch.dtype, backends: Backends | None = None) -> Tensor:
+    """`mla_gate` on the implementation the registry picks (op ``mla_gate``) in forwards without gradients; the
+    reference (differentiable) otherwise."""
+    if torch.is_grad_enabled() and (gate.requires_grad or o.requires_grad):
+        return mla_gate(gate, o, out_dtype)
+    return dispatch("mla_gate", gate, backends).fn(gate, o, out_dtype)

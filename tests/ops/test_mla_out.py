@@ -1,0 +1,146 @@
+"""Gated MLA's value absorption and output gate kernels (ops ``mla_absorb_v`` and ``mla_gate``, k3.ops.mla_out)
+against their definitions, and in the serving engine.
+
+CPU tests run the kernels in Triton's interpreter (TRITON_INTERPRET=1, set in-process); the `gpu` tests run them
+compiled at k3-mini's and the release's shapes. Tolerances, relative to the largest reference entry: fp32 1e-5 for
+the absorption (the same products summed in another order) and 1e-6 for the gate (a sigmoid from one exponential);
+bf16 one bf16 step on a GPU (2^-7: the same fp32 values rounded once), two in the interpreter, which truncates.
+"""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from k3.ops.mla import split_kv_b
+from k3.ops.mla_out import mla_absorb_v, mla_absorb_v_triton, mla_gate, mla_gate_any, mla_gate_triton
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _absorb_inputs(B, H, Dn, Dv, R, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    o_lat = torch.randn(B, H, R, generator=g).to(device)
+    kv_b = (torch.randn(H * (Dn + Dv), R, generator=g) / R ** 0.5).to(device, dtype)
+    _, w_vc = split_kv_b(kv_b, H, Dn, Dv)  # a strided view of the checkpoint's weight, as the layer passes it
+    return o_lat, w_vc
+
+
+def _gate_inputs(shape, dtype, device="cpu", seed=0, strided=True):
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # the gate as a column slice of the stacked projections' output
+        wide = (torch.randn(*shape[:-1], shape[-1] + 48, generator=g) * 3).to(device, dtype)
+        gate = wide[..., 16:16 + shape[-1]]
+    else:
+        gate = (torch.randn(*shape, generator=g) * 3).to(device, dtype)
+    return gate, torch.randn(*shape, generator=g).to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,H,Dn,Dv,R", [(1, 2, 32, 32, 32), (3, 8, 16, 40, 200)], ids=["tiny", "odd"])
+def test_interpreted_absorption_matches_the_definition(interpret, dtype, tol, B, H, Dn, Dv, R):
+    o_lat, w_vc = _absorb_inputs(B, H, Dn, Dv, R, dtype)
+    assert not w_vc.is_contiguous()
+    want = mla_absorb_v(o_lat, w_vc, dtype)
+    got = mla_absorb_v_triton(o_lat, w_vc, dtype)
+    assert got.dtype == dtype and got.shape == (B, H, Dv)
+    assert rel_err(got.float(), want.float()) <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -6)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("strided", [True, False], ids=["slice", "contiguous"])
+def test_interpreted_gate_matches_the_definition(interpret, dtype, tol, strided):
+    gate, o = _gate_inputs((2, 3, 1100), dtype, strided=strided)  # more columns than one block
+    want = mla_gate(gate, o, dtype)
+    got = mla_gate_triton(gate, o, dtype)
+    assert got.dtype == dtype and got.shape == o.shape
+    assert rel_err(got.float(), want.float()) <= tol
+    g = gate.clone()
+    g[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0], dtype=dtype)  # saturated gates: 0 and o, never NaN
+    got = mla_gate_triton(g, o, dtype)
+    assert torch.isfinite(got).all() and got[0, 0, 0] == 0 and got[0, 0, 1] == o[0, 0, 1]
+
+
+def test_wrong_kernels_are_caught(interpret):
+    # the comparisons are not vacuous: a gate without its sigmoid and an absorption with one head's weights swapped
+    gate, o = _gate_inputs((4, 64), torch.float32)
+    assert rel_err(o * gate, mla_gate(gate, o, torch.float32)) > 1e-2
+    o_lat, w_vc = _absorb_inputs(2, 2, 8, 8, 32, torch.float32)
+    assert rel_err(mla_absorb_v_triton(o_lat, w_vc.flip(0), torch.float32), mla_absorb_v(o_lat, w_vc, torch.float32)) \
+        > 1e-2
+
+
+def test_bad_inputs_are_named(interpret):
+    o_lat, w_vc = _absorb_inputs(2, 2, 8, 8, 32, torch.float32)
+    with pytest.raises(ValueError, match="o_lat must be an fp32 tensor"):
+        mla_absorb_v_triton(o_lat.bfloat16(), w_vc, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w_vc must be a floating tensor \[H=2, Dv, R=32\]"):
+        mla_absorb_v_triton(o_lat, w_vc[:, :, :16], torch.float32)
+    gate, o = _gate_inputs((4, 64), torch.float32)
+    with pytest.raises(ValueError, match="gate and o must be floating tensors of one shape"):
+        mla_gate_triton(gate, o[:, :32], torch.float32)
+    with pytest.raises(RuntimeError, match="no backward"):
+        mla_gate_triton(gate.clone().requires_grad_(), o, torch.float32)
+    # with gradients the model's calls take the differentiable reference whatever the backends say
+    from k3.ops.registry import Backends
+
+    g = gate.clone().requires_grad_()
+    mla_gate_any(g, o, torch.float32, Backends(per_op={"mla_gate": "triton"})).sum().backward()
+    assert g.grad is not None
+
+
+def test_the_engine_with_the_kernels_keeps_greedy_output(interpret, monkeypatch):
+    # a served tiny model (fp32) with the paged decode kernel, the value absorption and the gate as kernels: the
+    # greedy tokens of the reference ops, and the kernels were called
+    import dataclasses
+
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+    from k3.ops import registry
+    from k3.ops.registry import Backends
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    calls = []
+    for name in ("mla_absorb_v", "mla_gate"):
+        op = registry.ops()[name]
+
+        def counted(*a, _fn=op.fast[0].fn, _n=name, **k):
+            calls.append(_n)
+            return _fn(*a, **k)
+
+        monkeypatch.setitem(registry._ops, name,
+                            dataclasses.replace(op, fast=(dataclasses.replace(op.fast[0], fn=counted),)))
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
+    m = K3ForCausalLM(cfg).init_weights(seed=2).eval()
+    prompt = torch.randint(1, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    outs = []
+    for backends in (Backends(per_op={"mla_decode": "triton"}),
+                     Backends(per_op={"mla_decode": "triton", "mla_absorb_v": "triton", "mla_gate": "triton"})):
+        m.set_backends(backends)
+        eng = LLMEngine(m, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
+        eng.eos_id = None
+        seq = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0))
+        while eng.has_work():
+            eng.step()
+        outs.append(seq.output_ids)
+        if len(outs) == 1:
+            assert not calls
+    assert "mla_absorb_v" in calls and "mla_gate" in calls and outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B", [1, 16, 64])
+@pytest.mark.parametrize("H,R", [(8, 256), (96, 512)], ids=["k3-mini", "release"])
+def test_gpu_kernels_match_the_definitions(B, H, R):
+    with torch.no_grad():
+        for dtype, tol in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
+            o_lat, w_vc = _absorb_inputs(B, H, 128, 128, R, dtype, device="cuda")
+            assert rel_err(mla_absorb_v_triton(o_lat, w_vc, dtype).float(),
+                           mla_absorb_v(o_lat, w_vc, dtype).float()) <= tol
+            gate, o = _gate_inputs((B, H * 128), dtype, device="cuda")
+            assert rel_err(mla_gate_triton(gate, o, dtype).float(), mla_gate(gate, o, dtype).float()) <= max(tol, 1e-6)
