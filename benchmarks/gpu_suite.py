@@ -56,6 +56,8 @@ GPU_TEST_FILES = [  # quick kernels
     "tests/serve/speculative/test_fused_replay.py",
     "tests/ops/test_attn_res_norm.py",
     "tests/ops/test_mla_out.py",
+    "tests/ops/test_moe_gemv.py",
+    "tests/ops/test_mla_append.py",
 ]
 # fla's KDA kernels compile and autotune for minutes on a fresh machine (per shape): a step of their own
 KDA_TEST_FILES = ["tests/ops/test_kda_backend.py", "tests/parallel/test_context_parallel.py"]
@@ -68,7 +70,7 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
          "--vocab-size", "32768", "--backend", "fast"]
 
 # the fused decode-step kernels pinned off (torch: the composed ops) and on (triton)
-_FUSED = ("KDA_DECODE", "MOE_ROUTE", "ATTN_RES_NORM", "MLA_ABSORB_V", "MLA_GATE")
+_FUSED = ("KDA_DECODE", "MOE_ROUTE", "ATTN_RES_NORM", "MLA_ABSORB_V", "MLA_GATE", "MOE_GEMV", "MLA_APPEND")
 _FUSED_OFF = ["env"] + [f"K3_{op}_BACKEND=torch" for op in _FUSED]
 _FUSED_ON = ["env"] + [f"K3_{op}_BACKEND=triton" for op in _FUSED]
 _KERNELS = [PY, "benchmarks/decode_ops.py", "--preset", "k3-mini", "--kernels", "--backend", "fast",
@@ -138,7 +140,8 @@ STEPS = {
     "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
                                 "tests/ops/test_kda_verify_replay.py", "tests/serve/speculative/test_fused_replay.py",
                                 "tests/serve/speculative/test_batched_draft.py", "tests/ops/test_attn_res_norm.py",
-                                "tests/ops/test_mla_out.py"],
+                                "tests/ops/test_mla_out.py", "tests/ops/test_moe_gemv.py",
+                                "tests/ops/test_mla_append.py"],
                       _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),

@@ -18,6 +18,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack, stacked_linear
 from k3.ops.moe import Routing, interleaved_halves, moe_experts_any
+from k3.ops.moe_gemv import moe_gemv_for
 from k3.ops.moe_route import route_any
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
@@ -98,9 +99,14 @@ class GroupedExperts(CastsWeights, nn.Module):
         return situ_glu_any_fused(h13, self.beta1, self.beta2, backends=self.backends)
 
     def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
-        # the reference expert loop with the reference SiTU-GLU, or grouped GEMMs with the fused one (in training
-        # under autocast, with the step's weight casts, w1 and w3 stacked once per step, one GEMM for both:
+        # a decode step's few tokens without gradients: the GEMV kernels where the registry picks them (op moe_gemv);
+        # otherwise the reference expert loop with the reference SiTU-GLU, or grouped GEMMs with the fused one (in
+        # training under autocast, with the step's weight casts, w1 and w3 stacked once per step, one GEMM for both:
         # k3.ops.weight_cast)
+        gemv = moe_gemv_for(z, self.backends)
+        if gemv is not None:
+            return gemv(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.beta1, self.beta2,
+                        backends=self.backends)
         return moe_experts_any(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act,
                                self.act_fused, self.act_fused13, backends=self.backends, casts=self.weight_casts)
 

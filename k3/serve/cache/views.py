@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 
 from k3.model.cache import KDAInputs, LatentAttention
+from k3.ops.mla_append import mla_append_any
+from k3.ops.registry import Backends
 from k3.serve.cache.pool import CachePool
 
 
@@ -184,19 +186,19 @@ class KDAMixedView(KDAPageView):
         return None  # a mixed forward keeps every position's inputs: never updated in place
 
 
-def append_paged(pool: CachePool, tables: Tensor, pos: Tensor, c: Tensor, k_rope: Tensor):
+def append_paged(pool: CachePool, tables: Tensor, pos: Tensor, c: Tensor, k_rope: Tensor,
+                 backends: Backends | None = None):
     """Write each request's T new latent rows (c [B, T, R], k_rope [B, T, Dr]; request b's first at position
     pos[b], its pages in tables[b]) and return, per query row (B * T of them, request-major), what the paged
     attention kernel reads: (the pool's MLA view, block tables [B * T, W], lengths [B * T]). Query t of request b
-    sees the cache up to its own position, pos[b] + t: causal. Device ops only: nothing is read back."""
-    pt = pool.page_tokens
-    B, T = c.shape[0], c.shape[1]
-    p = pos[:, None] + torch.arange(T, device=pos.device)  # [B, T] positions of the new rows
-    pool.write_mla(tables.gather(1, p // pt).reshape(-1), (p % pt).reshape(-1),
-                   torch.cat([c, k_rope], -1).reshape(B * T, -1))
-    if T == 1:
-        return pool.mla_view(), tables, pos + 1
-    return pool.mla_view(), tables.repeat_interleave(T, dim=0), (p + 1).reshape(-1)
+    sees the cache up to its own position, pos[b] + t: causal. Device ops only: nothing is read back. The write and
+    the lengths are op ``mla_append`` (k3.ops.mla_append: one kernel where the registry picks it, under `backends`,
+    the layer's)."""
+    kv = pool.mla_view()
+    lengths = mla_append_any(kv, tables, pos, c, k_rope, backends)
+    if c.shape[1] == 1:
+        return kv, tables, lengths
+    return kv, tables.repeat_interleave(c.shape[1], dim=0), lengths
 
 
 class PagedMLAView:
@@ -223,7 +225,8 @@ class PagedMLAView:
         if q.shape[1] == 1 and attn.paged_kernel_used():
             # single-token steps attend straight from the pool: no gathered copy of the cache
             return attn.paged(q, *append_paged(self.pool, self._table_tensor(),
-                                               torch.tensor(self.starts, device=self.device), c, k_rope), None)
+                                               torch.tensor(self.starts, device=self.device), c, k_rope,
+                                               getattr(attn, "backends", None)), None)
         self._write(c, k_rope)
         B, T = c.shape[:2]
         if B == 1 and self.starts[0] == 0:
@@ -289,4 +292,5 @@ class StaticMLAView:
         if not attn.paged_kernel_used():
             raise RuntimeError("a static-buffer decode step needs the paged MLA decode (op mla_decode on 'triton' "
                                "under the model's Backends)")
-        return attn.paged(q, *append_paged(self.pool, self.tables, self.positions, c, k_rope), self.num_splits)
+        return attn.paged(q, *append_paged(self.pool, self.tables, self.positions, c, k_rope,
+                                        getattr(attn, "backends", None)), self.num_splits)

@@ -1,0 +1,175 @@
+"""The routed experts of a decode step's few tokens as three kernels (op ``moe_gemv``, inference).
+
+At decode a LatentMoE layer sees a handful of tokens, N*k (token, slot) pairs of which nearly every one goes to an
+expert of its own. The grouped path (k3.ops.moe.moe_experts_grouped) still sorts the pairs by expert, searches the
+group offsets, inverts the order, gathers the inputs, sets up and runs two grouped GEMMs, the activation and the
+combine: about fourteen kernels per layer on a GPU for a few matrix-vector products. Here, for at most
+`GEMV_MAX_TOKENS` tokens:
+
+* gate/up: program (pair p, block of F rows) reads expert e = indices[p]'s rows of w1 and w3 (through their
+  strides: the halves of serving's stacked [E, 2F, L] tensor work as they are) against token n's latent row,
+  accumulates in fp32, rounds gate and up to the activations' dtype (as the grouped GEMM's output is rounded),
+  applies SiTU-GLU in fp32 and writes the hidden row h[p] rounded once more;
+* down: program (pair p, block of L rows) takes w2[e] against h[p] in fp32 and writes y[p] rounded to the
+  activations' dtype (the grouped GEMM's rounding);
+* the combine: k3.ops.moe_combine with the pairs in token order (pos = 0 .. N*k - 1): u[n] = sum_j w[n, j] y[n*k + j]
+  in fp32, in slot order, as the grouped path sums.
+
+So the output is the grouped path's up to the order of the fp32 sums inside each product. Each pair reads its
+expert's weights itself: with N tokens routed to the same expert its rows are read N times (from L2 after the
+first), which is why the op stops at `GEMV_MAX_TOKENS` tokens and the grouped GEMMs take larger batches. Nothing is
+read back to the host (a CUDA graph can capture it); there is no backward (forwards without gradients only,
+k3.model.latent_moe.GroupedExperts).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from k3.ops import _triton
+from k3.ops.moe import _check_expert_inputs, moe_experts
+from k3.ops.moe_combine import moe_combine
+from k3.ops.registry import REFERENCE, Backends, Fast, Op, dispatch, register
+from k3.ops.situ import situ_glu
+from k3.tensors import constant
+
+__all__ = ["GEMV_MAX_TOKENS", "moe_gemv", "moe_gemv_for", "moe_gemv_triton"]
+
+GEMV_MAX_TOKENS = 8  # up to this many tokens per layer call (64 pairs at k = 8); the grouped GEMMs above it
+
+tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
+_SUM = None
+
+
+def moe_gemv(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, beta1: float,
+             beta2: float, backends: Backends | None = None) -> Tensor:
+    """The definition: the routed experts with SiTU-GLU (k3.ops.moe.moe_experts, the expert loop), u [N, L] in z's
+    dtype. `backends` is unused (the kernels' combine reads it)."""
+    return moe_experts(z, weights, indices, w1, w3, w2, lambda g, u: situ_glu(g, u, beta1, beta2))
+
+
+def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, L, F, s_w1e, s_w1f, s_w3e, s_w3f, beta1, beta2,
+                    K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    n = p // K
+    e = tl.load(idx_ptr + p).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fm = f < F
+    acc1 = tl.full([BLOCK_F], 0.0, tl.float32)
+    acc3 = tl.full([BLOCK_F], 0.0, tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        col = l0 + tl.arange(0, BLOCK_L)
+        cm = col < L
+        x = tl.load(z_ptr + n * L + col, mask=cm, other=0.0).to(tl.float32)[None, :]
+        m2 = fm[:, None] & cm[None, :]
+        w1 = tl.load(w1_ptr + e * s_w1e + f[:, None] * s_w1f + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        w3 = tl.load(w3_ptr + e * s_w3e + f[:, None] * s_w3f + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc1 += tl.reduce(w1 * x, 1, _SUM)
+        acc3 += tl.reduce(w3 * x, 1, _SUM)
+    g = acc1.to(h_ptr.dtype.element_ty).to(tl.float32)  # gate and up rounded as the grouped GEMM writes them
+    u = acc3.to(h_ptr.dtype.element_ty).to(tl.float32)
+    # SiTU-GLU in fp32 from exponentials of non-positive numbers (no overflow): tanh x = sign(x)(1 - e)/(1 + e),
+    # e = exp(-2|x|), with the series x - x^3/3 + 2x^5/15 below |x| = 0.1 where 1 - e cancels
+    x1 = g / beta1
+    x2 = u / beta2
+    e1 = tl.exp2(tl.abs(x1) * -2.8853900817779268)
+    e2 = tl.exp2(tl.abs(x2) * -2.8853900817779268)
+    t1 = tl.where(x1 < 0, -1.0, 1.0) * (1.0 - e1) / (1.0 + e1)
+    t2 = tl.where(x2 < 0, -1.0, 1.0) * (1.0 - e2) / (1.0 + e2)
+    t1 = tl.where(tl.abs(x1) < 0.1, x1 - x1 * x1 * x1 / 3.0 + 2.0 * x1 * x1 * x1 * x1 * x1 / 15.0, t1)
+    t2 = tl.where(tl.abs(x2) < 0.1, x2 - x2 * x2 * x2 / 3.0 + 2.0 * x2 * x2 * x2 * x2 * x2 / 15.0, t2)
+    en = tl.exp2(tl.abs(g) * -1.4426950408889634)
+    sig = tl.where(g >= 0, 1.0 / (1.0 + en), en / (1.0 + en))
+    tl.store(h_ptr + p * F + f, ((beta1 * t1 * sig) * (beta2 * t2)).to(h_ptr.dtype.element_ty), mask=fm)
+
+
+def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, L, F, s_w2e, s_w2l, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(idx_ptr + p).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    rm = rows < L
+    acc = tl.full([BLOCK_L], 0.0, tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        col = f0 + tl.arange(0, BLOCK_F)
+        cm = col < F
+        hv = tl.load(h_ptr + p * F + col, mask=cm, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w2_ptr + e * s_w2e + rows[:, None] * s_w2l + col[None, :], mask=rm[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.reduce(w * hv, 1, _SUM)
+    tl.store(y_ptr + p * L + rows, acc.to(y_ptr.dtype.element_ty), mask=rm)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    import triton
+
+    _triton.bind(globals())
+    return triton.jit(_gate_up_kernel), triton.jit(_down_kernel)
+
+
+def _rows(w: Tensor) -> Tensor:
+    """w [E, R, C] with unit column stride (a copy only where it has not)."""
+    return w if w.stride(2) == 1 else w.contiguous()
+
+
+def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, beta1: float,
+                    beta2: float, backends: Backends | None = None) -> Tensor:
+    """`moe_gemv` as the gate/up kernel, the down kernel and the combine (the module docstring); z [N, L] with
+    N <= GEMV_MAX_TOKENS, the weights in z's dtype. Forward only."""
+    _check_expert_inputs(z, weights, indices, w1, w3, w2)
+    N, L = z.shape
+    if N > GEMV_MAX_TOKENS:
+        raise ValueError(f"the MoE GEMV kernels take at most {GEMV_MAX_TOKENS} tokens, got {N} (the grouped GEMMs "
+                         "take more)")
+    if any(w.dtype != z.dtype for w in (w1, w3, w2)):
+        raise ValueError(f"the MoE GEMV kernels take expert weights in z's dtype {z.dtype}, got "
+                         f"{w1.dtype}, {w3.dtype}, {w2.dtype}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w3, w2)):
+        raise RuntimeError("the MoE GEMV kernels have no backward: call them without gradients (inference forwards)")
+    ok, why = _triton.runnable()
+    if not ok:
+        raise RuntimeError(f"the MoE GEMV kernels cannot run: {why}")
+    k = indices.shape[1]
+    F = w1.shape[1]
+    pairs = N * k
+    z = z.contiguous()
+    idx = indices.reshape(-1).contiguous()
+    w1, w3, w2 = _rows(w1), _rows(w3), _rows(w2)
+    h = torch.empty(pairs, F, device=z.device, dtype=z.dtype)
+    y = torch.empty(pairs, L, device=z.device, dtype=z.dtype)
+    block_f, block_l = min(64, _pow2(F)), min(128, _pow2(L))
+    out_l, in_f = min(32, _pow2(L)), min(128, _pow2(F))
+    if pairs:
+        gate_up, down = _kernels(_triton.interpret())
+        with torch.cuda.device(z.device.index if z.is_cuda else -1):
+            gate_up[(pairs, -(-F // block_f))](z, idx, w1, w3, h, L, F, w1.stride(0), w1.stride(1), w3.stride(0),
+                                               w3.stride(1), float(beta1), float(beta2), K=k, BLOCK_F=block_f,
+                                               BLOCK_L=block_l, num_warps=4)
+            down[(pairs, -(-L // out_l))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), BLOCK_L=out_l,
+                                          BLOCK_F=in_f, num_warps=4)
+    pos = constant("arange", pairs, z.device, torch.long)  # the pairs are in token order already
+    return moe_combine(y, pos, weights, z.dtype, backends)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+register(Op(
+    "moe_gemv", reference=moe_gemv,
+    fast=(Fast("triton", moe_gemv_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="fp32: 1e-5 (the same products summed in another order); bf16 against the grouped path 2^-7 relative "
+              "(the same roundings of gate, up, hidden and y, fp32 sums in another order; a rounding that falls the "
+              "other way moves one entry by a bf16 step), and against the fp32 expert loop the grouped path's 2e-2"))
+
+
+def moe_gemv_for(z: Tensor, backends: Backends | None = None):
+    """The kernels' function when the registry picks them (op ``moe_gemv``) for z [N, L] of at most GEMV_MAX_TOKENS
+    tokens in a forward without gradients; else None (the caller runs its usual path)."""
+    if torch.is_grad_enabled() or z.ndim != 2 or z.shape[0] > GEMV_MAX_TOKENS:
+        return None
+    impl = dispatch("moe_gemv", z, backends)
+    return None if impl.name == REFERENCE else impl.fn

@@ -1,0 +1,131 @@
+"""The routed experts of a few tokens as GEMV kernels (op ``moe_gemv``, k3.ops.moe_gemv) against the expert loop and
+the grouped path, and in the model.
+
+CPU tests run the kernels in Triton's interpreter (TRITON_INTERPRET=1, set in-process); the `gpu` tests run them
+compiled at k3-mini's shapes and at the release's widths (fewer experts). Tolerances, relative to the largest
+reference entry: fp32 1e-5 against the loop (the same products summed in another order); bf16 against the grouped
+path one bf16 step on a GPU (2^-7: the same roundings of gate, up, hidden and y), three in the interpreter, which
+rounds by truncation (four roundings in a row, each up to a step the same way).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import rel_err
+from k3.ops.moe import moe_experts_grouped
+from k3.ops.moe_gemv import GEMV_MAX_TOKENS, moe_gemv, moe_gemv_for, moe_gemv_triton
+from k3.ops.registry import Backends
+from k3.ops.situ import situ_glu
+
+B1, B2 = 4.0, 25.0
+GEMV = Backends(per_op={"moe_gemv": "triton"})
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _inputs(N, E, k, F, L, dtype, device="cpu", stacked=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, L, generator=g).to(device, dtype)
+    w13 = (torch.randn(E, 2 * F, L, generator=g) * 2 / L ** 0.5).to(device, dtype)
+    w1, w3 = (w13[:, :F], w13[:, F:]) if stacked else (w13[:, :F].contiguous(), w13[:, F:].contiguous())
+    w2 = (torch.randn(E, L, F, generator=g) / F ** 0.5).to(device, dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(device)
+    if N > 1:
+        idx[1, 0] = idx[0, 0]  # two tokens on one expert
+    wt = torch.rand(N, k, generator=g).to(device)
+    return z, wt, idx, w1, w3, w2
+
+
+def _grouped(z, wt, idx, w1, w3, w2):
+    with torch.no_grad():
+        return moe_experts_grouped(z, wt, idx, w1.contiguous(), w3.contiguous(), w2,
+                                   lambda a, b: situ_glu(a, b, B1, B2))
+
+
+@pytest.mark.parametrize("N,E,k", [(1, 8, 2), (3, 16, 8), (GEMV_MAX_TOKENS, 16, 4)], ids=["1", "3", "max"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked-halves", "separate"])
+def test_interpreted_kernels_fp32_equal_the_expert_loop(interpret, N, E, k, stacked):
+    args = _inputs(N, E, k, 96, 80, torch.float32, stacked=stacked)
+    got = moe_gemv_triton(*args, B1, B2)
+    assert got.shape == (N, 80) and got.dtype == torch.float32
+    assert rel_err(got, moe_gemv(*args, B1, B2)) <= 1e-5
+
+
+def test_interpreted_kernels_bf16_equal_the_grouped_path(interpret):
+    args = _inputs(5, 16, 4, 200, 72, torch.bfloat16)
+    got = moe_gemv_triton(*args, B1, B2)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.float(), _grouped(*args).float()) <= 3 * 2 ** -7
+
+
+def test_a_wrong_kernel_is_caught(interpret):
+    # the comparison is not vacuous: the routing weights of each token's slots swapped moves the output far
+    z, wt, idx, w1, w3, w2 = _inputs(3, 16, 4, 64, 48, torch.float32)
+    want = moe_gemv(z, wt, idx, w1, w3, w2, B1, B2)
+    assert rel_err(moe_gemv_triton(z, wt.flip(1), idx, w1, w3, w2, B1, B2), want) > 1e-2
+
+
+def test_bad_inputs_are_named(interpret):
+    z, wt, idx, w1, w3, w2 = _inputs(2, 8, 2, 32, 16, torch.float32)
+    big = _inputs(GEMV_MAX_TOKENS + 1, 8, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match=f"at most {GEMV_MAX_TOKENS} tokens"):
+        moe_gemv_triton(*big, B1, B2)
+    with pytest.raises(ValueError, match="expert weights in z's dtype"):
+        moe_gemv_triton(z, wt, idx, w1.double(), w3.double(), w2.double(), B1, B2)
+    with pytest.raises(RuntimeError, match="no backward"):
+        moe_gemv_triton(z.clone().requires_grad_(), wt, idx, w1, w3, w2, B1, B2)
+    # the layer's choice: only without gradients, only for few tokens, only where the registry picks the kernels
+    with torch.no_grad():
+        assert moe_gemv_for(z, GEMV) is not None
+        assert moe_gemv_for(big[0], GEMV) is None
+        assert moe_gemv_for(z, None) is None  # CPU, auto: the reference, i.e. the layer's usual path
+    assert moe_gemv_for(z, GEMV) is None  # gradients on
+
+
+def test_the_model_with_the_kernels_equals_its_usual_path(interpret, monkeypatch):
+    # a tiny model's no-grad forward over 2 x 3 tokens (each MoE call sees 6 <= GEMV_MAX_TOKENS rows): the kernels run
+    # at every MoE layer and the hidden states are the grouped path's (fp32, 1e-5); a training forward never uses them
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+    from k3.ops import registry
+
+    op = registry.ops()["moe_gemv"]
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return op.fast[0].fn(*a, **k)
+
+    monkeypatch.setitem(registry._ops, "moe_gemv",
+                        dataclasses.replace(op, fast=(dataclasses.replace(op.fast[0], fn=counted),)))
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
+    m = K3ForCausalLM(cfg).init_weights(seed=1).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
+    grouped = Backends(per_op={"moe": "grouped"})
+    with torch.no_grad():
+        want = m.set_backends(grouped).model(ids)
+        got = m.set_backends(Backends(per_op={"moe": "grouped", "moe_gemv": "triton"})).model(ids)
+    n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in m.model.layers)
+    assert len(calls) == n_moe > 0
+    assert rel_err(got, want) <= 1e-5
+    m.train()(ids, labels=ids).loss.backward()
+    assert len(calls) == n_moe
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("N", [1, 4, GEMV_MAX_TOKENS])
+@pytest.mark.parametrize("E,k,F,L", [(128, 8, 768, 512), (32, 16, 3072, 3584)], ids=["k3-mini", "release-widths"])
+def test_gpu_kernels_match_the_grouped_path_and_the_loop(N, E, k, F, L):
+    args = _inputs(N, E, k, F, L, torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        got = moe_gemv_triton(*args, B1, B2)
+        assert rel_err(got.float(), _grouped(*args).float()) <= 2 ** -7
+        args32 = _inputs(N, E, k, F, L, torch.float32, device="cuda")
+        assert rel_err(moe_gemv_triton(*args32, B1, B2), moe_gemv(*args32, B1, B2)) <= 1e-5
