@@ -497,6 +497,29 @@ def test_gpu_captured_decode_equals_the_eager_engine():
     assert rel_err(results[0], results[1]) < 1e-3
 
 
+DECODE_KERNELS = {"attn_res_norm": "triton", "mla_append": "triton", "mla_absorb_v": "triton", "mla_gate": "triton",
+                  "moe_gemv": "triton", "kda_decode": "triton", "moe_route": "triton"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_decode_with_the_fused_decode_kernels_equals_the_composed_step():
+    # Every fused decode-step kernel on (the fused AttnRes sites, the MLA append, absorption and gate, the MoE GEMV,
+    # the fused KDA step and router) against the composed ops, one captured decode step of three requests on a bf16
+    # model: both capture (nothing inside reads back), and the logits agree to bf16 noise (2e-2 of the largest, as
+    # the compiled step's test: the kernels round where the composed ops round, summing in another order).
+    model = copy.deepcopy(_model()).cuda().set_dtype(torch.bfloat16)
+    prompts = _prompts((44, 46, 10))
+    results = []
+    for per_op in ({**GRAPH_OPS, **DECODE_KERNELS}, GRAPH_OPS):
+        model.set_backends(Backends(per_op=per_op))
+        eng = _engine(model)
+        results.append(_one_decode_step(eng, prompts))
+        graphs = eng.runner.graphs
+        assert graphs.disabled is None and graphs.replays == 1, graphs.disabled
+    assert rel_err(results[0], results[1]) < 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kda_backend", ["torch", "fla"])
