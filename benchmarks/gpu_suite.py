@@ -135,13 +135,16 @@ STEPS = {
                        "--steps", "1", "--continuous-steps", "0", "--vocab-size", "32768", "--backend", "torch",
                        "--seq-len", "32768", "--micro-batch-rows", "1", "--activation-checkpointing"]], 300),
     "long": ([[PY, "benchmarks/long_context.py", "--preset", "k3-mini", "--seq-len", "131072"]], 180),
+    # the GPU tests of the decode-step kernels not yet validated (the fused AttnRes sites, the MLA append, absorption
+    # and gate, the MoE GEMV), and one captured step with every fused decode kernel against the composed ops
+    "decode_kernels": ([PYTEST + ["tests/ops/test_attn_res_norm.py", "tests/ops/test_mla_out.py",
+                                  "tests/ops/test_moe_gemv.py", "tests/ops/test_mla_append.py"],
+                        PYTEST + [COMPILE_TEST_FILE, "-k", "fused_decode_kernels"]], 480),
     # the fused KDA decode step and router kernel, the fused replay and the draft's captured chains: their GPU tests,
-    # kernels per layer off and on, decode off and on
+    # kernels per layer off and on (every fused decode kernel), decode off and on
     "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
                                 "tests/ops/test_kda_verify_replay.py", "tests/serve/speculative/test_fused_replay.py",
-                                "tests/serve/speculative/test_batched_draft.py", "tests/ops/test_attn_res_norm.py",
-                                "tests/ops/test_mla_out.py", "tests/ops/test_moe_gemv.py",
-                                "tests/ops/test_mla_append.py"],
+                                "tests/serve/speculative/test_batched_draft.py"],
                       _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),
