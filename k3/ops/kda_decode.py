@@ -126,7 +126,7 @@ def kda_decode_composed(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logi
 
 # --- the fused kernel ---------------------------------------------------------------------------------------------
 def _decode_kernel(xq_ptr, xk_ptr, xv_ptr, x_stride, z_ptr, z_stride, b_ptr, b_stride, g_ptr, g_stride,
-                   wq_ptr, wk_ptr, wv_ptr, a_ptr, dtb_ptr, nw_ptr, buf_ptr, buf_stride, rows_ptr, y_ptr,
+                   wq_ptr, wk_ptr, wv_ptr, a_ptr, dtb_ptr, nw_ptr, buf_ptr, buf_stride, rows_ptr, rows_stride, y_ptr,
                    lower_bound, scale, eps, H, K: tl.constexpr, W: tl.constexpr, K_PAD: tl.constexpr,
                    T_PAD: tl.constexpr, ROUND: tl.constexpr, OUT_BF16: tl.constexpr):
     """Program (request b, head h): the module docstring's fused step for head h of request b."""
@@ -139,7 +139,7 @@ def _decode_kernel(xq_ptr, xk_ptr, xv_ptr, x_stride, z_ptr, z_stride, b_ptr, b_s
     tt = tl.arange(0, T_PAD)  # the W - 1 carried inputs
     tm = tt < W - 1
     m2 = km[:, None] & tm[None, :]
-    row = tl.load(rows_ptr + b).to(tl.int64)
+    row = tl.load(rows_ptr + b * rows_stride).to(tl.int64)  # rows may be a strided view (a static step's pages)
     base = buf_ptr + row * buf_stride
     conv_base = base + H * K * K  # then [3, P, W-1]
 
@@ -258,8 +258,8 @@ def kda_decode_triton(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logits
         _kernel(_triton.interpret())[(B, H)](
             xq, xk, xv, stride, z, zs, beta_logits, bs, gate, gs, *(w.contiguous() for w in conv_w),
             A_log.contiguous(), dt_bias.reshape(-1).contiguous(), norm_w.contiguous(), store.buf,
-            store.buf.stride(0), store.rows, y, float(lower_bound), K ** -0.5, float(eps), H, K=K, W=W,
-            K_PAD=1 << (K - 1).bit_length(), T_PAD=max(1 << (W - 2).bit_length(), 2),
+            store.buf.stride(0), store.rows, store.rows.stride(0), y, float(lower_bound), K ** -0.5, float(eps), H,
+            K=K, W=W, K_PAD=1 << (K - 1).bit_length(), T_PAD=max(1 << (W - 2).bit_length(), 2),
             ROUND=xq.dtype == torch.bfloat16, OUT_BF16=xq.dtype == torch.bfloat16, num_warps=8 if K > 64 else 4)
     return y
 

@@ -70,6 +70,21 @@ def test_kernel_equals_the_composed_ops(interpret, shape, dtype):
     del W
 
 
+def test_strided_rows_are_read_through_their_stride(interpret):
+    # the rows as a static decode step hands them: one column of its [B, KDA layers] page table, a strided view.
+    # Read as if contiguous, request b > 0 would take another request's state (the engine's bucket-2 decode parted
+    # from the reference that way)
+    args, buf, rows = _case(B=3)
+    table = torch.stack([rows, (rows + 1) % buf.shape[0]], 1)  # [B, 2]: this layer's pages and another layer's
+    strided = table.t()[0]
+    assert strided.stride(0) == 2 and torch.equal(strided, rows)
+    want_buf, got_buf = buf.clone(), buf.clone()
+    want = kda_decode_composed(*args, KDAStore(want_buf, rows), backends=TORCH)
+    got = kda_decode_triton(*args, KDAStore(got_buf, strided))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (got_buf - want_buf).abs().max() <= 1e-5 * want_buf.abs().max()
+
+
 def test_repeated_steps_stay_together(interpret):
     """Eight tokens through both paths, each from its own store: the states stay within the tolerance."""
     args, buf, rows = _case(B=2, seed=3)
