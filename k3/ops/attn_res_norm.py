@@ -59,8 +59,8 @@ def _check(sources: Sequence[Tensor], w: Tensor, norm_weight: Tensor | None, add
         raise ValueError(f"w must have shape [{D}] (the site query), got "
                          f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
     if norm_weight is not None and (not isinstance(norm_weight, Tensor) or norm_weight.shape != (D,)):
-        raise ValueError(f"norm_weight must have shape [{D}], got "
-                         f"{tuple(norm_weight.shape) if isinstance(norm_weight, Tensor) else type(norm_weight).__name__}")
+        got = tuple(norm_weight.shape) if isinstance(norm_weight, Tensor) else type(norm_weight).__name__
+        raise ValueError(f"norm_weight must have shape [{D}], got {got}")
     if add is not None and (not isinstance(add, Tensor) or add.shape != first.shape or add.dtype != first.dtype):
         got = f"{tuple(add.shape)} {add.dtype}" if isinstance(add, Tensor) else type(add).__name__
         raise ValueError(f"add must have the sources' shape {tuple(first.shape)} and dtype {first.dtype}, got {got}")

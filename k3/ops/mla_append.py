@@ -62,11 +62,11 @@ def _store(kv: Tensor, pages: Tensor, rows: Tensor, values: Tensor) -> None:
     kv[pages, rows] = values.to(kv.dtype)
 
 
-def _append_kernel(kv_ptr, tab_ptr, pos_ptr, c_ptr, kr_ptr, len_ptr, T, R, DR, s_kp, s_kt, s_tb, s_cb, s_ct, s_rb,
-                   s_rt, PT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+def _append_kernel(kv_ptr, tab_ptr, pos_ptr, c_ptr, kr_ptr, len_ptr, T, R, DR, s_kp, s_kt, s_tb, s_pos, s_cb, s_ct,
+                   s_rb, s_rt, PT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
-    p = tl.load(pos_ptr + b).to(tl.int64) + t
+    p = tl.load(pos_ptr + b * s_pos).to(tl.int64) + t
     page = tl.load(tab_ptr + b * s_tb + p // PT).to(tl.int64)
     row = kv_ptr + page * s_kp + (p % PT) * s_kt
     rr = tl.arange(0, BR)
@@ -107,7 +107,7 @@ def mla_append_triton(kv: Tensor, tables: Tensor, pos: Tensor, c: Tensor, k_rope
         with torch.cuda.device(c.device.index if c.is_cuda else -1):
             _kernel(_triton.interpret())[(B, T)](
                 kv, tables, pos, c, k_rope, lengths, T, R, Dr, kv.stride(0), kv.stride(1), tables.stride(0),
-                c.stride(0), c.stride(1), k_rope.stride(0), k_rope.stride(1), PT=kv.shape[1],
+                pos.stride(0), c.stride(0), c.stride(1), k_rope.stride(0), k_rope.stride(1), PT=kv.shape[1],
                 BR=min(512, 1 << max(R - 1, 1).bit_length()), BD=1 << max(Dr - 1, 1).bit_length(), num_warps=4)
     return lengths
 

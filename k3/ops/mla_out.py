@@ -165,8 +165,8 @@ register(Op(
 register(Op(
     "mla_gate", reference=mla_gate,
     fast=(Fast("triton", mla_gate_triton, _triton.available, validated=False, cpu=True),),
-    tolerance="fp32 1e-6 relative (the sigmoid from one exponential of -|gate|); bf16 one bf16 step (the same fp32 product up to "
-              "the sigmoid's last bit, rounded once), two in the interpreter (it truncates)"))
+    tolerance="fp32 1e-6 relative (the sigmoid from one exponential of -|gate|); bf16 one bf16 step (the same fp32 "
+              "product up to the sigmoid's last bit, rounded once), two in the interpreter (it truncates)"))
 
 
 def mla_absorb_v_any(o_lat: Tensor, w_vc: Tensor, out_dtype: torch.dtype, backends: Backends | None = None) -> Tensor:

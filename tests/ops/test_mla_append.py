@@ -46,6 +46,19 @@ def test_interpreted_kernel_writes_what_the_reference_writes(interpret, T, pool_
     assert not torch.equal(raw, _case(3, T, pool_dtype, row_dtype)[0])  # the write did change the pool
 
 
+def test_strided_positions_and_tables(interpret):
+    # positions and block tables as the static decode buffers hand them: views with strides (a column of a wider
+    # tensor, a table of one MLA layer out of several)
+    raw, kv, tables, pos, c, k_rope = _case(3, 2, torch.float32, torch.float32)
+    wide_pos = torch.stack([pos, pos + 100], 1)[:, 0]
+    wide_tab = torch.stack([tables, tables.flip(1)], 1)[:, 0]
+    assert wide_pos.stride(0) != 1 and wide_tab.stride(0) != tables.stride(0)
+    raw2 = raw.clone()
+    kv2 = raw2[:, :kv.shape[1] * kv.shape[2]].view(kv.shape)
+    assert torch.equal(mla_append_triton(kv2, wide_tab, wide_pos, c, k_rope), mla_append(kv, tables, pos, c, k_rope))
+    assert torch.equal(raw2, raw)
+
+
 def test_bad_inputs_are_named(interpret):
     _, kv, tables, pos, c, k_rope = _case(2, 1, torch.float32, torch.float32)
     with pytest.raises(ValueError, match="pool rows of R \\+ Dr = 48"):

@@ -382,6 +382,40 @@ def test_compiled_decode_step_breaks_only_at_the_fast_implementations(static_mod
     torch._dynamo.reset()
 
 
+def test_static_decode_steps_with_every_fused_decode_kernel_match_the_reference(static_mode, use_backends,
+                                                                                monkeypatch):
+    # The static-buffer step (as captured) with the fused decode kernels in Triton's interpreter, two requests in one
+    # bucket: their page tables are columns of the bucket's buffers (strided views), which every kernel must read
+    # through their strides (the fused KDA step once read them as contiguous: request 1 took another row's state)
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for per_op in ({"kda_decode": "triton"}, DECODE_KERNELS):
+        use_backends(Backends(per_op={**GRAPH_OPS, **per_op}))
+        _serve_to_the_reference(_engine(), _prompts((44, 10)))
+
+
+def test_compiled_decode_step_with_the_fused_decode_kernels(static_mode, use_backends, monkeypatch):
+    # The decode step with every fused decode kernel (in Triton's interpreter) compiled: it still breaks only at the
+    # fast implementations (the kernels' dispatch glue traces), and serves the reference's greedy tokens.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    use_backends(Backends(per_op={**GRAPH_OPS, **DECODE_KERNELS}))
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    eng = _engine(compile_decode=True)
+    _serve_to_the_reference(eng, _prompts((44, 10)))
+    assert eng.runner.graphs.compile_failed is None and eng.runner.graphs.steps > 1
+    breaks = counters["graph_break"]
+    others = [reason for reason in breaks if "torch.compiler.disable" not in reason]
+    assert breaks and not others, others[:3]
+    torch._dynamo.reset()
+
+
 def test_compiled_decode_step_compiles_every_layer_in_every_bucket(static_mode, monkeypatch):
     # The graph breaks at each opaque kernel, so the code after it is compiled once per layer (its layer index and
     # AttnRes block count are static) and per bucket: past dynamo's recompile limit the later layers of the larger
