@@ -387,8 +387,12 @@ def test_static_decode_steps_with_every_fused_decode_kernel_match_the_reference(
     # The static-buffer step (as captured) with the fused decode kernels in Triton's interpreter, two requests in one
     # bucket: their page tables are columns of the bucket's buffers (strided views), which every kernel must read
     # through their strides (the fused KDA step once read them as contiguous: request 1 took another row's state)
+    import k3.ops.mla_decode
+
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # the paged attention on its reference (its kernel has tests of its own; interpreted, it is most of the time)
+    monkeypatch.setattr(k3.ops.mla_decode, "_use_triton", lambda kv: False)
     for per_op in ({"kda_decode": "triton"}, DECODE_KERNELS):
         use_backends(Backends(per_op={**GRAPH_OPS, **per_op}))
         _serve_to_the_reference(_engine(), _prompts((44, 10)))
@@ -400,8 +404,11 @@ def test_compiled_decode_step_with_the_fused_decode_kernels(static_mode, use_bac
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    import k3.ops.mla_decode
+
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(k3.ops.mla_decode, "_use_triton", lambda kv: False)  # the paged attention's reference
     use_backends(Backends(per_op={**GRAPH_OPS, **DECODE_KERNELS}))
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))

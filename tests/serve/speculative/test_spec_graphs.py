@@ -168,3 +168,37 @@ def test_fused_verification_buckets_hold_pending_buffers_filled_in_place():
                 *i.pre_conv, i.q, i.k, i.v, i.z, i.beta_logits)] == want
     finally:
         model.set_backends(None)
+
+
+DECODE_KERNELS = {"attn_res_norm": "triton", "mla_append": "triton", "mla_absorb_v": "triton", "mla_gate": "triton",
+                  "moe_gemv": "triton", "kda_decode": "triton", "moe_route": "triton"}
+
+
+def test_speculation_on_static_buffers_with_every_fused_decode_kernel(monkeypatch):
+    # Plain steps and verifications on static buffers (as captured) with every fused decode kernel in Triton's
+    # interpreter (verification rows through the latent append's T > 1 rows, the GEMV experts for a few rows, the
+    # fused AttnRes sites), the oracle draft accepting prefixes, the replay fused into the next verification: greedy
+    # outputs equal decoding without speculation (one short request: the interpreter runs every kernel program in
+    # Python)
+    import k3.ops.mla_decode
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # the paged attention on its reference (its kernel has tests of its own; interpreted, it is most of the time)
+    monkeypatch.setattr(k3.ops.mla_decode, "_use_triton", lambda kv: False)
+    model = fx._model()
+    model.set_backends(Backends(per_op={**GRAPH_OPS, **DECODE_KERNELS, "kda_verify_replay": "triton"}))
+    try:
+        prompts = fx._prompts(5, 1)
+        params = [SamplingParams(max_tokens=8, temperature=0)] * len(prompts)
+        eng = LLMEngine(model, fx._tok(), EngineConfig(  # one request: bucket 1 only (each bucket is set up)
+            cache_memory_mb=4.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", num_draft_tokens=3,
+            cuda_graphs="eager", fused_replay=True,
+            scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=1)),
+            draft=fx.OracleDraft(wrong_every=3))
+        eng.eos_id = None
+        eng.spec_switch = AlternatingSwitch()
+        fx._check(fx._run(eng, [list(zip(prompts, params))]), params)
+        assert eng.metrics.spec_verifications > 0 and eng.runner.graphs.steps > 0
+    finally:
+        model.set_backends(None)
