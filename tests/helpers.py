@@ -255,3 +255,28 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+# every fused decode-step kernel, on: the per_op entries of a Backends (tests of the static and captured steps)
+DECODE_KERNELS = {"attn_res_norm": "triton", "mla_append": "triton", "mla_absorb_v": "triton", "mla_gate": "triton",
+                  "moe_gemv": "triton", "kda_decode": "triton", "moe_route": "triton"}
+
+
+def count_fast_calls(monkeypatch, *ops: str) -> list[str]:
+    """The registered fast implementation of each op in `ops` wrapped (for the test, by `monkeypatch`) to record the
+    op's name at every call: returns the list the calls append to."""
+    import dataclasses
+
+    from k3.ops import registry
+
+    calls: list[str] = []
+    for name in ops:
+        op = registry.ops()[name]
+
+        def counted(*a, _fn=op.fast[0].fn, _name=name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        monkeypatch.setitem(registry._ops, name,
+                            dataclasses.replace(op, fast=(dataclasses.replace(op.fast[0], fn=counted),)))
+    return calls

@@ -6,15 +6,12 @@ Tolerances: fp32 1e-5 of the largest entry (the op's own, compounded over a few 
 3e-2 (the interpreter truncates each bf16 rounding, and the differences pass through every later layer).
 """
 
-import dataclasses
-
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import count_fast_calls, rel_err
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
-from k3.ops import registry
 from k3.ops.registry import Backends
 
 FUSED = Backends(per_op={"attn_res_norm": "triton"})
@@ -28,17 +25,8 @@ def interpret(monkeypatch):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The number of calls of the fused kernel (the registered implementation wrapped)."""
-    op = registry.ops()["attn_res_norm"]
-    fn, n = op.fast[0].fn, []
-
-    def counted(*a, **k):
-        n.append(1)
-        return fn(*a, **k)
-
-    monkeypatch.setitem(registry._ops, "attn_res_norm",
-                        dataclasses.replace(op, fast=(dataclasses.replace(op.fast[0], fn=counted),)))
-    return n
+    """The calls of the fused kernel (the registered implementation wrapped)."""
+    return count_fast_calls(monkeypatch, "attn_res_norm")
 
 
 def _model(dtype=torch.float32, mtp=0, vocab=None):

@@ -10,7 +10,7 @@ bf16 one bf16 step on a GPU (2^-7: the same fp32 values rounded once), two in th
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import count_fast_calls, rel_err
 from k3.ops.mla import split_kv_b
 from k3.ops.mla_out import mla_absorb_v, mla_absorb_v_triton, mla_gate, mla_gate_any, mla_gate_triton
 
@@ -95,25 +95,13 @@ def test_bad_inputs_are_named(interpret):
 def test_the_engine_with_the_kernels_keeps_greedy_output(interpret, monkeypatch):
     # a served tiny model (fp32) with the paged decode kernel, the value absorption and the gate as kernels: the
     # greedy tokens of the reference ops, and the kernels were called
-    import dataclasses
-
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
-    from k3.ops import registry
     from k3.ops.registry import Backends
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.sampling import SamplingParams
 
-    calls = []
-    for name in ("mla_absorb_v", "mla_gate"):
-        op = registry.ops()[name]
-
-        def counted(*a, _fn=op.fast[0].fn, _n=name, **k):
-            calls.append(_n)
-            return _fn(*a, **k)
-
-        monkeypatch.setitem(registry._ops, name,
-                            dataclasses.replace(op, fast=(dataclasses.replace(op.fast[0], fn=counted),)))
+    calls = count_fast_calls(monkeypatch, "mla_absorb_v", "mla_gate")
     cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
     m = K3ForCausalLM(cfg).init_weights(seed=2).eval()
     prompt = torch.randint(1, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()

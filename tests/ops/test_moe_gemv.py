@@ -8,12 +8,10 @@ path one bf16 step on a GPU (2^-7: the same roundings of gate, up, hidden and y)
 rounds by truncation (four roundings in a row, each up to a step the same way).
 """
 
-import dataclasses
-
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import count_fast_calls, rel_err
 from k3.ops.moe import moe_experts_grouped
 from k3.ops.moe_gemv import GEMV_MAX_TOKENS, moe_gemv, moe_gemv_for, moe_gemv_triton
 from k3.ops.registry import Backends
@@ -93,17 +91,8 @@ def test_the_model_with_the_kernels_equals_its_usual_path(interpret, monkeypatch
     # at every MoE layer and the hidden states are the grouped path's (fp32, 1e-5); a training forward never uses them
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
-    from k3.ops import registry
 
-    op = registry.ops()["moe_gemv"]
-    calls = []
-
-    def counted(*a, **k):
-        calls.append(1)
-        return op.fast[0].fn(*a, **k)
-
-    monkeypatch.setitem(registry._ops, "moe_gemv",
-                        dataclasses.replace(op, fast=(dataclasses.replace(op.fast[0], fn=counted),)))
+    calls = count_fast_calls(monkeypatch, "moe_gemv")
     cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
     m = K3ForCausalLM(cfg).init_weights(seed=1).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from helpers import randomize_, rel_err
+from helpers import DECODE_KERNELS, randomize_, rel_err
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.ops import mla_decode, registry
@@ -365,6 +365,14 @@ def test_compiled_decode_step_breaks_only_at_the_fast_implementations(static_mod
     # torch.compile traces the real decode step (Dynamo, with its eager backend: no code generation). The only graph
     # breaks are the calls of the fast implementations, which are opaque by design; no glue around them (the
     # stacked-projection check, the stacked experts' layout check, the registry's import check) breaks the graph.
+    breaks, others = _compiled_graph_breaks(monkeypatch)
+    assert breaks  # the opaque calls: the paged MLA decode, the grouped experts
+    assert not others, others[:3]
+
+
+def _compiled_graph_breaks(monkeypatch) -> tuple[list[str], list[str]]:
+    """Serve two prompts to the reference with the decode step compiled (Dynamo with its eager backend: no code
+    generation); (every graph break's reason, those not at an opaque call)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -372,55 +380,33 @@ def test_compiled_decode_step_breaks_only_at_the_fast_implementations(static_mod
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
     torch._dynamo.reset()
     counters.clear()
-    eng = _engine(compile_decode=True)
-    _serve_to_the_reference(eng, _prompts((44, 10)))
-    assert eng.runner.graphs.compile_failed is None and eng.runner.graphs.steps > 1
-    breaks = counters["graph_break"]
-    assert breaks  # the opaque calls: the paged MLA decode, the grouped experts
-    others = [reason for reason in breaks if "torch.compiler.disable" not in reason]
-    assert not others, others[:3]
-    torch._dynamo.reset()
+    try:
+        eng = _engine(compile_decode=True)
+        _serve_to_the_reference(eng, _prompts((44, 10)))
+        assert eng.runner.graphs.compile_failed is None and eng.runner.graphs.steps > 1
+        breaks = list(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    return breaks, [reason for reason in breaks if "torch.compiler.disable" not in reason]
 
 
 def test_static_decode_steps_with_every_fused_decode_kernel_match_the_reference(static_mode, use_backends,
-                                                                                monkeypatch):
+                                                                                interpreted_kernels):
     # The static-buffer step (as captured) with the fused decode kernels in Triton's interpreter, two requests in one
     # bucket: their page tables are columns of the bucket's buffers (strided views), which every kernel must read
     # through their strides (the fused KDA step once read them as contiguous: request 1 took another row's state)
-    import k3.ops.mla_decode
-
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    # the paged attention on its reference (its kernel has tests of its own; interpreted, it is most of the time)
-    monkeypatch.setattr(k3.ops.mla_decode, "_use_triton", lambda kv: False)
     for per_op in ({"kda_decode": "triton"}, DECODE_KERNELS):
         use_backends(Backends(per_op={**GRAPH_OPS, **per_op}))
         _serve_to_the_reference(_engine(), _prompts((44, 10)))
 
 
-def test_compiled_decode_step_with_the_fused_decode_kernels(static_mode, use_backends, monkeypatch):
+def test_compiled_decode_step_with_the_fused_decode_kernels(static_mode, use_backends, interpreted_kernels,
+                                                            monkeypatch):
     # The decode step with every fused decode kernel (in Triton's interpreter) compiled: it still breaks only at the
     # fast implementations (the kernels' dispatch glue traces), and serves the reference's greedy tokens.
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    import k3.ops.mla_decode
-
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(k3.ops.mla_decode, "_use_triton", lambda kv: False)  # the paged attention's reference
     use_backends(Backends(per_op={**GRAPH_OPS, **DECODE_KERNELS}))
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
-    torch._dynamo.reset()
-    counters.clear()
-    eng = _engine(compile_decode=True)
-    _serve_to_the_reference(eng, _prompts((44, 10)))
-    assert eng.runner.graphs.compile_failed is None and eng.runner.graphs.steps > 1
-    breaks = counters["graph_break"]
-    others = [reason for reason in breaks if "torch.compiler.disable" not in reason]
+    breaks, others = _compiled_graph_breaks(monkeypatch)
     assert breaks and not others, others[:3]
-    torch._dynamo.reset()
 
 
 def test_compiled_decode_step_compiles_every_layer_in_every_bucket(static_mode, monkeypatch):
@@ -536,10 +522,6 @@ def test_gpu_captured_decode_equals_the_eager_engine():
         assert eng.runner.graphs.replays == int(capture)
         results.append(out)
     assert rel_err(results[0], results[1]) < 1e-3
-
-
-DECODE_KERNELS = {"attn_res_norm": "triton", "mla_append": "triton", "mla_absorb_v": "triton", "mla_gate": "triton",
-                  "moe_gemv": "triton", "kda_decode": "triton", "moe_route": "triton"}
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import DECODE_KERNELS
 from k3.ops.registry import Backends
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
@@ -170,22 +171,12 @@ def test_fused_verification_buckets_hold_pending_buffers_filled_in_place():
         model.set_backends(None)
 
 
-DECODE_KERNELS = {"attn_res_norm": "triton", "mla_append": "triton", "mla_absorb_v": "triton", "mla_gate": "triton",
-                  "moe_gemv": "triton", "kda_decode": "triton", "moe_route": "triton"}
-
-
-def test_speculation_on_static_buffers_with_every_fused_decode_kernel(monkeypatch):
+def test_speculation_on_static_buffers_with_every_fused_decode_kernel(interpreted_kernels):
     # Plain steps and verifications on static buffers (as captured) with every fused decode kernel in Triton's
     # interpreter (verification rows through the latent append's T > 1 rows, the GEMV experts for a few rows, the
     # fused AttnRes sites), the oracle draft accepting prefixes, the replay fused into the next verification: greedy
     # outputs equal decoding without speculation (one short request: the interpreter runs every kernel program in
-    # Python)
-    import k3.ops.mla_decode
-
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    # the paged attention on its reference (its kernel has tests of its own; interpreted, it is most of the time)
-    monkeypatch.setattr(k3.ops.mla_decode, "_use_triton", lambda kv: False)
+    # Python; the paged attention on its reference)
     model = fx._model()
     model.set_backends(Backends(per_op={**GRAPH_OPS, **DECODE_KERNELS, "kda_verify_replay": "triton"}))
     try:
