@@ -54,7 +54,11 @@ SUBSTITUTIONS = [
     (r"--max-steps (100|30)\b", "--max-steps 1"),
     (r"--preset tiny --max-steps 10\b", f"--preset tiny {_small_train(1)}"),
     (r"--out runs/vision --max-minutes 10\b", f"--out runs/vision {_small_train(1)} --seq-len 128"),
-    (r"render-pairs --out data/pairs --n 2000\b", "render-pairs --out data/pairs --n 40"),
+    # 40 pairs, small enough for the 128-token rows, with a held-out share that leaves some held out whatever this
+    # installation's files are (the pairs are drawn from them, held out by their hash: at the default 5% of 40, an
+    # installation could hold out none, or only a pair too large for a row)
+    (r"render-pairs --out data/pairs --n 2000\b",
+     "render-pairs --out data/pairs --n 40 --heldout-share 0.3 --max-image-tokens 32 --max-lines 3"),
     (r"--transcribe data/pairs/heldout\.jsonl --max-records 50\b",
      "--transcribe data/pairs/heldout.jsonl --max-records 1 --max-new-tokens 4"),
     (r"mopd_demo\.py --work runs/mopd_demo +#", f"mopd_demo.py --work runs/mopd_demo {_SMALL_MOPD} #"),

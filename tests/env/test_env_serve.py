@@ -48,7 +48,7 @@ def _small_harness(tmp_path, preset: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("markup", [False, True], ids=["text", "markup"])
+@pytest.mark.parametrize("markup", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["text", "markup"])
 def test_env_run_against_k3_serve(tmp_path, markup):
     from k3.serve.app import create_app
     from k3.serve.engine import EngineConfig, LLMEngine

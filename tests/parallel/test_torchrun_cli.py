@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,6 +74,7 @@ def test_moon_ep_needs_expert_parallelism():
         raise AssertionError("--moon-ep without --ep 2 or more was accepted")
 
 
+@pytest.mark.slow
 def test_torchrun_resume_continues_the_run(tmp_path):
     # A QAT run of 2 steps on two expert-parallel processes (--ep 2), resumed under torchrun to 3: the resumed ranks load
     # the sharded training state (k3.parallel.checkpoint) of the latest checkpoint and go on from step 3 (the

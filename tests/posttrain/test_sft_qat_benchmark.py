@@ -20,6 +20,7 @@ ARGS = ["--pretrain-steps", "2", "--sft-steps", "2", "--records", "60", "--heldo
         "--vocab-size", "512", "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_stages_keep_their_results_only_and_a_rerun_reuses_them(bench, tmp_path, capsys):
     work = str(tmp_path / "w")
     out1, out2 = str(tmp_path / "r1.json"), str(tmp_path / "r2.json")

@@ -132,6 +132,7 @@ def ckpt(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_k3_rl_on_the_kernel_family(ckpt, tmp_path, monkeypatch):
     """One iteration of `k3 rl --tasks kernel:1` with the random model: its episodes run and are scored."""
     from k3.cli import main

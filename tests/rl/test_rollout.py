@@ -156,6 +156,7 @@ def _row_logprobs(model, ids: list[int], autocast: bool) -> torch.Tensor:
     return torch.cat([torch.zeros(1), lp])
 
 
+@pytest.mark.slow
 def test_bf16_rollouts_sample_as_the_trainer_forward_computes(policy, scripted):
     """With autocast_bf16 (on for CUDA runs, whose trainer forward runs under bf16 autocast) the engine's forwards run
     under bf16 autocast with each weight cast once per policy version: the behaviour log-probs are the bf16 trainer

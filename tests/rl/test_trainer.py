@@ -64,6 +64,7 @@ def test_rl_iterations_with_scripted_samples(ckpt, tmp_path, monkeypatch):
     assert os.path.isfile(os.path.join(out, "reward.png"))
 
 
+@pytest.mark.slow
 def test_budget_penalty_measures_b0_then_overrides_the_reward(ckpt, tmp_path, monkeypatch):
     """b0(x) is measured from the starting model before step 1 (every scripted sample costs the same, so b0 is that
     cost); with tau_b = 0.5 every trajectory is over its budget and gets reward -1; with tau_b = 2, none is."""

@@ -409,6 +409,7 @@ def test_compiled_decode_step_with_the_fused_decode_kernels(static_mode, use_bac
     assert breaks and not others, others[:3]
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_compiles_every_layer_in_every_bucket(static_mode, monkeypatch):
     # The graph breaks at each opaque kernel, so the code after it is compiled once per layer (its layer index and
     # AttnRes block count are static) and per bucket: past dynamo's recompile limit the later layers of the larger
@@ -459,6 +460,7 @@ def _pool_mutations(pages: torch.Tensor, found: list):
     return backend
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_leaves_the_pool_writes_outside(static_mode, monkeypatch):
     # Traced, an in-place write into a view of the pool's bytes is functionalized into a copy of the whole pool per
     # write (the compiled step ran 14x slower than the uncompiled one on an H200, 35x on this CPU), and a strided view

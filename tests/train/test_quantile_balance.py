@@ -51,6 +51,7 @@ def _required_bias_sorted(R: Routing) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_acceptance_qb_balances_skewed_router_within_three_updates():
     E, k, m, steps = 896, 16, 65_536, 4
     g = torch.Generator().manual_seed(2024)

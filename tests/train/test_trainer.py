@@ -96,6 +96,7 @@ def test_resume_after_a_kill_logs_each_step_once(tmp_path):
     assert [r.get("val_loss") for r in lb] == [r.get("val_loss") for r in la]
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     tr = _trainer(tmp_path, 50, max_bad_steps=3)
     tr.fit(progress_bar=False)  # a good checkpoint at step 50

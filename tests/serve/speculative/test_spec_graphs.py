@@ -171,6 +171,7 @@ def test_fused_verification_buckets_hold_pending_buffers_filled_in_place():
         model.set_backends(None)
 
 
+@pytest.mark.slow
 def test_speculation_on_static_buffers_with_every_fused_decode_kernel(interpreted_kernels):
     # Plain steps and verifications on static buffers (as captured) with every fused decode kernel in Triton's
     # interpreter (verification rows through the latent append's T > 1 rows, the GEMV experts for a few rows, the

@@ -3,6 +3,7 @@ distributions, with fixed seeds (deterministic), at significance 1e-3 (a correct
 probability 1e-3 for a given seed; a wrong acceptance rule, e.g. accepting every draft or resampling from p instead
 of (p - q)+, gives p-values below 1e-12 at these sample sizes)."""
 
+import pytest
 import torch
 
 from k3.config import K3Config
@@ -80,6 +81,7 @@ def test_acceptance_rule_keeps_the_target_distribution():
     assert chi_square_p(counts, expect) < 1e-12
 
 
+@pytest.mark.slow
 def test_engine_speculative_sampling_equals_the_target_distribution():
     """The engine with the MTP draft (drafts sampled from the draft's distribution) against the exact joint
     distribution of the first three generated tokens of a tiny model with an 8-token vocabulary (512 cells, rare
