@@ -135,16 +135,17 @@ class LLMEngine:
         device = next(model.parameters()).device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         graphs = decode_graphs_mode(model, cfg.cuda_graphs)
+        # the greedy drafting steps run as captured chains where the decode steps are captured (on the same
+        # static-buffer code uncaptured with cuda_graphs "eager")
+        chain_graphs = {"capture": True, "eager": "eager"}.get(graphs, False)
         if draft is None and cfg.speculative == "mtp":
-            # the greedy drafting steps after the first run as captured chains where the decode steps are captured
-            # (on the same static-buffer code uncaptured with cuda_graphs "eager")
-            draft = MTPDraft(model, chain_graphs={"capture": True, "eager": "eager"}.get(graphs, False))
+            draft = MTPDraft(model, chain_graphs=chain_graphs)
         if draft is None and cfg.speculative == "eagle3":
             if cfg.draft is None:
                 raise ValueError("speculative='eagle3' needs the draft's directory (EngineConfig.draft; --draft DIR)")
             from k3.draft_checkpoint import load_draft
 
-            draft = Eagle3Draft(model, load_draft(cfg.draft, model))
+            draft = Eagle3Draft(model, load_draft(cfg.draft, model), chain_graphs=chain_graphs)
         self.clock = time.perf_counter  # what the switch's step times are read from (a test's fake clock)
         n_kda = sum(1 for l in model.model.layers if l.is_kda)
         cache = CacheManager(mcfg, len(model.model.layers) - n_kda, n_kda, cfg.cache_memory_mb, cfg.page_tokens,

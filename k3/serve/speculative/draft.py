@@ -27,7 +27,8 @@ contexts draft eagerly as before; a capture that fails says so once and drafts e
 
 `Eagle3Draft` is the same procedure with a fine-tuned draft layer (k3.model.eagle3.Eagle3Layer): its first step
 reads, in place of the target's hidden state, the fusion W_E3 [h_a; h_b; h] of the outputs of two AttnRes blocks
-and the hidden state. A draft that reads block features names them in its `features` attribute (AttnRes block
+and the hidden state (a whole-proposal chain's first-step buffers are that wide). Its greedy proposals run on the
+same chains. A draft that reads block features names them in its `features` attribute (AttnRes block
 numbers; MTPDraft's is empty); the engine then asks the runner for them and `observe` receives, per position, those
 blocks' outputs and the hidden state concatenated ([n, (k + 1) D]).
 """
@@ -245,6 +246,10 @@ class MTPDraft:
                 h = self._step(h, emb(tok[:, None]), False, cache)
         return torch.stack(out, 1)
 
+    def attention(self):
+        """The draft layer's attention (Gated MLA): its latent rows are the contexts."""
+        return self.layer.block.self_attn
+
     def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
         """One drafting step: the layer's output [1, T, D] from its input (the target's at the first step, else the
         previous output) and the next tokens' embeddings."""
@@ -255,7 +260,7 @@ class Eagle3Draft(MTPDraft):
     """MTPDraft with an EAGLE-3 draft layer (k3.model.eagle3.Eagle3Layer, e.g. k3.draft_checkpoint.load_draft):
     observed positions carry the target's block features, which the first step fuses."""
 
-    def __init__(self, model, layer, window: int = 4096):
+    def __init__(self, model, layer, window: int = 4096, chain_graphs: bool | str = False):
         if window < 1:
             raise ValueError(f"window={window} must be positive")
         if layer.config.hidden_size != model.config.hidden_size:
@@ -264,7 +269,10 @@ class Eagle3Draft(MTPDraft):
         self.model, self.layer, self.window = model, layer.eval(), window
         self.features = tuple(layer.blocks)
         self._ctx: dict[str, _Context] = {}
-        self.chains = None  # the greedy guess steps stay eager (the EAGLE-3 layer's chain is not captured yet)
+        self.chains = _chains(self, chain_graphs)
+
+    def attention(self):
+        return self.layer.mtp.block.self_attn
 
     def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
         return self.layer(hidden, embeds, fused=first, cache=cache)
@@ -440,7 +448,7 @@ class _Chains:
         self.draft, self.eager = draft, eager
         self.made: dict[tuple[int, int, int], _Chain] = {}
         self.pool = None if eager else torch.cuda.graph_pool_handle()
-        attn = draft.layer.block.self_attn
+        attn = draft.attention()
         self.nope = getattr(attn, "rope_theta", None) is None
 
     @staticmethod

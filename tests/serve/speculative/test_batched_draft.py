@@ -22,15 +22,21 @@ def _model():
     return randomize_(K3ForCausalLM(cfg), seed=4).eval()
 
 
-def _draft(kind, model):
+def _draft(kind, model, window=40, chain_graphs=False):
     if kind == "mtp":
-        return MTPDraft(model, window=40)
-    layer = Eagle3Layer(model.config)
+        return MTPDraft(model, window=window, chain_graphs=chain_graphs)
+    p = next(model.parameters())
+    layer = Eagle3Layer(model.config).to(device=p.device, dtype=p.dtype)
     layer.mtp.load_state_dict(model.mtp[0].state_dict())  # the target's MTP layer, and a random fusion W_E3
     with torch.no_grad():
         layer.fc.weight.copy_(torch.randn(layer.fc.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.05)
     layer.eval()
-    return Eagle3Draft(model, layer, window=40)
+    return Eagle3Draft(model, layer, window=window, chain_graphs=chain_graphs)
+
+
+def _width(draft):
+    """The width of what the draft observes per position: the hidden state, or (EAGLE-3) the block features too."""
+    return draft.layer.feature_width if isinstance(draft, Eagle3Draft) else draft.model.config.hidden_size
 
 
 def _seqs(lengths, temperature, seed=0):
@@ -136,20 +142,23 @@ def test_greedy_drafts_chained_on_the_device_equal_host_choices(kind):
     assert draft.propose(seqs, ks[:1])[0].tokens == want[0]
 
 
-def test_greedy_chains_on_static_buffers_equal_the_eager_drafts():
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_greedy_chains_on_static_buffers_equal_the_eager_drafts(kind):
     # The greedy drafting steps after the first run on a chain of static buffers (what a CUDA graph captures;
     # here uncaptured, "eager"): contexts copied into [rows bucket, length bucket] buffers, padding rows of length 0,
     # lengths never read back. The drafts equal the eager ones, alone and batched (3 requests in a bucket of 4),
     # across two proposals (the buffers refilled), and in a larger context bucket once the window passes 64 rows.
+    # An EAGLE-3 draft's whole-proposal chain takes its observed block features ((n + 1) D wide) in its first step.
     model = _model()
     for window, lengths, ks in [(40, [7, 30, 12], [3, 4, 2]), (100, [90, 5], [3, 3])]:
-        eager, chained = MTPDraft(model, window=window), MTPDraft(model, window=window, chain_graphs="eager")
+        eager, chained = _draft(kind, model, window), _draft(kind, model, window, chain_graphs="eager")
         assert eager.chains is None and chained.chains is not None
+        width = _width(eager)
         for group in (lengths[:1], lengths):
             got = {}
             for name, draft in (("eager", eager), ("chained", chained)):
                 seqs = _seqs(group, 0.0, seed=len(group))
-                _observe(draft, seqs, model.config.hidden_size)
+                _observe(draft, seqs, width)
                 got[name] = [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
                 g = torch.Generator().manual_seed(7)
                 # then rounds of 1-3 newly committed positions per request (accepted drafts and the bonus token),
@@ -157,7 +166,7 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts():
                 for r, more in enumerate([[1, 3, 2], [2, 1, 3], [1, 1, 1]]):
                     for s, m in zip(seqs, more):
                         s.prompt_ids.extend(torch.randint(1, VOCAB, (m,), generator=g).tolist())
-                        draft.observe(s, s.num_computed, torch.randn(m, model.config.hidden_size, generator=g))
+                        draft.observe(s, s.num_computed, torch.randn(m, width, generator=g))
                         s.num_computed += m
                     got[name] += [p.tokens for p in draft.propose(seqs, ks[:len(group)])]
                 for s in seqs:
@@ -182,7 +191,8 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_captured_greedy_chains_equal_the_eager_drafts():
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_gpu_captured_greedy_chains_equal_the_eager_drafts(kind):
     # the chains captured as CUDA graphs (a bf16 model on the fast backends the engine's graphs need), one request
     # and three, two proposals each: the same drafts as the same static buffers uncaptured (which the CPU test holds
     # equal to drafting without them)
@@ -190,8 +200,8 @@ def test_gpu_captured_greedy_chains_equal_the_eager_drafts():
 
     model = _model().cuda().to(torch.bfloat16)
     model.set_backends(Backends(default="fast"))
-    eager, chained = MTPDraft(model, window=40, chain_graphs="eager"), MTPDraft(model, window=40, chain_graphs=True)
-    width = model.config.hidden_size
+    eager, chained = _draft(kind, model, chain_graphs="eager"), _draft(kind, model, chain_graphs=True)
+    width = _width(eager)
     for group in ([7], [7, 30, 12]):
         got = {}
         for name, draft in (("eager", eager), ("chained", chained)):

@@ -2,6 +2,7 @@
 block features of committed positions, greedy output equal to decoding without speculation; at W_E3 = [0 0 I] it
 proposes exactly what the MTP draft proposes."""
 
+import copy
 import functools
 
 import pytest
@@ -12,6 +13,7 @@ from k3.config import K3Config
 from k3.draft_checkpoint import DraftError, save_draft
 from k3.model.eagle3 import Eagle3Layer
 from k3.model.model import K3ForCausalLM
+from k3.ops.registry import Backends
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
@@ -30,17 +32,20 @@ def _model():
     return m
 
 
-def _engine(spec="off", draft_dir=None, k=3):
-    eng = LLMEngine(_model(), None, EngineConfig(
+def _engine(spec="off", draft_dir=None, k=3, graphs=False):
+    # static buffers need the ops a captured step runs (on CPU the paged MLA decode runs its reference)
+    model = copy.deepcopy(_model()).set_backends(Backends(per_op={"mla_decode": "triton", "moe": "grouped"})) \
+        if graphs else _model()
+    eng = LLMEngine(model, None, EngineConfig(
         cache_memory_mb=4.0, page_tokens=48, hash_block_tokens=16, speculative=spec,
-        draft=None if draft_dir is None else str(draft_dir), num_draft_tokens=k,
+        draft=None if draft_dir is None else str(draft_dir), num_draft_tokens=k, cuda_graphs="eager" if graphs else False,
         scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
     eng.eos_id = None
     return eng
 
 
-def _eagle_engine(draft_dir, k=3):
-    return _engine("eagle3", draft_dir, k)
+def _eagle_engine(draft_dir, k=3, graphs=False):
+    return _engine("eagle3", draft_dir, k, graphs)
 
 
 def _prompts(seed: int, n: int):
@@ -98,3 +103,34 @@ def test_eagle3_at_init_proposes_what_the_mtp_draft_proposes(tmp_path):
         assert _run(eng, prompts, params) == want
         runs[name] = (proposed, eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
     assert runs["mtp"] == runs["eagle3"] and runs["mtp"][2] > 0
+
+
+def test_eagle3_on_static_buffers_drafts_on_its_chains_as_it_drafts_eagerly(tmp_path):
+    # an engine on static buffers ("eager": the CUDA-graph code uncaptured) drafts its greedy EAGLE-3 proposals on
+    # the draft's chains (the whole proposal on one chain in the steady state, the fused block features in its first
+    # step): the same proposals, acceptances and tokens as the engine drafting eagerly, and plain decoding's tokens
+    draft = Eagle3Layer.from_target(_model())
+    with torch.no_grad():
+        draft.fc.weight.add_(torch.randn(draft.fc.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    save_draft(draft, str(tmp_path / "d"), "test-target")
+    prompts = _prompts(3, 3)
+    params = SamplingParams(max_tokens=14, temperature=0)
+    want = _run(_engine(), prompts, params)
+    runs = {}
+    for graphs in (False, True):
+        eng = _eagle_engine(tmp_path / "d", graphs=graphs)
+        assert (eng.draft.chains is not None) == graphs
+        proposed = []
+        inner = eng.draft.propose
+
+        def record(seqs, ks, inner=inner, proposed=proposed):
+            out = inner(seqs, ks)
+            proposed.extend(tuple(p.tokens) for p in out)
+            return out
+
+        eng.draft.propose = record
+        assert _run(eng, prompts, params) == want
+        runs[graphs] = (proposed, eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
+        if graphs:  # both chains ran: after an eager first step, and whole proposals
+            assert {first > 0 for *_, first in eng.draft.chains.made} == {False, True}
+    assert runs[True] == runs[False] and runs[True][2] > 0
