@@ -127,10 +127,11 @@ class MTPDraft:
             N, K = max(n), max(ks[i] for i in rows)
             first = prep[rows[0]][1]
             hid = first.new_zeros(len(rows), N, first.shape[-1])
-            ids = torch.zeros(len(rows), N, dtype=torch.long, device=first.device)
+            ids = torch.zeros(len(rows), N, dtype=torch.long)
             for r, i in enumerate(rows):  # right-padded: a row's padding positions come after its own
-                hid[r, :n[r]] = prep[i][1]
                 ids[r, :n[r]] = prep[i][2]
+            torch._foreach_copy_([hid[r, :n[r]] for r in range(len(rows))], [prep[i][1] for i in rows])
+            ids = to_device_async(ids, first.device)
             cache = _RaggedCache([prep[i][0].cache for i in rows], N)
             h = self._step(hid, emb(ids), True, cache)
             for r, i in enumerate(rows):  # the committed positions' rows join the request's own context
@@ -172,9 +173,9 @@ class MTPDraft:
 
     def _first_inputs(self, seq: Sequence) -> tuple[_Context, Tensor, Tensor] | None:
         """What the first drafting step of seq runs: (its context, the observed hidden states not yet run through
-        the layer [n, width] (the last `window`), the next tokens [n]), taken from the pending ones; None when
-        nothing is observed up to the last committed position (cannot happen in the engine's order: any tokens are
-        then valid drafts, only unlikely to be accepted)."""
+        the layer [n, width] (the last `window`), the next tokens [n] on the host), taken from the pending ones;
+        None when nothing is observed up to the last committed position (cannot happen in the engine's order: any
+        tokens are then valid drafts, only unlikely to be accepted)."""
         ctx = self._ctx.get(seq.request_id)
         C = seq.num_computed
         if ctx is None or not ctx.pending or ctx.next_pos != C:
@@ -182,7 +183,7 @@ class MTPDraft:
         hidden = torch.cat(ctx.pending)[-self.window:]
         first = C - hidden.shape[0]  # MTP position t reads the target's hidden at t and token t + 1
         ctx.pending, ctx.pending_start = [], None
-        return ctx, hidden, torch.tensor(seq.token_range(first + 1, C + 1), device=hidden.device)
+        return ctx, hidden, torch.tensor(seq.token_range(first + 1, C + 1), dtype=torch.long)
 
     def _pending(self, seq: Sequence) -> tuple[_Context, int] | None:
         """(seq's context, how many observed positions its first drafting step would run), without taking them;
@@ -199,6 +200,7 @@ class MTPDraft:
         if p is None:
             return None
         ctx, hidden, nxt = p
+        nxt = to_device_async(nxt, hidden.device)
         h = self._step(hidden[None], self.model.model.embed_tokens(nxt[None]), True, ctx.cache)
         ctx.cache.keep_last(self.window)
         return h[:, -1:], ctx.cache
@@ -348,10 +350,10 @@ class _StaticRaggedCache(_RaggedCache):
 
     def fill(self, caches: list[MLACache]) -> None:
         lens = [cc.length for cc in caches]
-        for i, cc in enumerate(caches):
-            if lens[i]:
-                self.c[i, :lens[i]].copy_(cc.c[0])
-                self.k_rope[i, :lens[i]].copy_(cc.k_rope[0])
+        held = [i for i, n in enumerate(lens) if n]
+        if held:  # one multi-tensor copy (a launch or two on CUDA), not two per request
+            torch._foreach_copy_([self.c[i, :lens[i]] for i in held] + [self.k_rope[i, :lens[i]] for i in held],
+                                 [caches[i].c[0] for i in held] + [caches[i].k_rope[0] for i in held])
         host = torch.zeros(self.filled.shape[0], dtype=torch.long)
         host[:len(lens)] = torch.tensor(lens, dtype=torch.long)
         self.filled.copy_(to_device_async(host, self.filled.device))
@@ -408,12 +410,14 @@ class _Chain:
         """The first step over each row's observed positions (hidden[i] [n_i, D], ids[i] [n_i]), then the chain:
         tokens [R, k]; the new rows of row i stay in the buffers at its context's length (`new_rows`)."""
         R = len(hidden)
-        for i, (x, t) in enumerate(zip(hidden, ids)):
-            self.h[i, :x.shape[0]].copy_(x)
-            self.ids[i, :t.shape[0]].copy_(t)
-        n = torch.zeros(self.rows, dtype=torch.long)
-        n[:R] = torch.tensor([x.shape[0] for x in hidden], dtype=torch.long)
-        self.counts.copy_(to_device_async(n, self.counts.device))
+        torch._foreach_copy_([self.h[i, :x.shape[0]] for i, x in enumerate(hidden)], hidden)
+        host = torch.zeros(self.rows, self.ids.shape[1] + 1, dtype=torch.long)  # the ids, then the counts
+        for i, t in enumerate(ids):
+            host[i, :t.shape[0]] = t
+            host[i, -1] = t.shape[0]
+        host = to_device_async(host, self.ids.device)  # one transfer
+        self.ids.copy_(host[:, :-1])
+        self.counts.copy_(host[:, -1])
         self.cache.fill(contexts)
         if self.graph is None:
             return self._body()[:R]

@@ -38,7 +38,8 @@ def _engine(spec="off", draft_dir=None, k=3, graphs=False):
         if graphs else _model()
     eng = LLMEngine(model, None, EngineConfig(
         cache_memory_mb=4.0, page_tokens=48, hash_block_tokens=16, speculative=spec,
-        draft=None if draft_dir is None else str(draft_dir), num_draft_tokens=k, cuda_graphs="eager" if graphs else False,
+        draft=None if draft_dir is None else str(draft_dir), num_draft_tokens=k,
+        cuda_graphs="eager" if graphs else False,
         scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
     eng.eos_id = None
     return eng
