@@ -67,6 +67,21 @@ def _run(eng, prompts, params):
     return [s.output_ids for s in seqs]
 
 
+def _run_recorded(eng, prompts, params):
+    """`_run`, recording the draft's proposals: (outputs, (proposals, drafts accepted, verifications))."""
+    proposed = []
+    inner = eng.draft.propose
+
+    def record(seqs, ks):
+        out = inner(seqs, ks)
+        proposed.extend(tuple(p.tokens) for p in out)
+        return out
+
+    eng.draft.propose = record
+    out = _run(eng, prompts, params)
+    return out, (proposed, eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
+
+
 def test_eagle3_draft_from_its_directory_matches_plain_decoding(tmp_path):
     draft = Eagle3Layer.from_target(_model())
     g = torch.Generator().manual_seed(0)
@@ -92,17 +107,8 @@ def test_eagle3_at_init_proposes_what_the_mtp_draft_proposes(tmp_path):
     want = _run(_engine(), prompts, params)
     runs = {}
     for name, eng in [("mtp", _engine("mtp")), ("eagle3", _eagle_engine(tmp_path / "d"))]:
-        proposed = []
-        inner = eng.draft.propose
-
-        def record(seqs, ks, inner=inner, proposed=proposed):
-            out = inner(seqs, ks)
-            proposed.extend(tuple(p.tokens) for p in out)
-            return out
-
-        eng.draft.propose = record
-        assert _run(eng, prompts, params) == want
-        runs[name] = (proposed, eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
+        out, runs[name] = _run_recorded(eng, prompts, params)
+        assert out == want
     assert runs["mtp"] == runs["eagle3"] and runs["mtp"][2] > 0
 
 
@@ -121,17 +127,8 @@ def test_eagle3_on_static_buffers_drafts_on_its_chains_as_it_drafts_eagerly(tmp_
     for graphs in (False, True):
         eng = _eagle_engine(tmp_path / "d", graphs=graphs)
         assert (eng.draft.chains is not None) == graphs
-        proposed = []
-        inner = eng.draft.propose
-
-        def record(seqs, ks, inner=inner, proposed=proposed):
-            out = inner(seqs, ks)
-            proposed.extend(tuple(p.tokens) for p in out)
-            return out
-
-        eng.draft.propose = record
-        assert _run(eng, prompts, params) == want
-        runs[graphs] = (proposed, eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
+        out, runs[graphs] = _run_recorded(eng, prompts, params)
+        assert out == want
         if graphs:  # both chains ran: after an eager first step, and whole proposals
             assert {first > 0 for *_, first in eng.draft.chains.made} == {False, True}
     assert runs[True] == runs[False] and runs[True][2] > 0
