@@ -165,7 +165,8 @@ def attn_res_norm_triton(sources: Sequence[Tensor], w: Tensor, eps: float, norm_
 
 register(Op(
     "attn_res_norm", reference=attn_res_norm,
-    fast=(Fast("triton", attn_res_norm_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_attn_res_norm.py, marked gpu) passed on an H100 (2026-12-06)
+    fast=(Fast("triton", attn_res_norm_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32: 1e-5 of the largest entry (the softmax online, sums in another order); bf16: one bf16 step of "
               "y (h and x_hat round the same fp32 values up to those sums), two in the interpreter (it truncates); "
               "the new partial sum equal to the reference's add (one rounding of the same fp32 sum), within one bf16 "

@@ -114,7 +114,8 @@ def mla_append_triton(kv: Tensor, tables: Tensor, pos: Tensor, c: Tensor, k_rope
 
 register(Op(
     "mla_append", reference=mla_append,
-    fast=(Fast("triton", mla_append_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_mla_append.py, marked gpu) passed on an H100 (2026-12-06)
+    fast=(Fast("triton", mla_append_triton, _triton.available, validated=True, cpu=True),),
     tolerance="exact: the same rows cast to the pool's dtype, written to the same slots; the same lengths"))
 
 

@@ -158,13 +158,15 @@ def mla_gate_triton(gate: Tensor, o: Tensor, out_dtype: torch.dtype) -> Tensor:
 
 register(Op(
     "mla_absorb_v", reference=mla_absorb_v,
-    fast=(Fast("triton", mla_absorb_v_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_mla_out.py, marked gpu) passed on an H100 (2026-12-06)
+    fast=(Fast("triton", mla_absorb_v_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32 outputs 1e-5 of the largest entry (the same fp32 products summed in another order); bf16 one "
               "bf16 step (the same fp32 sum rounded once), two in the interpreter (it truncates)"))
 
 register(Op(
     "mla_gate", reference=mla_gate,
-    fast=(Fast("triton", mla_gate_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_mla_out.py, marked gpu) passed on an H100 (2026-12-06)
+    fast=(Fast("triton", mla_gate_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32 1e-6 relative (the sigmoid from one exponential of -|gate|); bf16 one bf16 step (the same fp32 "
               "product up to the sigmoid's last bit, rounded once), two in the interpreter (it truncates)"))
 

@@ -160,7 +160,8 @@ def _pow2(n: int) -> int:
 
 register(Op(
     "moe_gemv", reference=moe_gemv,
-    fast=(Fast("triton", moe_gemv_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_moe_gemv.py, marked gpu) passed on an H100 (2026-12-06)
+    fast=(Fast("triton", moe_gemv_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32: 1e-5 (the same products summed in another order); bf16 against the grouped path 2^-7 relative "
               "(the same roundings of gate, up, hidden and y, fp32 sums in another order; a rounding that falls the "
               "other way moves one entry by a bf16 step), and against the fp32 expert loop the grouped path's 2e-2"))

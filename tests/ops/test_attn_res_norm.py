@@ -127,10 +127,11 @@ def test_the_kernel_refuses_to_run_without_cuda_or_the_interpreter(monkeypatch):
 @pytest.mark.parametrize("L", [1, 2, 10])
 @pytest.mark.parametrize("rows", [1, 64, 2048])
 def test_gpu_kernel_matches_the_definition(D, L, rows):
-    # compiled: bf16 (as served) within one bf16 step, the new partial sum exactly the reference's add; fp32 1e-5
+    # compiled: bf16 (as served) within one bf16 step, the new partial sum exactly the reference's add; fp32 within
+    # 3e-5 (the norm's and the mix's sums over 7,168 features in another order: 1.4e-5 measured at 2048 x 10 sources)
     src, w, nw, a = _inputs(L, (rows, D), torch.bfloat16, device="cuda", seed=L)
     with torch.no_grad():
         _compare(src, w, nw, a, 2 ** -7, 0)
         _compare(src, w, nw, None, 2 ** -7, 0)
         _compare(src, w, None, a, 2 ** -7, 0)
-        _compare(*_inputs(L, (rows, D), torch.float32, device="cuda", seed=L), 1e-5, 0)
+        _compare(*_inputs(L, (rows, D), torch.float32, device="cuda", seed=L), 3e-5, 0)
