@@ -70,7 +70,8 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
          "--vocab-size", "32768", "--backend", "fast"]
 
 # the fused decode-step kernels pinned off (torch: the composed ops) and on (triton)
-_FUSED = ("KDA_DECODE", "MOE_ROUTE", "ATTN_RES_NORM", "MLA_ABSORB_V", "MLA_GATE", "MOE_GEMV", "MLA_APPEND")
+_FUSED = ("KDA_DECODE", "MOE_ROUTE", "ATTN_RES_NORM", "MLA_ABSORB_V", "MLA_GATE", "MOE_GEMV", "MOE_COMBINE_NORM",
+          "MLA_APPEND")
 _FUSED_OFF = ["env"] + [f"K3_{op}_BACKEND=torch" for op in _FUSED]
 _FUSED_ON = ["env"] + [f"K3_{op}_BACKEND=triton" for op in _FUSED]
 _KERNELS = [PY, "benchmarks/decode_ops.py", "--preset", "k3-mini", "--kernels", "--backend", "fast",

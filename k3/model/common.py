@@ -203,6 +203,17 @@ class SituMLP(nn.Module):
         gate, up = stacked_linear(x, self.gate_proj, self.up_proj)
         return self.from_projections(gate, up)
 
-    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The rest of `forward` once gate_proj(x) and up_proj(x) are computed (by a parent's GEMM of them)."""
-        return self.down_proj(situ_glu_any(gate, up, self.beta1, self.beta2, backends=self.backends))
+    def from_projections(self, gate: torch.Tensor, up: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest of `forward` once gate_proj(x) and up_proj(x) are computed (by a parent's GEMM of them), plus
+        `add` (of the output's shape) where given. Without gradients that sum is the down-projection GEMM's own
+        epilogue (``torch.addmm``: one kernel, the sum rounded once where ``down_proj(h) + add`` rounds the product
+        and then the sum); otherwise the two are added."""
+        h = situ_glu_any(gate, up, self.beta1, self.beta2, backends=self.backends)
+        if add is None:
+            return self.down_proj(h)
+        down = self.down_proj
+        if torch.is_grad_enabled() or down.bias is not None or getattr(down, "weight_casts", None) is not None \
+                or add.dtype != h.dtype or down.weight.dtype != h.dtype:
+            return down(h) + add
+        out = torch.addmm(add.reshape(-1, add.shape[-1]), h.reshape(-1, h.shape[-1]), down.weight.t())
+        return out.view(add.shape)

@@ -18,7 +18,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack, stacked_linear
 from k3.ops.moe import Routing, interleaved_halves, moe_experts_any
-from k3.ops.moe_gemv import moe_gemv_for
+from k3.ops.moe_gemv import fuses_norm, moe_gemv_for
 from k3.ops.moe_route import route_any
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
@@ -110,6 +110,18 @@ class GroupedExperts(CastsWeights, nn.Module):
         return moe_experts_any(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.act,
                                self.act_fused, self.act_fused13, backends=self.backends, casts=self.weight_casts)
 
+    def forward_normed(self, z: torch.Tensor, routing: Routing, norm: RMSNorm) -> torch.Tensor | None:
+        """norm(self(z, routing)) with the norm inside the GEMV path's combine kernel, where the registry picks both
+        (ops ``moe_gemv`` and ``moe_combine_norm``: one kernel fewer per layer and step); None otherwise, and for
+        subclasses that compute the experts another way (MX QAT, expert parallelism): the caller norms."""
+        if type(self).forward is not GroupedExperts.forward:
+            return None
+        gemv = moe_gemv_for(z, self.backends)
+        if gemv is None or not fuses_norm(z, self.backends):
+            return None
+        return gemv(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.beta1, self.beta2,
+                    backends=self.backends, norm=(norm.weight, norm.eps))
+
 
 class LatentMoE(nn.Module):
     def __init__(self, cfg: K3Config, layer_idx: int):
@@ -145,9 +157,18 @@ class LatentMoE(nn.Module):
         """The latent down-projection, as a tuple of one (none in the standard-MoE ablation)."""
         return (self.routed_expert_down_proj,) if self.latent else ()
 
-    def _combine(self, u: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum u back to the hidden width: W_up RMSNorm(u) (itself without the latent)."""
-        return self.routed_expert_up_proj(self.routed_expert_norm(u)) if self.latent else u
+    def _routed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' weighted sum u of z, back to the hidden width: W_up RMSNorm(u) (u itself without the
+        latent); the norm inside the experts' last kernel where they can (GroupedExperts.forward_normed)."""
+        if not self.latent:
+            return self.experts(z, routing)
+        norm = self.routed_expert_norm
+        a = None
+        if isinstance(norm, RMSNorm) and hasattr(self.experts, "forward_normed"):
+            a = self.experts.forward_normed(z, routing, norm)
+        if a is None:
+            a = norm(self.experts(z, routing))
+        return self.routed_expert_up_proj(a)
 
     def _stacked_projections(self, flat: torch.Tensor):
         """(router logits fp32, or None: the router runs on its own; z; shared gate; shared up) from one GEMM
@@ -178,12 +199,11 @@ class LatentMoE(nn.Module):
         if stacked is not None:  # serving: the projections of x from one GEMM
             logits, z, sg, su = stacked
             routing = self.gate(flat) if logits is None else self.gate.from_logits(logits)
-            u = self.experts(z, routing)
-            y = self._combine(u) + self.shared_experts.from_projections(sg, su)
+            # the routed output added in the shared experts' down-projection GEMM (its epilogue)
+            y = self.shared_experts.from_projections(sg, su, add=self._routed(z, routing))
             return (y.view(shape), Routing(*(t.detach() for t in routing))) if return_routing else y.view(shape)
         routing = self.gate(flat)
-        u = self.experts(self.routed_expert_down_proj(flat) if self.latent else flat, routing)
-        y = self._combine(u)
+        y = self._routed(self.routed_expert_down_proj(flat) if self.latent else flat, routing)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if return_routing:

@@ -13,7 +13,9 @@ combine: about fourteen kernels per layer on a GPU for a few matrix-vector produ
 * down: program (pair p, block of L rows) takes w2[e] against h[p] in fp32 and writes y[p] rounded to the
   activations' dtype (the grouped GEMM's rounding);
 * the combine: k3.ops.moe_combine with the pairs in token order (pos = 0 .. N*k - 1): u[n] = sum_j w[n, j] y[n*k + j]
-  in fp32, in slot order, as the grouped path sums.
+  in fp32, in slot order, as the grouped path sums; or (op ``moe_combine_norm``, asked for by the LatentMoE layer
+  through GroupedExperts.forward_normed) that combine followed in the same kernel by the layer's latent RMSNorm of
+  u, with RMSNorm's roundings: one kernel fewer per layer and step.
 
 So the output is the grouped path's up to the order of the fp32 sums inside each product. Each pair reads its
 expert's weights itself: with N tokens routed to the same expert its rows are read N times (from L2 after the
@@ -31,12 +33,14 @@ from torch import Tensor
 
 from k3.ops import _triton
 from k3.ops.moe import _check_expert_inputs, moe_experts
-from k3.ops.moe_combine import moe_combine
-from k3.ops.registry import REFERENCE, Backends, Fast, Op, dispatch, register
+from k3.ops.moe_combine import moe_combine, moe_combine_torch
+from k3.ops.registry import REFERENCE, Backends, Fast, Op, dispatch, register, runs_on
+from k3.ops.rms_norm import rms_norm_reference
 from k3.ops.situ import situ_glu
 from k3.tensors import constant
 
-__all__ = ["GEMV_MAX_TOKENS", "moe_gemv", "moe_gemv_for", "moe_gemv_triton"]
+__all__ = ["GEMV_MAX_TOKENS", "fuses_norm", "moe_combine_norm", "moe_combine_norm_triton", "moe_gemv", "moe_gemv_for",
+           "moe_gemv_triton"]
 
 GEMV_MAX_TOKENS = 8  # up to this many tokens per layer call (64 pairs at k = 8); the grouped GEMMs above it
 
@@ -51,7 +55,7 @@ def moe_gemv(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor
     return moe_experts(z, weights, indices, w1, w3, w2, lambda g, u: situ_glu(g, u, beta1, beta2))
 
 
-def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, L, F, s_w1e, s_w1f, s_w3e, s_w3f, beta1, beta2,
+def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, L, F, s_zn, s_w1e, s_w1f, s_w3e, s_w3f, beta1, beta2,
                     K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     n = p // K
@@ -63,7 +67,7 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, L, F, s_w1e, s_w1f, s
     for l0 in range(0, L, BLOCK_L):
         col = l0 + tl.arange(0, BLOCK_L)
         cm = col < L
-        x = tl.load(z_ptr + n * L + col, mask=cm, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(z_ptr + n * s_zn + col, mask=cm, other=0.0).to(tl.float32)[None, :]
         m2 = fm[:, None] & cm[None, :]
         w1 = tl.load(w1_ptr + e * s_w1e + f[:, None] * s_w1f + col[None, :], mask=m2, other=0.0).to(tl.float32)
         w3 = tl.load(w3_ptr + e * s_w3e + f[:, None] * s_w3f + col[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -102,12 +106,44 @@ def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, L, F, s_w2e, s_w2l, BLOCK_L: tl.
     tl.store(y_ptr + p * L + rows, acc.to(y_ptr.dtype.element_ty), mask=rm)
 
 
+def _combine_norm_kernel(y_ptr, w_ptr, nw_ptr, u_ptr, L, eps, K: tl.constexpr, K_PAD: tl.constexpr,
+                         BLOCK_L: tl.constexpr, FP32: tl.constexpr):
+    """Program n: token n's k rows of y (pairs n*k .. n*k + k - 1) weighted and summed in fp32 and rounded to u's
+    dtype, as the combine stores u; then the latent RMSNorm of that row (two passes over L: the sums, then the
+    rounded sum read back, normalized and weighted), with RMSNorm's roundings (FP32: x * rstd * w unrounded)."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_PAD)
+    jm = j < K
+    w = tl.load(w_ptr + n * K + j, mask=jm, other=0.0).to(tl.float32)
+    ss = tl.full([BLOCK_L], 0.0, tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        cols = l0 + tl.arange(0, BLOCK_L)
+        cm = cols < L
+        yv = tl.load(y_ptr + (n * K + j)[:, None] * L + cols[None, :], mask=jm[:, None] & cm[None, :],
+                     other=0.0).to(tl.float32)
+        u = tl.reduce(yv * w[:, None], 0, _SUM).to(u_ptr.dtype.element_ty)
+        tl.store(u_ptr + n * L + cols, u, mask=cm)
+        uf = u.to(tl.float32)
+        ss += uf * uf
+    rstd = 1.0 / tl.sqrt(tl.reduce(ss, 0, _SUM) / L + eps)
+    for l0 in range(0, L, BLOCK_L):
+        cols = l0 + tl.arange(0, BLOCK_L)
+        cm = cols < L
+        uf = tl.load(u_ptr + n * L + cols, mask=cm, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        if FP32:
+            out = uf * rstd * nw
+        else:
+            out = nw * (uf * rstd).to(u_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(u_ptr + n * L + cols, out.to(u_ptr.dtype.element_ty), mask=cm)
+
+
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     import triton
 
     _triton.bind(globals())
-    return triton.jit(_gate_up_kernel), triton.jit(_down_kernel)
+    return triton.jit(_gate_up_kernel), triton.jit(_down_kernel), triton.jit(_combine_norm_kernel)
 
 
 def _rows(w: Tensor) -> Tensor:
@@ -116,9 +152,10 @@ def _rows(w: Tensor) -> Tensor:
 
 
 def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, beta1: float,
-                    beta2: float, backends: Backends | None = None) -> Tensor:
+                    beta2: float, backends: Backends | None = None, norm: tuple[Tensor, float] | None = None) -> Tensor:
     """`moe_gemv` as the gate/up kernel, the down kernel and the combine (the module docstring); z [N, L] with
-    N <= GEMV_MAX_TOKENS, the weights in z's dtype. Forward only."""
+    N <= GEMV_MAX_TOKENS, the weights in z's dtype. Forward only. `norm` (the latent RMSNorm's weight [L] and eps):
+    the combine and that norm as one kernel (op ``moe_combine_norm``), RMSNorm(u) returned instead of u."""
     _check_expert_inputs(z, weights, indices, w1, w3, w2)
     N, L = z.shape
     if N > GEMV_MAX_TOKENS:
@@ -135,24 +172,61 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
     k = indices.shape[1]
     F = w1.shape[1]
     pairs = N * k
-    z = z.contiguous()
+    z = z if z.stride(1) == 1 else z.contiguous()  # rows read through their stride (a view of a stacked GEMM's output)
     idx = indices.reshape(-1).contiguous()
     w1, w3, w2 = _rows(w1), _rows(w3), _rows(w2)
     h = torch.empty(pairs, F, device=z.device, dtype=z.dtype)
     y = torch.empty(pairs, L, device=z.device, dtype=z.dtype)
     block_f, block_l = min(64, _pow2(F)), min(128, _pow2(L))
     out_l, in_f = min(32, _pow2(L)), min(128, _pow2(F))
+    if norm is not None:
+        _check_norm(norm, L, z.dtype)
     if pairs:
-        gate_up, down = _kernels(_triton.interpret())
+        gate_up, down, _ = _kernels(_triton.interpret())
         with torch.cuda.device(z.device.index if z.is_cuda else -1):
-            gate_up[(pairs, -(-F // block_f))](z, idx, w1, w3, h, L, F, w1.stride(0), w1.stride(1), w3.stride(0),
-                                               w3.stride(1), float(beta1), float(beta2), K=k, BLOCK_F=block_f,
-                                               BLOCK_L=block_l, num_warps=4)
+            gate_up[(pairs, -(-F // block_f))](z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1),
+                                               w3.stride(0), w3.stride(1), float(beta1), float(beta2), K=k,
+                                               BLOCK_F=block_f, BLOCK_L=block_l, num_warps=4)
             down[(pairs, -(-L // out_l))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), BLOCK_L=out_l,
                                           BLOCK_F=in_f, num_warps=4)
+    if norm is not None:  # the implementation the registry picks (the caller asked `fuses_norm`: the kernel)
+        return dispatch("moe_combine_norm", y, backends).fn(y, weights, norm[0], norm[1], z.dtype)
     pos = constant("arange", pairs, z.device, torch.long)  # the pairs are in token order already
     return moe_combine(y, pos, weights, z.dtype, backends)
 
+
+def _check_norm(norm, L: int, dtype: torch.dtype) -> None:
+    if not (isinstance(norm, tuple) and len(norm) == 2 and isinstance(norm[0], Tensor)):
+        raise ValueError("norm must be (the RMSNorm's weight [L], eps)")
+    if norm[0].shape != (L,) or not norm[0].dtype.is_floating_point:
+        raise ValueError(f"the latent norm's weight must be a floating [{L}] tensor, got {tuple(norm[0].shape)} "
+                         f"{norm[0].dtype}")
+
+
+def moe_combine_norm_triton(y: Tensor, weights: Tensor, norm_weight: Tensor, eps: float,
+                            out_dtype: torch.dtype) -> Tensor:
+    """`moe_combine_norm` as one kernel (program n: token n's combine, then its norm; y [N*k, L] in token order)."""
+    N, k = weights.shape
+    L = y.shape[1]
+    _check_norm((norm_weight, eps), L, out_dtype)
+    u = torch.empty(N, L, device=y.device, dtype=out_dtype)
+    if N and L:
+        *_, kernel = _kernels(_triton.interpret())
+        with torch.cuda.device(y.device.index if y.is_cuda else -1):
+            kernel[(N,)](y.contiguous(), weights.contiguous(), norm_weight.contiguous(), u, L, float(eps), K=k,
+                         K_PAD=1 << max(k - 1, 0).bit_length(), BLOCK_L=min(1024, _pow2(L)),
+                         FP32=out_dtype == torch.float32 and norm_weight.dtype == torch.float32, num_warps=4)
+    return u
+
+
+def moe_combine_norm(y: Tensor, weights: Tensor, norm_weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+    """The definition (op ``moe_combine_norm``): the combine of y [N*k, L] (pairs in token order, k3.ops.moe_combine)
+    in `out_dtype`, then the latent RMSNorm as k3.model.common.RMSNorm computes it."""
+    N, k = weights.shape
+    u = moe_combine_torch(y, torch.arange(N * k, device=y.device), weights, out_dtype)
+    if u.dtype == torch.float32 and norm_weight.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(u, (u.shape[-1],), norm_weight, eps=eps)
+    return rms_norm_reference(u, norm_weight, eps)
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
@@ -174,3 +248,16 @@ def moe_gemv_for(z: Tensor, backends: Backends | None = None):
         return None
     impl = dispatch("moe_gemv", z, backends)
     return None if impl.name == REFERENCE else impl.fn
+
+
+register(Op(
+    "moe_combine_norm", reference=moe_combine_norm,
+    # not validated: its GPU test (tests/ops/test_moe_gemv.py, marked gpu) has not run on a GPU yet
+    fast=(Fast("triton", moe_combine_norm_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="the combine's u is stored as the combine stores it (fp32 sums in slot order, rounded once) and normed "
+              "with RMSNorm's roundings: fp32 1e-5 (summation order), bf16 one bf16 step (2^-7 of the largest)"))
+
+
+def fuses_norm(z: Tensor, backends: Backends | None = None) -> bool:
+    """Whether the GEMV path also applies the latent RMSNorm in its combine's kernel (op ``moe_combine_norm``)."""
+    return runs_on("moe_combine_norm", "triton", z, backends)

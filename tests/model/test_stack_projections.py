@@ -186,7 +186,8 @@ def test_decode_ops_benchmark_counts_the_gemms_stacking_saves(capsys, monkeypatc
     n_kda, n_mla, n_moe, n_dense = _parts(_model())
     assert off["stack_projections"] is False and on["stack_projections"] is True
     assert off["gemms"] - on["gemms"] == 5 * n_kda + 2 * n_mla + 2 * n_moe + n_dense
-    assert off["operations"] - on["operations"] == off["gemms"] - on["gemms"]
+    # and one add per MoE layer: the routed and shared outputs summed in the shared down-projection's GEMM
+    assert off["operations"] - on["operations"] == off["gemms"] - on["gemms"] + n_moe
 
 
 def _router_stack_on_cpu(monkeypatch):
@@ -264,3 +265,28 @@ def test_cuda_engine_decodes_the_same_stacked_or_not(dtype):
     else:
         same = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y))
         assert same >= 0.9 * sum(len(x) for x in outs[0]), outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_experts_add_the_routed_output_in_their_down_gemm(dtype):
+    # LatentMoE's serving path sums the routed output into the shared experts' down-projection (torch.addmm: one
+    # GEMM, the sum rounded once); it equals down(h) + add up to that rounding (fp32: summation order, 1e-6 of the
+    # largest; bf16: within one bf16 step of the largest, 2^-7), and with gradients it is that sum itself
+    from k3.model.common import SituMLP
+
+    g = torch.Generator().manual_seed(3)
+    mlp = SituMLP(64, 96, 4.0, 25.0).to(dtype)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    gate, up, add = (torch.randn(2, 5, n, generator=g).to(dtype) for n in (96, 96, 64))
+    with torch.no_grad():
+        plain = mlp.from_projections(gate, up) + add
+        with _GEMMs() as ops:
+            got = mlp.from_projections(gate, up, add=add)
+    assert ops.n == {"addmm": 1}  # the down-projection with the sum, and no other GEMM
+    assert got.shape == add.shape and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    assert (got.float() - plain.float()).abs().max() <= tol * plain.float().abs().max()
+    trained = mlp.from_projections(gate, up, add=add)  # gradients on: the plain sum
+    assert torch.equal(trained, mlp.from_projections(gate, up) + add) and trained.requires_grad

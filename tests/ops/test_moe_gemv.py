@@ -13,7 +13,8 @@ import torch
 
 from helpers import count_fast_calls, rel_err
 from k3.ops.moe import moe_experts_grouped
-from k3.ops.moe_gemv import GEMV_MAX_TOKENS, moe_gemv, moe_gemv_for, moe_gemv_triton
+from k3.ops.moe_gemv import (GEMV_MAX_TOKENS, moe_combine_norm, moe_combine_norm_triton, moe_gemv, moe_gemv_for,
+                             moe_gemv_triton)
 from k3.ops.registry import Backends
 from k3.ops.situ import situ_glu
 
@@ -53,6 +54,12 @@ def test_interpreted_kernels_fp32_equal_the_expert_loop(interpret, N, E, k, stac
     got = moe_gemv_triton(*args, B1, B2)
     assert got.shape == (N, 80) and got.dtype == torch.float32
     assert rel_err(got, moe_gemv(*args, B1, B2)) <= 1e-5
+    # z as the serving path hands it over, a column slice of the stacked projections' output: read through its row
+    # stride, the same result
+    z = args[0]
+    zv = torch.cat([z, torch.randn(N, 7)], dim=1)[:, :80]
+    assert zv.is_contiguous() == (N == 1)
+    assert torch.equal(moe_gemv_triton(zv, *args[1:], B1, B2), got)
 
 
 def test_interpreted_kernels_bf16_equal_the_grouped_path(interpret):
@@ -60,6 +67,39 @@ def test_interpreted_kernels_bf16_equal_the_grouped_path(interpret):
     got = moe_gemv_triton(*args, B1, B2)
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), _grouped(*args).float()) <= 3 * 2 ** -7
+
+
+def _norm(L, dtype, device="cpu", seed=5):
+    return (1 + 0.3 * torch.randn(L, generator=torch.Generator().manual_seed(seed))).to(device, dtype), 1e-5
+
+
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16-fp32w", "bf16"])
+@pytest.mark.parametrize("L", [72, 1500], ids=["one-block", "two-blocks"])
+def test_interpreted_combine_norm_equals_the_combine_then_the_norm(interpret, dtype, w_dtype, L):
+    # op moe_combine_norm: the combine's u rounded as the combine stores it, then RMSNorm's roundings; fp32 1e-5, bf16
+    # within three bf16 steps (the interpreter rounds by truncation), over one and over two column blocks of 1,024
+    N, k = 5, 4
+    g = torch.Generator().manual_seed(L)
+    y = torch.randn(N * k, L, generator=g).to(dtype)
+    wt = torch.rand(N, k, generator=g)
+    nw, eps = _norm(L, w_dtype)
+    got = moe_combine_norm_triton(y, wt, nw, eps, dtype)
+    want = moe_combine_norm(y, wt, nw, eps, dtype)
+    assert got.dtype == dtype and got.shape == (N, L)
+    assert rel_err(got.float(), want.float()) <= (1e-5 if dtype == torch.float32 else 3 * 2 ** -7)
+    # not vacuous: a norm over the wrong row (the slots' weights swapped between tokens) is far
+    assert rel_err(moe_combine_norm_triton(y, wt.flip(0), nw, eps, dtype).float(), want.float()) > 1e-1
+
+
+def test_interpreted_gemv_with_the_norm_equals_the_gemv_then_the_norm(interpret):
+    args = _inputs(3, 16, 4, 96, 80, torch.float32)
+    nw, eps = _norm(80, torch.float32)
+    got = moe_gemv_triton(*args, B1, B2, backends=Backends(per_op={"moe_combine_norm": "triton"}), norm=(nw, eps))
+    want = torch.nn.functional.rms_norm(moe_gemv(*args, B1, B2), (80,), nw, eps=eps)
+    assert rel_err(got, want) <= 1e-5
+    with pytest.raises(ValueError, match=r"latent norm's weight must be a floating \[80\] tensor"):
+        moe_gemv_triton(*args, B1, B2, norm=(nw[:10], eps))
 
 
 def test_a_wrong_kernel_is_caught(interpret):
@@ -92,7 +132,7 @@ def test_the_model_with_the_kernels_equals_its_usual_path(interpret, monkeypatch
     from k3.config import K3Config
     from k3.model.model import K3ForCausalLM
 
-    calls = count_fast_calls(monkeypatch, "moe_gemv")
+    calls = count_fast_calls(monkeypatch, "moe_gemv", "moe_combine_norm")
     cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
     m = K3ForCausalLM(cfg).init_weights(seed=1).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
@@ -103,8 +143,15 @@ def test_the_model_with_the_kernels_equals_its_usual_path(interpret, monkeypatch
     n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in m.model.layers)
     assert len(calls) == n_moe > 0
     assert rel_err(got, want) <= 1e-5
+    # with the latent norm inside the combine's kernel (op moe_combine_norm) too: the same hidden states
+    calls.clear()
+    fused = Backends(per_op={"moe": "grouped", "moe_gemv": "triton", "moe_combine_norm": "triton"})
+    with torch.no_grad():
+        got = m.set_backends(fused).model(ids)
+    assert calls == ["moe_gemv", "moe_combine_norm"] * n_moe
+    assert rel_err(got, want) <= 1e-5
     m.train()(ids, labels=ids).loss.backward()
-    assert len(calls) == n_moe
+    assert len(calls) == 2 * n_moe  # a training forward: none of them
 
 
 @pytest.mark.gpu
@@ -116,5 +163,26 @@ def test_gpu_kernels_match_the_grouped_path_and_the_loop(N, E, k, F, L):
     with torch.no_grad():
         got = moe_gemv_triton(*args, B1, B2)
         assert rel_err(got.float(), _grouped(*args).float()) <= 2 ** -7
+        zv = torch.cat([args[0], torch.ones_like(args[0][:, :16])], dim=1)[:, :L]  # z as a strided view: the same
+        assert torch.equal(moe_gemv_triton(zv, *args[1:], B1, B2), got)
         args32 = _inputs(N, E, k, F, L, torch.float32, device="cuda")
         assert rel_err(moe_gemv_triton(*args32, B1, B2), moe_gemv(*args32, B1, B2)) <= 1e-5
+        # with the latent norm in the combine's kernel (op moe_combine_norm): bf16 within one bf16 step of the
+        # kernels' u normed by RMSNorm (fp32 and bf16 weights), fp32 within 1e-5
+        fused = Backends(per_op={"moe_combine_norm": "triton"})
+        for w_dtype in (torch.float32, torch.bfloat16):
+            nw, eps = _norm(L, w_dtype, device="cuda")
+            got_normed = moe_gemv_triton(*args, B1, B2, backends=fused, norm=(nw, eps))
+            assert rel_err(got_normed.float(), _normed(got, nw, eps).float()) <= 2 ** -7
+        nw, eps = _norm(L, torch.float32, device="cuda")
+        assert rel_err(moe_gemv_triton(*args32, B1, B2, backends=fused, norm=(nw, eps)),
+                       _normed(moe_gemv(*args32, B1, B2), nw, eps)) <= 1e-5
+
+
+def _normed(u, nw, eps):
+    """k3.model.common.RMSNorm(u) with weight nw."""
+    from k3.model.common import RMSNorm
+
+    norm = RMSNorm(u.shape[-1], eps=eps).to(u.device)
+    norm.weight.data = nw
+    return norm(u)
