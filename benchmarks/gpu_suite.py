@@ -141,12 +141,14 @@ STEPS = {
     "decode_kernels": ([PYTEST + ["tests/ops/test_attn_res_norm.py", "tests/ops/test_mla_out.py",
                                   "tests/ops/test_moe_gemv.py", "tests/ops/test_mla_append.py"],
                         PYTEST + [COMPILE_TEST_FILE, "-k", "fused_decode_kernels"]], 480),
-    # the fused KDA decode step and router kernel, the fused replay and the draft's captured chains: their GPU tests,
-    # kernels per layer off and on (every fused decode kernel), decode off and on
+    # the fused KDA decode step and router kernel, the fused replay and the draft's captured chains: their GPU tests
+    # (about 7.5 minutes on a fresh machine, most of it compiling)
     "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
                                 "tests/ops/test_kda_verify_replay.py", "tests/serve/speculative/test_fused_replay.py",
-                                "tests/serve/speculative/test_batched_draft.py"],
-                      _FUSED_OFF + _KERNELS, _FUSED_ON + _KERNELS, _FUSED_OFF + _DECODE, _FUSED_ON + _DECODE], 540),
+                                "tests/serve/speculative/test_batched_draft.py"]], 540),
+    # decode with every fused decode kernel on and off, side by side (the first pass compiles: about 2 minutes on a
+    # fresh machine), then kernels per layer on and off
+    "decode_bench": ([_FUSED_ON + _DECODE, _FUSED_OFF + _DECODE, _FUSED_ON + _KERNELS, _FUSED_OFF + _KERNELS], 540),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),
     # speculative decoding on a trained k3-mini (one command each, on the same machine: runs/spec_gpu stays there).

@@ -112,12 +112,22 @@ class KDACache:
 
 class MLACache:
     """One MLA layer's contiguous decode cache: the normalized latent c and the shared extra key dims, per token,
-    of a batch of rows that all hold the same number of tokens."""
+    of a batch of rows that all hold the same number of tokens.
+
+    The rows live in backing tensors with room to grow (a quarter more than needed, at least 16 rows), so that an
+    append writes only its new rows (a decode step's one row, not a copy of the whole cache); `c` and `k_rope` are
+    views of the held rows. Rows seen by a `fork` are never written again: an append that would write over them
+    (after a truncation below them) moves the rows to new backing tensors first."""
 
     def __init__(self) -> None:
-        self.c: Tensor | None = None  # [B, L, kv_lora_rank]
+        self.c: Tensor | None = None  # [B, L, kv_lora_rank]: a view of _cbuf[:, _off:_off + L]
         self.k_rope: Tensor | None = None  # [B, L, qk_rope_head_dim]
         self.start = 0  # position of the first kept row (rows dropped by keep_last)
+        self._cbuf: Tensor | None = None
+        self._kbuf: Tensor | None = None
+        self._off = 0  # where the held rows start in the backing tensors
+        self._protected = 0  # held rows (from _off) that a fork may view: never written again
+        self._owner = False  # whether appends may write into the backing tensors (a fork's views may not)
 
     @property
     def length(self) -> int:
@@ -135,26 +145,64 @@ class MLACache:
         return (self.start + self.length + torch.arange(T, device=c.device)).expand(B, T)
 
     def append(self, c: Tensor, k_rope: Tensor) -> None:
-        """Keep rows c [B, T, kv_lora_rank] and k_rope [B, T, qk_rope_head_dim] after the cached ones."""
-        if self.c is None:
-            self.c, self.k_rope = c, k_rope
-        else:
-            self.c = torch.cat([self.c, c], dim=1)
-            self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
+        """Keep rows c [B, T, kv_lora_rank] and k_rope [B, T, qk_rope_head_dim] after the cached ones (copied: the
+        cache never holds the caller's tensors)."""
+        L, T = self.length, c.shape[1]
+        if self._owner and self._fits(c, k_rope, L + T) and L >= self._protected:
+            end = self._off + L
+            self._cbuf[:, end:end + T].copy_(c)
+            self._kbuf[:, end:end + T].copy_(k_rope)
+        else:  # new backing tensors, the held rows and the new ones copied in
+            need = L + T
+            cap = need + max(need // 4, 16)
+            cbuf = c.new_empty((c.shape[0], cap, c.shape[2]))
+            kbuf = k_rope.new_empty((k_rope.shape[0], cap, k_rope.shape[2]))
+            if L:
+                cbuf[:, :L].copy_(self.c)
+                kbuf[:, :L].copy_(self.k_rope)
+            cbuf[:, L:need].copy_(c)
+            kbuf[:, L:need].copy_(k_rope)
+            self._cbuf, self._kbuf, self._off, self._protected, self._owner = cbuf, kbuf, 0, 0, True
+        self._view(L + T)
+
+    def _fits(self, c: Tensor, k_rope: Tensor, length: int) -> bool:
+        b, kb = self._cbuf, self._kbuf
+        return (b is not None and self._off + length <= b.shape[1] and b.shape[0] == c.shape[0]
+                and b.shape[2] == c.shape[2] and kb.shape[2] == k_rope.shape[2] and b.dtype == c.dtype
+                and kb.dtype == k_rope.dtype and b.device == c.device)
+
+    def _view(self, length: int) -> None:
+        self.c = self._cbuf[:, self._off:self._off + length]
+        self.k_rope = self._kbuf[:, self._off:self._off + length]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (drop rows written past them, e.g. a draft's own guesses)."""
-        if self.c is not None:
-            self.c, self.k_rope = self.c[:, :length], self.k_rope[:, :length]
+        if self.c is not None and length < self.length:
+            self._view(max(length, 0))
 
     def keep_last(self, length: int) -> None:
         """Keep the last `length` tokens (a bounded window; the kept rows mean what they meant: K3's layer has no
         positional encoding, and the RoPE ablation's later rows still take positions after the dropped ones)."""
         if self.c is not None and self.c.shape[1] > length:
-            self.start += self.c.shape[1] - length
-            self.c, self.k_rope = self.c[:, -length:], self.k_rope[:, -length:]
+            drop = self.c.shape[1] - length
+            self.start += drop
+            self._off += drop
+            self._protected = max(self._protected - drop, 0)
+            self._view(length)
+
+    def fork(self) -> "MLACache":
+        """A cache holding the same rows that can be advanced without changing this one (nor this one it): it views
+        this one's backing tensors without writing into them (its first append moves its rows to its own), and this
+        one never writes over the rows held now."""
+        n = MLACache()
+        if self.c is not None:
+            n.c, n.k_rope, n.start = self.c, self.k_rope, self.start
+            n._cbuf, n._kbuf, n._off = self._cbuf, self._kbuf, self._off
+            self._protected = max(self._protected, self.length)
+        return n
 
     def nbytes(self) -> int:
+        """Bytes of the held rows (the backing tensors' spare room not counted)."""
         return sum(t.numel() * t.element_size() for t in (self.c, self.k_rope) if t is not None)
 
 

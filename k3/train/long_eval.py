@@ -153,16 +153,15 @@ def _score_tokens(logits: torch.Tensor, cand: torch.Tensor, lens: torch.Tensor) 
 
 def fork_cache(cache: K3Cache) -> K3Cache:
     """A copy of a contiguous decode cache that can be advanced without changing `cache`: the layer caches are new
-    objects over the same tensors (a forward replaces a KDA state and appends MLA rows into new tensors; neither
-    writes into the ones it read)."""
+    objects over the same tensors (a forward replaces a KDA state; MLA rows go to new tensors or past the rows held
+    at the fork, MLACache.fork)."""
     layers = []
     for c in cache.layers:
         if isinstance(c, KDACache):
             n = KDACache()
             n.state, n.conv = c.state, list(c.conv)
         elif isinstance(c, MLACache):
-            n = MLACache()
-            n.c, n.k_rope, n.start = c.c, c.k_rope, c.start
+            n = c.fork()
         else:
             raise TypeError(f"fork_cache copies the contiguous caches only, not a {type(c).__name__}")
         layers.append(n)

@@ -137,7 +137,7 @@ class MTPDraft:
             for r, i in enumerate(rows):  # the committed positions' rows join the request's own context
                 ctx = prep[i][0].cache
                 L = ctx.length  # where row r's new positions start in the ragged rows
-                ctx.append(cache.c[r:r + 1, L:L + n[r]].clone(), cache.k_rope[r:r + 1, L:L + n[r]].clone())
+                ctx.append(cache.c[r:r + 1, L:L + n[r]], cache.k_rope[r:r + 1, L:L + n[r]])  # copied in
                 ctx.keep_last(self.window)
             contexts = [prep[i][0].cache for i in rows]
             if K > 1:  # the guesses run against the contexts as now kept (the last `window` rows each)
@@ -425,8 +425,9 @@ class _Chain:
         return self.tokens[:R].clone()
 
     def new_rows(self, i: int, start: int, n: int) -> tuple[Tensor, Tensor]:
-        """Row i's n new latent rows from `start` (its context's length before the step), as [1, n, .] copies."""
-        return self.cache.c[i:i + 1, start:start + n].clone(), self.cache.k_rope[i:i + 1, start:start + n].clone()
+        """Row i's n new latent rows from `start` (its context's length before the step), as [1, n, .] views of the
+        chain's buffers (MLACache.append copies them)."""
+        return self.cache.c[i:i + 1, start:start + n], self.cache.k_rope[i:i + 1, start:start + n]
 
     def run(self, h: Tensor, contexts: list[MLACache]) -> Tensor:
         R = h.shape[0]
