@@ -17,7 +17,8 @@ from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.mla import mla_absorbed, mla_attention, mla_attention_any, split_kv_b
 from k3.ops.mla_decode import mla_decode_absorbed, paged_kernel_used
 from k3.ops.mla_out import mla_gate_any
-from k3.ops.registry import Backends, opaque
+from k3.ops.registry import Backends, opaque, runs_on
+from k3.ops.rms_norm_pair import rms_norm_pair_any
 from k3.ops.rope import document_positions, rope
 
 
@@ -62,9 +63,9 @@ class GatedMLA(nn.Module):
             (q_a, kv_a), gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa), None
         else:
             q_a, kv_a, gate = stacked_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)  # one GEMM
-        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, dn + dr)
         c, k_rope = kv_a.split([self.kv_rank, dr], dim=-1)
-        c = self.kv_a_layernorm(c)
+        q_a, c = self._norms(q_a, c)
+        q = self.q_b_proj(q_a).view(B, T, H, dn + dr)
         if self.rope_theta is not None:
             q, k_rope = self._rotate(q, k_rope, self._positions(c, cache, batch))
         if cache is not None:
@@ -88,6 +89,14 @@ class GatedMLA(nn.Module):
             o, top = o
             return self._gated_out(x, gate, o), top.detach()
         return self._gated_out(x, gate, o)
+
+    def _norms(self, q_a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_a_layernorm(q_a), kv_a_layernorm(c)); without gradients as one kernel where the registry picks it (op
+        ``rms_norm_pair``: one launch instead of two per layer and step)."""
+        qn, kn = self.q_a_layernorm, self.kv_a_layernorm
+        if not torch.is_grad_enabled() and runs_on("rms_norm_pair", "triton", q_a, self.backends):
+            return rms_norm_pair_any(q_a, qn.weight, qn.eps, c, kn.weight, kn.eps, backends=self.backends)
+        return qn(q_a), kn(c)
 
     def _positions(self, c: torch.Tensor, cache, batch: BatchInfo | None) -> torch.Tensor:
         """The RoPE positions [B, T] of this forward's tokens: where the cache puts them, else each token's place in
