@@ -36,7 +36,8 @@ from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda, short_conv
 from k3.ops.registry import Backends, Fast, Op, dispatch, keep_opaque, opaque, register
 
-__all__ = ["KDAStore", "kda_decode", "kda_decode_composed", "kda_decode_triton"]
+__all__ = ["KDAStore", "kda_decode", "kda_decode_composed", "kda_decode_decay_proj", "kda_decode_decay_proj_triton",
+           "kda_decode_triton"]
 
 # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
 tl = None
@@ -127,9 +128,13 @@ def kda_decode_composed(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logi
 # --- the fused kernel ---------------------------------------------------------------------------------------------
 def _decode_kernel(xq_ptr, xk_ptr, xv_ptr, x_stride, z_ptr, z_stride, b_ptr, b_stride, g_ptr, g_stride,
                    wq_ptr, wk_ptr, wv_ptr, a_ptr, dtb_ptr, nw_ptr, buf_ptr, buf_stride, rows_ptr, rows_stride, y_ptr,
-                   lower_bound, scale, eps, H, K: tl.constexpr, W: tl.constexpr, K_PAD: tl.constexpr,
-                   T_PAD: tl.constexpr, ROUND: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Program (request b, head h): the module docstring's fused step for head h of request b."""
+                   lower_bound, scale, eps, H, fb_ptr, fb_stride, R, K: tl.constexpr, W: tl.constexpr,
+                   K_PAD: tl.constexpr, T_PAD: tl.constexpr, ROUND: tl.constexpr, OUT_BF16: tl.constexpr,
+                   Z_PROJ: tl.constexpr, R_PAD: tl.constexpr):
+    """Program (request b, head h): the module docstring's fused step for head h of request b. Z_PROJ: z_ptr holds
+    the decay's low-rank input f_a [R] per request and fb_ptr the up-projection [P, R]; the head's decay logits are
+    its K rows of fb times f_a, in fp32, rounded as the projection's GEMM rounds its output (op
+    ``kda_decode_decay_proj``)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     P = H * K
@@ -186,8 +191,18 @@ def _decode_kernel(xq_ptr, xk_ptr, xv_ptr, x_stride, z_ptr, z_stride, b_ptr, b_s
     k = k * tl.rsqrt(tl.reduce(k * k, 0, _SUM) + 1e-6)
     # the lower-bounded decay gate and beta
     A = tl.exp(tl.load(a_ptr + h).to(tl.float32))
-    zz = A * (tl.load(z_ptr + b * z_stride + c, mask=km, other=0.0).to(tl.float32)
-              + tl.load(dtb_ptr + c, mask=km, other=0.0).to(tl.float32))
+    if Z_PROJ:
+        r = tl.arange(0, R_PAD)
+        rm = r < R
+        fa = tl.load(z_ptr + b * z_stride + r, mask=rm, other=0.0).to(tl.float32)
+        wf = tl.load(fb_ptr + c[:, None] * fb_stride + r[None, :], mask=km[:, None] & rm[None, :],
+                     other=0.0).to(tl.float32)
+        zl = tl.reduce(wf * fa[None, :], 1, _SUM)
+        if ROUND:
+            zl = zl.to(tl.bfloat16).to(tl.float32)
+    else:
+        zl = tl.load(z_ptr + b * z_stride + c, mask=km, other=0.0).to(tl.float32)
+    zz = A * (zl + tl.load(dtb_ptr + c, mask=km, other=0.0).to(tl.float32))
     e = tl.exp(-tl.abs(zz))
     g = lower_bound * tl.where(zz >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     bl = tl.load(b_ptr + b * b_stride + h).to(tl.float32)
@@ -234,8 +249,15 @@ def _rows_of(t: Tensor, width: int) -> tuple[Tensor, int]:
 
 def kda_decode_triton(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logits: Tensor, gate: Tensor,
                       conv_w: tuple[Tensor, Tensor, Tensor], A_log: Tensor, dt_bias: Tensor, lower_bound: float,
-                      norm_w: Tensor, eps: float, store: KDAStore, backends: Backends | None = None) -> Tensor:
-    """`kda_decode_composed` as one Triton kernel (module docstring); the same arguments and results."""
+                      norm_w: Tensor, eps: float, store: KDAStore, backends: Backends | None = None,
+                      decay_proj: Tensor | None = None) -> Tensor:
+    """`kda_decode_composed` as one Triton kernel (module docstring); the same arguments and results. With
+    `decay_proj` (the decay's up-projection weight [P, R]), z is the low-rank input f_a [B, R] and the kernel
+    computes the decay logits itself (op ``kda_decode_decay_proj``)."""
+    if decay_proj is not None:
+        _check_decay_proj(xq, z, decay_proj)
+        fa = z
+        z = xq  # what the checks read of z: its shape [B, P]
     B, H, K, W = _check(xq, xk, xv, z, beta_logits, gate, conv_w, A_log, store)
     if xq.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the KDA decode kernel takes fp32 or bf16 inputs, got {xq.dtype}")
@@ -248,7 +270,13 @@ def kda_decode_triton(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logits
     if len({s for _, s in xs}) != 1:
         xs = [(t.contiguous(), P) for t, _ in xs]
     (xq, stride), (xk, _), (xv, _) = xs
-    z, zs = _rows_of(z, P)
+    if decay_proj is not None:
+        z, zs = _rows_of(fa, fa.shape[1])
+        fb = decay_proj if decay_proj.stride(1) == 1 else decay_proj.contiguous()
+        R = fb.shape[1]
+    else:
+        z, zs = _rows_of(z, P)
+        fb, R = z, 1
     beta_logits, bs = _rows_of(beta_logits, H)
     gate, gs = _rows_of(gate, P)
     y = torch.empty(B, P, device=xq.device, dtype=xq.dtype)
@@ -259,8 +287,10 @@ def kda_decode_triton(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logits
             xq, xk, xv, stride, z, zs, beta_logits, bs, gate, gs, *(w.contiguous() for w in conv_w),
             A_log.contiguous(), dt_bias.reshape(-1).contiguous(), norm_w.contiguous(), store.buf,
             store.buf.stride(0), store.rows, store.rows.stride(0), y, float(lower_bound), K ** -0.5, float(eps), H,
-            K=K, W=W, K_PAD=1 << (K - 1).bit_length(), T_PAD=max(1 << (W - 2).bit_length(), 2),
-            ROUND=xq.dtype == torch.bfloat16, OUT_BF16=xq.dtype == torch.bfloat16, num_warps=8 if K > 64 else 4)
+            fb, fb.stride(0), R, K=K, W=W, K_PAD=1 << (K - 1).bit_length(),
+            T_PAD=max(1 << (W - 2).bit_length(), 2), ROUND=xq.dtype == torch.bfloat16,
+            OUT_BF16=xq.dtype == torch.bfloat16, Z_PROJ=decay_proj is not None,
+            R_PAD=max(1 << (R - 1).bit_length(), 2), num_warps=8 if K > 64 else 4)
     return y
 
 
@@ -271,6 +301,44 @@ register(Op(
     tolerance="fp32: output 1e-5 and state 1e-5 of their largest entries (sums in another order, sigmoids from "
               "exponentials); bf16: the same after the shared roundings (up to one bf16 ulp of the output); conv "
               "tails bit for bit"))
+
+
+def _check_decay_proj(xq: Tensor, fa: Tensor, fb: Tensor) -> None:
+    P = xq.shape[-1]
+    if fa.ndim != 2 or fa.shape[0] != xq.shape[0] or fa.dtype != xq.dtype:
+        raise ValueError(f"f_a must be [B={xq.shape[0]}, R] in xq's dtype {xq.dtype}, got {tuple(fa.shape)} {fa.dtype}")
+    if fb.ndim != 2 or tuple(fb.shape) != (P, fa.shape[1]) or fb.dtype != xq.dtype:
+        raise ValueError(f"the decay's up-projection must be [P={P}, R={fa.shape[1]}] in xq's dtype, got "
+                         f"{tuple(fb.shape)} {fb.dtype}")
+
+
+def kda_decode_decay_proj(xq: Tensor, xk: Tensor, xv: Tensor, f_a: Tensor, decay_proj: Tensor, beta_logits: Tensor,
+                          gate: Tensor, conv_w: tuple[Tensor, Tensor, Tensor], A_log: Tensor, dt_bias: Tensor,
+                          lower_bound: float, norm_w: Tensor, eps: float, store: KDAStore,
+                          backends: Backends | None = None) -> Tensor:
+    """The definition (op ``kda_decode_decay_proj``): the decay logits z = f_a decay_proj^T as their own GEMM, then
+    `kda_decode` (on the implementation the registry picks)."""
+    _check_decay_proj(xq, f_a, decay_proj)
+    z = torch.nn.functional.linear(f_a, decay_proj)
+    return kda_decode(xq, xk, xv, z, beta_logits, gate, conv_w, A_log, dt_bias, lower_bound, norm_w, eps, store,
+                      backends)
+
+
+def kda_decode_decay_proj_triton(xq: Tensor, xk: Tensor, xv: Tensor, f_a: Tensor, decay_proj: Tensor,
+                                 beta_logits: Tensor, gate: Tensor, conv_w: tuple[Tensor, Tensor, Tensor],
+                                 A_log: Tensor, dt_bias: Tensor, lower_bound: float, norm_w: Tensor, eps: float,
+                                 store: KDAStore, backends: Backends | None = None) -> Tensor:
+    """`kda_decode_decay_proj` as the decode kernel with the decay's up-projection inside (one GEMM fewer)."""
+    return kda_decode_triton(xq, xk, xv, f_a, beta_logits, gate, conv_w, A_log, dt_bias, lower_bound, norm_w, eps,
+                             store, backends, decay_proj=decay_proj)
+
+
+register(Op(
+    "kda_decode_decay_proj", reference=kda_decode_decay_proj,
+    # not validated: its GPU test (tests/ops/test_kda_decode.py, marked gpu) has not run on a GPU yet
+    fast=(Fast("triton", kda_decode_decay_proj_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="kda_decode's, after the decay logits rounded as the projection's GEMM rounds them (fp32 sums in "
+              "another order: a logit one bf16 step off moves the decay by about 0.4% of that step)"))
 
 
 def kda_decode(xq: Tensor, xk: Tensor, xv: Tensor, z: Tensor, beta_logits: Tensor, gate: Tensor,

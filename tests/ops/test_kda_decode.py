@@ -9,7 +9,8 @@ inputs)."""
 import pytest
 import torch
 
-from k3.ops.kda_decode import KDAStore, kda_decode_composed, kda_decode_triton
+from k3.ops.kda_decode import (KDAStore, kda_decode_composed, kda_decode_decay_proj, kda_decode_decay_proj_triton,
+                               kda_decode_triton)
 from k3.ops.registry import Backends
 
 TORCH = Backends(default="torch")
@@ -140,6 +141,85 @@ def test_bad_inputs_are_named():
         kda_decode_composed(*args, KDAStore(buf, rows[:1]), backends=TORCH)
     with pytest.raises(ValueError, match="store.buf must be fp32"):
         kda_decode_composed(*args, KDAStore(buf.double(), rows), backends=TORCH)
+
+
+def _decay_proj_case(dtype, rank=12, device="cpu", **shape):
+    """`_case` with the decay logits given as their low-rank input f_a [B, R] (a strided slice, as the layer's stacked
+    projection gives it) and the up-projection [P, R]."""
+    args, buf, rows = _case(dtype=dtype, device=device, **shape)
+    B, P = args[0].shape
+    g = torch.Generator().manual_seed(7)
+    f_a = (torch.randn(B, rank + 3, generator=g)[:, :rank]).to(device, dtype)
+    fb = (torch.randn(P, rank, generator=g) / rank ** 0.5).to(device, dtype)
+    return args, f_a, fb, buf, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_with_the_decay_projection_equals_the_projection_then_the_kernel(interpret, dtype):
+    # op kda_decode_decay_proj: the decode kernel computing the decay logits from f_a and the up-projection equals the
+    # definition (F.linear, then the composed step) to kda_decode's tolerance, state and conv tails included
+    args, f_a, fb, buf, rows = _decay_proj_case(dtype)
+    rest = (args[4], args[5], *args[6:])
+    want_buf, got_buf = buf.clone(), buf.clone()
+    want = kda_decode_decay_proj(*args[:3], f_a, fb, *rest, KDAStore(want_buf, rows), backends=TORCH)
+    got = kda_decode_decay_proj_triton(*args[:3], f_a, fb, *rest, KDAStore(got_buf, rows))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    S = args[7].shape[0] * args[10].shape[0] ** 2
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    assert (got_buf[:, :S] - want_buf[:, :S]).abs().max() <= tol * want_buf[rows, :S].abs().max()
+    assert torch.equal(got_buf[:, S:], want_buf[:, S:])
+    # not vacuous: another up-projection moves the state
+    other_buf = buf.clone()
+    kda_decode_decay_proj_triton(*args[:3], f_a, fb.flip(0), *rest, KDAStore(other_buf, rows))
+    assert (other_buf[:, :S] - want_buf[:, :S]).abs().max() > 1e-3 * want_buf[rows, :S].abs().max()
+    with pytest.raises(ValueError, match=r"up-projection must be \[P=32, R=12\]"):
+        kda_decode_decay_proj_triton(*args[:3], f_a, fb[:, :5], *rest, KDAStore(buf.clone(), rows))
+
+
+def test_the_model_with_the_decay_projection_inside_decodes_the_same(interpret, monkeypatch):
+    # the engine with kda_decode_decay_proj (and kda_decode) on the kernel: the same greedy tokens as kda_decode's
+    # kernel alone, log-probs within 1e-4, and the fused op ran at the decode steps
+    from helpers import count_fast_calls
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    calls = count_fast_calls(monkeypatch, "kda_decode_decay_proj")
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
+    model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
+    prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(1)).tolist() for n in (9, 20)]
+    runs = []
+    for extra in ({}, {"kda_decode_decay_proj": "triton"}):
+        model.set_backends(Backends(default="torch", per_op={"kda_decode": "triton", **extra}))
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
+        eng.eos_id = None
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0, logprobs=0)) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        runs.append([(s.output_ids, [e["logprob"] for e in s.logprobs]) for s in seqs])
+        assert bool(calls) == bool(extra)
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernel_with_the_decay_projection_equals_the_definition(dtype):
+    """k3-mini's layer shape (8 heads of 128, decay rank 128), 16 requests; the tolerances of the plain kernel's test."""
+    args, f_a, fb, buf, rows = _decay_proj_case(dtype, rank=128, device="cuda", B=16, H=8, K=128, W=4, R=40)
+    rest = (args[4], args[5], *args[6:])
+    want_buf, got_buf = buf.clone(), buf.clone()
+    with torch.no_grad():
+        want = kda_decode_decay_proj(*args[:3], f_a, fb, *rest, KDAStore(want_buf, rows), backends=TORCH)
+        got = kda_decode_decay_proj_triton(*args[:3], f_a, fb, *rest, KDAStore(got_buf, rows))
+    S = 8 * 128 * 128
+    out_tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (got.float() - want.float()).abs().max() <= out_tol * want.float().abs().max()
+    assert (got_buf[:, :S] - want_buf[:, :S]).abs().max() <= 1e-4 * want_buf[rows, :S].abs().max()
+    assert torch.equal(got_buf[:, S:], want_buf[:, S:])
 
 
 @pytest.mark.gpu
