@@ -129,6 +129,8 @@ def test_greedy_acceptance_with_targets_read_back_for_the_batch():
     params = SamplingParams(max_tokens=8, temperature=0)
     targets = greedy_targets(logits, [0, 2])
     assert targets == {0: argmax[0], 2: argmax[2]} and greedy_targets(logits, []) == {}
+    assert greedy_targets(logits, [0, 1, 2]) == dict(enumerate(argmax))  # every row: the whole tensor's argmax
+    assert greedy_targets(logits.bfloat16(), [1]) == {1: logits.bfloat16()[1].argmax(-1).tolist()}
     for row in (0, 2):
         for n in range(4):  # the first n drafts right, then a wrong one (or all 3 right)
             drafts = argmax[row][:n] + [(argmax[row][n] + 1) % 50] * (3 - n) if n < 3 else argmax[row][:3]
