@@ -281,3 +281,37 @@ def count_fast_calls(monkeypatch, *ops: str) -> list[str]:
         monkeypatch.setitem(registry._ops, name,
                             dataclasses.replace(op, fast=(dataclasses.replace(op.fast[0], fn=counted),)))
     return calls
+
+
+def tiny_engine_runs(backends_list, max_tokens: int, after=None) -> list[list[tuple[list[int], list[float]]]]:
+    """Greedy generations with log-probs of a tiny model (seed 3, a 256-token vocabulary, no MTP layer) in the serving
+    engine, two prompts of 9 and 20 tokens, once per Backends in `backends_list`: per run, (output ids, log-probs) per
+    request. `after(backends)`, when given, is called after each run (to check what ran)."""
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
+    model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 20)]
+    runs = []
+    for backends in backends_list:
+        model.set_backends(backends)
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
+        eng.eos_id = None
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0)) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        runs.append([(s.output_ids, [e["logprob"] for e in s.logprobs]) for s in seqs])
+        if after is not None:
+            after(backends)
+    return runs
+
+
+def assert_same_greedy(runs, logprob_tol: float) -> None:
+    """Two runs of `tiny_engine_runs`: the same tokens, log-probs within `logprob_tol`."""
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= logprob_tol

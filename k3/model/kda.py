@@ -15,7 +15,7 @@ from k3.ops.kda_backend import short_conv
 from k3.ops.kda_decode import kda_decode
 from k3.ops.kda_replay import kda_replay_any
 from k3.ops.kda_verify_replay import kda_verify_replay_any
-from k3.ops.registry import Backends, dispatch, runs_on
+from k3.ops.registry import Backends, dispatch
 
 
 class KimiDeltaAttention(nn.Module):
@@ -79,12 +79,12 @@ class KimiDeltaAttention(nn.Module):
             xq, xk, xv, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj,
                                                                 self.f_a_proj, self.b_proj, self.g_proj)
             conv_w = (self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0])
-            if not torch.is_grad_enabled() and runs_on("kda_decode_decay_proj", "triton", xq, self.backends):
+            fused = None if torch.is_grad_enabled() else dispatch("kda_decode_decay_proj", xq, self.backends)
+            if fused is not None and fused.name == "triton":
                 # the decay's up-projection inside the decode kernel (one GEMM fewer per layer and step)
-                fused = dispatch("kda_decode_decay_proj", xq, self.backends).fn
-                o = fused(xq[:, 0], xk[:, 0], xv[:, 0], f_a[:, 0], self.f_b_proj.weight, beta_logits[:, 0],
-                          gate[:, 0], conv_w, self.A_log, self.dt_bias, self.lower_bound, self.o_norm.weight,
-                          self.o_norm.eps, store, self.backends)
+                o = fused.fn(xq[:, 0], xk[:, 0], xv[:, 0], f_a[:, 0], self.f_b_proj.weight, beta_logits[:, 0],
+                             gate[:, 0], conv_w, self.A_log, self.dt_bias, self.lower_bound, self.o_norm.weight,
+                             self.o_norm.eps, store, self.backends)
             else:
                 o = kda_decode(xq[:, 0], xk[:, 0], xv[:, 0], self.f_b_proj(f_a)[:, 0], beta_logits[:, 0],
                                gate[:, 0], conv_w, self.A_log, self.dt_bias, self.lower_bound, self.o_norm.weight,

@@ -35,7 +35,7 @@ from k3.ops import _triton
 from k3.ops.moe import _check_expert_inputs, moe_experts
 from k3.ops.moe_combine import moe_combine, moe_combine_torch
 from k3.ops.registry import REFERENCE, Backends, Fast, Op, dispatch, register, runs_on
-from k3.ops.rms_norm import rms_norm_reference
+from k3.ops.rms_norm import rms_norm_definition
 from k3.ops.situ import situ_glu
 from k3.tensors import constant
 
@@ -180,7 +180,7 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
     block_f, block_l = min(64, _pow2(F)), min(128, _pow2(L))
     out_l, in_f = min(32, _pow2(L)), min(128, _pow2(F))
     if norm is not None:
-        _check_norm(norm, L, z.dtype)
+        _check_norm(norm, L)
     if pairs:
         gate_up, down, _ = _kernels(_triton.interpret())
         with torch.cuda.device(z.device.index if z.is_cuda else -1):
@@ -195,7 +195,7 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
     return moe_combine(y, pos, weights, z.dtype, backends)
 
 
-def _check_norm(norm, L: int, dtype: torch.dtype) -> None:
+def _check_norm(norm, L: int) -> None:
     if not (isinstance(norm, tuple) and len(norm) == 2 and isinstance(norm[0], Tensor)):
         raise ValueError("norm must be (the RMSNorm's weight [L], eps)")
     if norm[0].shape != (L,) or not norm[0].dtype.is_floating_point:
@@ -208,7 +208,7 @@ def moe_combine_norm_triton(y: Tensor, weights: Tensor, norm_weight: Tensor, eps
     """`moe_combine_norm` as one kernel (program n: token n's combine, then its norm; y [N*k, L] in token order)."""
     N, k = weights.shape
     L = y.shape[1]
-    _check_norm((norm_weight, eps), L, out_dtype)
+    _check_norm((norm_weight, eps), L)
     u = torch.empty(N, L, device=y.device, dtype=out_dtype)
     if N and L:
         *_, kernel = _kernels(_triton.interpret())
@@ -224,9 +224,7 @@ def moe_combine_norm(y: Tensor, weights: Tensor, norm_weight: Tensor, eps: float
     in `out_dtype`, then the latent RMSNorm as k3.model.common.RMSNorm computes it."""
     N, k = weights.shape
     u = moe_combine_torch(y, torch.arange(N * k, device=y.device), weights, out_dtype)
-    if u.dtype == torch.float32 and norm_weight.dtype == torch.float32:
-        return torch.nn.functional.rms_norm(u, (u.shape[-1],), norm_weight, eps=eps)
-    return rms_norm_reference(u, norm_weight, eps)
+    return rms_norm_definition(u, norm_weight, eps)
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()

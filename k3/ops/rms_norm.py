@@ -30,7 +30,7 @@ from torch import Tensor
 from k3.ops import _triton
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
-__all__ = ["rms_norm_reference", "rms_norm_triton", "rms_norm_any"]
+__all__ = ["rms_norm_any", "rms_norm_definition", "rms_norm_reference", "rms_norm_triton"]
 
 _ROWS = 64  # rows per program in the backward (partial weight-gradient sums: one [D] row per program)
 tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
@@ -41,6 +41,15 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The definition (what ``k3.model.common.RMSNorm`` computes for an input that is not fp32)."""
     y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return (weight * y.to(x.dtype)).to(x.dtype)
+
+
+def rms_norm_definition(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """What ``k3.model.common.RMSNorm`` computes for any input: an fp32 input with an fp32 weight as one fp32
+    expression, anything else as :func:`rms_norm_reference` (the reference side of the fused kernels that end in
+    this norm)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    return rms_norm_reference(x, weight, eps)
 
 
 def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, D, eps, BLOCK: tl.constexpr):

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from k3.ops import _triton
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
-from k3.ops.rms_norm import rms_norm_reference
+from k3.ops.rms_norm import rms_norm_definition
 
 __all__ = ["rms_norm_pair", "rms_norm_pair_any", "rms_norm_pair_triton"]
 
@@ -26,16 +26,9 @@ tl = None  # triton.language and the sum combine function, bound on first use (k
 _SUM = None
 
 
-def _norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """k3.model.common.RMSNorm's forward."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps=eps)
-    return rms_norm_reference(x, weight, eps)
-
-
 def rms_norm_pair(a: Tensor, wa: Tensor, eps_a: float, b: Tensor, wb: Tensor, eps_b: float) -> tuple[Tensor, Tensor]:
     """The definition: (RMSNorm(a) with weight wa, RMSNorm(b) with weight wb), each as k3.model.common.RMSNorm."""
-    return _norm(a, wa, eps_a), _norm(b, wb, eps_b)
+    return rms_norm_definition(a, wa, eps_a), rms_norm_definition(b, wb, eps_b)
 
 
 def _pair_kernel(a_ptr, wa_ptr, ya_ptr, b_ptr, wb_ptr, yb_ptr, stride_a, stride_b, DA, DB, eps_a, eps_b,

@@ -179,29 +179,16 @@ def test_kernel_with_the_decay_projection_equals_the_projection_then_the_kernel(
 def test_the_model_with_the_decay_projection_inside_decodes_the_same(interpret, monkeypatch):
     # the engine with kda_decode_decay_proj (and kda_decode) on the kernel: the same greedy tokens as kda_decode's
     # kernel alone, log-probs within 1e-4, and the fused op ran at the decode steps
-    from helpers import count_fast_calls
-    from k3.config import K3Config
-    from k3.model.model import K3ForCausalLM
-    from k3.serve.engine import EngineConfig, LLMEngine
-    from k3.serve.sampling import SamplingParams
+    from helpers import assert_same_greedy, count_fast_calls, tiny_engine_runs
 
     calls = count_fast_calls(monkeypatch, "kda_decode_decay_proj")
-    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
-    model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
-    prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(1)).tolist() for n in (9, 20)]
-    runs = []
-    for extra in ({}, {"kda_decode_decay_proj": "triton"}):
-        model.set_backends(Backends(default="torch", per_op={"kda_decode": "triton", **extra}))
-        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
-        eng.eos_id = None
-        seqs = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0, logprobs=0)) for p in prompts]
-        while eng.has_work():
-            eng.step()
-        runs.append([(s.output_ids, [e["logprob"] for e in s.logprobs]) for s in seqs])
-        assert bool(calls) == bool(extra)
-    for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
-        assert ids_a == ids_b
-        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= 1e-4
+    arms = [Backends(default="torch", per_op={"kda_decode": "triton", **extra})
+            for extra in ({}, {"kda_decode_decay_proj": "triton"})]
+
+    def ran(backends):  # the fused op ran at the decode steps exactly when asked for
+        assert bool(calls) == ("kda_decode_decay_proj" in backends.per_op)
+
+    assert_same_greedy(tiny_engine_runs(arms, 6, after=ran), 1e-4)
 
 
 @pytest.mark.gpu
@@ -240,13 +227,9 @@ def test_gpu_kernel_equals_the_composed_ops(dtype):
 def test_the_engine_decodes_the_same_on_the_fused_kernel(interpret, monkeypatch):
     """The serving engine with the kernel (in Triton's interpreter) for its decode steps: the same greedy tokens as
     the composed ops, log-probs within 1e-4; the pool's pages advance in place (no write-back of decode states)."""
-    from k3.config import K3Config
-    from k3.model.model import K3ForCausalLM
-    from k3.serve.engine import EngineConfig, LLMEngine
-    from k3.serve.sampling import SamplingParams
-
     import dataclasses
 
+    from helpers import assert_same_greedy, tiny_engine_runs
     from k3.ops import registry
 
     calls = {"triton": 0, "torch": 0}
@@ -261,20 +244,9 @@ def test_the_engine_decodes_the_same_on_the_fused_kernel(interpret, monkeypatch)
     monkeypatch.setitem(registry._ops, "kda_decode", dataclasses.replace(
         op, reference=counted(op.reference, "torch"),
         fast=tuple(dataclasses.replace(f, fn=counted(f.fn, f.name)) for f in op.fast)))
-    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
-    model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 20)]
-    runs = []
-    for backends in (TORCH, Backends(default="torch", per_op={"kda_decode": "triton"})):
-        model.set_backends(backends)
-        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
-        eng.eos_id = None
-        seqs = [eng.add_request(p, SamplingParams(max_tokens=10, temperature=0, logprobs=0)) for p in prompts]
-        while eng.has_work():
-            eng.step()
-        runs.append([(s.output_ids, [e["logprob"] for e in s.logprobs]) for s in seqs])
-        assert calls["torch" if backends is TORCH else "triton"] > 0  # the decode steps ran on it
-    for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
-        assert ids_a == ids_b
-        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= 1e-4
+
+    def ran(backends):  # the decode steps ran on it
+        assert calls["torch" if backends is TORCH else "triton"] > 0
+
+    runs = tiny_engine_runs((TORCH, Backends(default="torch", per_op={"kda_decode": "triton"})), 10, after=ran)
+    assert_same_greedy(runs, 1e-4)

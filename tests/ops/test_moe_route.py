@@ -82,24 +82,7 @@ def test_gpu_kernel_equals_route():
 def test_the_engine_decodes_the_same_with_the_router_kernel(interpret):
     """The serving engine with the router kernel (in Triton's interpreter) in every MoE layer: the same greedy tokens
     as with `route`, log-probs within 1e-5."""
-    from k3.config import K3Config
-    from k3.model.model import K3ForCausalLM
-    from k3.serve.engine import EngineConfig, LLMEngine
-    from k3.serve.sampling import SamplingParams
+    from helpers import assert_same_greedy, tiny_engine_runs
 
-    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0, vocab_size=256)
-    model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 20)]
-    runs = []
-    for backends in (Backends(default="torch"), Backends(default="torch", per_op={"moe_route": "triton"})):
-        model.set_backends(backends)
-        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16))
-        eng.eos_id = None
-        seqs = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0, logprobs=0)) for p in prompts]
-        while eng.has_work():
-            eng.step()
-        runs.append([(s.output_ids, [e["logprob"] for e in s.logprobs]) for s in seqs])
-    for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
-        assert ids_a == ids_b
-        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= 1e-5
+    runs = tiny_engine_runs((Backends(default="torch"), Backends(default="torch", per_op={"moe_route": "triton"})), 8)
+    assert_same_greedy(runs, 1e-5)
