@@ -19,7 +19,7 @@ from k3.config import K3Config
 from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack, stacked_linear
 from k3.ops.moe import Routing, interleaved_halves, moe_experts_any
 from k3.ops.moe_gemv import fuses_norm, moe_gemv_for
-from k3.ops.moe_route import route_any
+from k3.ops.moe_route import route_any, route_round_any
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
 from k3.ops.situ import situ_glu, situ_glu_any, situ_glu_any_fused
@@ -56,6 +56,12 @@ class MoEGate(nn.Module):
         """The routing of the router's fp32 logits [N, E]."""
         return route_any(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
                          backends=self.backends)
+
+    def route_round(self, y: torch.Tensor, dtype: torch.dtype) -> tuple[Routing, torch.Tensor]:
+        """For y [N, E + R] fp32, the router's logits then R other columns (one GEMM's output): the routing of the
+        logits and the other columns rounded to `dtype` (op ``moe_route_round``: one kernel where it runs)."""
+        return route_round_any(y, self.weight.shape[0], self.e_score_correction_bias, self.top_k, self.renormalize,
+                               self.scaling, dtype, backends=self.backends)
 
 
 class GroupedExperts(CastsWeights, nn.Module):
@@ -171,8 +177,8 @@ class LatentMoE(nn.Module):
         return self.routed_expert_up_proj(a)
 
     def _stacked_projections(self, flat: torch.Tensor):
-        """(router logits fp32, or None: the router runs on its own; z; shared gate; shared up) from one GEMM
-        against the serving stack, or None where there is none (training, unstacked)."""
+        """(the routing, or None: the router runs on its own; z; shared gate; shared up) from one GEMM against the
+        serving stack, or None where there is none (training, unstacked)."""
         if torch.is_grad_enabled() or self.shared_experts is None:
             return None
         sh = self.shared_experts
@@ -182,8 +188,10 @@ class LatentMoE(nn.Module):
         if stack is not None:
             E = self.gate.weight.shape[0]
             y = mm_fp32_out(flat, stack.t())
-            logits, others = y[:, :E], y[:, E:E + sum(sizes)].to(flat.dtype)
-            out = (logits, *others.split(sizes, dim=-1))
+            # the routing, and the other projections rounded to the input's dtype (as a bf16 GEMM rounds them): in
+            # the router's kernel where the registry picks op moe_route_round
+            routing, others = self.gate.route_round(y[:, :E + sum(sizes)], flat.dtype)
+            out = (routing, *others.split(sizes, dim=-1))
         elif serving_stack(*rest) is None:
             return None
         else:
@@ -197,8 +205,8 @@ class LatentMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         stacked = self._stacked_projections(flat)
         if stacked is not None:  # serving: the projections of x from one GEMM
-            logits, z, sg, su = stacked
-            routing = self.gate(flat) if logits is None else self.gate.from_logits(logits)
+            routing, z, sg, su = stacked
+            routing = self.gate(flat) if routing is None else routing
             # the routed output added in the shared experts' down-projection GEMM (its epilogue)
             y = self.shared_experts.from_projections(sg, su, add=self._routed(z, routing))
             return (y.view(shape), Routing(*(t.detach() for t in routing))) if return_routing else y.view(shape)

@@ -21,7 +21,7 @@ from k3.ops import _triton
 from k3.ops.moe import Routing, route
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
-__all__ = ["route_any", "route_triton"]
+__all__ = ["route_any", "route_round", "route_round_any", "route_round_triton", "route_triton"]
 
 # triton.language and the combine functions, bound on first use (k3.ops._triton.bind)
 tl = None
@@ -29,10 +29,11 @@ _SUM = None
 _MAX = None
 
 
-def _route_kernel(logits_ptr, l_stride, bias_ptr, w_ptr, i_ptr, s_ptr, c_ptr, E, scaling,
+def _route_kernel(logits_ptr, l_stride, bias_ptr, w_ptr, i_ptr, s_ptr, c_ptr, E, scaling, r_ptr, R,
                   K: tl.constexpr, E_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                  CUTOFF: tl.constexpr):
-    """Program n: the routing of token n (module docstring)."""
+                  CUTOFF: tl.constexpr, ROUND: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program n: the routing of token n (module docstring); with ROUND, also the R columns after the logits in the
+    same row, rounded to r_ptr's dtype into row n of r_ptr (`route_round_triton`)."""
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     em = e < E
@@ -62,6 +63,12 @@ def _route_kernel(logits_ptr, l_stride, bias_ptr, w_ptr, i_ptr, s_ptr, c_ptr, E,
         picked_w = picked_w / (tl.reduce(picked_w, 0, _SUM) + 1e-20)
     tl.store(w_ptr + n * K + kk, picked_w * scaling)
     tl.store(i_ptr + n * K + kk, picked_i)
+    if ROUND:
+        for c0 in range(0, R, BLOCK_R):
+            c = c0 + tl.arange(0, BLOCK_R)
+            cm = c < R
+            v = tl.load(logits_ptr + n * l_stride + E + c, mask=cm, other=0.0)
+            tl.store(r_ptr + n * R + c, v.to(r_ptr.dtype.element_ty), mask=cm)
 
 
 @functools.lru_cache(maxsize=2)
@@ -77,7 +84,39 @@ def route_triton(logits: Tensor, bias: Tensor | None, top_k: int, renormalize: b
     """`route` in one Triton kernel (module docstring): the same arguments and results; no autograd."""
     if logits.ndim != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be fp32 [N, E], got shape {tuple(logits.shape)} dtype {logits.dtype}")
-    N, E = logits.shape
+    return _route(logits, logits.shape[1], bias, top_k, renormalize, scaling_factor, None)[0]
+
+
+def route_round(y: Tensor, num_experts: int, bias: Tensor | None, top_k: int, renormalize: bool,
+                scaling_factor: float, out_dtype: torch.dtype) -> tuple[Routing, Tensor]:
+    """The routing of the router's logits y[:, :num_experts] (fp32 [N, W]: the router's columns in front of others
+    in one GEMM's output) and the other columns y[:, num_experts:] rounded to `out_dtype` (a new [N, W - E] tensor):
+    `route` followed by a cast, the definition of op ``moe_route_round``."""
+    _check_round(y, num_experts)
+    return (route(y[:, :num_experts], bias, top_k, renormalize, scaling_factor),
+            y[:, num_experts:].to(out_dtype, copy=True))
+
+
+def route_round_triton(y: Tensor, num_experts: int, bias: Tensor | None, top_k: int, renormalize: bool,
+                       scaling_factor: float, out_dtype: torch.dtype) -> tuple[Routing, Tensor]:
+    """`route_round` in the router's one kernel: each token's program also rounds the rest of its row (no kernel of
+    its own for the cast)."""
+    _check_round(y, num_experts)
+    return _route(y, num_experts, bias, top_k, renormalize, scaling_factor, out_dtype)
+
+
+def _check_round(y: Tensor, num_experts: int) -> None:
+    if y.ndim != 2 or y.dtype != torch.float32:
+        raise ValueError(f"y must be fp32 [N, W], got shape {tuple(y.shape)} dtype {y.dtype}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or not 1 <= num_experts < y.shape[1]:
+        raise ValueError(f"num_experts must be an int in [1, W={y.shape[1]}) (the router's columns in front of "
+                         f"others), got {num_experts!r}")
+
+
+def _route(y: Tensor, E: int, bias: Tensor | None, top_k: int, renormalize: bool, scaling_factor: float,
+           out_dtype: torch.dtype | None) -> tuple[Routing, Tensor | None]:
+    """The kernel over the router's logits y[:, :E]; with `out_dtype`, also y[:, E:] rounded to it."""
+    N = y.shape[0]
     if bias is not None and tuple(bias.shape) != (E,):
         raise ValueError(f"bias must be [E={E}] or None, got shape {tuple(bias.shape)}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= E:
@@ -87,20 +126,24 @@ def route_triton(logits: Tensor, bias: Tensor | None, top_k: int, renormalize: b
     ok, why = _triton.runnable()
     if not ok:
         raise RuntimeError(f"the router kernel cannot run: {why}")
-    dev = logits.device
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    dev = y.device
+    if y.stride(1) != 1:
+        y = y.contiguous()
     weights = torch.empty(N, top_k, device=dev, dtype=torch.float32)
     indices = torch.empty(N, top_k, device=dev, dtype=torch.int64)
     scores = torch.empty(N, E, device=dev, dtype=torch.float32)
     cutoff = torch.empty(N, device=dev, dtype=torch.float32)
+    R = y.shape[1] - E if out_dtype is not None else 0
+    rest = torch.empty(N, R, device=dev, dtype=out_dtype) if out_dtype is not None else None
     if N:
-        with torch.cuda.device(dev.index if logits.is_cuda else -1):  # the tensors' GPU; -1: no-op
+        with torch.cuda.device(dev.index if y.is_cuda else -1):  # the tensors' GPU; -1: no-op
             _kernel(_triton.interpret())[(N,)](
-                logits, logits.stride(0) if N > 1 else E, bias if bias is not None else logits, weights, indices,
-                scores, cutoff, E, float(scaling_factor), K=top_k, E_PAD=1 << (E - 1).bit_length(),
-                HAS_BIAS=bias is not None, RENORM=bool(renormalize), CUTOFF=top_k < E, num_warps=1 if E <= 256 else 4)
-    return Routing(weights=weights, indices=indices, scores=scores, cutoff=cutoff)
+                y, y.stride(0) if N > 1 else y.shape[1], bias if bias is not None else y, weights, indices,
+                scores, cutoff, E, float(scaling_factor), rest if rest is not None else y, R, K=top_k,
+                E_PAD=1 << (E - 1).bit_length(), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+                CUTOFF=top_k < E, ROUND=rest is not None, BLOCK_R=min(1024, max(16, 1 << max(R - 1, 0).bit_length())),
+                num_warps=1 if E <= 256 else 4)
+    return Routing(weights=weights, indices=indices, scores=scores, cutoff=cutoff), rest
 
 
 def _available(target) -> tuple[bool, str]:
@@ -122,3 +165,23 @@ def route_any(logits: Tensor, bias: Tensor | None, top_k: int, renormalize: bool
     if torch.is_grad_enabled() and logits.requires_grad:
         return route(logits, bias, top_k, renormalize, scaling_factor)
     return dispatch("moe_route", logits, backends).fn(logits, bias, top_k, renormalize, scaling_factor)
+
+
+register(Op(
+    "moe_route_round", reference=route_round,
+    # not validated: its GPU test (tests/ops/test_moe_route.py, marked gpu) has not run on a GPU yet
+    fast=(Fast("triton", route_round_triton, _available, validated=False, cpu=True),),
+    tolerance="the routing as op moe_route's; the rounded columns exactly the cast's (the same round to nearest even)"))
+
+
+def route_round_any(y: Tensor, num_experts: int, bias: Tensor | None, top_k: int, renormalize: bool,
+                    scaling_factor: float, out_dtype: torch.dtype,
+                    backends: Backends | None = None) -> tuple[Routing, Tensor]:
+    """`route_round` in the router's kernel where the registry picks it (op ``moe_route_round``); otherwise the
+    router on its own implementation (op ``moe_route``) and then the cast. No autograd."""
+    impl = dispatch("moe_route_round", y, backends)
+    if impl.name == "triton":
+        return impl.fn(y, num_experts, bias, top_k, renormalize, scaling_factor, out_dtype)
+    _check_round(y, num_experts)
+    return (route_any(y[:, :num_experts], bias, top_k, renormalize, scaling_factor, backends=backends),
+            y[:, num_experts:].to(out_dtype))

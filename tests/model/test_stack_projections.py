@@ -210,15 +210,41 @@ def test_the_router_joins_the_moe_stack_where_a_gemm_writes_fp32(monkeypatch):
         want, _ = _forward(model, ids)
         stack_projections(model)
         assert moe.gate.serving_stack[0] is moe.routed_expert_down_proj.serving_stack[0]
-        logits, z, sg, su = moe._stacked_projections(x)
-        assert logits.dtype == torch.float32 and z.dtype == torch.bfloat16
-        got_routing = moe.gate.from_logits(logits)
+        got_routing, z, sg, su = moe._stacked_projections(x)
+        assert z.dtype == torch.bfloat16
         got, _ = _forward(model, ids)
     # the router's logits are the fp32 ones; the other outputs rounded as a bf16 GEMM rounds
     assert torch.equal(got_routing.indices, want_routing.indices)
     assert torch.allclose(got_routing.weights, want_routing.weights, rtol=1e-5, atol=1e-6)
     assert torch.allclose(z.float(), moe.routed_expert_down_proj(x).float(), rtol=1e-2, atol=1e-2)
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+def test_the_router_kernel_rounds_the_other_projections_of_the_moe_stack(monkeypatch):
+    # op moe_route_round (in Triton's interpreter): the router's kernel also rounds the stack's other columns (no cast
+    # kernel of its own); the same routing and hidden states as the router then the cast, once per MoE layer
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from tests.helpers import count_fast_calls
+
+    from k3.ops.registry import Backends
+
+    _router_stack_on_cpu(monkeypatch)
+    calls = count_fast_calls(monkeypatch, "moe_route_round", "moe_route")
+    model = _model().set_dtype(torch.bfloat16)
+    stack_projections(model)
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    n_moe = _parts(model)[2]
+    outs = []
+    for per_op in ({"moe_route": "triton"}, {"moe_route": "triton", "moe_route_round": "triton"}):
+        calls.clear()
+        model.set_backends(Backends(default="torch", per_op=per_op))
+        with torch.no_grad():
+            outs.append(model(ids).logits.float())
+        assert calls == [next(reversed(per_op))] * n_moe
+    # the interpreter rounds by truncation, the cast to nearest: the rounded projections differ by at most one bf16
+    # step, so the logits agree to bf16 noise
+    assert (outs[1] - outs[0]).abs().max() <= 2e-2 * outs[0].abs().max()
 
 
 @pytest.mark.gpu
@@ -233,10 +259,11 @@ def test_cuda_stacked_projections_with_the_router_match_the_layers_one_by_one():
         want = model(ids).logits  # no GEMM counting here: a dispatch mode does not pass flex_attention through
         stack_projections(model)
         assert moe.gate.serving_stack[0] is moe.routed_expert_down_proj.serving_stack[0]  # the router in the GEMM
-        logits, z, sg, su = moe._stacked_projections(x)
+        routing, z, sg, su = moe._stacked_projections(x)
         got = model(ids).logits
-    # fp32 accumulation on both sides, another summation order: 1e-5 of the largest logit
-    assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
+    # the scores are the sigmoid of the logits: fp32 accumulation on both sides, another summation order, 1e-5 of the
+    # largest logit (the sigmoid's slope is at most 1/4)
+    assert (routing.scores - torch.sigmoid(want_logits)).abs().max() <= 1e-5 * want_logits.abs().max()
     assert torch.allclose(z.float(), moe.routed_expert_down_proj(x).float(), rtol=2e-2, atol=1e-2)
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
 

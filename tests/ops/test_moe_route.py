@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3.ops.moe import route
-from k3.ops.moe_route import route_any, route_triton
+from k3.ops.moe_route import route_any, route_round, route_round_any, route_round_triton, route_triton
 from k3.ops.registry import Backends
 
 
@@ -68,6 +68,66 @@ def test_gradients_keep_the_differentiable_route(interpret):
     with torch.no_grad():
         r2 = route_any(logits, None, 2, backends=fast)
     assert torch.equal(r2.indices, r.indices)
+
+
+def _check_round(y, E, bias, k, dtype):
+    """route_round_triton against route_round: the routing as _check's; the rounded columns bit for bit compiled,
+    and within one step of `dtype` in Triton's interpreter (it rounds by truncation)."""
+    want_r, want_rest = route_round(y, E, bias, k, True, 2.5, dtype)
+    got_r, got_rest = route_round_triton(y, E, bias, k, True, 2.5, dtype)
+    assert torch.equal(got_r.indices, want_r.indices)
+    for name in ("weights", "scores", "cutoff"):
+        a, b = getattr(got_r, name), getattr(want_r, name)
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-6 * b.abs().max().clamp_min(1e-30), name
+    assert got_rest.dtype == dtype and got_rest.shape == want_rest.shape
+    if y.is_cuda:
+        assert torch.equal(got_rest, want_rest)
+    else:
+        exact = y[:, E:]
+        step = torch.finfo(dtype).eps * exact.abs() + (2.0 ** -24 if dtype == torch.float16 else 0.0)
+        assert ((got_rest.float() - exact).abs() <= step).all()
+
+
+@pytest.mark.parametrize("N,R", [(1, 40), (5, 2100), (3, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_with_the_rounded_columns_equals_the_router_then_the_cast(interpret, N, R, dtype):
+    # R = 2100: over two blocks of 1,024 columns and a part of a third
+    g = torch.Generator().manual_seed(N + R)
+    y = torch.randn(N, 128 + R, generator=g) * 3
+    _check_round(y, 128, torch.randn(128, generator=g) * 0.1, 8, dtype)
+    _check_round(torch.randn(N, 130 + R, generator=g)[:, 1:-1], 128, None, 4, dtype)  # a view with a row stride
+
+
+def test_round_bad_inputs_are_named(interpret):
+    with pytest.raises(ValueError, match="fp32"):
+        route_round_triton(torch.zeros(2, 12, dtype=torch.bfloat16), 8, None, 2, True, 1.0, torch.bfloat16)
+    with pytest.raises(ValueError, match="num_experts"):
+        route_round_triton(torch.zeros(2, 8), 8, None, 2, True, 1.0, torch.bfloat16)
+    with pytest.raises(ValueError, match="num_experts"):
+        route_round_any(torch.zeros(2, 8), 0, None, 2, True, 1.0, torch.bfloat16)
+
+
+def test_round_any_takes_the_kernel_only_where_picked(interpret, monkeypatch):
+    from tests.helpers import count_fast_calls
+
+    calls = count_fast_calls(monkeypatch, "moe_route_round")
+    y = torch.randn(3, 20, generator=torch.Generator().manual_seed(1)).bfloat16().float()  # rounding leaves them
+    on = Backends(default="torch", per_op={"moe_route_round": "triton"})
+    off = Backends(default="torch", per_op={"moe_route": "triton"})
+    (r1, rest1), (r2, rest2) = route_round_any(y, 8, None, 2, True, 1.0, torch.bfloat16, backends=on), \
+        route_round_any(y, 8, None, 2, True, 1.0, torch.bfloat16, backends=off)
+    assert calls == ["moe_route_round"]
+    assert torch.equal(r1.indices, r2.indices) and torch.equal(rest1, rest2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_kernel_with_the_rounded_columns_equals_the_router_then_the_cast():
+    # k3-mini's MoE stack: 128 router columns, then z (512) and the shared gate and up (1,536 each)
+    g = torch.Generator().manual_seed(1)
+    for N in (1, 16, 64, 4096):
+        y = (torch.randn(N, 128 + 3584, generator=g) * 3).cuda()
+        _check_round(y, 128, (torch.randn(128, generator=g) * 0.1).cuda(), 8, torch.bfloat16)
 
 
 @pytest.mark.gpu
