@@ -152,6 +152,8 @@ STEPS = {
     # decode with every fused decode kernel on and off, side by side (the first pass compiles: about 2 minutes on a
     # fresh machine), then kernels per layer on and off
     "decode_bench": ([_FUSED_ON + _DECODE, _FUSED_OFF + _DECODE, _FUSED_ON + _KERNELS, _FUSED_OFF + _KERNELS], 540),
+    # the MoE GEMV kernels' tile shapes side by side (what picks their block sizes)
+    "moe_gemv_tune": ([[PY, "benchmarks/moe_gemv_tune.py"]], 300),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
                 "1", "16", "64", "--backend", "fast"]], 300),
     # speculative decoding on a trained k3-mini (one command each, on the same machine: runs/spec_gpu stays there).

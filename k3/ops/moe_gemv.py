@@ -250,8 +250,8 @@ def moe_gemv_for(z: Tensor, backends: Backends | None = None):
 
 register(Op(
     "moe_combine_norm", reference=moe_combine_norm,
-    # not validated: its GPU test (tests/ops/test_moe_gemv.py, marked gpu) has not run on a GPU yet
-    fast=(Fast("triton", moe_combine_norm_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU test (tests/ops/test_moe_gemv.py, marked gpu) passed on an H100 (2026-12-06, fourth run)
+    fast=(Fast("triton", moe_combine_norm_triton, _triton.available, validated=True, cpu=True),),
     tolerance="the combine's u is stored as the combine stores it (fp32 sums in slot order, rounded once) and normed "
               "with RMSNorm's roundings: fp32 1e-5 (summation order), bf16 one bf16 step (2^-7 of the largest)"))
 

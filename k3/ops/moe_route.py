@@ -169,8 +169,8 @@ def route_any(logits: Tensor, bias: Tensor | None, top_k: int, renormalize: bool
 
 register(Op(
     "moe_route_round", reference=route_round,
-    # not validated: its GPU test (tests/ops/test_moe_route.py, marked gpu) has not run on a GPU yet
-    fast=(Fast("triton", route_round_triton, _available, validated=False, cpu=True),),
+    # validated: its GPU test (tests/ops/test_moe_route.py, marked gpu) passed on an H100 (2026-12-06, fourth run)
+    fast=(Fast("triton", route_round_triton, _available, validated=True, cpu=True),),
     tolerance="the routing as op moe_route's; the rounded columns exactly the cast's (the same round to nearest even)"))
 
 

@@ -102,8 +102,8 @@ def rms_norm_pair_triton(a: Tensor, wa: Tensor, eps_a: float, b: Tensor, wb: Ten
 
 register(Op(
     "rms_norm_pair", reference=rms_norm_pair,
-    # not validated: its GPU test (tests/ops/test_rms_norm_pair.py, marked gpu) has not run on a GPU yet
-    fast=(Fast("triton", rms_norm_pair_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU test (tests/ops/test_rms_norm_pair.py, marked gpu) passed on an H100 (2026-12-06, fourth run)
+    fast=(Fast("triton", rms_norm_pair_triton, _triton.available, validated=True, cpu=True),),
     tolerance="each output as the RMSNorm op's: fp32 1e-6 (the sum of squares in another order), bf16 one bf16 step "
               "(2^-7; both round the same fp32 values), two in the interpreter (it truncates)"))
 

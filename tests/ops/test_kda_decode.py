@@ -195,7 +195,9 @@ def test_the_model_with_the_decay_projection_inside_decodes_the_same(interpret, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_kernel_with_the_decay_projection_equals_the_definition(dtype):
-    """k3-mini's layer shape (8 heads of 128, decay rank 128), 16 requests; state within 1e-4."""
+    """k3-mini's layer shape (8 heads of 128, decay rank 128), 16 requests; state within 1e-4 of its largest entry in
+    fp32, 1e-3 in bf16: the kernel sums each decay logit in another order than the GEMM before rounding it to bf16, so
+    a logit can round the other way (one bf16 step), and its decay with it (an H100 measured 3.4e-4)."""
     args, f_a, fb, buf, rows = _decay_proj_case(dtype, rank=128, device="cuda", B=16, H=8, K=128, W=4, R=40)
     rest = (args[4], args[5], *args[6:])
     want_buf, got_buf = buf.clone(), buf.clone()
@@ -205,7 +207,8 @@ def test_gpu_kernel_with_the_decay_projection_equals_the_definition(dtype):
     S = 8 * 128 * 128
     out_tol = 1e-5 if dtype == torch.float32 else 8e-3
     assert (got.float() - want.float()).abs().max() <= out_tol * want.float().abs().max()
-    assert (got_buf[:, :S] - want_buf[:, :S]).abs().max() <= 1e-4 * want_buf[rows, :S].abs().max()
+    state_tol = 1e-4 if dtype == torch.float32 else 1e-3
+    assert (got_buf[:, :S] - want_buf[:, :S]).abs().max() <= state_tol * want_buf[rows, :S].abs().max()
     assert torch.equal(got_buf[:, S:], want_buf[:, S:])
 
 

@@ -1,0 +1,77 @@
+"""The MoE GEMV kernels (k3.ops.moe_gemv) under several tile shapes, side by side: microseconds per call and the
+fraction of a copy's bandwidth their weight reads reach, at k3-mini's expert shape and a release-shaped one (the
+release's F and L with fewer experts, to fit one GPU). What picks the kernels' block sizes.
+
+    python benchmarks/moe_gemv_tune.py [--tokens 1 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from k3.cli_args import DefaultsHelpFormatter
+
+GATE_UP = [(64, 128, 4), (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 8),
+           (4, 1024, 4), (8, 256, 2), (4, 512, 2)]
+DOWN = [(32, 128, 4), (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (8, 1024, 4), (16, 1024, 8),
+        (4, 1024, 4), (8, 256, 2), (4, 512, 2)]
+SHAPES = {"k3-mini": (128, 768, 512, 8), "release-shaped": (64, 3072, 3584, 16)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_gemv_tune.py needs a CUDA device")
+    from triton.testing import do_bench
+
+    from k3.ops.moe_gemv import _kernels
+
+    gate_up, down, _ = _kernels(False)
+    dev = torch.device("cuda")
+    copy_src = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    copy_dst = torch.empty_like(copy_src)
+    copy_ms = do_bench(lambda: copy_dst.copy_(copy_src))
+    copy_gbs = 2 * copy_src.numel() / copy_ms / 1e6
+    print(json.dumps({"copy_GBps": round(copy_gbs)}), flush=True)
+    for name, (E, F, L, k) in SHAPES.items():
+        w13 = torch.randn(E, 2 * F, L, device=dev, dtype=torch.bfloat16) * 0.02
+        w1, w3 = w13[:, :F], w13[:, F:]
+        w2 = torch.randn(E, L, F, device=dev, dtype=torch.bfloat16) * 0.02
+        for N in args.tokens:
+            g = torch.Generator(device=dev).manual_seed(N)
+            idx = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(N)]).reshape(-1)
+            pairs = N * k
+            z = torch.randn(N, L, device=dev, dtype=torch.bfloat16)
+            h = torch.empty(pairs, F, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(pairs, L, device=dev, dtype=torch.bfloat16)
+            touched = idx.unique().numel()
+            row = {"shape": name, "tokens": N, "experts_touched": touched}
+            gu_bytes, d_bytes = touched * 2 * F * L * 2, touched * F * L * 2
+            for bf, bl, nw in GATE_UP:
+                def run_gu(bf=bf, bl=bl, nw=nw):
+                    gate_up[(pairs, -(-F // bf))](z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1),
+                                                  w3.stride(0), w3.stride(1), 4.0, 25.0, K=k, BLOCK_F=bf,
+                                                  BLOCK_L=bl, num_warps=nw)
+                run_gu()
+                ref = h.clone()
+                ms = do_bench(run_gu)
+                assert torch.equal(h, ref)
+                row[f"gate_up {bf}x{bl} w{nw}"] = f"{ms * 1e3:.1f} us {gu_bytes / ms / 1e6 / copy_gbs:.0%}"
+            for bl, bf, nw in DOWN:
+                def run_d(bf=bf, bl=bl, nw=nw):
+                    down[(pairs, -(-L // bl))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), BLOCK_L=bl,
+                                               BLOCK_F=bf, num_warps=nw)
+                run_d()
+                ms = do_bench(run_d)
+                row[f"down {bl}x{bf} w{nw}"] = f"{ms * 1e3:.1f} us {d_bytes / ms / 1e6 / copy_gbs:.0%}"
+            print(json.dumps(row), flush=True)
+        del w13, w2
+
+
+if __name__ == "__main__":
+    main()
