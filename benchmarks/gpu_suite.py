@@ -72,7 +72,8 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
 
 # the fused decode-step kernels pinned off (torch: the composed ops) and on (triton)
 _FUSED = ("KDA_DECODE", "MOE_ROUTE", "ATTN_RES_NORM", "MLA_ABSORB_V", "MLA_GATE", "MOE_GEMV", "MOE_COMBINE_NORM",
-          "RMS_NORM_PAIR", "KDA_DECODE_DECAY_PROJ", "MLA_APPEND", "MOE_ROUTE_ROUND")
+          "RMS_NORM_PAIR", "KDA_DECODE_DECAY_PROJ", "MLA_APPEND", "MOE_ROUTE_ROUND",
+          "MOE_OUT")
 _FUSED_OFF = ["env"] + [f"K3_{op}_BACKEND=torch" for op in _FUSED]
 _FUSED_ON = ["env"] + [f"K3_{op}_BACKEND=triton" for op in _FUSED]
 _KERNELS = [PY, "benchmarks/decode_ops.py", "--preset", "k3-mini", "--kernels", "--backend", "fast",
@@ -142,7 +143,7 @@ STEPS = {
     "decode_kernels": ([PYTEST + ["tests/ops/test_attn_res_norm.py", "tests/ops/test_mla_out.py",
                                   "tests/ops/test_moe_gemv.py", "tests/ops/test_mla_append.py",
                                   "tests/ops/test_rms_norm_pair.py", "tests/ops/test_kda_decode.py",
-                                  "tests/ops/test_moe_route.py"],
+                                  "tests/ops/test_moe_route.py", "tests/ops/test_moe_out.py"],
                         PYTEST + [COMPILE_TEST_FILE, "-k", "fused_decode_kernels"]], 480),
     # the fused KDA decode step and router kernel, the fused replay and the draft's captured chains: their GPU tests
     # (about 7.5 minutes on a fresh machine, most of it compiling)

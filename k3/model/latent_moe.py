@@ -19,6 +19,7 @@ from k3.config import K3Config
 from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack, stacked_linear
 from k3.ops.moe import Routing, interleaved_halves, moe_experts_any
 from k3.ops.moe_gemv import fuses_norm, moe_gemv_for
+from k3.ops.moe_out import moe_out_for
 from k3.ops.moe_route import route_any, route_round_any
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
@@ -130,6 +131,8 @@ class GroupedExperts(CastsWeights, nn.Module):
 
 
 class LatentMoE(nn.Module):
+    backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
+
     def __init__(self, cfg: K3Config, layer_idx: int):
         super().__init__()
         self.latent = cfg.moe_latent  # false: the standard-MoE ablation, experts in the hidden width
@@ -165,16 +168,27 @@ class LatentMoE(nn.Module):
 
     def _routed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed experts' weighted sum u of z, back to the hidden width: W_up RMSNorm(u) (u itself without the
-        latent); the norm inside the experts' last kernel where they can (GroupedExperts.forward_normed)."""
-        if not self.latent:
-            return self.experts(z, routing)
+        latent)."""
+        return self.routed_expert_up_proj(self._normed(z, routing)) if self.latent else self.experts(z, routing)
+
+    def _normed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """RMSNorm(u) of the routed experts' weighted sum u of z (latent only); the norm inside the experts' last
+        kernel where they can (GroupedExperts.forward_normed)."""
         norm = self.routed_expert_norm
         a = None
         if isinstance(norm, RMSNorm) and hasattr(self.experts, "forward_normed"):
             a = self.experts.forward_normed(z, routing, norm)
-        if a is None:
-            a = norm(self.experts(z, routing))
-        return self.routed_expert_up_proj(a)
+        return norm(self.experts(z, routing)) if a is None else a
+
+    def _out_kernel(self, z: torch.Tensor, sg: torch.Tensor):
+        """The MoE output kernel's function (op ``moe_out``: the latent up-projection, the shared experts' SiTU-GLU
+        and down-projection and their sum in one kernel) where the registry picks it for these few tokens and the two
+        projections are plain bias-free linears of the activations' dtype; else None."""
+        up, down = self.routed_expert_up_proj, self.shared_experts.down_proj
+        if any(m.bias is not None or getattr(m, "weight_casts", None) is not None or m.weight.dtype != sg.dtype
+               for m in (up, down)):
+            return None
+        return moe_out_for(z, self.backends)
 
     def _stacked_projections(self, flat: torch.Tensor):
         """(the routing, or None: the router runs on its own; z; shared gate; shared up) from one GEMM against the
@@ -207,8 +221,13 @@ class LatentMoE(nn.Module):
         if stacked is not None:  # serving: the projections of x from one GEMM
             routing, z, sg, su = stacked
             routing = self.gate(flat) if routing is None else routing
-            # the routed output added in the shared experts' down-projection GEMM (its epilogue)
-            y = self.shared_experts.from_projections(sg, su, add=self._routed(z, routing))
+            fused = self._out_kernel(z, sg) if self.latent else None
+            if fused is not None:  # W_up a, SiTU-GLU, W_down h and their sum in one kernel (op moe_out)
+                sh = self.shared_experts
+                y = fused(self._normed(z, routing), sg, su, self.routed_expert_up_proj.weight, sh.down_proj.weight,
+                          sh.beta1, sh.beta2)
+            else:  # the routed output added in the shared experts' down-projection GEMM (its epilogue)
+                y = self.shared_experts.from_projections(sg, su, add=self._routed(z, routing))
             return (y.view(shape), Routing(*(t.detach() for t in routing))) if return_routing else y.view(shape)
         routing = self.gate(flat)
         y = self._routed(self.routed_expert_down_proj(flat) if self.latent else flat, routing)

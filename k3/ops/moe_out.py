@@ -1,0 +1,161 @@
+"""A LatentMoE layer's output from its two halves in one kernel (op ``moe_out``, inference).
+
+After the routed experts, a decode step's MoE layer (k3.model.latent_moe) still has three launches and a copy for a
+handful of tokens: the latent up-projection ``r = W_up a`` of the routed experts' normed sum a (a GEMM), the shared
+experts' SiTU-GLU ``h = situ(g, u)`` of their gate and up projections (a kernel) and their down-projection with r
+added, ``y = W_down h + r`` (``torch.addmm``, which first copies r into its output). Here program (n, block of D
+output rows) computes token n's rows of y in one pass over both weights:
+
+* ``r = W_up[d, :] . a[n]`` summed in fp32 and rounded to the output dtype, as the up-projection's GEMM writes it;
+* ``h[n] = situ(g[n], u[n])`` in fp32, rounded to the output dtype as the SiTU-GLU kernel writes it, block by block
+  (each program recomputes the token's few thousand activations instead of reading them back: they cost no bytes);
+* ``y = W_down[d, :] . h[n] + r`` summed in fp32 and rounded once, as addmm rounds.
+
+So y is the composed ops' up to the order of the fp32 sums (and SiTU's exponentials, a last-bit difference before
+h's rounding). Each program reads its rows of both weights once per token: with N tokens they are read N times (from
+L2 after the first), which is why the layer asks for it only up to ``MOE_OUT_MAX_TOKENS`` tokens. No backward: the
+layer asks for it only without gradients. a, g and u are read through their row strides (g and u are views of the
+stacked projection's output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from k3.ops import _triton
+from k3.ops.registry import Backends, Fast, Op, dispatch, register
+from k3.ops.situ import situ_glu
+
+__all__ = ["MOE_OUT_MAX_TOKENS", "moe_out", "moe_out_for", "moe_out_triton"]
+
+MOE_OUT_MAX_TOKENS = 8  # up to this many tokens per layer call; the GEMMs above it
+
+tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
+_SUM = None
+
+
+def moe_out(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor, beta1: float,
+            beta2: float) -> Tensor:
+    """The definition: ``W_down situ(gate, up) + W_up a`` as the composed ops compute it (the SiTU-GLU rounded to
+    the inputs' dtype, the up-projection rounded by its GEMM, the sum rounded once by addmm). a [N, L], gate and up
+    [N, I], w_up [D, L], w_down [D, I] -> [N, D]."""
+    _check(a, gate, up, w_up, w_down)
+    h = situ_glu(gate, up, beta1, beta2)
+    return torch.addmm(F.linear(a, w_up), h, w_down.t())
+
+
+def _check(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor) -> None:
+    for name, t in (("a", a), ("gate", gate), ("up", up), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(t, Tensor) or t.ndim != 2 or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a 2-D floating tensor, got {type(t).__name__} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    N, L = a.shape
+    I, D = gate.shape[1], w_up.shape[0]
+    if gate.shape != up.shape or gate.shape[0] != N:
+        raise ValueError(f"gate and up must be [N={N}, I], got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if w_up.shape != (D, L):
+        raise ValueError(f"w_up must be [D, L={L}], got {tuple(w_up.shape)}")
+    if w_down.shape != (D, I):
+        raise ValueError(f"w_down must be [D={D}, I={I}], got {tuple(w_down.shape)}")
+    if len({t.dtype for t in (a, gate, up, w_up, w_down)}) != 1:
+        raise ValueError(f"a, gate, up and both weights must share one dtype, got {a.dtype}, {gate.dtype}, "
+                         f"{up.dtype}, {w_up.dtype}, {w_down.dtype}")
+
+
+def _out_kernel(a_ptr, g_ptr, u_ptr, wu_ptr, wd_ptr, y_ptr, L, I, D, s_a, s_g, s_u, s_wu, s_wd, beta1, beta2,
+                BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
+    for l0 in range(0, L, BLOCK_K):
+        col = l0 + tl.arange(0, BLOCK_K)
+        cm = col < L
+        x = tl.load(a_ptr + n * s_a + col, mask=cm, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(wu_ptr + d[:, None].to(tl.int64) * s_wu + col[None, :], mask=dm[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.reduce(w * x, 1, _SUM)
+    r = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the up-projection as its GEMM writes it
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
+    for i0 in range(0, I, BLOCK_K):
+        col = i0 + tl.arange(0, BLOCK_K)
+        cm = col < I
+        g = tl.load(g_ptr + n * s_g + col, mask=cm, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + n * s_u + col, mask=cm, other=0.0).to(tl.float32)
+        # SiTU-GLU in fp32 from exponentials of non-positive numbers (no overflow): tanh x = sign(x)(1 - e)/(1 + e),
+        # e = exp(-2|x|), with the series x - x^3/3 + 2x^5/15 below |x| = 0.1 where 1 - e cancels
+        x1 = g / beta1
+        x2 = u / beta2
+        e1 = tl.exp2(tl.abs(x1) * -2.8853900817779268)
+        e2 = tl.exp2(tl.abs(x2) * -2.8853900817779268)
+        t1 = tl.where(x1 < 0, -1.0, 1.0) * (1.0 - e1) / (1.0 + e1)
+        t2 = tl.where(x2 < 0, -1.0, 1.0) * (1.0 - e2) / (1.0 + e2)
+        t1 = tl.where(tl.abs(x1) < 0.1, x1 - x1 * x1 * x1 / 3.0 + 2.0 * x1 * x1 * x1 * x1 * x1 / 15.0, t1)
+        t2 = tl.where(tl.abs(x2) < 0.1, x2 - x2 * x2 * x2 / 3.0 + 2.0 * x2 * x2 * x2 * x2 * x2 / 15.0, t2)
+        en = tl.exp2(tl.abs(g) * -1.4426950408889634)
+        sig = tl.where(g >= 0, 1.0 / (1.0 + en), en / (1.0 + en))
+        h = ((beta1 * t1 * sig) * (beta2 * t2)).to(y_ptr.dtype.element_ty).to(tl.float32)  # as SiTU-GLU writes h
+        w = tl.load(wd_ptr + d[:, None].to(tl.int64) * s_wd + col[None, :], mask=dm[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.reduce(w * h[None, :], 1, _SUM)
+    tl.store(y_ptr + n * D + d, (acc + r).to(y_ptr.dtype.element_ty), mask=dm)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    import triton
+
+    _triton.bind(globals())
+    return triton.jit(_out_kernel)
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def moe_out_triton(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor, beta1: float,
+                   beta2: float) -> Tensor:
+    """`moe_out` as one Triton kernel (module docstring), for at most MOE_OUT_MAX_TOKENS tokens. Forward only."""
+    _check(a, gate, up, w_up, w_down)
+    N, L = a.shape
+    I, D = gate.shape[1], w_up.shape[0]
+    if N > MOE_OUT_MAX_TOKENS:
+        raise ValueError(f"the MoE output kernel takes at most {MOE_OUT_MAX_TOKENS} tokens, got {N} (the GEMMs take "
+                         "more)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (a, gate, up, w_up, w_down)):
+        raise RuntimeError("the MoE output kernel has no backward: call it without gradients (inference forwards)")
+    ok, why = _triton.runnable()
+    if not ok:
+        raise RuntimeError(f"the MoE output kernel cannot run: {why}")
+    a, gate, up, w_up, w_down = (_rows(t) for t in (a, gate, up, w_up, w_down))
+    y = torch.empty(N, D, device=a.device, dtype=a.dtype)
+    if N and D:
+        block_d, block_k = 8, 256
+        with torch.cuda.device(a.device.index if a.is_cuda else -1):  # the tensors' GPU; -1: no-op
+            _kernel(_triton.interpret())[(N, -(-D // block_d))](
+                a, gate, up, w_up, w_down, y, L, I, D, a.stride(0), gate.stride(0), up.stride(0), w_up.stride(0),
+                w_down.stride(0), float(beta1), float(beta2), BLOCK_D=block_d, BLOCK_K=block_k, num_warps=4)
+    return y
+
+
+register(Op(
+    "moe_out", reference=moe_out,
+    # not validated: its GPU test (tests/ops/test_moe_out.py, marked gpu) has not run on a GPU yet
+    fast=(Fast("triton", moe_out_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="fp32 1e-5 of the largest output (the same products summed in another order); bf16 one bf16 step of "
+              "the largest (the up-projection and h rounded as the composed ops round them, fp32 sums in another "
+              "order: a rounding that falls the other way moves one output by a step), two in the interpreter (it "
+              "truncates)"))
+
+
+def moe_out_for(a: Tensor, backends: Backends | None = None):
+    """The kernel's function when the registry picks it (op ``moe_out``) for a [N, L] of at most MOE_OUT_MAX_TOKENS
+    tokens in a forward without gradients; else None (the caller runs its GEMMs)."""
+    if torch.is_grad_enabled() or a.ndim != 2 or a.shape[0] > MOE_OUT_MAX_TOKENS:
+        return None
+    impl = dispatch("moe_out", a, backends)
+    return impl.fn if impl.name == "triton" else None

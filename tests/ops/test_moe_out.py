@@ -1,0 +1,114 @@
+"""A LatentMoE layer's output in one kernel (op ``moe_out``, k3.ops.moe_out) against the composed ops (the latent
+up-projection GEMM, the shared SiTU-GLU, addmm), and in the model and the serving engine.
+
+CPU tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, set in-process); the `gpu` test runs it compiled
+at k3-mini's and a release-shaped width. Tolerances, relative to the largest reference output: fp32 1e-5 (the same
+products summed in another order); bf16 one bf16 step on a GPU (2^-7: the up-projection, h and y rounded where the
+composed ops round them, a rounding that falls the other way moves an output by a step), two in the interpreter (it
+rounds by truncation).
+"""
+
+import pytest
+import torch
+
+from helpers import assert_same_greedy, count_fast_calls, rel_err, tiny_engine_runs
+from k3.ops.moe_out import MOE_OUT_MAX_TOKENS, moe_out, moe_out_for, moe_out_triton
+from k3.ops.registry import Backends
+
+OUT = Backends(per_op={"moe_out": "triton"})
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _inputs(N, L, I, D, dtype, device="cpu", seed=0):
+    """a contiguous; gate and up as the layer hands them over: column slices of one stacked projection output."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(N, L, generator=g).to(device, dtype)
+    stacked = (torch.randn(N, L + 2 * I, generator=g) * 2).to(device, dtype)
+    gate, up = stacked[:, L:L + I], stacked[:, L + I:]
+    w_up = (torch.randn(D, L, generator=g) / L ** 0.5).to(device, dtype)
+    w_down = (torch.randn(D, I, generator=g) / I ** 0.5).to(device, dtype)
+    return a, gate, up, w_up, w_down, 4.0, 25.0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 * 2 ** -7)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,L,I,D", [(1, 48, 300, 40), (3, 260, 96, 17)])
+def test_interpreted_kernel_equals_the_composed_ops(interpret, dtype, tol, N, L, I, D):
+    # widths over one and several column blocks of 256, D not a multiple of the row block
+    args = _inputs(N, L, I, D, dtype)
+    assert N == 1 or not args[1].is_contiguous()  # gate and up read through their row stride
+    got, want = moe_out_triton(*args), moe_out(*args)
+    assert got.shape == want.shape == (N, D) and got.dtype == dtype
+    assert rel_err(got.float(), want.float()) <= tol
+    # not vacuous: gate and up swapped is far
+    a, gate, up, w_up, w_down, b1, b2 = args
+    assert rel_err(moe_out_triton(a, up, gate, w_up, w_down, b1, b2).float(), want.float()) > 1e-2
+
+
+def test_bad_inputs_are_named(interpret):
+    a, gate, up, w_up, w_down, b1, b2 = _inputs(2, 16, 24, 8, torch.float32)
+    with pytest.raises(ValueError, match="w_down must be"):
+        moe_out_triton(a, gate, up, w_up, w_down[:, :5], b1, b2)
+    with pytest.raises(ValueError, match="gate and up must be"):
+        moe_out_triton(a, gate, up[:, :5], w_up, w_down, b1, b2)
+    with pytest.raises(ValueError, match="one dtype"):
+        moe_out_triton(a.double(), gate, up, w_up, w_down, b1, b2)
+    with pytest.raises(ValueError, match="at most"):
+        moe_out_triton(*_inputs(MOE_OUT_MAX_TOKENS + 1, 16, 24, 8, torch.float32))
+    with pytest.raises(RuntimeError, match="no backward"):
+        moe_out_triton(a.clone().requires_grad_(), gate, up, w_up, w_down, b1, b2)
+    # the layer's gate: the kernel only without gradients and for a few tokens
+    with torch.no_grad():
+        assert moe_out_for(a, OUT) is not None
+        assert moe_out_for(torch.zeros(MOE_OUT_MAX_TOKENS + 1, 16), OUT) is None
+        assert moe_out_for(a, Backends(default="torch")) is None
+    assert moe_out_for(a, OUT) is None  # gradients enabled
+
+
+def test_the_model_with_the_kernel_equals_its_usual_path(interpret, monkeypatch):
+    # a tiny model's no-grad forward with its projections stacked (serving): the kernel runs once per MoE layer with
+    # shared experts, the hidden states are the composed ops' (fp32, 1e-5); unstacked or training, it never runs
+    from k3.config import K3Config
+    from k3.model.common import stack_projections
+    from k3.model.model import K3ForCausalLM
+
+    calls = count_fast_calls(monkeypatch, "moe_out")
+    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
+    m = K3ForCausalLM(cfg).init_weights(seed=1).eval()
+    n_moe = sum(type(x).__name__ == "LatentMoE" and x.shared_experts is not None for x in m.modules())
+    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = m.set_backends(OUT).model(ids)
+        assert calls == []
+        stack_projections(m)
+        want = m.set_backends(Backends()).model(ids)
+        got = m.set_backends(OUT).model(ids)
+    assert calls == ["moe_out"] * n_moe and n_moe > 0
+    assert rel_err(got, want) <= 1e-5 and rel_err(got, plain) <= 1e-5
+    m.train()(ids, labels=ids).loss.backward()
+    assert len(calls) == n_moe
+
+
+def test_the_engine_decodes_the_same_with_the_kernel(interpret, monkeypatch):
+    """The serving engine (stacked projections) with the kernel for its decode steps: the same greedy tokens as the
+    composed ops, log-probs within 1e-4."""
+    calls = count_fast_calls(monkeypatch, "moe_out")
+    ran = []
+    runs = tiny_engine_runs([Backends(), OUT], 6, after=lambda b: ran.append(len(calls)))
+    assert ran[0] == 0 and ran[1] > 0
+    assert_same_greedy(runs, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("N", [1, 4, 8])
+@pytest.mark.parametrize("L,I,D", [(512, 1536, 1024), (3584, 3072, 7168)], ids=["k3-mini", "release"])
+def test_gpu_kernel_equals_the_composed_ops(N, L, I, D):
+    for dtype, tol in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
+        args = _inputs(N, L, I, D, dtype, device="cuda", seed=N)
+        with torch.no_grad():
+            assert rel_err(moe_out_triton(*args).float(), moe_out(*args).float()) <= tol
