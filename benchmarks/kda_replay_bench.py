@@ -13,6 +13,12 @@ then a `--window`-position verification in one pass, the state read once and wri
 cost in the fused form is verify_replay - verify. Bandwidth
 counts the state's bytes read + written (the per-position inputs are a few percent more). The issue's goal: the
 replay kernel at >= 80% of copy bandwidth. Medians of CUDA-event timings after a warm-up; one JSON line per case.
+
+`--timing graph` (the default) times each arm as the serving engine runs it, inside a CUDA graph (`--graph-calls`
+calls captured once, the replays timed, the time per call reported; the verification's pending counts as a device
+tensor, as the engine's captured verification passes them): the GPU's time alone. `--timing eager` times the calls
+as Python makes them, so the host's launches of the op's PyTorch part (the conv tail, the window's conv) count too.
+An arm that cannot be captured is timed eagerly and says so (`"timing": "eager"` in its line).
 """
 
 from __future__ import annotations
@@ -27,18 +33,37 @@ from k3.ops.kda_replay import kda_replay, kda_replay_triton
 from k3.ops.kda_verify_replay import kda_verify_replay_triton
 
 
-def timed(fn, runs: int) -> float:
+def timed(fn, runs: int, calls: int = 1, graph: bool = False) -> tuple[float, str]:
+    """(median seconds per call of `fn`, "graph" or "eager"): with `graph`, `calls` calls captured in one CUDA graph
+    and its replays timed; an arm whose capture fails is timed eagerly."""
     fn()
     torch.cuda.synchronize()
+    how = "eager"
+    run = fn
+    if graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(calls):
+                    fn()
+            run, how = g.replay, "graph"
+        except RuntimeError as e:
+            print(json.dumps({"capture_failed": str(e).splitlines()[0][:200]}), flush=True)
+            torch.cuda.synchronize()
     times = []
     for _ in range(runs):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        run()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+        times.append(a.elapsed_time(b) / 1e3 / (calls if how == "graph" else 1))
+    return statistics.median(times), how
 
 
 def main() -> None:
@@ -52,7 +77,12 @@ def main() -> None:
     ap.add_argument("--accepted", type=int, default=4)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--timing", choices=["graph", "eager"], default="graph",
+                    help="graph: inside a CUDA graph (the GPU's time); eager: as Python calls it (host launches too)")
+    ap.add_argument("--graph-calls", type=int, default=10, help="calls captured per graph (--timing graph)")
     args = ap.parse_args()
+    if args.graph_calls < 1 or args.runs < 1:
+        raise SystemExit("--graph-calls and --runs must be >= 1")
     if not torch.cuda.is_available():
         raise SystemExit("kda_replay_bench.py measures GPU bandwidth: it needs a CUDA device")
     H, K, L, P = args.heads, args.head_dim, args.window, args.conv_channels
@@ -74,15 +104,23 @@ def main() -> None:
         win = (r(N, L, 3, H * K), r(N, L, H, K), r(N, L, H), r(3, H * K, 4, dtype=torch.float32))
         gate = (A_log, dt_bias, lb, state, torch.zeros(N, 3, H * K, 3, device="cuda"))
         none = tuple(x[:, :0] for x in pend)
-        rows = {"triton": timed(lambda: kda_replay_triton(*a, lengths), args.runs),
-                "torch": timed(lambda: kda_replay(*a, lengths), args.runs),
-                "copy": timed(lambda: state.clone(), args.runs),
-                "verify_replay": timed(lambda: kda_verify_replay_triton(*pend, lengths, *win, *gate), args.runs),
-                "verify": timed(lambda: kda_verify_replay_triton(*none, [0] * N, *win, *gate), args.runs)}
-        for name, s in rows.items():
+        # the pending counts on the device, as the engine's captured verification passes them
+        dev_lengths = torch.full((N,), args.accepted, dtype=torch.int32, device="cuda")
+        dev_none = torch.zeros(N, dtype=torch.int32, device="cuda")
+        graph = args.timing == "graph"
+        arms = {"triton": lambda: kda_replay_triton(*a, lengths),
+                "torch": lambda: kda_replay(*a, lengths),
+                "copy": lambda: state.clone(),
+                "verify_replay": lambda: kda_verify_replay_triton(*pend, dev_lengths if graph else lengths, *win,
+                                                                  *gate),
+                "verify": lambda: kda_verify_replay_triton(*none, dev_none if graph else [0] * N, *win, *gate)}
+        # the reference last: a capture that fails (host reads) cannot then disturb the arms after it
+        rows = {name: timed(arms[name], args.runs, args.graph_calls, graph)
+                for name in ("copy", "verify_replay", "verify", "triton", "torch")}
+        for name, (s, how) in rows.items():
             print(json.dumps(dict(requests=N, impl=name, us=round(s * 1e6, 2), state_gb_per_s=round(
-                state_bytes / s / 1e9, 1), share_of_copy=round(rows["copy"] / s, 3), accepted=args.accepted,
-                device=torch.cuda.get_device_name())), flush=True)
+                state_bytes / s / 1e9, 1), share_of_copy=round(rows["copy"][0] / s, 3), accepted=args.accepted,
+                timing=how, device=torch.cuda.get_device_name())), flush=True)
 
 
 if __name__ == "__main__":
