@@ -1,6 +1,7 @@
-"""The MoE GEMV kernels (k3.ops.moe_gemv) under several tile shapes, side by side: microseconds per call and the
-fraction of a copy's bandwidth their weight reads reach, at k3-mini's expert shape and a release-shaped one (the
-release's F and L with fewer experts, to fit one GPU). What picks the kernels' block sizes.
+"""The MoE GEMV kernels (k3.ops.moe_gemv) and the MoE output kernel (k3.ops.moe_out) under several tile shapes, side
+by side: microseconds per call and the fraction of a copy's bandwidth their weight reads reach, at k3-mini's shapes
+and release-shaped ones (the release's widths, with fewer experts to fit one GPU). What picks the kernels' block
+sizes.
 
     python benchmarks/moe_gemv_tune.py [--tokens 1 4 8]
 """
@@ -19,6 +20,23 @@ GATE_UP = [(64, 128, 4), (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), 
 DOWN = [(32, 128, 4), (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (8, 1024, 4), (16, 1024, 8),
         (4, 1024, 4), (8, 256, 2), (4, 512, 2)]
 SHAPES = {"k3-mini": (128, 768, 512, 8), "release-shaped": (64, 3072, 3584, 16)}
+# the output kernel: (rows of D per program, columns per step, warps); its shapes (L, I shared width, D)
+OUT = [(8, 256, 4), (4, 512, 4), (4, 1024, 4), (2, 1024, 4), (8, 512, 8), (16, 256, 4), (4, 256, 2), (2, 512, 2),
+       (1, 1024, 4), (2, 2048, 8)]
+OUT_SHAPES = {"k3-mini": (512, 1536, 1024), "release-shaped": (3584, 3072, 7168)}
+
+
+def _same(out: torch.Tensor, first: torch.Tensor | None, kernel: str, config: tuple) -> torch.Tensor:
+    """The first tile shape's output (a copy), after checking that `out` of this shape is it up to a bf16 step of the
+    largest entry (fp32 sums in another order, then one rounding): a tile shape that computes something else stops
+    the run."""
+    if first is None:
+        return out.clone()
+    err = (out.float() - first.float()).abs().max() / first.float().abs().max().clamp_min(1e-30)
+    if err > 2 ** -7:
+        raise SystemExit(f"{kernel} with tiles {config} differs from the first shape's output by {float(err):.3g} "
+                         "of its largest entry")
+    return first
 
 
 def main() -> None:
@@ -52,25 +70,51 @@ def main() -> None:
             touched = idx.unique().numel()
             row = {"shape": name, "tokens": N, "experts_touched": touched}
             gu_bytes, d_bytes = touched * 2 * F * L * 2, touched * F * L * 2
+            first = None
             for bf, bl, nw in GATE_UP:
                 def run_gu(bf=bf, bl=bl, nw=nw):
                     gate_up[(pairs, -(-F // bf))](z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1),
                                                   w3.stride(0), w3.stride(1), 4.0, 25.0, K=k, BLOCK_F=bf,
                                                   BLOCK_L=bl, num_warps=nw)
                 run_gu()
-                ref = h.clone()
+                first = _same(h, first, "gate_up", (bf, bl, nw))
                 ms = do_bench(run_gu)
-                assert torch.equal(h, ref)
                 row[f"gate_up {bf}x{bl} w{nw}"] = f"{ms * 1e3:.1f} us {gu_bytes / ms / 1e6 / copy_gbs:.0%}"
+            h.copy_(first)
+            first = None
             for bl, bf, nw in DOWN:
                 def run_d(bf=bf, bl=bl, nw=nw):
                     down[(pairs, -(-L // bl))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), BLOCK_L=bl,
                                                BLOCK_F=bf, num_warps=nw)
                 run_d()
+                first = _same(y, first, "down", (bl, bf, nw))
                 ms = do_bench(run_d)
                 row[f"down {bl}x{bf} w{nw}"] = f"{ms * 1e3:.1f} us {d_bytes / ms / 1e6 / copy_gbs:.0%}"
             print(json.dumps(row), flush=True)
         del w13, w2
+    from k3.ops.moe_out import _kernel as out_kernel
+
+    kernel = out_kernel(False)
+    for name, (L, I, D) in OUT_SHAPES.items():
+        w_up = torch.randn(D, L, device=dev, dtype=torch.bfloat16) * 0.02
+        w_down = torch.randn(D, I, device=dev, dtype=torch.bfloat16) * 0.02
+        for N in args.tokens:
+            a = torch.randn(N, L, device=dev, dtype=torch.bfloat16)
+            gu = torch.randn(N, 2 * I, device=dev, dtype=torch.bfloat16)
+            g, u = gu[:, :I], gu[:, I:]
+            y = torch.empty(N, D, device=dev, dtype=torch.bfloat16)
+            row = {"kernel": "moe_out", "shape": name, "tokens": N}
+            first = None
+            for bd, bk, nw in OUT:
+                def run_out(bd=bd, bk=bk, nw=nw):
+                    kernel[(N, -(-D // bd))](a, g, u, w_up, w_down, y, L, I, D, a.stride(0), g.stride(0),
+                                             u.stride(0), w_up.stride(0), w_down.stride(0), 4.0, 25.0, BLOCK_D=bd,
+                                             BLOCK_K=bk, num_warps=nw)
+                run_out()
+                first = _same(y, first, "moe_out", (bd, bk, nw))
+                ms = do_bench(run_out)
+                row[f"out {bd}x{bk} w{nw}"] = f"{ms * 1e3:.1f} us {(L + I) * D * 2 / ms / 1e6 / copy_gbs:.0%}"
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
