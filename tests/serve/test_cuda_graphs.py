@@ -400,6 +400,8 @@ def test_static_decode_steps_with_every_fused_decode_kernel_match_the_reference(
         _serve_to_the_reference(_engine(), _prompts((44, 10)))
 
 
+@pytest.mark.slow  # about 22 s on 2 cores; its parts have faster tests: the compiled step's breaks (the test above
+# with the fast implementations) and the fused kernels on the static step (test_static_decode_steps_with_every_...)
 def test_compiled_decode_step_with_the_fused_decode_kernels(static_mode, use_backends, interpreted_kernels,
                                                             monkeypatch):
     # The decode step with every fused decode kernel (in Triton's interpreter) compiled: it still breaks only at the
