@@ -26,17 +26,27 @@ OUT = [(8, 256, 4), (4, 512, 4), (4, 1024, 4), (2, 1024, 4), (8, 512, 8), (16, 2
 OUT_SHAPES = {"k3-mini": (512, 1536, 1024), "release-shaped": (3584, 3072, 7168)}
 
 
-def _same(out: torch.Tensor, first: torch.Tensor | None, kernel: str, config: tuple) -> torch.Tensor:
-    """The first tile shape's output (a copy), after checking that `out` of this shape is it up to a bf16 step of the
-    largest entry (fp32 sums in another order, then one rounding): a tile shape that computes something else stops
-    the run."""
-    if first is None:
-        return out.clone()
-    err = (out.float() - first.float()).abs().max() / first.float().abs().max().clamp_min(1e-30)
-    if err > 2 ** -7:
-        raise SystemExit(f"{kernel} with tiles {config} differs from the first shape's output by {float(err):.3g} "
-                         "of its largest entry")
-    return first
+def _sweep(row: dict, kernel: str, configs: list, launch, out: torch.Tensor, nbytes: int, copy_gbs: float) -> None:
+    """Each tile shape of `configs` launched (`launch(*config)`, writing `out`), its output checked against the first
+    shape's up to a bf16 step of the largest entry (fp32 sums in another order, then one rounding: a shape that
+    computes something else stops the run), then timed: row[f"{kernel} AxB wW"] = "us per call, share of a copy's
+    bandwidth for `nbytes` read". `out` holds the first shape's output afterwards."""
+    from triton.testing import do_bench
+
+    first = None
+    for config in configs:
+        launch(*config)
+        if first is None:
+            first = out.clone()
+        else:
+            err = (out.float() - first.float()).abs().max() / first.float().abs().max().clamp_min(1e-30)
+            if err > 2 ** -7:
+                raise SystemExit(f"{kernel} with tiles {config} differs from the first shape's output by "
+                                 f"{float(err):.3g} of its largest entry")
+        ms = do_bench(lambda: launch(*config))
+        row[f"{kernel} {config[0]}x{config[1]} w{config[2]}"] = \
+            f"{ms * 1e3:.1f} us {nbytes / ms / 1e6 / copy_gbs:.0%}"
+    out.copy_(first)
 
 
 def main() -> None:
@@ -70,26 +80,12 @@ def main() -> None:
             touched = idx.unique().numel()
             row = {"shape": name, "tokens": N, "experts_touched": touched}
             gu_bytes, d_bytes = touched * 2 * F * L * 2, touched * F * L * 2
-            first = None
-            for bf, bl, nw in GATE_UP:
-                def run_gu(bf=bf, bl=bl, nw=nw):
-                    gate_up[(pairs, -(-F // bf))](z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1),
-                                                  w3.stride(0), w3.stride(1), 4.0, 25.0, K=k, BLOCK_F=bf,
-                                                  BLOCK_L=bl, num_warps=nw)
-                run_gu()
-                first = _same(h, first, "gate_up", (bf, bl, nw))
-                ms = do_bench(run_gu)
-                row[f"gate_up {bf}x{bl} w{nw}"] = f"{ms * 1e3:.1f} us {gu_bytes / ms / 1e6 / copy_gbs:.0%}"
-            h.copy_(first)
-            first = None
-            for bl, bf, nw in DOWN:
-                def run_d(bf=bf, bl=bl, nw=nw):
-                    down[(pairs, -(-L // bl))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), BLOCK_L=bl,
-                                               BLOCK_F=bf, num_warps=nw)
-                run_d()
-                first = _same(y, first, "down", (bl, bf, nw))
-                ms = do_bench(run_d)
-                row[f"down {bl}x{bf} w{nw}"] = f"{ms * 1e3:.1f} us {d_bytes / ms / 1e6 / copy_gbs:.0%}"
+            _sweep(row, "gate_up", GATE_UP, lambda bf, bl, nw: gate_up[(pairs, -(-F // bf))](
+                z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), 4.0,
+                25.0, K=k, BLOCK_F=bf, BLOCK_L=bl, num_warps=nw), h, gu_bytes, copy_gbs)
+            _sweep(row, "down", DOWN, lambda bl, bf, nw: down[(pairs, -(-L // bl))](
+                h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), BLOCK_L=bl, BLOCK_F=bf, num_warps=nw), y, d_bytes,
+                copy_gbs)
             print(json.dumps(row), flush=True)
         del w13, w2
     from k3.ops.moe_out import _kernel as out_kernel
@@ -104,16 +100,9 @@ def main() -> None:
             g, u = gu[:, :I], gu[:, I:]
             y = torch.empty(N, D, device=dev, dtype=torch.bfloat16)
             row = {"kernel": "moe_out", "shape": name, "tokens": N}
-            first = None
-            for bd, bk, nw in OUT:
-                def run_out(bd=bd, bk=bk, nw=nw):
-                    kernel[(N, -(-D // bd))](a, g, u, w_up, w_down, y, L, I, D, a.stride(0), g.stride(0),
-                                             u.stride(0), w_up.stride(0), w_down.stride(0), 4.0, 25.0, BLOCK_D=bd,
-                                             BLOCK_K=bk, num_warps=nw)
-                run_out()
-                first = _same(y, first, "moe_out", (bd, bk, nw))
-                ms = do_bench(run_out)
-                row[f"out {bd}x{bk} w{nw}"] = f"{ms * 1e3:.1f} us {(L + I) * D * 2 / ms / 1e6 / copy_gbs:.0%}"
+            _sweep(row, "out", OUT, lambda bd, bk, nw: kernel[(N, -(-D // bd))](
+                a, g, u, w_up, w_down, y, L, I, D, a.stride(0), g.stride(0), u.stride(0), w_up.stride(0),
+                w_down.stride(0), 4.0, 25.0, BLOCK_D=bd, BLOCK_K=bk, num_warps=nw), y, (L + I) * D * 2, copy_gbs)
             print(json.dumps(row), flush=True)
 
 
