@@ -10,6 +10,7 @@ storage), the routing uniformly (each token 16 distinct experts), and side by si
 * ``packed-grouped``: k3.ops.mx_moe_grouped's expert-centric kernels on the packed storage (op mx_moe
   triton_grouped: each touched expert's packed rows read once per tile of its tokens), decoding through
   ``tl.dot_scaled``; ``packed-grouped-regs``: the same kernels with their own decode in registers;
+  ``packed-grouped-bits``: with the weights' bf16 bits built by integer operations (decode="bits");
 * ``packed-triton``: k3.ops.mx_moe's token-centric kernels on the packed storage (what `k3 serve` runs with
   mx_moe=triton);
 * ``packed-torch``: the reference (each touched expert decoded just before its GEMMs);
@@ -43,8 +44,9 @@ from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed, mx_moe_packed_grou
 from k3.ops.situ import situ_glu
 
 B1, B2 = 4.0, 25.0
-IMPLS = ("packed-grouped", "packed-grouped-regs", "packed-triton", "packed-torch", "bf16-grouped")
-KERNELS = ("packed-grouped", "packed-grouped-regs", "packed-triton")  # compiled Triton: GPU only
+IMPLS = ("packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton", "packed-torch",
+         "bf16-grouped")
+KERNELS = ("packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton")  # compiled Triton: GPU only
 
 
 def random_packed(E: int, F: int, L: int, device) -> PackedExpertWeights:
@@ -101,7 +103,8 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     w = random_packed(E, F, L, dev)
     dense = None
-    if dev.type == "cuda" and "bf16-grouped" in args.impls:  # decoded expert by expert (a whole-tensor decode's int64 codes would not fit)
+    # decoded expert by expert (a whole-tensor decode's int64 codes would not fit)
+    if dev.type == "cuda" and "bf16-grouped" in args.impls:
         dense = []
         for i in (0, 2, 4):
             d = torch.empty(*w[i].shape[:-1], w[i].shape[-1] * 2, dtype=torch.bfloat16, device=dev)
@@ -116,9 +119,12 @@ def main() -> int:
         idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(dev)
         wt = torch.rand(N, K, generator=g).to(dev)
         touched = int(torch.unique(idx).numel())
-        impls = {"packed-grouped": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8"),
+        impls = {"packed-grouped": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
+                                                                 decode="dot_scaled"),
                  "packed-grouped-regs": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
                                                                       decode="registers"),
+                 "packed-grouped-bits": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
+                                                                      decode="bits"),
                  "packed-triton": lambda: mx_moe_packed_triton(z, wt, idx, w, B1, B2, "mxfp8"),
                  "packed-torch": lambda: mx_moe_packed(z, wt, idx, w, B1, B2, "mxfp8")}
         if dense is not None:

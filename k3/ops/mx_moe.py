@@ -295,8 +295,9 @@ def mx_moe_packed_grouped(z: Tensor, weights: Tensor, indices: Tensor, w: Packed
                           block_t: int | None = None, autotune: bool | None = None) -> Tensor:
     """:func:`mx_moe_packed` on the expert-centric grouped kernels (k3.ops.mx_moe_grouped): each touched expert's
     packed rows read once per tile of up to `block_t` of its tokens (None: 16 at decode, up to 64 in prefill), no
-    host sync. `decode`: "dot_scaled" (Triton's MX dot, bf16/fp16 inputs), "registers" (our decode, any dtype) or
-    "auto" (the second: faster on an H100); `autotune`: None tunes the block sizes when compiled.
+    host sync. `decode`: "dot_scaled" (Triton's MX dot, bf16/fp16 inputs), "registers" (our decode, any dtype),
+    "bits" (bf16 tokens: the weights' bf16 bits by integer operations) or "auto" (registers: faster than dot_scaled
+    on an H100); `autotune`: None tunes the block sizes when compiled.
     The expert indices are not range-checked on CUDA (on the router's output they are valid)."""
     _check(z, weights, indices, w, activations)
     ok, why = _triton.runnable()

@@ -18,7 +18,7 @@ whole tile of tokens:
   at 64 release-shaped tokens) is small against the packed weights (10.9 GB for those tokens).
 
 The weights are the left operand (rows of W against the tile's tokens: the "swap AB" form for small batches), so
-the wide dimension of W fills the matrix unit and BLOCK_T can be as small as 16 at decode. Two ways to decode:
+the wide dimension of W fills the matrix unit and BLOCK_T can be as small as 16 at decode. Three ways to decode:
 
 * ``dot_scaled`` (bf16 or fp16 inputs): ``tl.dot_scaled`` with the packed codes and E8M0 scales as they are stored
   (e2m1, k-packed: byte j of a row holds columns 2j and 2j+1, low nibble first, as k3.ops.mx) and the tokens in
@@ -26,10 +26,20 @@ the wide dimension of W fills the matrix unit and BLOCK_T can be as small as 16 
   GPUs with MX instructions);
 * ``registers`` (any float dtype; fp32 takes IEEE fp32 dots, ``input_precision="ieee"``): our own decode, the
   E2M1 value ``m/2, m - 2, 2m - 8`` of the magnitude index times the E8M0 power of two built from its bits
-  (2^-127 for byte 0, NaN for 255, as k3.ops.mx_dequantize), exact in fp32; the even and odd columns of each byte
-  multiply the tokens' even and odd columns, so no interleave is needed. ``auto`` takes this one: on an H100
-  (2026-12-06, benchmarks/mx_moe_layer.py) it ran a release-shaped layer in 0.93, 4.58 and 11.96 ms at 1, 16 and
-  64 tokens against dot_scaled's 1.04, 5.36 and 14.06 ms.
+  (2^-127 for byte 0, NaN for 255, as k3.ops.mx_dequantize), exact in fp32; the low and high nibbles of byte j
+  become columns 2j and 2j + 1 in registers (a join of the two). ``auto`` takes this one: on an H100 (2026-12-06,
+  benchmarks/mx_moe_layer.py) it ran a release-shaped layer in 0.93, 4.58 and 11.96 ms at 1, 16 and
+  64 tokens against dot_scaled's 1.04, 5.36 and 14.06 ms;
+* ``bits`` (bf16 tokens): the decoded weights' bf16 bits built by integer operations alone, without the two
+  float conversions and two multiplies per weight of ``registers``. Conversions run at a quarter of the integer
+  rate on Hopper, and at 64 release-shaped tokens the ``registers`` kernels stream their weights at 0.9 TB/s where
+  the bf16 GEMMs reach 2.8: probably the decode, not the memory, bounds them. For code c
+  (sign bit 8, magnitude m = c & 7: exponent bits e = m >> 1, mantissa bit m & 1) and E8M0 byte s, the value
+  E2M1(m) * 2^(s - 127) is a normal bf16 with exponent field s + e - 1 and mantissa bit 6 the code's, except code
+  1 (0.5: exponent field s - 1, no mantissa bit) and magnitude 0 (zero): ((s - 1) << 7) + (m << 6), less 64 for
+  m = 1, with the sign at bit 15. That holds for every scale in [2, 252]; a step whose rows hold a scale outside
+  (subnormal or infinite results, NaN) takes the ``registers`` decode, so every scale decodes exactly as
+  k3.ops.mx.mxfp4_dequantize. Not ``auto``'s choice until measured faster on a GPU.
 
 Nothing reads back to the host: the tile map is built on the device (counts by index_add, cumsums, searchsorted)
 for a grid sized by its upper bound ``min(E, N*k) + N*k // BLOCK_T`` tiles, and programs past the last tile do
@@ -51,7 +61,7 @@ from k3.ops.mx import mxfp8_fake_quantize_any
 
 __all__ = ["DECODES", "grouped_experts", "tile_map"]
 
-DECODES = ("auto", "dot_scaled", "registers")
+DECODES = ("auto", "dot_scaled", "registers", "bits")
 # triton.language, bound on first use (k3.ops._triton.bind)
 tl = None
 
@@ -71,11 +81,12 @@ _INTERPRET_CONFIG = (32, 64, 4, 1)
 def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_ptr, h_ptr, L, LH, LS, F, beta1,
                     beta2, tiles_log2, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_SCALED: tl.constexpr, FMT: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, BITS: tl.constexpr):
     """Program (tile t, block b of F): h[rows of t, b] = SiTU-GLU(w1[e] x, w3[e] x) for the tile's tokens x and its
     expert e, w1/w3 rows decoded once for all of them; fp32 accumulation. LH = L/2 and LS = L/32 (row lengths of
     the codes and scales, passed so that Triton sees their divisibility); EVEN_K: BLOCK_K divides L (no column
-    masks); `tiles_log2` only keys the autotuning."""
+    masks); BITS: bf16 tokens, the weights' bf16 bits built by integer operations where the step's scales allow
+    (the module docstring); `tiles_log2` only keys the autotuning."""
     t = tl.program_id(0)
     e = tl.load(tile_ptr + 3 * t).to(tl.int64)  # -1: past the last tile
     if e >= 0:
@@ -110,32 +121,56 @@ def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_p
                 acc1 = tl.dot_scaled(b1, s1, "e2m1", x, None, FMT, acc1)
                 acc3 = tl.dot_scaled(b3, s3, "e2m1", x, None, FMT, acc3)
             else:
-                # E8M0 2^(s - 127) from its bits (byte 0 the subnormal 2^-127, 255 NaN), per 16 bytes of codes
-                s = s1.to(tl.int32)
-                sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
-                sc = tl.where(s == 255, float("nan"), sc)
-                sc1 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
-                                 (BLOCK_F, BLOCK_K // 2))
-                s = s3.to(tl.int32)
-                sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
-                sc = tl.where(s == 255, float("nan"), sc)
-                sc3 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
-                                 (BLOCK_F, BLOCK_K // 2))
-                # E2M1 code (sign, 2 exponent bits, 1 mantissa bit) moved into an fp16's sign, the low exponent bits
-                # and the top mantissa bit: that fp16 is the value times 2^-14 (code 1, 0.5, lands on the subnormal
-                # 2^-15), exact; times 2^14 and the scale in fp32, as k3.ops.mx.mxfp4_dequantize
-                b = b1.to(tl.int32)
-                lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                      * 16384.0 * sc1)
-                hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-                      .to(tl.float32) * 16384.0 * sc1)
-                w1 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))  # columns 2j, 2j+1
-                b = b3.to(tl.int32)
-                lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                      * 16384.0 * sc3)
-                hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-                      .to(tl.float32) * 16384.0 * sc3)
-                w3 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
+                if BITS:  # every scale of the step's rows in [2, 252]: no bf16 result subnormal or infinite
+                    q1 = s1.to(tl.int32)
+                    q3 = s3.to(tl.int32)
+                    odd = (q1 < 2) | (q1 > 252) | (q3 < 2) | (q3 > 252)
+                    edge = tl.reduce(tl.reduce(odd.to(tl.int32), 1, _MAX), 0, _MAX)
+                else:
+                    edge = 1
+                if edge == 0:
+                    # the bf16 bits of value * 2^(s - 127) by integer operations (the module docstring)
+                    b = b1.to(tl.int32)
+                    cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))  # codes of columns 2j, 2j+1
+                    m = cd & 7
+                    base = tl.reshape(tl.broadcast_to(((q1 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
+                                      (BLOCK_F, BLOCK_K))
+                    v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
+                    w1 = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    b = b3.to(tl.int32)
+                    cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))
+                    m = cd & 7
+                    base = tl.reshape(tl.broadcast_to(((q3 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
+                                      (BLOCK_F, BLOCK_K))
+                    v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
+                    w3 = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                else:
+                    # E8M0 2^(s - 127) from its bits (byte 0 the subnormal 2^-127, 255 NaN), per 16 bytes of codes
+                    s = s1.to(tl.int32)
+                    sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
+                    sc = tl.where(s == 255, float("nan"), sc)
+                    sc1 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
+                                     (BLOCK_F, BLOCK_K // 2))
+                    s = s3.to(tl.int32)
+                    sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
+                    sc = tl.where(s == 255, float("nan"), sc)
+                    sc3 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
+                                     (BLOCK_F, BLOCK_K // 2))
+                    # E2M1 code (sign, 2 exponent bits, 1 mantissa bit) moved into an fp16's sign, the low exponent bits
+                    # and the top mantissa bit: that fp16 is the value times 2^-14 (code 1, 0.5, lands on the subnormal
+                    # 2^-15), exact; times 2^14 and the scale in fp32, as k3.ops.mx.mxfp4_dequantize
+                    b = b1.to(tl.int32)
+                    lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                          * 16384.0 * sc1)
+                    hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                          .to(tl.float32) * 16384.0 * sc1)
+                    w1 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))  # columns 2j, 2j+1
+                    b = b3.to(tl.int32)
+                    lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                          * 16384.0 * sc3)
+                    hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                          .to(tl.float32) * 16384.0 * sc3)
+                    w3 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
                 if IEEE:
                     acc1 = tl.dot(w1.to(tl.float32), x.to(tl.float32), acc1, input_precision="ieee")
                     acc3 = tl.dot(w3.to(tl.float32), x.to(tl.float32), acc3, input_precision="ieee")
@@ -160,11 +195,11 @@ def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_p
 
 def _down_kernel(h_ptr, tile_ptr, w2p_ptr, w2s_ptr, y_ptr, L, F, FH, FS, tiles_log2, BLOCK_T: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_SCALED: tl.constexpr,
-                 FMT: tl.constexpr, IEEE: tl.constexpr):
+                 FMT: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr):
     """Program (tile t, block b of L rows): y[rows of t, b] = w2[e] h for the tile's hidden rows (in expert order)
     and its expert e, w2's rows decoded once for all of them; fp32 throughout. BLOCK_F names the rows of W per
     program (here rows of L, so that both kernels share the autotuning configs); FH = F/2, FS = F/32; EVEN_K:
-    BLOCK_K divides F."""
+    BLOCK_K divides F; BITS as in the gate/up kernel."""
     t = tl.program_id(0)
     e = tl.load(tile_ptr + 3 * t).to(tl.int64)
     if e >= 0:
@@ -195,17 +230,31 @@ def _down_kernel(h_ptr, tile_ptr, w2p_ptr, w2s_ptr, y_ptr, L, F, FH, FS, tiles_l
             if DOT_SCALED:
                 acc = tl.dot_scaled(b2, s2, "e2m1", x, None, FMT, acc)
             else:
-                s = s2.to(tl.int32)
-                sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
-                sc = tl.where(s == 255, float("nan"), sc)
-                sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
-                                (BLOCK_F, BLOCK_K // 2))
-                b = b2.to(tl.int32)
-                lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                      * 16384.0 * sc)
-                hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-                      .to(tl.float32) * 16384.0 * sc)
-                w2 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
+                if BITS:
+                    q = s2.to(tl.int32)
+                    edge = tl.reduce(tl.reduce(((q < 2) | (q > 252)).to(tl.int32), 1, _MAX), 0, _MAX)
+                else:
+                    edge = 1
+                if edge == 0:
+                    b = b2.to(tl.int32)
+                    cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))
+                    m = cd & 7
+                    base = tl.reshape(tl.broadcast_to(((q - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
+                                      (BLOCK_F, BLOCK_K))
+                    v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
+                    w2 = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                else:
+                    s = s2.to(tl.int32)
+                    sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
+                    sc = tl.where(s == 255, float("nan"), sc)
+                    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
+                                    (BLOCK_F, BLOCK_K // 2))
+                    b = b2.to(tl.int32)
+                    lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                          * 16384.0 * sc)
+                    hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                          .to(tl.float32) * 16384.0 * sc)
+                    w2 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
                 if IEEE:
                     acc = tl.dot(w2.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
                 else:
@@ -217,8 +266,8 @@ def _down_kernel(h_ptr, tile_ptr, w2p_ptr, w2s_ptr, y_ptr, L, F, FH, FS, tiles_l
 def _kernels(interpret: bool, tune: bool):
     """The jitted kernels (one pair per interpreter setting: ``triton.jit`` picks compiled or interpreted when it
     wraps the function). With `tune`, each wrapped in ``triton.autotune`` over its table (_TUNE_GATE_UP, _TUNE_DOWN),
-    keyed by the shape, the tile count's log2, BLOCK_T and the decode; every config writes the same outputs from the
-    same inputs, so the timing runs leave nothing behind."""
+    keyed by the shape, the tile count's log2, BLOCK_T and the decode (DOT_SCALED, BITS); every config writes the
+    same outputs from the same inputs, so the timing runs leave nothing behind."""
     import triton
 
     _triton.bind(globals())
@@ -227,7 +276,7 @@ def _kernels(interpret: bool, tune: bool):
     down = triton.heuristics({"EVEN_K": lambda a: a["F"] % a["BLOCK_K"] == 0})(triton.jit(_down_kernel))
     if not tune:
         return gate_up, down
-    key = ["L", "F", "tiles_log2", "BLOCK_T", "DOT_SCALED"]
+    key = ["L", "F", "tiles_log2", "BLOCK_T", "DOT_SCALED", "BITS"]
 
     def tuned(kernel, table):
         configs = [triton.Config({"BLOCK_F": bf, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bf, bk, w, s in table]
@@ -274,9 +323,9 @@ def grouped_experts(z: Tensor, weights: Tensor, indices: Tensor, w, beta1: float
                     activations: str | None, decode: str = "auto", block_t: int | None = None,
                     autotune: bool | None = None) -> Tensor:
     """The routed experts on the grouped kernels (the caller, k3.ops.mx_moe.mx_moe_packed_grouped, has checked
-    the inputs). `decode`: "dot_scaled", "registers", or "auto" (registers: measured faster than dot_scaled at 1, 16
-    and 64 release-shaped tokens on an H100); `block_t`: rows per tile (None: :func:`block_tokens`); `autotune`:
-    None tunes when compiled."""
+    the inputs). `decode`: "dot_scaled", "registers", "bits" (bf16 tokens) or "auto" (registers: measured faster
+    than dot_scaled at 1, 16 and 64 release-shaped tokens on an H100); `block_t`: rows per tile (None:
+    :func:`block_tokens`); `autotune`: None tunes when compiled."""
     if decode not in DECODES:
         raise ValueError(f"decode={decode!r} is invalid: use one of {DECODES}")
     N, L = z.shape
@@ -287,6 +336,8 @@ def grouped_experts(z: Tensor, weights: Tensor, indices: Tensor, w, beta1: float
         decode = "registers"
     if decode == "dot_scaled" and dt not in (torch.bfloat16, torch.float16):
         raise ValueError(f"decode='dot_scaled' multiplies bf16 or fp16 tokens, got {dt}: use decode='registers'")
+    if decode == "bits" and dt != torch.bfloat16:
+        raise ValueError(f"decode='bits' builds bf16 weights for bf16 tokens, got {dt}: use decode='registers'")
     if block_t is None:
         block_t = block_tokens(N * k, E)
     if not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
@@ -306,7 +357,7 @@ def grouped_experts(z: Tensor, weights: Tensor, indices: Tensor, w, beta1: float
     # interpreter, whose tl.dot on bf16 operands is wrong (triton 3.9); bf16 products are exact in fp32, so only the
     # order of the fp32 sums differs from the compiled bf16 dot
     flags = dict(BLOCK_T=block_t, DOT_SCALED=decode == "dot_scaled", FMT="fp16" if dt == torch.float16 else "bf16",
-                 IEEE=dt == torch.float32 or interpret)
+                 IEEE=dt == torch.float32 or interpret, BITS=decode == "bits")
     tiles_log2 = (T - 1).bit_length()
     if tune:
         fixed = {}

@@ -102,7 +102,7 @@ def test_grouped_kernels_several_partial_tiles_per_expert_fp32(interpret):
     _close(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("decode", ["dot_scaled", "registers"])
+@pytest.mark.parametrize("decode", ["dot_scaled", "registers", "bits"])
 def test_grouped_kernels_bf16(interpret, decode):
     # without the MXFP8 rounding, as tests/ops/test_mx_moe.py explains: bf16 and fp32 GEMM outputs near an MXFP8
     # rounding boundary move by a whole step; the MXFP8 path is checked in fp32 above
@@ -111,6 +111,34 @@ def test_grouped_kernels_bf16(interpret, decode):
     want = mx_moe_packed(z, weights, indices, packed, B1, B2, None)
     got = mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode=decode)
     _close(got, want, 2e-2)
+    if decode == "bits":  # the same bf16 weights as the registers decode, the same dots: the same output, bit for bit
+        assert torch.equal(got, mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode="registers"))
+
+
+def _edge_scales(packed, e):
+    """`packed` with expert e's first rows given the scales the bit-built decode cannot take (their steps fall back
+    to the registers decode): w1 row 0 at 6 * 2^127 (254, code 7: +inf, the gate saturates), w1 row 1 tiny (0:
+    2^-127 per unit), w3 row 2 at 4 * 2^126 (253, code 6: +inf), w2 rows 0 and 1 tiny (0 and 1). Built bit by bit
+    where the scales allow, these would decode to -inf, a sign flip or garbage."""
+    w1p, w1s, w3p, w3s, w2p, w2s = (t.clone() for t in packed)
+    w1p[e, 0, :16], w3p[e, 2, :16] = 0, 0  # the rest of those 32-column blocks zero (no inf - inf)
+    w1s[e, 0, 0], w1p[e, 0, 0] = 254, 0x07  # column 0: code 7 (6.0)
+    w1s[e, 1, 0] = 0
+    w3s[e, 2, 0], w3p[e, 2, 0] = 253, 0x06  # column 0: code 6 (4.0)
+    w2s[e, 0, 0], w2s[e, 1, 0] = 0, 1
+    return PackedExpertWeights(w1p, w1s, w3p, w3s, w2p, w2s)
+
+
+def test_bits_decode_takes_the_registers_decode_where_a_scale_is_out_of_its_range(interpret):
+    z, weights, indices, packed = _case(F=32, N=4, k=2, seed=8, used=[0, 1, 2, 3])
+    z = z.to(torch.bfloat16)
+    z[:, 0] = z[:, 0].abs() + 0.5  # x_0 > 0: the +inf weights make the gate and up +inf, saturating SiTU-GLU
+    packed = _edge_scales(packed, int(indices[0, 0]))
+    want = mx_moe_packed(z, weights, indices, packed, B1, B2, None)
+    got = mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode="bits")
+    assert bool(torch.isfinite(want).all())
+    _close(got, want, 2e-2)
+    assert torch.equal(got, mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode="registers"))
 
 
 def test_no_tokens_and_bad_options(interpret):
@@ -119,6 +147,8 @@ def test_no_tokens_and_bad_options(interpret):
     assert out.shape == (0, z.shape[1]) and out.dtype == z.dtype
     with pytest.raises(ValueError, match="decode='dot_scaled' multiplies bf16 or fp16"):
         mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, decode="dot_scaled")
+    with pytest.raises(ValueError, match="decode='bits' builds bf16 weights"):
+        mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, decode="bits")
     with pytest.raises(ValueError, match="decode='fp4'"):
         mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, decode="fp4")
     with pytest.raises(ValueError, match="block_t=24"):
@@ -154,8 +184,27 @@ def test_grouped_kernels_on_gpu(N):
     _close(mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None), want, 1e-5)
     zb = z.to(torch.bfloat16)
     ref = mx_moe_packed(zb, weights, indices, packed, B1, B2, None)
-    for decode in ("dot_scaled", "registers"):
+    for decode in ("dot_scaled", "registers", "bits"):
         _close(mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode=decode), ref, 2e-2)
+    # untuned (one config for both), the bit-built weights are the registers decode's: the same output
+    regs, bits = (mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode=d, autotune=False)
+                  for d in ("registers", "bits"))
+    assert torch.equal(regs, bits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bits_decode_with_out_of_range_scales_on_gpu():
+    z, weights, indices, packed = _gpu_case(16)
+    zb = z.to(torch.bfloat16)
+    zb[:, 0] = zb[:, 0].abs() + 0.5
+    packed = _edge_scales(packed, int(indices[0, 0]))
+    ref = mx_moe_packed(zb, weights, indices, packed, B1, B2, None)
+    got = mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode="bits", autotune=False)
+    assert bool(torch.isfinite(ref).all())
+    _close(got, ref, 2e-2)
+    assert torch.equal(got, mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode="registers",
+                                                  autotune=False))
 
 
 @pytest.mark.gpu
