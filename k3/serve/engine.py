@@ -359,17 +359,22 @@ class LLMEngine:
             raise RuntimeError("the verifications had no prefill forward to join (see SpeculativeDecoder.mixes)")
         return logits, verified
 
-    @torch.no_grad()
     def _image_rows(self, seq: Sequence, a: int, b: int) -> list[tuple[int, torch.Tensor]] | None:
         """The image rows of the forward over seq.tokens[a:b]: (offset in the chunk, the encoder's rows of those
         placeholder positions) for each image with placeholders there, or None. The first chunk that needs one
         encodes every image of the request not yet prefilled (one packed encoder call); an image's rows are
-        dropped once the chunk reaches its end."""
+        dropped once the chunk reaches its end. (Called for every request of every forward: the common case, no
+        image there, returns before entering no_grad.)"""
         if not seq.images or a >= seq.images[-1].end:
             return None
         hit = [k for k, im in enumerate(seq.images) if im.start < b and im.end > a]
         if not hit:
             return None
+        with torch.no_grad():
+            return self._encoded_rows(seq, a, b, hit)
+
+    def _encoded_rows(self, seq: Sequence, a: int, b: int, hit: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """`_image_rows` for the images `hit` that have placeholders in seq.tokens[a:b]."""
         if seq.image_embeds is None:
             seq.image_embeds = [None] * len(seq.images)
         if any(seq.image_embeds[k] is None for k in hit):
