@@ -52,6 +52,9 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: str | None = None
     text: str = ""  # detokenized output (stop strings cut off)
+    # (n, decode(output_ids[:n])) for the longest n seen that ends on a whole character: the postprocessor decodes
+    # only the tokens after it (k3.serve.postprocess, byte-level tokenizers)
+    decoded: tuple[int, str] = (0, "")
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None

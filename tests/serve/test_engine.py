@@ -2,6 +2,7 @@
 eviction never change what a request generates (greedy decoding)."""
 
 import functools
+import random
 
 import pytest
 import torch
@@ -381,3 +382,43 @@ def test_the_plan_cuts_prefill_chunks_at_hash_block_boundaries_and_groups_them_i
     pieces = [[[(s.seq.request_id, s.start, s.end) for s in f] for f in r] for r in plan.forwards]
     assert pieces == [[[(long.request_id, 0, cut), (short.request_id, 0, 3)]], [[(long.request_id, cut, 40)]]]
     assert plan.due == [short] and not plan.verify and plan.decode == 0 and not plan.decode_only
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_detokenization_streams_what_the_whole_decode_streams(seed):
+    # Byte-level tokens of UTF-8 text with 2-4 byte characters (split across tokens), stray continuation and lead
+    # bytes (U+FFFD), the end-of-text id and stop strings that straddle tokens: every step's output (ids, text delta,
+    # finish) and the request's text equal those of decoding the whole output per token.
+    from k3.data.tokenizer import K3Tokenizer
+    from k3.serve.metrics import EngineMetrics
+    from k3.serve.postprocess import Postprocessor
+    from k3.serve.sampling import SamplingParams
+    from k3.serve.sequence import Sequence
+
+    tok = K3Tokenizer.byte_level()
+    rng = random.Random(seed)
+    pieces = ["a", "q", " ", "\u0497", "\u20ac", "\U0001f600", "z\u0497", "\n"]
+    text = "".join(rng.choice(pieces) for _ in range(120))
+    ids = tok.encode(text)
+    for _ in range(6):  # stray bytes: a continuation byte alone, a lead byte before ASCII
+        i = rng.randrange(len(ids))
+        ids[i:i] = tok.encode(rng.choice(["\u0497", "\u20ac"]))[:1 + rng.randrange(1)]
+    stops = [["q\u0497"], ["\u20acz", "zz"], [], ["\U0001f600 "]][seed]
+    eos = tok.eos_id if seed == 2 else None
+    if eos is not None:
+        ids.insert(len(ids) * 2 // 3, eos)
+    runs = []
+    for incremental in (True, False):
+        post = Postprocessor(tok, eos, EngineMetrics())
+        post.incremental = incremental
+        seq = Sequence([1], SamplingParams(max_tokens=len(ids), stop=stops))
+        outs = []
+        for t in ids:
+            o = post.emit(seq, t, torch.zeros(4))
+            outs.append((o.new_token_ids, o.new_text, o.finished, o.finish_reason))
+            if o.finished:
+                break
+        runs.append((outs, seq.text, seq.output_ids))
+    assert Postprocessor(tok, None, EngineMetrics()).incremental
+    assert runs[0] == runs[1]
+    assert "".join(o[1] for o in runs[0][0]) == runs[0][1]
