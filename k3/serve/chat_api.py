@@ -27,6 +27,7 @@ from k3.serve.chat_constrain import ToolCallConstraint
 from k3.serve.chat_render import attr_value_ok, check_tools, loads_json, tool_names
 from k3.serve.chat_schema import check_schema, json_short, schema_errors
 from k3.serve.chat_template import RESPONSE, THINK, TOOLS
+from k3.serve.detok import byte_level, decode_growing
 from k3.serve.protocol import APIError
 
 THINKING_KWARGS = ("thinking", "enable_thinking")  # chat_template_kwargs keys that select the mode
@@ -322,6 +323,8 @@ class ChatTurn:
         self.reply = ReplyAssembler(options)
         self.ids: list[int] = []
         self.fed = 0
+        self._incremental = byte_level(tokenizer)
+        self._decoded: tuple[int, str] = (0, "")  # k3.serve.postprocess.decode_growing's state for self.ids
 
     def update(self, new_ids: list[int], text: str, finished: bool = False,
                engine_reason: str | None = None) -> list[dict]:
@@ -329,7 +332,9 @@ class ChatTurn:
         (`engine_reason`: "stop" or "length") and check the reply against the request. Returns the new deltas."""
         self.ids.extend(new_ids)
         n = len(self.ids)
-        if self.stops and len(self.tokenizer.decode(self.ids)) > len(text):
+        if self.stops:  # the ids' text so far, decoded from the tokens after the last whole character
+            full, self._decoded = decode_growing(self.tokenizer, self._incremental, self.ids, self._decoded)
+        if self.stops and len(full) > len(text):
             # the text is cut or held back at a stop string: the longest prefix of ids within it
             lo, hi = self.fed, n
             while lo < hi:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.serve.detok import byte_level, decode_growing
 from k3.serve.metrics import EngineMetrics
 from k3.serve.runner import PromptScore
 from k3.serve.sampling import sample_batch
@@ -35,23 +36,12 @@ class RequestOutput:
 class Postprocessor:
     def __init__(self, tokenizer, eos_id: int | None, metrics: EngineMetrics):
         self.tokenizer, self.eos_id, self.metrics = tokenizer, eos_id, metrics
-        self.incremental = _byte_level(tokenizer)
+        self.incremental = byte_level(tokenizer)
 
     def decode(self, seq: Sequence) -> str:
-        """tokenizer.decode(seq.output_ids). With a byte-level decoder (every tokenizer k3 builds or converts:
-        the text is the UTF-8 of the tokens' bytes), only the tokens after `seq.decoded` are decoded: the decode of
-        ids[:n] that ends on a whole character, followed by the decode of ids[n:], is the decode of ids. A decode
-        of the whole output per token would cost O(n) per step, O(n^2) per request (75 us per 1,000 tokens on 2
-        cores: 5 ms a step for 64 requests 1,000 tokens in). Other decoders (a tokenizer.json whose decoder strips
-        or joins around token boundaries) decode the whole output, as before."""
-        if not self.incremental:
-            return self.tokenizer.decode(seq.output_ids)
-        n, text = seq.decoded
-        ids = seq.output_ids
-        tail = self.tokenizer.decode(ids[n:]) if len(ids) > n else ""
-        full = text + tail
-        if tail and not tail.endswith("\ufffd"):  # ends on a whole character: the next decode starts here
-            seq.decoded = (len(ids), full)
+        """tokenizer.decode(seq.output_ids), from the tokens after `seq.decoded` only where the decoder allows
+        (k3.serve.detok: a byte-level decoder; else the whole output)."""
+        full, seq.decoded = decode_growing(self.tokenizer, self.incremental, seq.output_ids, seq.decoded)
         return full
 
     def sample(self, due: list[Sequence], logits: dict[str, tuple[torch.Tensor, int]]) -> list[RequestOutput]:
@@ -154,19 +144,6 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
     last = outs[-1]
     return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
                          last.finished, last.finish_reason, [lp for o in outs for lp in o.logprobs])
-
-
-def _byte_level(tokenizer) -> bool:
-    """Whether `tokenizer` (a K3Tokenizer or a tokenizers.Tokenizer) decodes with the byte-level decoder, so that a
-    decode splits at any whole character."""
-    if tokenizer is None:
-        return False
-    try:
-        from tokenizers import decoders
-    except ImportError:
-        return False
-    inner = getattr(tokenizer, "tokenizer", tokenizer)
-    return isinstance(getattr(inner, "decoder", None), decoders.ByteLevel)
 
 
 def _held_back(text: str, stops: list[str]) -> int:

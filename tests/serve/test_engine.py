@@ -422,3 +422,26 @@ def test_incremental_detokenization_streams_what_the_whole_decode_streams(seed):
     assert Postprocessor(tok, None, EngineMetrics()).incremental
     assert runs[0] == runs[1]
     assert "".join(o[1] for o in runs[0][0]) == runs[0][1]
+
+
+def test_decode_growing_equals_the_whole_decode_and_falls_back_for_other_decoders():
+    from tokenizers import Tokenizer, decoders, models
+
+    from k3.data.tokenizer import K3Tokenizer
+    from k3.serve.detok import byte_level, decode_growing
+
+    tok = K3Tokenizer.byte_level()
+    ids = tok.encode("ab \u0497\u20ac\U0001f600 x") + tok.encode("\u20ac")[:2] + tok.encode("yz")
+    state, stray = (0, ""), len(ids) - 2  # ids[:stray] ends with two bytes of a 3-byte character
+    for i in range(1, len(ids) + 1):
+        text, state = decode_growing(tok, True, ids[:i], state)
+        assert text == tok.decode(ids[:i])
+        assert state[1] == tok.decode(ids[:state[0]]) and not state[1].endswith("\ufffd")
+        if i == stray:
+            assert state[0] < i  # an incomplete character at the end: not a resting point
+    assert state[0] == len(ids)  # "yz" after it: the U+FFFD is the stray bytes' own, the text ends whole
+    # a decoder that joins around token boundaries (SentencePiece's Metaspace): the whole list, every time
+    sp = Tokenizer(models.WordLevel({"\u2581a": 0, "b": 1, "\u2581c": 2}, unk_token="b"))
+    sp.decoder = decoders.Metaspace()
+    assert byte_level(tok) and byte_level(tok.tokenizer) and not byte_level(sp) and not byte_level(None)
+    assert decode_growing(sp, False, [0, 1, 2], (0, "")) == (sp.decode([0, 1, 2]), (0, ""))
