@@ -5,10 +5,11 @@ output handling, with the model's forward replaced by a constant (no device work
                                          [--output-tokens 2] [--detokenize]
 
 The model is built on the meta device (no weights in memory); the page pool is real. The stub's logits are 128
-columns wide, not the vocabulary (every request samples "a"): on a GPU the sampling's argmax over the vocabulary is device work, and on a CPU it
-would take most of the step (about 1 ms at batch 64 on 2 cores). Prints the step time of 5 rounds of 40 decode steps
-(ms, sorted), torch on one thread. On a GPU the engine's host time adds to each step, since a step ends with the
-sampled tokens read back.
+columns wide, not the vocabulary (every request samples "a"): on a GPU the sampling's argmax over the vocabulary is
+device work, and on a CPU it would take most of the step (about 1 ms at batch 64 on 2 cores). Prints the step time
+of 5 rounds of 40 decode steps (ms, sorted), torch on one thread; with --detokenize, for a byte-level tokenizer's
+text decoded from the whole output and from the new tokens only (k3.serve.detok), side by side. On a GPU the
+engine's host time adds to each step, since a step ends with the sampled tokens read back.
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ class ChatTurn:
         self.ids: list[int] = []
         self.fed = 0
         self._incremental = byte_level(tokenizer)
-        self._decoded: tuple[int, str] = (0, "")  # k3.serve.postprocess.decode_growing's state for self.ids
+        self._decoded: tuple[int, str] = (0, "")  # k3.serve.detok.decode_growing's state for self.ids
 
     def update(self, new_ids: list[int], text: str, finished: bool = False,
                engine_reason: str | None = None) -> list[dict]:
@@ -332,15 +332,15 @@ class ChatTurn:
         (`engine_reason`: "stop" or "length") and check the reply against the request. Returns the new deltas."""
         self.ids.extend(new_ids)
         n = len(self.ids)
-        if self.stops:  # the ids' text so far, decoded from the tokens after the last whole character
+        if self.stops:
             full, self._decoded = decode_growing(self.tokenizer, self._incremental, self.ids, self._decoded)
-        if self.stops and len(full) > len(text):
-            # the text is cut or held back at a stop string: the longest prefix of ids within it
-            lo, hi = self.fed, n
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if len(self.tokenizer.decode(self.ids[:mid])) <= len(text) else (lo, mid - 1)
-            n = lo
+            if len(full) > len(text):
+                # the text is cut or held back at a stop string: the longest prefix of ids within it
+                lo, hi = self.fed, n
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if len(self.tokenizer.decode(self.ids[:mid])) <= len(text) else (lo, mid - 1)
+                n = lo
         new, self.fed = self.ids[self.fed:n], n
         deltas = self.reply.events(self.parser.feed_ids(new))
         if finished:

@@ -11,6 +11,8 @@ around token boundaries, as SentencePiece's does) decode the whole list.
 
 from __future__ import annotations
 
+from tokenizers import decoders
+
 __all__ = ["byte_level", "decode_growing"]
 
 
@@ -33,10 +35,6 @@ def byte_level(tokenizer) -> bool:
     """Whether `tokenizer` (a K3Tokenizer or a tokenizers.Tokenizer) decodes with the byte-level decoder, so that a
     decode splits at any whole character."""
     if tokenizer is None:
-        return False
-    try:
-        from tokenizers import decoders
-    except ImportError:
         return False
     inner = getattr(tokenizer, "tokenizer", tokenizer)
     return isinstance(getattr(inner, "decoder", None), decoders.ByteLevel)
