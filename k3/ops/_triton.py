@@ -63,3 +63,27 @@ def bind(namespace: dict) -> None:
 
     namespace.update(tl=tl, _SUM=tl.standard._sum_combine, _MAX=tl.standard._elementwise_max)
 
+
+
+def autotuned(kernel, table, names: tuple[str, ...], key: list[str], prune=None):
+    """`kernel` (jitted) wrapped in ``triton.autotune`` over `table`: rows of the meta-parameters `names` followed by
+    num_warps and, when present, num_stages. `key`: the arguments whose values pick a tuning (Triton adds the tensor
+    arguments' dtypes); `prune(config_values, named_args) -> bool`: keeps a row for a call (None: every row; a call
+    that would keep none keeps the first). Every config must write the same outputs from the same inputs and nothing
+    else, since the timing runs launch each one: a kernel that accumulates into its output cannot be tuned so."""
+    import triton
+
+    def config(row):
+        meta = dict(zip(names, row[:len(names)]))
+        rest = row[len(names):]
+        return triton.Config(meta, num_warps=rest[0], **({"num_stages": rest[1]} if len(rest) > 1 else {}))
+
+    configs = [config(row) for row in table]
+    if prune is None:
+        return triton.autotune(configs, key=key)(kernel)
+
+    def early(configs, named_args, **kwargs):
+        kept = [c for c in configs if prune(c.kwargs, named_args)]
+        return kept or configs[:1]
+
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": early})(kernel)

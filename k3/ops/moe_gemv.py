@@ -44,6 +44,15 @@ __all__ = ["GEMV_MAX_TOKENS", "fuses_norm", "moe_combine_norm", "moe_combine_nor
 
 GEMV_MAX_TOKENS = 8  # up to this many tokens per layer call (64 pairs at k = 8); the grouped GEMMs above it
 
+# Autotuned on a GPU (benchmarks/moe_gemv_tune.py times each row side by side): gate/up (rows of F per program,
+# columns of L per step, warps), down (rows of L per program, columns of F per step, warps). A decode step's few
+# pairs leave the first rows' grids (one program per pair and 64 or 32 rows) short of enough loads in flight to
+# stream the weights at a copy's speed; the narrower rows multiply the programs.
+_TUNE_GATE_UP = ((64, 128, 4), (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (8, 1024, 4), (4, 1024, 4),
+                 (8, 256, 2))
+_TUNE_DOWN = ((32, 128, 4), (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (8, 1024, 4), (4, 1024, 4),
+              (8, 256, 2))
+
 tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
 _SUM = None
 
@@ -56,7 +65,7 @@ def moe_gemv(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor
 
 
 def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, L, F, s_zn, s_w1e, s_w1f, s_w3e, s_w3f, beta1, beta2,
-                    K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr):
+                    pairs_log2, K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     n = p // K
     e = tl.load(idx_ptr + p).to(tl.int64)
@@ -90,7 +99,8 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, L, F, s_zn, s_w1e, s_
     tl.store(h_ptr + p * F + f, ((beta1 * t1 * sig) * (beta2 * t2)).to(h_ptr.dtype.element_ty), mask=fm)
 
 
-def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, L, F, s_w2e, s_w2l, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr):
+def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, L, F, s_w2e, s_w2l, pairs_log2, BLOCK_L: tl.constexpr,
+                 BLOCK_F: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     e = tl.load(idx_ptr + p).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -138,12 +148,23 @@ def _combine_norm_kernel(y_ptr, w_ptr, nw_ptr, u_ptr, L, eps, K: tl.constexpr, K
         tl.store(u_ptr + n * L + cols, out.to(u_ptr.dtype.element_ty), mask=cm)
 
 
-@functools.lru_cache(maxsize=2)
-def _kernels(interpret: bool):
+@functools.lru_cache(maxsize=4)
+def _kernels(interpret: bool, tune: bool = False):
+    """(gate/up, down, combine-norm), jitted (one set per interpreter setting: ``triton.jit`` picks compiled or
+    interpreted when it wraps the function). With `tune`, gate/up and down are autotuned over their tables
+    (_TUNE_GATE_UP, _TUNE_DOWN) per shape, top-k, pair count's log2 and dtype; every config writes the same h or y
+    from the same inputs (fp32 sums in another order), so the timing runs leave nothing behind."""
     import triton
 
     _triton.bind(globals())
-    return triton.jit(_gate_up_kernel), triton.jit(_down_kernel), triton.jit(_combine_norm_kernel)
+    gate_up, down = triton.jit(_gate_up_kernel), triton.jit(_down_kernel)
+    if tune:
+        # a row block or a step wider than the (power-of-two) dimension it covers only adds masked lanes
+        gate_up = _triton.autotuned(gate_up, _TUNE_GATE_UP, ("BLOCK_F", "BLOCK_L"), ["L", "F", "K", "pairs_log2"],
+                                    lambda c, a: c["BLOCK_F"] <= _pow2(a["F"]) and c["BLOCK_L"] <= _pow2(a["L"]))
+        down = _triton.autotuned(down, _TUNE_DOWN, ("BLOCK_L", "BLOCK_F"), ["L", "F", "pairs_log2"],
+                                 lambda c, a: c["BLOCK_L"] <= _pow2(a["L"]) and c["BLOCK_F"] <= _pow2(a["F"]))
+    return gate_up, down, triton.jit(_combine_norm_kernel)
 
 
 def _rows(w: Tensor) -> Tensor:
@@ -152,10 +173,15 @@ def _rows(w: Tensor) -> Tensor:
 
 
 def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, beta1: float,
-                    beta2: float, backends: Backends | None = None, norm: tuple[Tensor, float] | None = None) -> Tensor:
+                    beta2: float, backends: Backends | None = None, norm: tuple[Tensor, float] | None = None,
+                    autotune: bool | None = None, tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
+                    ) -> Tensor:
     """`moe_gemv` as the gate/up kernel, the down kernel and the combine (the module docstring); z [N, L] with
     N <= GEMV_MAX_TOKENS, the weights in z's dtype. Forward only. `norm` (the latent RMSNorm's weight [L] and eps):
-    the combine and that norm as one kernel (op ``moe_combine_norm``), RMSNorm(u) returned instead of u."""
+    the combine and that norm as one kernel (op ``moe_combine_norm``), RMSNorm(u) returned instead of u.
+    `autotune` (None: when compiled, not in Triton's interpreter): the tile shapes of gate/up and down timed per
+    shape and pair count on first use (`_kernels`), else the tables' first rows; `tiles`: (a row of _TUNE_GATE_UP,
+    a row of _TUNE_DOWN) launched as given instead (what the tuning may pick, tested one by one)."""
     _check_expert_inputs(z, weights, indices, w1, w3, w2)
     N, L = z.shape
     if N > GEMV_MAX_TOKENS:
@@ -177,18 +203,25 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
     w1, w3, w2 = _rows(w1), _rows(w3), _rows(w2)
     h = torch.empty(pairs, F, device=z.device, dtype=z.dtype)
     y = torch.empty(pairs, L, device=z.device, dtype=z.dtype)
-    block_f, block_l = min(64, _pow2(F)), min(128, _pow2(L))
-    out_l, in_f = min(32, _pow2(L)), min(128, _pow2(F))
     if norm is not None:
         _check_norm(norm, L)
     if pairs:
-        gate_up, down, _ = _kernels(_triton.interpret())
+        tune = tiles is None and (not _triton.interpret() if autotune is None else autotune)
+        gate_up, down, _ = _kernels(_triton.interpret(), tune)
+        if tune:
+            fixed_gu = fixed_down = {}
+        else:  # as given, or the first rows of the tables narrowed to the shapes (the interpreter's tiny ones)
+            (bf, bl, wg), (ol, of, wd) = tiles or ((min(64, _pow2(F)), min(128, _pow2(L)), 4),
+                                                   (min(32, _pow2(L)), min(128, _pow2(F)), 4))
+            fixed_gu = dict(BLOCK_F=bf, BLOCK_L=bl, num_warps=wg)
+            fixed_down = dict(BLOCK_L=ol, BLOCK_F=of, num_warps=wd)
+        pairs_log2 = (pairs - 1).bit_length()
         with torch.cuda.device(z.device.index if z.is_cuda else -1):
-            gate_up[(pairs, -(-F // block_f))](z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1),
-                                               w3.stride(0), w3.stride(1), float(beta1), float(beta2), K=k,
-                                               BLOCK_F=block_f, BLOCK_L=block_l, num_warps=4)
-            down[(pairs, -(-L // out_l))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), BLOCK_L=out_l,
-                                          BLOCK_F=in_f, num_warps=4)
+            gate_up[lambda meta: (pairs, -(-F // meta["BLOCK_F"]))](
+                z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1),
+                float(beta1), float(beta2), pairs_log2, K=k, **fixed_gu)
+            down[lambda meta: (pairs, -(-L // meta["BLOCK_L"]))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1),
+                                                                 pairs_log2, **fixed_down)
     if norm is not None:  # the implementation the registry picks (the caller asked `fuses_norm`: the kernel)
         return dispatch("moe_combine_norm", y, backends).fn(y, weights, norm[0], norm[1], z.dtype)
     pos = constant("arange", pairs, z.device, torch.long)  # the pairs are in token order already

@@ -34,6 +34,11 @@ __all__ = ["MOE_OUT_MAX_TOKENS", "moe_out", "moe_out_for", "moe_out_triton"]
 
 MOE_OUT_MAX_TOKENS = 8  # up to this many tokens per layer call; the GEMMs above it
 
+# Autotuned on a GPU (benchmarks/moe_gemv_tune.py times each row side by side): (rows of D per program, columns per
+# step of both contractions, warps); without tuning (Triton's interpreter) the first row
+_TUNE_OUT = ((8, 256, 4), (4, 512, 4), (4, 1024, 4), (2, 1024, 4), (8, 512, 8), (16, 256, 4), (4, 256, 2),
+             (2, 512, 2))
+
 tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
 _SUM = None
 
@@ -67,7 +72,7 @@ def _check(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor) ->
 
 
 def _out_kernel(a_ptr, g_ptr, u_ptr, wu_ptr, wd_ptr, y_ptr, L, I, D, s_a, s_g, s_u, s_wu, s_wd, beta1, beta2,
-                BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+                tokens_log2, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -105,12 +110,24 @@ def _out_kernel(a_ptr, g_ptr, u_ptr, wu_ptr, wd_ptr, y_ptr, L, I, D, s_a, s_g, s
     tl.store(y_ptr + n * D + d, (acc + r).to(y_ptr.dtype.element_ty), mask=dm)
 
 
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
+@functools.lru_cache(maxsize=4)
+def _kernel(interpret: bool, tune: bool = False):
+    """The jitted kernel (one per interpreter setting); with `tune`, autotuned over _TUNE_OUT per shape, token
+    count's log2 and dtype (every config writes the same y from the same inputs)."""
     import triton
 
     _triton.bind(globals())
-    return triton.jit(_out_kernel)
+    kernel = triton.jit(_out_kernel)
+    if not tune:
+        return kernel
+    # a row block wider than D, or a step wider than both contracted widths, only adds masked lanes
+    return _triton.autotuned(kernel, _TUNE_OUT, ("BLOCK_D", "BLOCK_K"), ["L", "I", "D", "tokens_log2"],
+                             lambda c, a: c["BLOCK_D"] <= _pow2(a["D"])
+                             and c["BLOCK_K"] <= max(_pow2(a["L"]), _pow2(a["I"])))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -118,8 +135,11 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def moe_out_triton(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor, beta1: float,
-                   beta2: float) -> Tensor:
-    """`moe_out` as one Triton kernel (module docstring), for at most MOE_OUT_MAX_TOKENS tokens. Forward only."""
+                   beta2: float, autotune: bool | None = None, tile: tuple[int, int, int] | None = None) -> Tensor:
+    """`moe_out` as one Triton kernel (module docstring), for at most MOE_OUT_MAX_TOKENS tokens. Forward only.
+    `autotune` (None: when compiled, not in Triton's interpreter): the tile shape timed per shape and token count on
+    first use, else _TUNE_OUT's first row; `tile`: a row of _TUNE_OUT launched as given instead (what the tuning may
+    pick, tested one by one)."""
     _check(a, gate, up, w_up, w_down)
     N, L = a.shape
     I, D = gate.shape[1], w_up.shape[0]
@@ -134,11 +154,13 @@ def moe_out_triton(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Te
     a, gate, up, w_up, w_down = (_rows(t) for t in (a, gate, up, w_up, w_down))
     y = torch.empty(N, D, device=a.device, dtype=a.dtype)
     if N and D:
-        block_d, block_k = 8, 256
+        tune = tile is None and (not _triton.interpret() if autotune is None else autotune)
+        bd, bk, warps = tile or _TUNE_OUT[0]
+        fixed = {} if tune else dict(BLOCK_D=bd, BLOCK_K=bk, num_warps=warps)
         with torch.cuda.device(a.device.index if a.is_cuda else -1):  # the tensors' GPU; -1: no-op
-            _kernel(_triton.interpret())[(N, -(-D // block_d))](
+            _kernel(_triton.interpret(), tune)[lambda meta: (N, -(-D // meta["BLOCK_D"]))](
                 a, gate, up, w_up, w_down, y, L, I, D, a.stride(0), gate.stride(0), up.stride(0), w_up.stride(0),
-                w_down.stride(0), float(beta1), float(beta2), BLOCK_D=block_d, BLOCK_K=block_k, num_warps=4)
+                w_down.stride(0), float(beta1), float(beta2), (N - 1).bit_length(), **fixed)
     return y
 
 

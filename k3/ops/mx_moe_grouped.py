@@ -277,12 +277,9 @@ def _kernels(interpret: bool, tune: bool):
     if not tune:
         return gate_up, down
     key = ["L", "F", "tiles_log2", "BLOCK_T", "DOT_SCALED", "BITS"]
-
-    def tuned(kernel, table):
-        configs = [triton.Config({"BLOCK_F": bf, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bf, bk, w, s in table]
-        return triton.autotune(configs, key=key)(kernel)
-
-    return tuned(gate_up, _TUNE_GATE_UP), tuned(down, _TUNE_DOWN)
+    names = ("BLOCK_F", "BLOCK_K")
+    return (_triton.autotuned(gate_up, _TUNE_GATE_UP, names, key),
+            _triton.autotuned(down, _TUNE_DOWN, names, key))
 
 
 def block_tokens(pairs: int, experts: int) -> int:

@@ -13,8 +13,8 @@ import torch
 
 from helpers import count_fast_calls, rel_err
 from k3.ops.moe import moe_experts_grouped
-from k3.ops.moe_gemv import (GEMV_MAX_TOKENS, moe_combine_norm, moe_combine_norm_triton, moe_gemv, moe_gemv_for,
-                             moe_gemv_triton)
+from k3.ops.moe_gemv import (_TUNE_DOWN, _TUNE_GATE_UP, GEMV_MAX_TOKENS, moe_combine_norm, moe_combine_norm_triton,
+                             moe_gemv, moe_gemv_for, moe_gemv_triton)
 from k3.ops.registry import Backends
 from k3.ops.situ import situ_glu
 
@@ -60,6 +60,14 @@ def test_interpreted_kernels_fp32_equal_the_expert_loop(interpret, N, E, k, stac
     zv = torch.cat([z, torch.randn(N, 7)], dim=1)[:, :80]
     assert zv.is_contiguous() == (N == 1)
     assert torch.equal(moe_gemv_triton(zv, *args[1:], B1, B2), got)
+
+
+@pytest.mark.parametrize("gate_up,down", list(zip(_TUNE_GATE_UP, _TUNE_DOWN)), ids=lambda t: "x".join(map(str, t)))
+def test_every_tile_shape_the_tuning_may_pick_computes_the_same(interpret, gate_up, down):
+    # F and L not multiples of any block (masked rows and columns), tiles wider than both: each row of the tables
+    # launched as given equals the expert loop (fp32)
+    args = _inputs(3, 8, 4, 72, 200, torch.float32)
+    assert rel_err(moe_gemv_triton(*args, B1, B2, tiles=(gate_up, down)), moe_gemv(*args, B1, B2)) <= 1e-5
 
 
 def test_interpreted_kernels_bf16_equal_the_grouped_path(interpret):
@@ -177,6 +185,20 @@ def test_gpu_kernels_match_the_grouped_path_and_the_loop(N, E, k, F, L):
         nw, eps = _norm(L, torch.float32, device="cuda")
         assert rel_err(moe_gemv_triton(*args32, B1, B2, backends=fused, norm=(nw, eps)),
                        _normed(moe_gemv(*args32, B1, B2), nw, eps)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_autotuned_launch_equals_its_pick_launched_as_given():
+    from k3.ops.moe_gemv import _kernels
+
+    args = _inputs(1, 128, 8, 768, 512, torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        got = moe_gemv_triton(*args, B1, B2)  # tuned on first use
+        gate_up, down, _ = _kernels(False, True)
+        tiles = tuple((*c.kwargs.values(), c.num_warps) for c in (gate_up.best_config, down.best_config))
+        assert tiles[0] in _TUNE_GATE_UP and tiles[1] in _TUNE_DOWN
+        assert torch.equal(moe_gemv_triton(*args, B1, B2, tiles=tiles), got)
 
 
 def _normed(u, nw, eps):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import assert_same_greedy, count_fast_calls, rel_err, tiny_engine_runs
-from k3.ops.moe_out import MOE_OUT_MAX_TOKENS, moe_out, moe_out_for, moe_out_triton
+from k3.ops.moe_out import _TUNE_OUT, MOE_OUT_MAX_TOKENS, moe_out, moe_out_for, moe_out_triton
 from k3.ops.registry import Backends
 
 OUT = Backends(per_op={"moe_out": "triton"})
@@ -47,6 +47,13 @@ def test_interpreted_kernel_equals_the_composed_ops(interpret, dtype, tol, N, L,
     # not vacuous: gate and up swapped is far
     a, gate, up, w_up, w_down, b1, b2 = args
     assert rel_err(moe_out_triton(a, up, gate, w_up, w_down, b1, b2).float(), want.float()) > 1e-2
+
+
+@pytest.mark.parametrize("tile", _TUNE_OUT, ids=lambda t: "x".join(map(str, t)))
+def test_every_tile_shape_the_tuning_may_pick_computes_the_same(interpret, tile):
+    # D, L and I not multiples of any block: each row of the table launched as given equals the composed ops (fp32)
+    args = _inputs(2, 260, 96, 17, torch.float32)
+    assert rel_err(moe_out_triton(*args, tile=tile), moe_out(*args)) <= 1e-5
 
 
 def test_bad_inputs_are_named(interpret):
