@@ -64,7 +64,7 @@ from torch import Tensor
 from k3.ops import _triton
 from k3.ops.mla import mla_absorbed
 from k3.ops.mla_out import mla_absorb_v_any
-from k3.ops.registry import Backends, Fast, Op, Target, register, runs_on
+from k3.ops.registry import REFERENCE, Backends, Fast, Op, Target, dispatch, register, runs_on
 
 __all__ = [
     "default_num_splits",
@@ -377,8 +377,12 @@ def default_num_splits(batch: int, num_heads: int, max_len: int, device: torch.d
 
 def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_table: Tensor, kv_len: Tensor,
                             scale: float, kv_rank: int, num_splits: int | None = None, *,
-                            block_n: int | None = None) -> Tensor:
+                            block_n: int | None = None, partials: bool = False):
     """:func:`mla_decode_paged` on the Triton kernels (CUDA tensors, or any with ``TRITON_INTERPRET=1``).
+
+    ``partials``: return the split kernel's (part [B, S, H, R] fp32, lse [B, S, H] fp32) uncombined, for a consumer
+    that combines them itself (k3.ops.mla_out.mla_combine_absorb_v); (o_lat viewed [B, 1, H, R], None) when the
+    request's tokens are not split (S = 1).
 
     ``block_n``: tokens per inner step (a power of two >= 16; default 64 for R <= 256, else 32). With
     ``num_splits`` given nothing is read back from the device (the lengths and the block table are not
@@ -402,7 +406,7 @@ def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_tab
         raise ValueError(f"block_n must be a power of two >= {_MIN_DOT}, got {block_n!r}")
     out = torch.empty(B, H, R, device=kv.device, dtype=torch.float32)
     if B == 0:
-        return out
+        return (out.unsqueeze(1), None) if partials else out
     if num_splits is None:
         num_splits = default_num_splits(B, H, _check_lengths(kv_len, block_table.shape[1] * page_tokens), kv.device)
     block_h = _head_block(H)
@@ -430,6 +434,8 @@ def mla_decode_paged_triton(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_tab
             PAGE_TOKENS=page_tokens, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_DR=block_dr,
             SPLIT_Q=split_q, MMA_F32=mma_f32, DOT_PRECISION="ieee" if mma_f32 else "tf32", WRITE_LSE=not single,
             num_warps=8 if big else 4, num_stages=2)
+        if partials:
+            return (out.unsqueeze(1), None) if single else (part, lse)
         if not single:
             block_s = _pow2(num_splits)
             block_rc = min(block_r, _pow2(_COMBINE_TILE // block_s))  # a [splits, columns] tile per program
@@ -514,6 +520,12 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_kc, out_dtype=torch.float32).transpose(0, 1)
     else:
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_kc.float())
+    fused = dispatch("mla_combine_absorb_v", q_lat, backends) if _use_triton(kv) else None
+    if fused is not None and fused.name != REFERENCE:
+        # the split partials combined inside the absorption's kernel: one kernel fewer per layer and step
+        part, lse = mla_decode_paged_triton(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits,
+                                            partials=True)
+        return fused.fn(part, lse, w_vc, q_nope.dtype)
     o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits)
     return mla_absorb_v_any(o_lat, w_vc, q_nope.dtype, backends)
 

@@ -1,4 +1,4 @@
-"""The two steps between Gated MLA's decode attention and its output projection, one Triton kernel each (inference).
+"""The steps between Gated MLA's decode attention and its output projection, one Triton kernel each (inference).
 
 After the paged decode kernel (k3.ops.mla_decode) has the latent output o_lat [B, H, R] in fp32, a serving step
 of a Gated MLA layer still runs
@@ -14,10 +14,19 @@ to the activations' dtype once, then y once; fp32 products and sums inside):
   over r in fp32 (IEEE products, no TF32), reading w_vc through its strides (a view of ``kv_b_proj.weight``,
   k3.ops.mla.split_kv_b) in its own dtype;
 * `mla_gate_triton`: program (row, block of columns) reads the gate through its row stride (a slice of the stacked
-  projections' output) and o, and writes y.
+  projections' output) and o, and writes y;
 
-Neither has a backward: the model calls them in forwards without gradients only (k3.model.gated_mla), through the
-registry (ops ``mla_absorb_v`` and ``mla_gate``), whose references are the lines above written out.
+and, where the decode cuts a request's tokens into splits, its combine kernel (the partials weighted by the softmax
+of their log-sum-exps) runs before the absorption:
+
+* `mla_combine_absorb_v_triton` (op ``mla_combine_absorb_v``): the absorption's kernel takes the split partials
+  [B, S, H, R] and their lse [B, S, H] instead, and each program combines the partials of the block of latent
+  columns it is about to multiply, with the combine kernel's fp32 operations per column: one kernel fewer per MLA
+  layer and step (k3.ops.mla_decode.mla_decode_absorbed asks the registry for it).
+
+None has a backward: the model calls them in forwards without gradients only (k3.model.gated_mla), through the
+registry (ops ``mla_absorb_v``, ``mla_gate`` and ``mla_combine_absorb_v``), whose references are the lines above
+written out.
 """
 
 from __future__ import annotations
@@ -30,10 +39,12 @@ from torch import Tensor
 from k3.ops import _triton
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
-__all__ = ["mla_absorb_v", "mla_absorb_v_any", "mla_absorb_v_triton", "mla_gate", "mla_gate_any", "mla_gate_triton"]
+__all__ = ["combine_splits", "mla_absorb_v", "mla_absorb_v_any", "mla_absorb_v_triton", "mla_combine_absorb_v",
+           "mla_combine_absorb_v_triton", "mla_gate", "mla_gate_any", "mla_gate_triton"]
 
-tl = None  # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
+tl = None  # triton.language and the combine functions, bound on first use (k3.ops._triton.bind)
 _SUM = None
+_MAX = None
 
 
 # --- references ----------------------------------------------------------------------------------------------------
@@ -71,17 +82,34 @@ def mla_gate(gate: Tensor, o: Tensor, out_dtype: torch.dtype) -> Tensor:
 
 
 # --- kernels -------------------------------------------------------------------------------------------------------
-def _absorb_kernel(o_ptr, w_ptr, y_ptr, H, R, DV, s_ob, s_oh, s_wh, s_wv, s_yb, s_yh, BV: tl.constexpr,
-                   BR: tl.constexpr):
+def _absorb_kernel(o_ptr, w_ptr, y_ptr, H, R, DV, s_ob, s_oh, s_wh, s_wv, s_yb, s_yh, lse_ptr, S, s_os, s_lb, s_ls,
+                   s_lh, BV: tl.constexpr, BR: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (row b, head h, block of BV value columns). COMBINE: o_ptr holds the paged decode's S split partials
+    [B, S, H, R] (split stride s_os) and lse_ptr their base-2 log-sum-exps [B, S, H]; the latent output is their
+    combine, as k3.ops.mla_decode's combine kernel computes it, made here for each block of R it multiplies."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = vs < DV
     acc = vs * 0.0
+    if COMBINE:  # the splits' weights softmax_s(lse) in base 2; empty splits (-inf) weigh 0, all empty: o = 0
+        ss = tl.arange(0, BLOCK_S)
+        sm = ss < S
+        lse = tl.load(lse_ptr + b * s_lb + ss * s_ls + h * s_lh, mask=sm, other=float("-inf"))
+        big = tl.reduce(lse, 0, _MAX)
+        big = tl.where(big == float("-inf"), 0.0, big)
+        wt = tl.exp2(lse - big)
+        total = tl.reduce(wt, 0, _SUM)
+        wt = wt / tl.where(total > 0.0, total, 1.0)
     for r0 in range(0, R, BR):
         rs = r0 + tl.arange(0, BR)
         rm = rs < R
-        o = tl.load(o_ptr + b * s_ob + h * s_oh + rs, mask=rm, other=0.0)
+        if COMBINE:
+            part = tl.load(o_ptr + b * s_ob + ss[:, None] * s_os + h * s_oh + rs[None, :],
+                           mask=sm[:, None] & rm[None, :], other=0.0)
+            o = tl.reduce(wt[:, None] * part, 0, _SUM)
+        else:
+            o = tl.load(o_ptr + b * s_ob + h * s_oh + rs, mask=rm, other=0.0)
         w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + rs[None, :], mask=vm[:, None] & rm[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.reduce(w * o[None, :], 1, _SUM)
@@ -119,21 +147,74 @@ def mla_absorb_v_triton(o_lat: Tensor, w_vc: Tensor, out_dtype: torch.dtype) -> 
     """`mla_absorb_v` as one Triton kernel (the module docstring). Forward only."""
     _check_absorb(o_lat, w_vc, out_dtype)
     _runnable("value absorption", o_lat, w_vc)
-    B, H, R = o_lat.shape
+    return _absorb(o_lat.unsqueeze(1), None, w_vc, out_dtype)
+
+
+def _absorb(part: Tensor, lse: Tensor | None, w_vc: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The absorption kernel over part [B, S, H, R] fp32: S = 1 and no lse, the latent output itself; else split
+    partials combined by their lse [B, S, H]."""
+    B, S, H, R = part.shape
     Dv = w_vc.shape[1]
-    if o_lat.stride(2) != 1:
-        o_lat = o_lat.contiguous()
+    if part.stride(3) != 1:
+        part = part.contiguous()
     if w_vc.stride(2) != 1:
         w_vc = w_vc.contiguous()
-    y = torch.empty(B, H, Dv, device=o_lat.device, dtype=out_dtype)
+    y = torch.empty(B, H, Dv, device=part.device, dtype=out_dtype)
+    combine = lse is not None
+    block_s = 1 << max(S - 1, 0).bit_length()
     bv = min(64, 1 << max(Dv - 1, 1).bit_length())
-    br = min(128, 1 << max(R - 1, 1).bit_length())
+    # a [splits, columns] tile of partials per step when combining (as the decode's own combine holds at most)
+    br = min(128, 1 << max(R - 1, 1).bit_length(), max(16, 8192 // block_s) if combine else 128)
+    ls = lse.stride() if combine else (0, 0, 0)
     if B:
-        with torch.cuda.device(o_lat.device.index if o_lat.is_cuda else -1):
+        with torch.cuda.device(part.device.index if part.is_cuda else -1):
             _kernels(_triton.interpret())[0][(B, H, -(-Dv // bv))](
-                o_lat, w_vc, y, H, R, Dv, o_lat.stride(0), o_lat.stride(1), w_vc.stride(0), w_vc.stride(1),
-                y.stride(0), y.stride(1), BV=bv, BR=br, num_warps=4)
+                part, w_vc, y, H, R, Dv, part.stride(0), part.stride(2), w_vc.stride(0), w_vc.stride(1),
+                y.stride(0), y.stride(1), lse if combine else part, S, part.stride(1), *ls, BV=bv, BR=br,
+                COMBINE=combine, BLOCK_S=block_s, num_warps=4)
     return y
+
+
+def _check_partials(part: Tensor, lse: Tensor | None, w_vc: Tensor, dtype: torch.dtype) -> None:
+    if not isinstance(part, Tensor) or part.ndim != 4 or part.dtype != torch.float32:
+        raise ValueError(f"part must be an fp32 tensor [B, S, H, R], got "
+                         f"{(tuple(part.shape), part.dtype) if isinstance(part, Tensor) else type(part).__name__}")
+    B, S, H, R = part.shape
+    if lse is None and S != 1:
+        raise ValueError(f"{S} split partials need their lse [B, S, H] (None only for one split)")
+    if lse is not None and (not isinstance(lse, Tensor) or lse.shape != (B, S, H) or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be an fp32 tensor [B={B}, S={S}, H={H}], got "
+                         f"{(tuple(lse.shape), lse.dtype) if isinstance(lse, Tensor) else type(lse).__name__}")
+    _check_absorb(part[:, 0], w_vc, dtype)
+
+
+def combine_splits(part: Tensor, lse: Tensor | None) -> Tensor:
+    """The paged decode's latent output [B, H, R] from its split partials part [B, S, H, R] and their base-2
+    log-sum-exps lse [B, S, H] (None: one split, the output itself): sum_s softmax_s(lse) part_s in fp32, empty
+    splits (-inf) weighing 0 and a row with every split empty giving 0 (k3.ops.mla_decode's combine)."""
+    if lse is None:
+        return part[:, 0]
+    big = lse.amax(1, keepdim=True)
+    big = torch.where(big == float("-inf"), torch.zeros_like(big), big)
+    w = torch.exp2(lse - big)
+    total = w.sum(1, keepdim=True)
+    w = w / torch.where(total > 0, total, torch.ones_like(total))
+    return torch.einsum("bsh,bshr->bhr", w, part)
+
+
+def mla_combine_absorb_v(part: Tensor, lse: Tensor | None, w_vc: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The definition (op ``mla_combine_absorb_v``): the split partials combined (`combine_splits`), then the value
+    absorption (`mla_absorb_v`): o [B, H, Dv] in `out_dtype`."""
+    _check_partials(part, lse, w_vc, out_dtype)
+    return mla_absorb_v(combine_splits(part, lse), w_vc, out_dtype)
+
+
+def mla_combine_absorb_v_triton(part: Tensor, lse: Tensor | None, w_vc: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`mla_combine_absorb_v` as one kernel: each absorption program combines the partials of the latent columns it
+    multiplies (the module docstring). Forward only."""
+    _check_partials(part, lse, w_vc, out_dtype)
+    _runnable("value absorption", part, w_vc)
+    return _absorb(part, lse, w_vc, out_dtype)
 
 
 def mla_gate_triton(gate: Tensor, o: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -162,6 +243,14 @@ register(Op(
     fast=(Fast("triton", mla_absorb_v_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32 outputs 1e-5 of the largest entry (the same fp32 products summed in another order); bf16 one "
               "bf16 step (the same fp32 sum rounded once), two in the interpreter (it truncates)"))
+
+register(Op(
+    "mla_combine_absorb_v", reference=mla_combine_absorb_v,
+    # not validated: its GPU test (tests/ops/test_mla_out.py, marked gpu) has not run on a GPU yet
+    fast=(Fast("triton", mla_combine_absorb_v_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="the latent output combined as the decode's combine kernel combines it (the same fp32 operations per "
+              "column), then absorbed as mla_absorb_v: fp32 1e-5 of the largest entry, bf16 one bf16 step (two in "
+              "the interpreter, which truncates)"))
 
 register(Op(
     "mla_gate", reference=mla_gate,

@@ -127,6 +127,31 @@ def test_kernel_matches_reference_and_absorbed(interpret, dtype, num_splits):
     assert_matches(o, case.absorbed(), dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_the_combine_inside_the_absorption_equals_the_decode_then_the_absorption(interpret, monkeypatch, num_splits,
+                                                                                  w_dtype):
+    # op mla_combine_absorb_v: the split kernel's partials combined by the absorption's kernel give what the
+    # decode's own combine kernel followed by the absorption's kernel give (the same fp32 operations per column;
+    # 8 splits leave empty ones, the zero-length row every one); the padding row's output is 0
+    from helpers import count_fast_calls
+    from k3.ops.registry import Backends
+
+    calls = count_fast_calls(monkeypatch, "mla_combine_absorb_v", "mla_absorb_v")
+    case = Case(torch.float32, lens=[1, 23, 70, 0], table=TABLE + [[0, 0, 0, 0]])
+    w_vc = case.w_vc.to(w_dtype)
+    q_nope = case.q_nope.to(w_dtype)
+    args = (q_nope, case.q_rope, case.kv, case.table, case.lens, case.w_kc.to(w_dtype), w_vc, SCALE, num_splits)
+    two = mla_decode_absorbed(*args, backends=Backends(per_op={"mla_absorb_v": "triton"}))
+    one = mla_decode_absorbed(*args, backends=Backends(per_op={"mla_absorb_v": "triton",
+                                                              "mla_combine_absorb_v": "triton"}))
+    assert calls == ["mla_absorb_v", "mla_combine_absorb_v"]
+    assert one.dtype == w_dtype and torch.equal(one, two)
+    assert not one[3].any()
+    part, lse = mla_decode_paged_triton(*case.args(), num_splits, partials=True)
+    assert part.shape == (4, num_splits, H, case.R) and (lse is None) == (num_splits == 1)
+
+
 def test_more_splits_than_tokens(interpret):
     case = Case(torch.float32)
     ref = mla_decode_paged_reference(*case.args())

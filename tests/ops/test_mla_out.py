@@ -12,7 +12,8 @@ import torch
 
 from helpers import count_fast_calls, rel_err
 from k3.ops.mla import split_kv_b
-from k3.ops.mla_out import mla_absorb_v, mla_absorb_v_triton, mla_gate, mla_gate_any, mla_gate_triton
+from k3.ops.mla_out import (combine_splits, mla_absorb_v, mla_absorb_v_triton, mla_combine_absorb_v,
+                            mla_combine_absorb_v_triton, mla_gate, mla_gate_any, mla_gate_triton)
 
 
 @pytest.fixture
@@ -62,6 +63,50 @@ def test_interpreted_gate_matches_the_definition(interpret, dtype, tol, strided)
     g[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0], dtype=dtype)  # saturated gates: 0 and o, never NaN
     got = mla_gate_triton(g, o, dtype)
     assert torch.isfinite(got).all() and got[0, 0, 0] == 0 and got[0, 0, 1] == o[0, 0, 1]
+
+
+def _partials(B, S, H, R, seed=0, device="cpu"):
+    """Split partials [B, S, H, R] and their lse [B, S, H] (base 2): row 0's split 1 empty (-inf), row 1 every
+    split empty (a padding row: its output 0)."""
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randn(B, S, H, R, generator=g).to(device)
+    lse = (torch.randn(B, S, H, generator=g) * 4).to(device)
+    if S > 1:
+        lse[0, 1] = float("-inf")
+        part[0, 1] = 0.0
+    if B > 1:
+        lse[1] = float("-inf")
+        part[1] = 0.0
+    return part, lse
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("S", [1, 3, 40])
+def test_interpreted_combined_absorption_matches_the_definition(interpret, dtype, tol, S):
+    # R not a multiple of the column block; one split: the partials are the output itself (no lse)
+    part, lse = _partials(3, S, 4, 200)
+    _, w_vc = _absorb_inputs(3, 4, 16, 40, 200, dtype)
+    lse = None if S == 1 else lse
+    got, want = mla_combine_absorb_v_triton(part, lse, w_vc, dtype), mla_combine_absorb_v(part, lse, w_vc, dtype)
+    assert got.shape == (3, 4, 40) and got.dtype == dtype
+    assert rel_err(got.float(), want.float()) <= tol
+    if S > 1:
+        assert not got[1].any()  # every split empty
+        # not vacuous: the partials combined with equal weights are far
+        assert rel_err(mla_combine_absorb_v_triton(part, torch.zeros_like(lse), w_vc, dtype).float(),
+                       want.float()) > 1e-2
+    assert combine_splits(part, lse).shape == (3, 4, 200)
+
+
+def test_combined_absorption_bad_inputs_are_named(interpret):
+    part, lse = _partials(2, 3, 4, 32)
+    _, w_vc = _absorb_inputs(2, 4, 16, 8, 32, torch.float32)
+    with pytest.raises(ValueError, match="need their lse"):
+        mla_combine_absorb_v_triton(part, None, w_vc, torch.float32)
+    with pytest.raises(ValueError, match="lse must be"):
+        mla_combine_absorb_v_triton(part, lse[:, :2], w_vc, torch.float32)
+    with pytest.raises(ValueError, match="part must be"):
+        mla_combine_absorb_v_triton(part[0], lse, w_vc, torch.float32)
 
 
 def test_wrong_kernels_are_caught(interpret):
@@ -130,5 +175,11 @@ def test_gpu_kernels_match_the_definitions(B, H, R):
             o_lat, w_vc = _absorb_inputs(B, H, 128, 128, R, dtype, device="cuda")
             assert rel_err(mla_absorb_v_triton(o_lat, w_vc, dtype).float(),
                            mla_absorb_v(o_lat, w_vc, dtype).float()) <= tol
+            # the decode's split partials combined inside the absorption (op mla_combine_absorb_v), 1 and 16 splits
+            for S in (1, 16):
+                part, lse = _partials(B, S, H, R, device="cuda")
+                lse = None if S == 1 else lse
+                assert rel_err(mla_combine_absorb_v_triton(part, lse, w_vc, dtype).float(),
+                               mla_combine_absorb_v(part, lse, w_vc, dtype).float()) <= tol
             gate, o = _gate_inputs((B, H * 128), dtype, device="cuda")
             assert rel_err(mla_gate_triton(gate, o, dtype).float(), mla_gate(gate, o, dtype).float()) <= max(tol, 1e-6)
