@@ -52,25 +52,30 @@ class Postprocessor:
         due = [s for s in due if s.params.max_tokens > 0]
         if due:
             rows = _rows_of(logits, due)
-            toks = sample_batch(rows, [s.params for s in due], [s.generator for s in due])
+            toks = self.draw(due, rows)
+            want = [i for i, s in enumerate(due) if s.params.logprobs is not None]
+            lps = dict(zip(want, logprob_entries(rows if len(want) == len(due) else rows[want],
+                                                 [toks[i] for i in want], [due[i].params.logprobs for i in want])))
             for i, (s, t) in enumerate(zip(due, toks)):
                 first = s.first_token_at is None
-                out = self.emit(s, t, rows[i])
+                out = self.emit(s, t, lps.get(i))
                 if first and s.params.prompt_logprobs is not None:
                     out.prompt_logprobs = s.prompt_logprobs
                 outputs.append(out)
         return outputs
 
-    def emit(self, seq: Sequence, tok: int, logits: torch.Tensor) -> RequestOutput:
-        """Take the token `tok` (drawn from `logits` [V]) for seq: logprobs, timing metrics, stop rules, text."""
+    def draw(self, due: list[Sequence], rows: torch.Tensor) -> list[int]:
+        """The next token of each due request from its row of logits rows [N, V] (k3.serve.sampling.sample_batch)."""
+        return sample_batch(rows, [s.params for s in due], [s.generator for s in due])
+
+    def emit(self, seq: Sequence, tok: int, lp: dict | None = None) -> RequestOutput:
+        """Take the token `tok` for seq: its logprob entry `lp` (`logprob_entries`: given when the request asks for
+        logprobs), timing metrics, stop rules, text."""
         p = seq.params
         now = time.monotonic()
-        lp = {}
-        if p.logprobs is not None:
-            logp = torch.log_softmax(logits.float(), -1)
-            top = torch.topk(logp, max(p.logprobs, 1))
-            lp = {"token": tok, "logprob": float(logp[tok]),
-                  "top": [(int(i), float(v)) for v, i in zip(top.values, top.indices)][: p.logprobs]}
+        if p.logprobs is not None and not lp:
+            raise ValueError(f"request {seq.request_id} asks for logprobs: emit needs the token's logprob entry")
+        lp = lp if p.logprobs is not None else {}
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.metrics.ttft.append(now - seq.arrival)
@@ -137,6 +142,24 @@ class Postprocessor:
     def refused(seq: Sequence) -> RequestOutput:
         """The output of a request the scheduler refused (it cannot fit even in an empty pool)."""
         return RequestOutput(seq.request_id, [], "", True, seq.finish_reason)
+
+
+def logprob_entries(logits: torch.Tensor, toks: list[int], ks: list[int]) -> list[dict]:
+    """The logprob entries of tokens toks[i] drawn from rows i of logits [N, V], each with its ks[i] most likely
+    alternatives: {"token", "logprob", "top": [(id, logprob), ...]}, log-softmax in fp32. Every row at once, read
+    back to the host once (a step's requests, not one read-back per value)."""
+    if not toks:
+        return []
+    if len(toks) != logits.shape[0] or len(ks) != len(toks):
+        raise ValueError(f"{len(toks)} tokens and {len(ks)} counts for {logits.shape[0]} rows of logits")
+    logp = torch.log_softmax(logits.float(), -1)
+    K = max(max(ks), 1)
+    top = torch.topk(logp, K, dim=-1)
+    picked = logp.gather(-1, torch.tensor(toks, device=logp.device)[:, None])
+    # fp32 values and int64 ids as fp64 (exact for both), one tensor: one read-back
+    host = torch.cat([picked.double(), top.values.double(), top.indices.double()], dim=1).tolist()
+    return [{"token": t, "logprob": row[0], "top": [(int(row[1 + K + j]), row[1 + j]) for j in range(k)]}
+            for t, k, row in zip(toks, ks, host)]
 
 
 def merge(outs: list[RequestOutput]) -> RequestOutput:

@@ -45,43 +45,78 @@ class SamplingParams:
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution `sample` draws from: logits [N, V] -> probabilities [N, V] fp32 after temperature, top-k and
     top-p (speculative sampling compares the target's and the draft's). Not for greedy params (temperature 0)."""
-    logits = logits.float() / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sp = torch.softmax(sorted_logits, -1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        drop = sp.cumsum(-1) - sp >= p.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.softmax(logits, -1)
+    return probs_rows(logits, [p] * logits.shape[0])
+
+
+def probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`probs` of each row of logits [N, V] under its own params (none greedy), all rows in one pass: the temperature
+    divides each row, each row's top-k cut is the k-th value of one top-k of the largest k, each row's top-p cut one
+    stable sort of all rows (the smallest prefix whose mass reaches top_p, the first token always kept)."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{len(params)} sampling params for {logits.shape[0]} rows of logits")
+    if any(p.temperature == 0 for p in params):
+        raise ValueError("probs is not defined for greedy params (temperature 0)")
+    N, V = logits.shape
+    dev = logits.device
+    x = logits.float() / torch.tensor([float(p.temperature) for p in params], device=dev)[:, None]
+    ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values  # [N, max k], descending
+        k = torch.tensor(ks, device=dev)
+        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None])
+        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))  # no cut for top_k 0
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        # a top_p of 1 keeps every token (no comparison with a cumulative sum that rounds to 1 before the end)
+        tp = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=dev)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        sp = torch.softmax(sorted_x, -1)
+        drop = sp.cumsum(-1) - sp >= tp[:, None]
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return torch.softmax(x, -1)
+
+
+def _draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of pr [N, V] by inverse transform sampling from one uniform u [N] in [0, 1) per row: the
+    first token whose cumulative probability (fp64) exceeds u times the row's total. The point stays below the total,
+    so it lands on a token of positive probability (never on one a cut left at 0)."""
+    cdf = pr.double().cumsum(-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True)[:, 0]
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [N, V] -> token ids [N]. Greedy when temperature == 0."""
+    """logits [N, V] -> token ids [N]. Greedy when temperature == 0; else drawn from `probs`, one uniform number
+    from `generator` per row (`_draw`)."""
     if p.temperature == 0:
         return logits.float().argmax(-1)
-    return torch.multinomial(probs(logits, p), 1, generator=generator).squeeze(-1)
+    pr = probs(logits, p)
+    return _draw(pr, torch.rand(pr.shape[0], device=pr.device, generator=generator))
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [N, V], row i with params[i] and generators[i], read back to the host once.
-    Greedy rows share one argmax (taken over all rows); each sampled row draws from its own generator, so a
-    request's tokens do not depend on which other requests share its step. Equal to calling `sample` row by row.
-    A row whose params have a constraint samples from its masked logits (a copy: the caller's logits stay as they
-    are, for logprobs), and the constraint then takes the token."""
+    Greedy rows share one argmax (taken over all rows); the sampled rows' distributions are computed together
+    (`probs_rows`) and drawn from together (`_draw`), each with one uniform number from its own generator, so a
+    request's tokens do not depend on which other requests share its step: equal to calling `sample` row by row, in a
+    fixed number of kernels plus one draw per sampled row. A row whose params have a constraint samples from its masked logits (a copy: the caller's
+    logits stay as they are, for logprobs), and the constraint then takes the token."""
     constrained = [i for i, p in enumerate(params) if p.constraint is not None]
     if constrained:
         logits = logits.clone()
         for i in constrained:
             logits[i] = params[i].constraint.mask(logits[i])
     out = logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)
-    for i, p in enumerate(params):
-        if p.temperature != 0:
-            out[i] = sample(logits[i:i + 1], p, generators[i])[0]
+    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        pr = probs_rows(logits[idx], [params[i] for i in rows])
+        u = torch.empty(len(rows), device=logits.device)
+        for j, i in enumerate(rows):
+            u[j:j + 1].uniform_(generator=generators[i])
+        out[idx] = _draw(pr, u)
     toks = out.tolist()
     for i in constrained:
         params[i].constraint.advance(toks[i])

@@ -2,8 +2,9 @@
 requests sample.
 
 The model is a real tiny random checkpoint run by the real engine; only the choice of each sampled token is
-scripted (`scripted`): the engine's postprocess step (`Postprocessor.emit`) receives the oracle's token in place of
-the sampled one, so the recorded log-prob is the real model's log-prob of that token under the states the engine computed. The oracle
+scripted (`scripted`): the engine's postprocess step draws the oracle's token in place of a sampled one
+(`Postprocessor.draw`), so the recorded log-prob is the real model's log-prob of that token under the states the
+engine computed. The oracle
 reads the whole token history of the request (prompt + output) and writes the scripted assistant message of the
 current turn (the j-th generation prefix of the history: SCRIPT[j]), token by token, then [end_of_msg].
 """
@@ -45,17 +46,16 @@ def script_tokens(monkeypatch, tok, script):
     prefix = render_chat_ids([{"role": "user", "content": "x"}], tok, None, True)
     prefix = prefix[len(render_chat_ids([{"role": "user", "content": "x"}], tok, None, False)):]
     bodies = [body_ids(tok, m) for m in script]
-    orig = Postprocessor.emit
 
     def oracle(ids):
         starts = [i + len(prefix) for i in range(len(ids) - len(prefix) + 1) if ids[i:i + len(prefix)] == prefix]
         turn, k = len(starts) - 1, len(ids) - starts[-1]
         return bodies[turn][k]
 
-    def emit(self, seq, tok_id, logits):
-        return orig(self, seq, oracle(list(seq.prompt_ids) + list(seq.output_ids)), logits)
+    def draw(self, due, rows):
+        return [oracle(list(s.prompt_ids) + list(s.output_ids)) for s in due]
 
-    monkeypatch.setattr(Postprocessor, "emit", emit)
+    monkeypatch.setattr(Postprocessor, "draw", draw)
     return bodies
 
 

@@ -414,7 +414,7 @@ def test_incremental_detokenization_streams_what_the_whole_decode_streams(seed):
         seq = Sequence([1], SamplingParams(max_tokens=len(ids), stop=stops))
         outs = []
         for t in ids:
-            o = post.emit(seq, t, torch.zeros(4))
+            o = post.emit(seq, t)
             outs.append((o.new_token_ids, o.new_text, o.finished, o.finish_reason))
             if o.finished:
                 break

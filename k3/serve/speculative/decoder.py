@@ -28,7 +28,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
 
-from k3.serve.postprocess import Postprocessor, RequestOutput, merge
+from k3.serve.postprocess import Postprocessor, RequestOutput, logprob_entries, merge
 from k3.serve.runner import ForwardBatch, ModelRunner, Verified
 from k3.serve.scheduler import Scheduler, Work
 from k3.serve.sequence import Sequence, Status
@@ -176,14 +176,17 @@ class SpeculativeDecoder:
         outs, emitted = [], []
         greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0])
         m = self.post.metrics
-        for i, (s, w, p) in enumerate(zip(seqs, work, props)):
+        accepted = []
+        for i, (s, p) in enumerate(zip(seqs, props)):
             n = len(p.tokens) + 1  # a mixed forward's rows are padded to its longest verification
             tgt = greedy.get(i)
-            toks = accept(v.logits[i, :n], p.tokens, p.q, s.params, s.generator,
-                          target=None if tgt is None else tgt[:n])
+            accepted.append(accept(v.logits[i, :n], p.tokens, p.q, s.params, s.generator,
+                                   target=None if tgt is None else tgt[:n]))
+        lps = self._logprobs(seqs, accepted, v)
+        for i, (s, w, toks) in enumerate(zip(seqs, work, accepted)):
             got = []
             for j, t in enumerate(toks):  # stop rules token by token: nothing after a stop is kept
-                got.append(self.post.emit(s, t, v.logits[i, j]))
+                got.append(self.post.emit(s, t, lps[i][j] if lps[i] else None))
                 if got[-1].finished:
                     break
             emitted.append(len(got))  # tokens emitted = verified positions committed (each one's input)
@@ -192,6 +195,20 @@ class SpeculativeDecoder:
             m.draft_tokens_proposed += w.draft
             m.draft_tokens_accepted += len(toks) - 1
         return outs, emitted
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], accepted: list[list[int]], v: Verified) -> list[list[dict] | None]:
+        """Per request, the logprob entries of its accepted tokens (token j drawn from verified position j), for the
+        requests that ask for logprobs (else None): all of them at once, one read-back."""
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[list[dict] | None] = [None] * len(seqs)
+        if want:
+            rows = torch.cat([v.logits[i, :len(accepted[i])] for i in want])
+            flat = logprob_entries(rows, [t for i in want for t in accepted[i]],
+                                   [seqs[i].params.logprobs for i in want for _ in accepted[i]])
+            for i in want:
+                out[i], flat = flat[:len(accepted[i])], flat[len(accepted[i]):]
+        return out
 
     def commit(self, work: list[Work], v: Verified, emitted: list[int]) -> None:
         """Replay each request's committed positions into its KDA state and register them with the cache. A

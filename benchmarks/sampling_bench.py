@@ -1,0 +1,105 @@
+"""A decode step's sampling and logprobs, one row at a time against batched, side by side in one run.
+
+    python benchmarks/sampling_bench.py [--batch 1 16 64] [--vocab 32768] [--device cuda] [--logprobs 0]
+
+What an RL rollout's step asks of the postprocess step: every request sampled at temperature 1 from its own seeded
+generator, and its token's logprob recorded (`--logprobs`: the number of alternatives besides, 0 as `k k3 rl` asks).
+Two arms over the same logits:
+
+* ``per-row``: the earlier way, each sampled row's distribution computed and drawn from (torch.multinomial) on its
+  own and written into the step's token tensor, then each row's log-softmax and top-k, with a read-back per value
+  (the token's logprob, each alternative's id and logprob);
+* ``batched``: k3.serve.sampling.sample_batch (the distributions of all rows in one pass, one exponential-noise draw
+  per row from its generator, one argmax) and k3.serve.postprocess.logprob_entries (one log-softmax, top-k and
+  gather for all rows, one read-back).
+
+Prints milliseconds per step (median of --runs, each synchronized) per arm and batch size; on CUDA also the kernels
+each arm launches per step (torch.profiler). The two arms draw from the same distributions with different noise, so
+their tokens differ; tests/serve/test_sampling.py checks the batched arm against the distributions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from k3.cli_args import DefaultsHelpFormatter
+from k3.serve.postprocess import logprob_entries
+from k3.serve.sampling import SamplingParams, probs, sample_batch
+
+
+def per_row(logits: torch.Tensor, params: list[SamplingParams], gens: list, ks: list[int]) -> list:
+    """The earlier postprocess step: a draw per row, then per-row logprob entries read back value by value."""
+    out = logits.float().argmax(-1)
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            out[i] = torch.multinomial(probs(logits[i:i + 1], p), 1, generator=gens[i])[0, 0]
+    toks = out.tolist()
+    entries = []
+    for i, k in enumerate(ks):
+        logp = torch.log_softmax(logits[i].float(), -1)
+        top = torch.topk(logp, max(k, 1))
+        entries.append({"token": toks[i], "logprob": float(logp[toks[i]]),
+                        "top": [(int(j), float(v)) for v, j in zip(top.values, top.indices)][:k]})
+    return entries
+
+
+def batched(logits: torch.Tensor, params: list[SamplingParams], gens: list, ks: list[int]) -> list:
+    toks = sample_batch(logits, params, gens)
+    return logprob_entries(logits, toks, ks)
+
+
+def _time(fn, dev: torch.device, runs: int) -> float:
+    fn()  # warm-up
+    out = []
+    for _ in range(runs):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def _kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--logprobs", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    if min(args.batch) < 1 or args.vocab < 2 or args.logprobs < 0 or args.runs < 1:
+        ap.error("--batch, --vocab and --runs must be positive, --logprobs non-negative")
+    dev = torch.device(args.device)
+    for B in args.batch:
+        logits = torch.randn(B, args.vocab, device=dev, generator=torch.Generator(dev).manual_seed(B)) * 3
+        params = [SamplingParams(temperature=1.0, logprobs=args.logprobs, seed=i) for i in range(B)]
+        gens = [torch.Generator(dev).manual_seed(i) for i in range(B)]
+        ks = [args.logprobs] * B
+        row = {"device": str(dev), "batch": B, "vocab": args.vocab}
+        for name, fn in (("per-row", per_row), ("batched", batched)):
+            run = lambda fn=fn: fn(logits, params, gens, ks)  # noqa: E731
+            row[f"{name}_ms"] = round(_time(run, dev, args.runs), 3)
+            if dev.type == "cuda":
+                row[f"{name}_kernels"] = _kernels(run)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
