@@ -3,7 +3,7 @@
     python benchmarks/sampling_bench.py [--batch 1 16 64] [--vocab 32768] [--device cuda] [--logprobs 0]
 
 What an RL rollout's step asks of the postprocess step: every request sampled at temperature 1 from its own seeded
-generator, and its token's logprob recorded (`--logprobs`: the number of alternatives besides, 0 as `k k3 rl` asks).
+generator, and its token's logprob recorded (`--logprobs`: the number of alternatives besides, 0 as `k3 rl` asks).
 Two arms over the same logits:
 
 * ``per-row``: the earlier way, each sampled row's distribution computed and drawn from (torch.multinomial) on its
