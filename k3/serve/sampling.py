@@ -76,7 +76,7 @@ def probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     return torch.softmax(x, -1)
 
 
-def _draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_transform(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of pr [N, V] by inverse transform sampling from one uniform u [N] in [0, 1) per row: the
     first token whose cumulative probability (fp64) exceeds u times the row's total. The point stays below the total,
     so it lands on a token of positive probability (never on one a cut left at 0)."""
@@ -88,20 +88,20 @@ def _draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [N, V] -> token ids [N]. Greedy when temperature == 0; else drawn from `probs`, one uniform number
-    from `generator` per row (`_draw`)."""
+    from `generator` per row (`inverse_transform`)."""
     if p.temperature == 0:
         return logits.float().argmax(-1)
     pr = probs(logits, p)
-    return _draw(pr, torch.rand(pr.shape[0], device=pr.device, generator=generator))
+    return inverse_transform(pr, torch.rand(pr.shape[0], device=pr.device, generator=generator))
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [N, V], row i with params[i] and generators[i], read back to the host once.
     Greedy rows share one argmax (taken over all rows); the sampled rows' distributions are computed together
-    (`probs_rows`) and drawn from together (`_draw`), each with one uniform number from its own generator, so a
-    request's tokens do not depend on which other requests share its step: equal to calling `sample` row by row, in a
-    fixed number of kernels plus one draw per sampled row. A row whose params have a constraint samples from its
+    (`probs_rows`) and drawn from together (`inverse_transform`), each with one uniform number from its own
+    generator, so a request's tokens do not depend on which other requests share its step: equal to calling `sample`
+    row by row, in a fixed number of kernels plus one draw per sampled row. A row whose params have a constraint samples from its
     masked logits (a copy: the caller's logits stay as they are, for logprobs), and the constraint then takes the
     token."""
     constrained = [i for i, p in enumerate(params) if p.constraint is not None]
@@ -117,7 +117,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
         u = torch.empty(len(rows), device=logits.device)
         for j, i in enumerate(rows):
             u[j:j + 1].uniform_(generator=generators[i])
-        out[idx] = _draw(pr, u)
+        out[idx] = inverse_transform(pr, u)
     toks = out.tolist()
     for i in constrained:
         params[i].constraint.advance(toks[i])

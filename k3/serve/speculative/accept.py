@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.serve.sampling import SamplingParams, probs
+from k3.serve.sampling import SamplingParams, inverse_transform, probs_rows
 
 
 def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams,
@@ -25,41 +25,93 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
     the token after draft i, row 0 the first draft); drafts: the k draft tokens; q: the draft's distributions
     [k, V] (None: the drafts were chosen deterministically, q one-hot). `target` (greedy requests): the argmax of
     each row when the caller has read them back already (`greedy_targets`, one read-back for a whole batch).
-    Returns the emitted tokens: the accepted drafts, then the corrected or bonus token (1 to k + 1 tokens)."""
-    k = len(drafts)
-    if logits.shape[0] != k + 1:
-        raise ValueError(f"{logits.shape[0]} rows of logits for {k} drafts: need k + 1")
-    if params.temperature == 0:
-        if target is None:
-            target = logits.float().argmax(-1).tolist()  # one read-back
-        elif len(target) != k + 1:
-            raise ValueError(f"{len(target)} target tokens for {k} drafts: need k + 1")
-        out = []
-        for i, d in enumerate(drafts):
-            if d != target[i]:
+    Returns the emitted tokens: the accepted drafts, then the corrected or bonus token (1 to k + 1 tokens).
+    `accept_batch` of this one request."""
+    return accept_batch([logits], [drafts], [q], [params], [generator], {} if target is None else {0: target})[0]
+
+
+def accept_batch(logits: list[torch.Tensor], drafts: list[list[int]], qs: list[torch.Tensor | None],
+                 params: list[SamplingParams], generators: list[torch.Generator | None],
+                 targets: dict[int, list[int]] | None = None) -> list[list[int]]:
+    """`accept` for the requests of a verification, request i with logits[i] [k_i + 1, V], drafts[i], qs[i],
+    params[i], generators[i] and, greedy, targets[i] when read back already (else read here, all at once). The
+    sampled requests are decided together: their distributions in one pass (k3.serve.sampling.probs_rows), the
+    acceptance tests u_ij q_ij(d_ij) < p_ij(d_ij) of all of them read back once, the corrected or bonus tokens drawn
+    in one pass from one uniform number each (k3.serve.sampling's inverse transform), read back once; each
+    request's numbers come from its own generator (k uniforms, then one), so its tokens do not depend on the others."""
+    n = len(logits)
+    if not len(drafts) == len(qs) == len(params) == len(generators) == n:
+        raise ValueError("accept_batch needs one of drafts, qs, params and generators per request")
+    for x, d in zip(logits, drafts):
+        if x.shape[0] != len(d) + 1:
+            raise ValueError(f"{x.shape[0]} rows of logits for {len(d)} drafts: need k + 1")
+    targets = dict(targets or {})
+    for i, t in targets.items():
+        if len(t) != len(drafts[i]) + 1:
+            raise ValueError(f"{len(t)} target tokens for {len(drafts[i])} drafts: need k + 1")
+    out: list[list[int] | None] = [None] * n
+    greedy = [i for i in range(n) if params[i].temperature == 0]
+    unread = [i for i in greedy if i not in targets]
+    if unread:  # one read-back
+        got = torch.cat([logits[i].float().argmax(-1) for i in unread]).tolist()
+        for i in unread:
+            targets[i], got = got[:len(drafts[i]) + 1], got[len(drafts[i]) + 1:]
+    for i in greedy:
+        acc = []
+        for d, t in zip(drafts[i], targets[i]):
+            if d != t:
                 break
-            out.append(d)
-        return out + [target[len(out)]]
-    p = probs(logits, params)  # [k + 1, V]
-    d = torch.tensor(drafts, device=p.device, dtype=torch.long)
-    rows = torch.arange(k, device=p.device)
-    p_d = p[rows, d]
-    q_d = q[rows, d].float() if q is not None else torch.ones_like(p_d)
-    u = torch.rand(k, device=p.device, generator=generator)
-    ok = (u * q_d < p_d).tolist()  # u < p / q without dividing by a zero q
-    n = next((i for i, a in enumerate(ok) if not a), k)
-    if n == k:
-        return drafts + [int(torch.multinomial(p[k], 1, generator=generator))]
-    if q is not None:
-        residual = (p[n] - q[n].float()).clamp(min=0)
-    else:
-        residual = p[n].clone()
-        residual[drafts[n]] = 0
-    total = residual.sum()
-    # p == q at this row leaves no residual mass, and then a rejection has probability 0: draw from p (a guard
-    # against rounding only)
-    dist = residual / total if float(total) > 0 else p[n]
-    return drafts[:n] + [int(torch.multinomial(dist, 1, generator=generator))]
+            acc.append(d)
+        out[i] = acc + [targets[i][len(acc)]]
+    sampled = [i for i in range(n) if params[i].temperature != 0]
+    if sampled:
+        for i, toks in zip(sampled, _speculative_sampling([logits[i] for i in sampled], [drafts[i] for i in sampled],
+                                                        [qs[i] for i in sampled], [params[i] for i in sampled],
+                                                        [generators[i] for i in sampled])):
+            out[i] = toks
+    return out
+
+
+def _speculative_sampling(logits: list[torch.Tensor], drafts: list[list[int]], qs: list[torch.Tensor | None],
+                          params: list[SamplingParams], generators: list) -> list[list[int]]:
+    """The sampled requests' acceptance (the module docstring's rule), two read-backs for all of them."""
+    dev = logits[0].device
+    ks = [len(d) for d in drafts]
+    offs = [sum(k + 1 for k in ks[:i]) for i in range(len(ks))]
+    p = probs_rows(torch.cat(logits), [pp for pp, k in zip(params, ks) for _ in range(k + 1)])  # [sum(k + 1), V]
+    rows = [offs[i] + j for i, k in enumerate(ks) for j in range(k)]
+    toks = [d for ds in drafts for d in ds]
+    tests = []
+    if rows:
+        r = torch.tensor(rows, device=dev)
+        t = torch.tensor(toks, device=dev)
+        p_d = p[r, t]
+        q_d = torch.cat([q[torch.arange(k, device=dev), torch.tensor(d, device=dev, dtype=torch.long)].float()
+                         if q is not None else torch.ones(k, device=dev)
+                         for q, k, d in zip(qs, ks, drafts) if k])
+        u = torch.cat([torch.rand(k, device=dev, generator=g) for g, k in zip(generators, ks) if k])
+        tests = (u * q_d < p_d).tolist()  # u < p / q without dividing by a zero q; one read-back
+    accepted, final = [], []
+    at = 0
+    for i, k in enumerate(ks):
+        ok = tests[at:at + k]
+        at += k
+        m = next((j for j, a in enumerate(ok) if not a), k)
+        accepted.append(m)
+        row = p[offs[i] + m]
+        if m < k:  # rejected: the residual (p - q)+ of that position (p with the draft removed for a one-hot q)
+            if qs[i] is not None:
+                res = (row - qs[i][m].float()).clamp(min=0)
+            else:
+                res = row.clone()
+                res[drafts[i][m]] = 0
+            # p == q at this row leaves no residual mass, and then a rejection has probability 0: draw from p (a
+            # guard against rounding only)
+            row = torch.where(res.sum() > 0, res, row)
+        final.append(row)
+    u2 = torch.cat([torch.rand(1, device=dev, generator=g) for g in generators])
+    last = inverse_transform(torch.stack(final), u2).tolist()  # one read-back
+    return [drafts[i][:m] + [last[i]] for i, m in enumerate(accepted)]
 
 
 def greedy_targets(logits: torch.Tensor, rows: list[int]) -> dict[int, list[int]]:

@@ -32,7 +32,7 @@ from k3.serve.postprocess import Postprocessor, RequestOutput, logprob_entries, 
 from k3.serve.runner import ForwardBatch, ModelRunner, Verified
 from k3.serve.scheduler import Scheduler, Work
 from k3.serve.sequence import Sequence, Status
-from k3.serve.speculative.accept import accept, greedy_targets
+from k3.serve.speculative.accept import accept_batch, greedy_targets
 from k3.serve.speculative.draft import Draft, Proposal
 from k3.serve.speculative.switch import SpecSwitch
 
@@ -176,12 +176,11 @@ class SpeculativeDecoder:
         outs, emitted = [], []
         greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0])
         m = self.post.metrics
-        accepted = []
-        for i, (s, p) in enumerate(zip(seqs, props)):
-            n = len(p.tokens) + 1  # a mixed forward's rows are padded to its longest verification
-            tgt = greedy.get(i)
-            accepted.append(accept(v.logits[i, :n], p.tokens, p.q, s.params, s.generator,
-                                   target=None if tgt is None else tgt[:n]))
+        # a mixed forward's rows are padded to its longest verification: each request's first k + 1 rows
+        n = [len(p.tokens) + 1 for p in props]
+        accepted = accept_batch([v.logits[i, :n[i]] for i in range(len(seqs))], [p.tokens for p in props],
+                                [p.q for p in props], [s.params for s in seqs], [s.generator for s in seqs],
+                                {i: t[:n[i]] for i, t in greedy.items()})
         lps = self._logprobs(seqs, accepted, v)
         for i, (s, w, toks) in enumerate(zip(seqs, work, accepted)):
             got = []

@@ -11,7 +11,7 @@ from k3.model.model import K3ForCausalLM
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams, probs
 from k3.serve.scheduler import SchedulerConfig
-from k3.serve.speculative.accept import accept
+from k3.serve.speculative.accept import accept, accept_batch
 
 ALPHA = 1e-3
 
@@ -139,3 +139,26 @@ def test_greedy_acceptance_with_targets_read_back_for_the_batch():
             assert len(want) == n + 1
     with pytest.raises(ValueError, match="target tokens"):
         accept(logits[0], [1, 2, 3], None, params, target=[1, 2])
+
+
+def test_a_verification_decided_together_equals_each_request_alone():
+    # greedy and sampled requests (a draft distribution, a one-hot draft, top-k, top-p, no drafts) decided in one
+    # batch give what each gives alone from the same generator state: a request's tokens do not depend on the others
+    g = torch.Generator().manual_seed(5)
+    V = 20
+    ks = [3, 2, 0, 3, 1, 2]
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.2, top_p=0.8),
+              SamplingParams(temperature=1.0)]
+    for trial in range(20):
+        logits = [torch.randn(k + 1, V, generator=g) * 2 for k in ks]
+        qs = [torch.softmax(torch.randn(k, V, generator=g), -1) if i in (0, 3) else None for i, k in enumerate(ks)]
+        drafts = [(torch.multinomial(q, 1, generator=g)[:, 0].tolist() if q is not None else
+                   torch.randint(0, V, (k,), generator=g).tolist()) for q, k in zip(qs, ks)]
+        if trial % 2:  # the greedy request's drafts all agree with its target
+            drafts[1] = logits[1].argmax(-1)[:-1].tolist()
+        gens = lambda: [torch.Generator().manual_seed(100 * trial + i) for i in range(len(ks))]  # noqa: E731
+        together = accept_batch(logits, drafts, qs, params, gens())
+        alone = [accept(x, d, q, p, gen) for x, d, q, p, gen in zip(logits, drafts, qs, params, gens())]
+        assert together == alone
+        assert all(1 <= len(t) <= k + 1 and t[:-1] == d[:len(t) - 1] for t, k, d in zip(together, ks, drafts))
