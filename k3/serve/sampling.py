@@ -101,9 +101,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     Greedy rows share one argmax (taken over all rows); the sampled rows' distributions are computed together
     (`probs_rows`) and drawn from together (`inverse_transform`), each with one uniform number from its own
     generator, so a request's tokens do not depend on which other requests share its step: equal to calling `sample`
-    row by row, in a fixed number of kernels plus one draw per sampled row. A row whose params have a constraint samples from its
-    masked logits (a copy: the caller's logits stay as they are, for logprobs), and the constraint then takes the
-    token."""
+    row by row, in a fixed number of kernels plus one draw per sampled row. A row whose params have a constraint
+    samples from its masked logits (a copy: the caller's logits stay as they are, for logprobs), and the constraint
+    then takes the token."""
     constrained = [i for i, p in enumerate(params) if p.constraint is not None]
     if constrained:
         logits = logits.clone()
