@@ -95,6 +95,25 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
     return inverse_transform(pr, torch.rand(pr.shape[0], device=pr.device, generator=generator))
 
 
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """The tokens [N] (on the device, not read back) of the rows of logits [N, V] under their params: one argmax for
+    the greedy rows, and the sampled rows' distributions computed together (`probs_rows`) and drawn from by
+    `inverse_transform` with one uniform number from each row's own generator. Also those distributions [S, V] (None
+    without sampled rows) and the sampled rows' indices."""
+    out = logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)
+    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    if not rows:
+        return out, None, rows
+    idx = torch.tensor(rows, device=logits.device)
+    pr = probs_rows(logits[idx], [params[i] for i in rows])
+    u = torch.empty(len(rows), device=logits.device)
+    for j, i in enumerate(rows):
+        u[j:j + 1].uniform_(generator=generators[i])
+    out[idx] = inverse_transform(pr, u)
+    return out, pr, rows
+
+
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [N, V], row i with params[i] and generators[i], read back to the host once.
@@ -109,16 +128,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
         logits = logits.clone()
         for i in constrained:
             logits[i] = params[i].constraint.mask(logits[i])
-    out = logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)
-    rows = [i for i, p in enumerate(params) if p.temperature != 0]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        pr = probs_rows(logits[idx], [params[i] for i in rows])
-        u = torch.empty(len(rows), device=logits.device)
-        for j, i in enumerate(rows):
-            u[j:j + 1].uniform_(generator=generators[i])
-        out[idx] = inverse_transform(pr, u)
-    toks = out.tolist()
+    toks = sample_rows(logits, params, generators)[0].tolist()
     for i in constrained:
         params[i].constraint.advance(toks[i])
     return toks

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from k3.model.cache import MLACache
 from k3.ops.registry import notice
-from k3.serve.sampling import SamplingParams, probs
+from k3.serve.sampling import SamplingParams, sample_rows
 from k3.serve.sequence import Sequence
 from k3.tensors import to_device_async
 
@@ -150,11 +150,13 @@ class MTPDraft:
             else:
                 for j in range(K):
                     logits = self.model.head(h)[:, -1]
-                    for r, i in enumerate(rows):
-                        if j < ks[i]:  # a request with fewer drafts draws nothing more: its generator is untouched
-                            tok, q = _choose(logits[r], seqs[i].params, seqs[i].generator)
-                            tokens[i].append(tok)
-                            qs[i].append(q)
+                    # a request with fewer drafts draws nothing more: its generator is untouched
+                    act = [r for r, i in enumerate(rows) if j < ks[i]]
+                    toks, q = _choose(logits if len(act) == len(rows) else logits[act],
+                                      [seqs[rows[r]].params for r in act], [seqs[rows[r]].generator for r in act])
+                    for r, tok, qr in zip(act, toks, q):
+                        tokens[rows[r]].append(tok)
+                        qs[rows[r]].append(qr)
                     if j + 1 < K:
                         nxt = torch.tensor([[tokens[i][-1]] for i in rows], device=h.device)
                         h = self._step(h, emb(nxt), False, cache)
@@ -218,7 +220,7 @@ class MTPDraft:
         emb = self.model.model.embed_tokens
         tokens, qs = [], []
         for i in range(k):
-            tok, q = _choose(self.model.head(h)[0, -1], seq.params, seq.generator)
+            (tok,), (q,) = _choose(self.model.head(h)[0, -1:], [seq.params], [seq.generator])
             tokens.append(tok)
             qs.append(q)
             if i + 1 < k:
@@ -547,10 +549,13 @@ def _chains(draft: "MTPDraft", mode: bool | str) -> _Chains | None:
     return _Chains(draft, eager=mode == "eager")
 
 
-def _choose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
-    """A draft token from logits [V]: the argmax for a greedy request, else a draw from the same temperature, top-k
-    and top-p the target uses, with its distribution."""
-    if params.temperature == 0:
-        return int(logits.argmax()), None
-    q = probs(logits[None], params)[0]
-    return int(torch.multinomial(q, 1, generator=generator)), q
+def _choose(logits: Tensor, params: list[SamplingParams], generators: list
+            ) -> tuple[list[int], list[Tensor | None]]:
+    """A draft token from each row of logits [R, V]: the argmax for a greedy request, else a draw from the same
+    temperature, top-k and top-p the target uses (k3.serve.sampling.sample_rows), with its distribution (None for a
+    greedy row). All rows drawn together and read back once."""
+    out, pr, rows = sample_rows(logits, params, generators)
+    qs: list[Tensor | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        qs[i] = pr[j]
+    return out.tolist(), qs
