@@ -246,8 +246,8 @@ register(Op(
 
 register(Op(
     "mla_combine_absorb_v", reference=mla_combine_absorb_v,
-    # not validated: its GPU test (tests/ops/test_mla_out.py, marked gpu) has not run on a GPU yet
-    fast=(Fast("triton", mla_combine_absorb_v_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_mla_out.py, marked gpu) passed on an H100 (2026-12-07)
+    fast=(Fast("triton", mla_combine_absorb_v_triton, _triton.available, validated=True, cpu=True),),
     tolerance="the latent output combined as the decode's combine kernel combines it (the same fp32 operations per "
               "column), then absorbed as mla_absorb_v: fp32 1e-5 of the largest entry, bf16 one bf16 step (two in "
               "the interpreter, which truncates)"))

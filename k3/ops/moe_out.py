@@ -166,8 +166,8 @@ def moe_out_triton(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Te
 
 register(Op(
     "moe_out", reference=moe_out,
-    # not validated: its GPU test (tests/ops/test_moe_out.py, marked gpu) has not run on a GPU yet
-    fast=(Fast("triton", moe_out_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_moe_out.py, marked gpu, autotuned tiles) passed on an H100 (2026-12-07)
+    fast=(Fast("triton", moe_out_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32 1e-5 of the largest output (the same products summed in another order); bf16 one bf16 step of "
               "the largest (the up-projection and h rounded as the composed ops round them, fp32 sums in another "
               "order: a rounding that falls the other way moves one output by a step), two in the interpreter (it "

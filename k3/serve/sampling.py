@@ -58,7 +58,9 @@ def probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
         raise ValueError("probs is not defined for greedy params (temperature 0)")
     N, V = logits.shape
     dev = logits.device
-    x = logits.float() / torch.tensor([float(p.temperature) for p in params], device=dev)[:, None]
+    temps = [float(p.temperature) for p in params]
+    # one temperature (the usual step): divided by it as a number, else by a column of them (the same fp32 division)
+    x = logits.float() / (temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=dev)[:, None])
     ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values  # [N, max k], descending
@@ -101,16 +103,20 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     the greedy rows, and the sampled rows' distributions computed together (`probs_rows`) and drawn from by
     `inverse_transform` with one uniform number from each row's own generator. Also those distributions [S, V] (None
     without sampled rows) and the sampled rows' indices."""
-    out = logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    out = None if len(rows) == len(params) else logits.float().argmax(-1)  # the greedy rows' (one kernel for all)
     if not rows:
         return out, None, rows
-    idx = torch.tensor(rows, device=logits.device)
-    pr = probs_rows(logits[idx], [params[i] for i in rows])
+    every = len(rows) == len(params)  # every row sampled: no index to send to the device
+    idx = None if every else torch.tensor(rows, device=logits.device)
+    pr = probs_rows(logits if every else logits[idx], [params[i] for i in rows])
     u = torch.empty(len(rows), device=logits.device)
     for j, i in enumerate(rows):
         u[j:j + 1].uniform_(generator=generators[i])
-    out[idx] = inverse_transform(pr, u)
+    drawn = inverse_transform(pr, u)
+    if every:
+        return drawn, pr, rows
+    out[idx] = drawn
     return out, pr, rows
 
 
