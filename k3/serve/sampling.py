@@ -104,10 +104,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     `inverse_transform` with one uniform number from each row's own generator. Also those distributions [S, V] (None
     without sampled rows) and the sampled rows' indices."""
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
-    out = None if len(rows) == len(params) else logits.float().argmax(-1)  # the greedy rows' (one kernel for all)
+    every = bool(rows) and len(rows) == len(params)  # every row sampled: no argmax, no index sent to the device
+    out = None if every else logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)
     if not rows:
         return out, None, rows
-    every = len(rows) == len(params)  # every row sampled: no index to send to the device
     idx = None if every else torch.tensor(rows, device=logits.device)
     pr = probs_rows(logits if every else logits[idx], [params[i] for i in rows])
     u = torch.empty(len(rows), device=logits.device)

@@ -63,3 +63,8 @@ def test_logprob_entries_of_a_step_equal_each_token_scored_alone():
         assert e == {"token": t, "logprob": float(logp[t]),
                      "top": [(int(i), float(v)) for v, i in zip(top.values, top.indices)][:k]}
     assert logprob_entries(logits[:0], [], []) == []
+
+
+def test_a_step_of_no_rows_samples_nothing():
+    assert sample_batch(torch.zeros(0, 8), [], []) == []
+    assert sample_batch(torch.zeros(2, 8), [SamplingParams(temperature=0)] * 2, [None, None]) == [0, 0]
