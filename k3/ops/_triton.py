@@ -65,6 +65,17 @@ def bind(namespace: dict) -> None:
 
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n, and at least 2 (a block size for a dimension of n)."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
+def within(**blocks: str):
+    """An `autotuned` prune keeping the configs whose every block (a meta-parameter name) is no wider than the
+    power of two covering the dimension (an argument name) it runs along: wider ones only add masked lanes."""
+    return lambda config, args: all(config[b] <= pow2(args[d]) for b, d in blocks.items())
+
+
 def autotuned(kernel, table, names: tuple[str, ...], key: list[str], prune=None):
     """`kernel` (jitted) wrapped in ``triton.autotune`` over `table`: rows of the meta-parameters `names` followed by
     num_warps and, when present, num_stages. `key`: the arguments whose values pick a tuning (Triton adds the tensor

@@ -159,11 +159,10 @@ def _kernels(interpret: bool, tune: bool = False):
     _triton.bind(globals())
     gate_up, down = triton.jit(_gate_up_kernel), triton.jit(_down_kernel)
     if tune:
-        # a row block or a step wider than the (power-of-two) dimension it covers only adds masked lanes
         gate_up = _triton.autotuned(gate_up, _TUNE_GATE_UP, ("BLOCK_F", "BLOCK_L"), ["L", "F", "K", "pairs_log2"],
-                                    lambda c, a: c["BLOCK_F"] <= _pow2(a["F"]) and c["BLOCK_L"] <= _pow2(a["L"]))
+                                    _triton.within(BLOCK_F="F", BLOCK_L="L"))
         down = _triton.autotuned(down, _TUNE_DOWN, ("BLOCK_L", "BLOCK_F"), ["L", "F", "pairs_log2"],
-                                 lambda c, a: c["BLOCK_L"] <= _pow2(a["L"]) and c["BLOCK_F"] <= _pow2(a["F"]))
+                                 _triton.within(BLOCK_L="L", BLOCK_F="F"))
     return gate_up, down, triton.jit(_combine_norm_kernel)
 
 
@@ -211,8 +210,8 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
         if tune:
             fixed_gu = fixed_down = {}
         else:  # as given, or the first rows of the tables narrowed to the shapes (the interpreter's tiny ones)
-            (bf, bl, wg), (ol, of, wd) = tiles or ((min(64, _pow2(F)), min(128, _pow2(L)), 4),
-                                                   (min(32, _pow2(L)), min(128, _pow2(F)), 4))
+            (bf, bl, wg), (ol, of, wd) = tiles or ((min(64, _triton.pow2(F)), min(128, _triton.pow2(L)), 4),
+                                                   (min(32, _triton.pow2(L)), min(128, _triton.pow2(F)), 4))
             fixed_gu = dict(BLOCK_F=bf, BLOCK_L=bl, num_warps=wg)
             fixed_down = dict(BLOCK_L=ol, BLOCK_F=of, num_warps=wd)
         pairs_log2 = (pairs - 1).bit_length()
@@ -247,7 +246,7 @@ def moe_combine_norm_triton(y: Tensor, weights: Tensor, norm_weight: Tensor, eps
         *_, kernel = _kernels(_triton.interpret())
         with torch.cuda.device(y.device.index if y.is_cuda else -1):
             kernel[(N,)](y.contiguous(), weights.contiguous(), norm_weight.contiguous(), u, L, float(eps), K=k,
-                         K_PAD=1 << max(k - 1, 0).bit_length(), BLOCK_L=min(1024, _pow2(L)),
+                         K_PAD=1 << max(k - 1, 0).bit_length(), BLOCK_L=min(1024, _triton.pow2(L)),
                          FP32=out_dtype == torch.float32 and norm_weight.dtype == torch.float32, num_warps=4)
     return u
 
@@ -258,9 +257,6 @@ def moe_combine_norm(y: Tensor, weights: Tensor, norm_weight: Tensor, eps: float
     N, k = weights.shape
     u = moe_combine_torch(y, torch.arange(N * k, device=y.device), weights, out_dtype)
     return rms_norm_definition(u, norm_weight, eps)
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 1).bit_length()
 
 
 register(Op(

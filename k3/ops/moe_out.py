@@ -122,12 +122,8 @@ def _kernel(interpret: bool, tune: bool = False):
         return kernel
     # a row block wider than D, or a step wider than both contracted widths, only adds masked lanes
     return _triton.autotuned(kernel, _TUNE_OUT, ("BLOCK_D", "BLOCK_K"), ["L", "I", "D", "tokens_log2"],
-                             lambda c, a: c["BLOCK_D"] <= _pow2(a["D"])
-                             and c["BLOCK_K"] <= max(_pow2(a["L"]), _pow2(a["I"])))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 1).bit_length()
+                             lambda c, a: c["BLOCK_D"] <= _triton.pow2(a["D"])
+                             and c["BLOCK_K"] <= max(_triton.pow2(a["L"]), _triton.pow2(a["I"])))
 
 
 def _rows(x: Tensor) -> Tensor:
