@@ -121,9 +121,9 @@ def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_p
                 acc1 = tl.dot_scaled(b1, s1, "e2m1", x, None, FMT, acc1)
                 acc3 = tl.dot_scaled(b3, s3, "e2m1", x, None, FMT, acc3)
             else:
+                q1 = s1.to(tl.int32)  # defined on both branches (a compiled kernel's names must be)
+                q3 = s3.to(tl.int32)
                 if BITS:  # every scale of the step's rows in [2, 252]: no bf16 result subnormal or infinite
-                    q1 = s1.to(tl.int32)
-                    q3 = s3.to(tl.int32)
                     odd = (q1 < 2) | (q1 > 252) | (q3 < 2) | (q3 > 252)
                     edge = tl.reduce(tl.reduce(odd.to(tl.int32), 1, _MAX), 0, _MAX)
                 else:
@@ -136,14 +136,14 @@ def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_p
                     base = tl.reshape(tl.broadcast_to(((q1 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
                                       (BLOCK_F, BLOCK_K))
                     v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
-                    w1 = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    w1 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
                     b = b3.to(tl.int32)
                     cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))
                     m = cd & 7
                     base = tl.reshape(tl.broadcast_to(((q3 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
                                       (BLOCK_F, BLOCK_K))
                     v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
-                    w3 = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    w3 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
                 else:
                     # E8M0 2^(s - 127) from its bits (byte 0 the subnormal 2^-127, 255 NaN), per 16 bytes of codes
                     s = s1.to(tl.int32)
@@ -230,8 +230,8 @@ def _down_kernel(h_ptr, tile_ptr, w2p_ptr, w2s_ptr, y_ptr, L, F, FH, FS, tiles_l
             if DOT_SCALED:
                 acc = tl.dot_scaled(b2, s2, "e2m1", x, None, FMT, acc)
             else:
+                q = s2.to(tl.int32)
                 if BITS:
-                    q = s2.to(tl.int32)
                     edge = tl.reduce(tl.reduce(((q < 2) | (q > 252)).to(tl.int32), 1, _MAX), 0, _MAX)
                 else:
                     edge = 1
@@ -242,7 +242,7 @@ def _down_kernel(h_ptr, tile_ptr, w2p_ptr, w2s_ptr, y_ptr, L, F, FH, FS, tiles_l
                     base = tl.reshape(tl.broadcast_to(((q - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
                                       (BLOCK_F, BLOCK_K))
                     v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
-                    w2 = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    w2 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
                 else:
                     s = s2.to(tl.int32)
                     sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
