@@ -73,7 +73,7 @@ TRAIN = [PY, "benchmarks/train_throughput.py", "--preset", "k3-mini", "--batch-t
 # the fused decode-step kernels pinned off (torch: the composed ops) and on (triton)
 _FUSED = ("KDA_DECODE", "MOE_ROUTE", "ATTN_RES_NORM", "MLA_ABSORB_V", "MLA_GATE", "MOE_GEMV", "MOE_COMBINE_NORM",
           "RMS_NORM_PAIR", "KDA_DECODE_DECAY_PROJ", "MLA_APPEND", "MOE_ROUTE_ROUND",
-          "MOE_OUT", "MLA_COMBINE_ABSORB_V")
+          "MOE_OUT", "MLA_COMBINE_ABSORB_V", "MOE_COMBINE_NORM_OUT")
 _FUSED_OFF = ["env"] + [f"K3_{op}_BACKEND=torch" for op in _FUSED]
 _FUSED_ON = ["env"] + [f"K3_{op}_BACKEND=triton" for op in _FUSED]
 _KERNELS = [PY, "benchmarks/decode_ops.py", "--preset", "k3-mini", "--kernels", "--backend", "fast",

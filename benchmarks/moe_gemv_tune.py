@@ -1,7 +1,9 @@
 """The MoE GEMV kernels (k3.ops.moe_gemv) and the MoE output kernel (k3.ops.moe_out) under several tile shapes, side
 by side: microseconds per call and the fraction of a copy's bandwidth their weight reads reach, at k3-mini's shapes
 and release-shaped ones (the release's widths, with fewer experts to fit one GPU); then the autotuned kernels (what
-serving launches: their tables are the first rows here) with the shape each picked.
+serving launches: their tables are the first rows here) with the shape each picked, and the output kernel with the
+routed experts' combine and latent norm inside (op ``moe_combine_norm_out``) against the combine-norm kernel followed by
+the output kernel.
 
     python benchmarks/moe_gemv_tune.py [--tokens 1 4 8]
 """
@@ -107,7 +109,9 @@ def main() -> None:
                 h, idx, w2, y, L, F, w2.stride(0), w2.stride(1), lg), d_bytes, copy_gbs)
             print(json.dumps(row), flush=True)
         del w13, w2
+    from k3.ops.moe_gemv import moe_combine_norm_triton
     from k3.ops.moe_out import _kernel as out_kernel
+    from k3.ops.moe_out import moe_combine_norm_out_triton, moe_out_triton
 
     kernel, tuned_out = out_kernel(False, False), out_kernel(False, True)
     for name, (L, I, D) in OUT_SHAPES.items():
@@ -121,10 +125,23 @@ def main() -> None:
             row = {"kernel": "moe_out", "shape": name, "tokens": N}
             _sweep(row, "out", OUT, lambda bd, bk, nw: kernel[(N, -(-D // bd))](
                 a, g, u, w_up, w_down, y, L, I, D, a.stride(0), g.stride(0), u.stride(0), w_up.stride(0),
-                w_down.stride(0), 4.0, 25.0, 0, BLOCK_D=bd, BLOCK_K=bk, num_warps=nw), y, (L + I) * D * 2, copy_gbs)
+                w_down.stride(0), 4.0, 25.0, 0, a, a, 0.0, 0, BLOCK_D=bd, BLOCK_K=bk, num_warps=nw), y,
+                (L + I) * D * 2, copy_gbs)
             _tuned(row, "out", tuned_out, lambda: tuned_out[lambda m: (N, -(-D // m["BLOCK_D"]))](
                 a, g, u, w_up, w_down, y, L, I, D, a.stride(0), g.stride(0), u.stride(0), w_up.stride(0),
-                w_down.stride(0), 4.0, 25.0, (N - 1).bit_length()), (L + I) * D * 2, copy_gbs)
+                w_down.stride(0), 4.0, 25.0, (N - 1).bit_length(), a, a, 0.0, 0), (L + I) * D * 2, copy_gbs)
+            # the routed experts' combine and latent norm inside it (op moe_combine_norm_out) against the combine-norm
+            # kernel followed by it, both autotuned as served
+            k = SHAPES[name][3]
+            pairs = torch.randn(N * k, L, device=dev, dtype=torch.bfloat16)
+            pw = torch.rand(N, k, device=dev)
+            nw = torch.ones(L, device=dev, dtype=torch.bfloat16)
+            two = lambda: moe_out_triton(moe_combine_norm_triton(pairs, pw, nw, 1e-6, torch.bfloat16), g, u, w_up,
+                                         w_down, 4.0, 25.0)
+            one = lambda: moe_combine_norm_out_triton(pairs, pw, nw, 1e-6, g, u, w_up, w_down, 4.0, 25.0)
+            two(), one()  # the first calls tune
+            row["combine-norm then out"] = f"{do_bench(two) * 1e3:.1f} us"
+            row["combine inside out"] = f"{do_bench(one) * 1e3:.1f} us"
             print(json.dumps(row), flush=True)
 
 

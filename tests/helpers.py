@@ -261,7 +261,7 @@ def one_torch_thread():
 DECODE_KERNELS = {"attn_res_norm": "triton", "mla_append": "triton", "mla_absorb_v": "triton", "mla_gate": "triton",
                   "moe_gemv": "triton", "moe_combine_norm": "triton", "rms_norm_pair": "triton", "kda_decode": "triton",
                   "kda_decode_decay_proj": "triton", "moe_route": "triton", "moe_route_round": "triton",
-                  "moe_out": "triton", "mla_combine_absorb_v": "triton"}
+                  "moe_out": "triton", "mla_combine_absorb_v": "triton", "moe_combine_norm_out": "triton"}
 
 
 def count_fast_calls(monkeypatch, *ops: str) -> list[str]:

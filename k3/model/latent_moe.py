@@ -19,7 +19,7 @@ from k3.config import K3Config
 from k3.model.common import CastsWeights, Linear, RMSNorm, SituMLP, serving_stack, stacked_linear
 from k3.ops.moe import Routing, interleaved_halves, moe_experts_any
 from k3.ops.moe_gemv import fuses_norm, moe_gemv_for
-from k3.ops.moe_out import moe_out_for
+from k3.ops.moe_out import moe_combine_norm_out_for, moe_out_for
 from k3.ops.moe_route import route_any, route_round_any
 from k3.ops.precision import autocast_off
 from k3.ops.registry import Backends
@@ -129,6 +129,18 @@ class GroupedExperts(CastsWeights, nn.Module):
         return gemv(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.beta1, self.beta2,
                     backends=self.backends, norm=(norm.weight, norm.eps))
 
+    def forward_pairs(self, z: torch.Tensor, routing: Routing) -> torch.Tensor | None:
+        """The experts' outputs y [N*k, L] before their combine (pairs in token order), from the GEMV path where the
+        registry picks it, for a kernel that combines them itself (op ``moe_combine_norm_out``); None otherwise, and
+        for subclasses that compute the experts another way."""
+        if type(self).forward is not GroupedExperts.forward:
+            return None
+        gemv = moe_gemv_for(z, self.backends)
+        if gemv is None:
+            return None
+        return gemv(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.beta1, self.beta2,
+                    backends=self.backends, pairs=True)
+
 
 class LatentMoE(nn.Module):
     backends: Backends | None = None  # which implementations run the ops (K3ForCausalLM.set_backends)
@@ -190,6 +202,21 @@ class LatentMoE(nn.Module):
             return None
         return moe_out_for(z, self.backends)
 
+    def _pairs_out(self, z: torch.Tensor, routing: Routing, sg: torch.Tensor, su: torch.Tensor
+                   ) -> torch.Tensor | None:
+        """The layer's output with the experts' combine and latent norm inside the MoE output kernel (op
+        ``moe_combine_norm_out``: one kernel fewer per layer and step) where the registry picks it and the experts
+        hand over their pairs (GroupedExperts.forward_pairs); else None (the caller runs the two kernels)."""
+        norm = self.routed_expert_norm
+        kernel = moe_combine_norm_out_for(z, self.backends) if isinstance(norm, RMSNorm) else None
+        pairs = getattr(self.experts, "forward_pairs", None) if kernel is not None else None
+        y = pairs(z, routing) if pairs is not None else None
+        if y is None:
+            return None
+        sh = self.shared_experts
+        return kernel(y, routing.weights, norm.weight, norm.eps, sg, su, self.routed_expert_up_proj.weight,
+                      sh.down_proj.weight, sh.beta1, sh.beta2)
+
     def _stacked_projections(self, flat: torch.Tensor):
         """(the routing, or None: the router runs on its own; z; shared gate; shared up) from one GEMM against the
         serving stack, or None where there is none (training, unstacked)."""
@@ -224,8 +251,10 @@ class LatentMoE(nn.Module):
             fused = self._out_kernel(z, sg) if self.latent else None
             if fused is not None:  # W_up a, SiTU-GLU, W_down h and their sum in one kernel (op moe_out)
                 sh = self.shared_experts
-                y = fused(self._normed(z, routing), sg, su, self.routed_expert_up_proj.weight, sh.down_proj.weight,
-                          sh.beta1, sh.beta2)
+                y = self._pairs_out(z, routing, sg, su)
+                if y is None:
+                    y = fused(self._normed(z, routing), sg, su, self.routed_expert_up_proj.weight,
+                              sh.down_proj.weight, sh.beta1, sh.beta2)
             else:  # the routed output added in the shared experts' down-projection GEMM (its epilogue)
                 y = self.shared_experts.from_projections(sg, su, add=self._routed(z, routing))
             return (y.view(shape), Routing(*(t.detach() for t in routing))) if return_routing else y.view(shape)

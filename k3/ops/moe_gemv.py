@@ -173,14 +173,19 @@ def _rows(w: Tensor) -> Tensor:
 
 def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, beta1: float,
                     beta2: float, backends: Backends | None = None, norm: tuple[Tensor, float] | None = None,
-                    autotune: bool | None = None, tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
+                    autotune: bool | None = None,
+                    tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None, pairs: bool = False
                     ) -> Tensor:
     """`moe_gemv` as the gate/up kernel, the down kernel and the combine (the module docstring); z [N, L] with
     N <= GEMV_MAX_TOKENS, the weights in z's dtype. Forward only. `norm` (the latent RMSNorm's weight [L] and eps):
     the combine and that norm as one kernel (op ``moe_combine_norm``), RMSNorm(u) returned instead of u.
     `autotune` (None: when compiled, not in Triton's interpreter): the tile shapes of gate/up and down timed per
     shape and pair count on first use (`_kernels`), else the tables' first rows; `tiles`: (a row of _TUNE_GATE_UP,
-    a row of _TUNE_DOWN) launched as given instead (what the tuning may pick, tested one by one)."""
+    a row of _TUNE_DOWN) launched as given instead (what the tuning may pick, tested one by one). `pairs`: no
+    combine, the down kernel's y [N*k, L] returned (pairs in token order) for a kernel that combines them itself
+    (k3.ops.moe_out.moe_combine_norm_out_triton)."""
+    if pairs and norm is not None:
+        raise ValueError("pairs returns the experts' outputs before the combine: there is no norm to apply")
     _check_expert_inputs(z, weights, indices, w1, w3, w2)
     N, L = z.shape
     if N > GEMV_MAX_TOKENS:
@@ -196,15 +201,15 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
         raise RuntimeError(f"the MoE GEMV kernels cannot run: {why}")
     k = indices.shape[1]
     F = w1.shape[1]
-    pairs = N * k
+    n_pairs = N * k
     z = z if z.stride(1) == 1 else z.contiguous()  # rows read through their stride (a view of a stacked GEMM's output)
     idx = indices.reshape(-1).contiguous()
     w1, w3, w2 = _rows(w1), _rows(w3), _rows(w2)
-    h = torch.empty(pairs, F, device=z.device, dtype=z.dtype)
-    y = torch.empty(pairs, L, device=z.device, dtype=z.dtype)
+    h = torch.empty(n_pairs, F, device=z.device, dtype=z.dtype)
+    y = torch.empty(n_pairs, L, device=z.device, dtype=z.dtype)
     if norm is not None:
         _check_norm(norm, L)
-    if pairs:
+    if n_pairs:
         tune = tiles is None and (not _triton.interpret() if autotune is None else autotune)
         gate_up, down, _ = _kernels(_triton.interpret(), tune)
         if tune:
@@ -214,16 +219,18 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
                                                    (min(32, _triton.pow2(L)), min(128, _triton.pow2(F)), 4))
             fixed_gu = dict(BLOCK_F=bf, BLOCK_L=bl, num_warps=wg)
             fixed_down = dict(BLOCK_L=ol, BLOCK_F=of, num_warps=wd)
-        pairs_log2 = (pairs - 1).bit_length()
+        pairs_log2 = (n_pairs - 1).bit_length()
         with torch.cuda.device(z.device.index if z.is_cuda else -1):
-            gate_up[lambda meta: (pairs, -(-F // meta["BLOCK_F"]))](
+            gate_up[lambda meta: (n_pairs, -(-F // meta["BLOCK_F"]))](
                 z, idx, w1, w3, h, L, F, z.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1),
                 float(beta1), float(beta2), pairs_log2, K=k, **fixed_gu)
-            down[lambda meta: (pairs, -(-L // meta["BLOCK_L"]))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1),
-                                                                 pairs_log2, **fixed_down)
+            down[lambda meta: (n_pairs, -(-L // meta["BLOCK_L"]))](h, idx, w2, y, L, F, w2.stride(0), w2.stride(1),
+                                                                   pairs_log2, **fixed_down)
+    if pairs:
+        return y
     if norm is not None:  # the implementation the registry picks (the caller asked `fuses_norm`: the kernel)
         return dispatch("moe_combine_norm", y, backends).fn(y, weights, norm[0], norm[1], z.dtype)
-    pos = constant("arange", pairs, z.device, torch.long)  # the pairs are in token order already
+    pos = constant("arange", n_pairs, z.device, torch.long)  # the pairs are in token order already
     return moe_combine(y, pos, weights, z.dtype, backends)
 
 

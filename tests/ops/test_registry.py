@@ -51,7 +51,7 @@ def test_every_op_registers_its_facts():
         "attn_res_norm": ["triton"], "mla_absorb_v": ["triton"], "mla_gate": ["triton"],
         "moe_gemv": ["triton"], "moe_combine_norm": ["triton"], "mla_append": ["triton"], "rms_norm_pair": ["triton"],
         "kda_decode_decay_proj": ["triton"], "moe_route_round": ["triton"], "moe_out": ["triton"],
-        "mla_combine_absorb_v": ["triton"]}
+        "mla_combine_absorb_v": ["triton"], "moe_combine_norm_out": ["triton"]}
     fast = {name: op for name, op in ops().items() if op.fast}
     # kda_chunk (KDA context parallelism's chunks on fla) has GPU tests not yet run on a GPU; mx_moe's first path (the
     # token-centric kernels) stays unvalidated, its second (grouped) is validated; vision_attn's two paths both are
@@ -65,7 +65,8 @@ def test_every_op_registers_its_facts():
                                                                     "mla_gate", "moe_gemv", "moe_combine_norm",
                                                                     "mla_append", "rms_norm_pair",
                                                                     "kda_decode_decay_proj", "moe_route_round",
-                                                                    "moe_out", "mla_combine_absorb_v"}
+                                                                    "moe_out", "mla_combine_absorb_v",
+                                                                    "moe_combine_norm_out"}
     assert all(len(op.tolerance) > 20 and callable(op.reference) for op in ops().values())
     option_fields = {f.name for f in dataclasses.fields(Backends)} - {"default", "per_op"}
     assert {o for op in ops().values() for o in op.options} == option_fields  # every option belongs to an op
