@@ -88,6 +88,30 @@ def inverse_transform(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True)[:, 0]
 
 
+def uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device | str
+             ) -> torch.Tensor:
+    """Uniform numbers in [0, 1) for a batch of requests, counts[i] of them for request i, in request order [sum]:
+    a seeded request's from its own generator (one draw each, so its numbers do not depend on the others), and the
+    unseeded requests' together from one draw of the device's default generator (a step of unseeded requests draws
+    once, not once per request)."""
+    if len(counts) != len(generators):
+        raise ValueError(f"{len(counts)} counts for {len(generators)} generators")
+    free = sum(c for c, g in zip(counts, generators) if g is None)
+    shared = torch.rand(free, device=device) if free else None
+    if free == sum(counts):
+        return shared if shared is not None else torch.empty(0, device=device)
+    pieces, at = [], 0
+    for c, g in zip(counts, generators):
+        if not c:
+            continue
+        if g is None:
+            pieces.append(shared[at:at + c])
+            at += c
+        else:
+            pieces.append(torch.rand(c, device=device, generator=g))
+    return torch.cat(pieces)
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [N, V] -> token ids [N]. Greedy when temperature == 0; else drawn from `probs`, one uniform number
     from `generator` per row (`inverse_transform`)."""
@@ -101,7 +125,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """The tokens [N] (on the device, not read back) of the rows of logits [N, V] under their params: one argmax for
     the greedy rows, and the sampled rows' distributions computed together (`probs_rows`) and drawn from by
-    `inverse_transform` with one uniform number from each row's own generator. Also those distributions [S, V] (None
+    `inverse_transform` with one uniform number from each row's own generator (the unseeded rows' from one draw:
+    `uniforms`). Also those distributions [S, V] (None
     without sampled rows) and the sampled rows' indices."""
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     every = bool(rows) and len(rows) == len(params)  # every row sampled: no argmax, no index sent to the device
@@ -110,9 +135,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         return out, None, rows
     idx = None if every else torch.tensor(rows, device=logits.device)
     pr = probs_rows(logits if every else logits[idx], [params[i] for i in rows])
-    u = torch.empty(len(rows), device=logits.device)
-    for j, i in enumerate(rows):
-        u[j:j + 1].uniform_(generator=generators[i])
+    u = uniforms([1] * len(rows), [generators[i] for i in rows], logits.device)
     drawn = inverse_transform(pr, u)
     if every:
         return drawn, pr, rows

@@ -1,9 +1,10 @@
 """Sampling (k3.serve.sampling): the batched distributions against one row at a time, and the drawn tokens against
 the distribution they are drawn from."""
 
+import pytest
 import torch
 
-from k3.serve.sampling import SamplingParams, probs, probs_rows, sample, sample_batch
+from k3.serve.sampling import SamplingParams, probs, probs_rows, sample, sample_batch, uniforms
 
 
 def _params():
@@ -68,3 +69,25 @@ def test_logprob_entries_of_a_step_equal_each_token_scored_alone():
 def test_a_step_of_no_rows_samples_nothing():
     assert sample_batch(torch.zeros(0, 8), [], []) == []
     assert sample_batch(torch.zeros(2, 8), [SamplingParams(temperature=0)] * 2, [None, None]) == [0, 0]
+
+
+def test_unseeded_requests_draw_their_uniforms_together_and_seeded_ones_from_their_own_generator():
+    # a seeded request's numbers are its generator's next ones whatever shares the step; the unseeded requests' come
+    # from one draw of the default generator, in request order (what one torch.rand of their total gives)
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+
+    counts, seeds = [2, 3, 0, 1, 4], [None, 7, None, 9, None]
+    torch.manual_seed(123)
+    got = uniforms(counts, [gen(s) if s is not None else None for s in seeds], "cpu")
+    torch.manual_seed(123)
+    shared = torch.rand(2 + 0 + 4)
+    want = torch.cat([shared[:2], torch.rand(3, generator=gen(7)), torch.rand(1, generator=gen(9)), shared[2:]])
+    assert got.shape == (10,) and torch.equal(got, want)
+    torch.manual_seed(5)
+    every_free = uniforms([1, 1, 1], [None] * 3, "cpu")
+    torch.manual_seed(5)
+    assert torch.equal(every_free, torch.rand(3))
+    assert uniforms([0, 0], [None, gen(1)], "cpu").shape == (0,)
+    with pytest.raises(ValueError, match="counts for"):
+        uniforms([1], [None, None], "cpu")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.serve.sampling import SamplingParams, inverse_transform, probs_rows
+from k3.serve.sampling import SamplingParams, inverse_transform, probs_rows, uniforms
 
 
 def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams,
@@ -89,7 +89,7 @@ def _speculative_sampling(logits: list[torch.Tensor], drafts: list[list[int]], q
         q_d = torch.cat([q[torch.arange(k, device=dev), torch.tensor(d, device=dev, dtype=torch.long)].float()
                          if q is not None else torch.ones(k, device=dev)
                          for q, k, d in zip(qs, ks, drafts) if k])
-        u = torch.cat([torch.rand(k, device=dev, generator=g) for g, k in zip(generators, ks) if k])
+        u = uniforms(ks, generators, dev)
         tests = (u * q_d < p_d).tolist()  # u < p / q without dividing by a zero q; one read-back
     accepted, final = [], []
     at = 0
@@ -109,7 +109,7 @@ def _speculative_sampling(logits: list[torch.Tensor], drafts: list[list[int]], q
             # guard against rounding only)
             row = torch.where(res.sum() > 0, res, row)
         final.append(row)
-    u2 = torch.cat([torch.rand(1, device=dev, generator=g) for g in generators])
+    u2 = uniforms([1] * len(generators), generators, dev)
     last = inverse_transform(torch.stack(final), u2).tolist()  # one read-back
     return [drafts[i][:m] + [last[i]] for i, m in enumerate(accepted)]
 
