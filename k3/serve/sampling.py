@@ -78,14 +78,36 @@ def probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     return torch.softmax(x, -1)
 
 
+CDF_BLOCK = 1024  # the cumulative sums of a row are taken in blocks of this many entries (see `cdf`)
+
+
+def cdf(pr: torch.Tensor) -> torch.Tensor:
+    """The fp64 cumulative sums of the rows of pr [N, V], taken blockwise: each block of CDF_BLOCK entries summed on
+    its own, then the blocks' totals, exclusive, added to their entries. A scan along one long row runs as one
+    sequential pass of one thread block on a GPU (the whole vocabulary per request); blocked, a step's rows are
+    N * V / CDF_BLOCK short scans side by side. Non-decreasing along each row as a plain cumulative sum is (a block's
+    offset is the previous offset plus that block's last entry), equal to it up to fp64 rounding."""
+    N, V = pr.shape
+    x = pr.double()
+    if V <= CDF_BLOCK:
+        return x.cumsum(-1)
+    nb = -(-V // CDF_BLOCK)
+    if nb * CDF_BLOCK != V:
+        x = torch.nn.functional.pad(x, (0, nb * CDF_BLOCK - V))
+    inner = x.view(N, nb, CDF_BLOCK).cumsum(-1)
+    ends = inner[:, :, -1].cumsum(-1)  # [N, nb]: the cumulative sum at each block's last entry
+    offset = torch.nn.functional.pad(ends[:, :-1], (1, 0))  # exclusive: 0 before the first block
+    return (inner + offset[:, :, None]).view(N, nb * CDF_BLOCK)[:, :V]
+
+
 def inverse_transform(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of pr [N, V] by inverse transform sampling from one uniform u [N] in [0, 1) per row: the
-    first token whose cumulative probability (fp64) exceeds u times the row's total. The point stays below the total,
-    so it lands on a token of positive probability (never on one a cut left at 0)."""
-    cdf = pr.double().cumsum(-1)
-    total = cdf[:, -1:]
+    first token whose cumulative probability (fp64, `cdf`) exceeds u times the row's total. The point stays below the
+    total, so it lands on a token of positive probability (never on one a cut left at 0)."""
+    c = cdf(pr)
+    total = c[:, -1:]
     x = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True)[:, 0]
+    return torch.searchsorted(c.contiguous(), x, right=True)[:, 0]
 
 
 def uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device | str

@@ -4,7 +4,7 @@ the distribution they are drawn from."""
 import pytest
 import torch
 
-from k3.serve.sampling import SamplingParams, probs, probs_rows, sample, sample_batch, uniforms
+from k3.serve.sampling import CDF_BLOCK, SamplingParams, cdf, probs, probs_rows, sample, sample_batch, uniforms
 
 
 def _params():
@@ -91,3 +91,19 @@ def test_unseeded_requests_draw_their_uniforms_together_and_seeded_ones_from_the
     assert uniforms([0, 0], [None, gen(1)], "cpu").shape == (0,)
     with pytest.raises(ValueError, match="counts for"):
         uniforms([1], [None, None], "cpu")
+
+
+@pytest.mark.parametrize("V", [5, CDF_BLOCK, CDF_BLOCK + 1, 4 * CDF_BLOCK, 5 * CDF_BLOCK - 3])
+def test_the_blockwise_cumulative_sums_equal_the_plain_ones_and_never_decrease(V):
+    # rows with zeros (a cut's tokens), widths at, around and across whole blocks: fp64 rounding apart (1e-12) the
+    # plain cumulative sum, non-decreasing, and the last entry the row's total
+    g = torch.Generator().manual_seed(V)
+    pr = torch.softmax(torch.randn(4, V, generator=g) * 4, -1)
+    pr[:, ::3] = 0
+    got, want = cdf(pr), pr.double().cumsum(-1)
+    assert got.shape == (4, V) and got.dtype == torch.float64
+    assert (got - want).abs().max() <= 1e-12
+    assert bool((got[:, 1:] >= got[:, :-1]).all())
+    # not vacuous: a block's offset left out is far
+    if V > CDF_BLOCK:
+        assert (got[:, CDF_BLOCK:] - pr.double()[:, CDF_BLOCK:].cumsum(-1)).abs().max() > 1e-3
