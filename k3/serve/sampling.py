@@ -148,8 +148,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     """The tokens [N] (on the device, not read back) of the rows of logits [N, V] under their params: one argmax for
     the greedy rows, and the sampled rows' distributions computed together (`probs_rows`) and drawn from by
     `inverse_transform` with one uniform number from each row's own generator (the unseeded rows' from one draw:
-    `uniforms`). Also those distributions [S, V] (None
-    without sampled rows) and the sampled rows' indices."""
+    `uniforms`). Also those distributions [S, V] (None without sampled rows) and the sampled rows' indices."""
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     every = bool(rows) and len(rows) == len(params)  # every row sampled: no argmax, no index sent to the device
     out = None if every else logits.float().argmax(-1)  # the greedy rows' tokens (one kernel for all rows)

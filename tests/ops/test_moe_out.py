@@ -81,18 +81,24 @@ def test_bad_inputs_are_named(interpret):
     assert moe_out_for(a, OUT) is None  # gradients enabled
 
 
-def test_the_model_with_the_kernel_equals_its_usual_path(interpret, monkeypatch):
-    # a tiny model's no-grad forward with its projections stacked (serving): the kernel runs once per MoE layer with
-    # shared experts, the hidden states are the composed ops' (fp32, 1e-5); unstacked or training, it never runs
+def _tiny_model():
+    """A tiny model without MTP layers (eval), its number of MoE layers with shared experts, and 5 token ids."""
     from k3.config import K3Config
-    from k3.model.common import stack_projections
     from k3.model.model import K3ForCausalLM
 
-    calls = count_fast_calls(monkeypatch, "moe_out")
     cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
     m = K3ForCausalLM(cfg).init_weights(seed=1).eval()
     n_moe = sum(type(x).__name__ == "LatentMoE" and x.shared_experts is not None for x in m.modules())
-    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    return m, n_moe, torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+
+
+def test_the_model_with_the_kernel_equals_its_usual_path(interpret, monkeypatch):
+    # a tiny model's no-grad forward with its projections stacked (serving): the kernel runs once per MoE layer with
+    # shared experts, the hidden states are the composed ops' (fp32, 1e-5); unstacked or training, it never runs
+    from k3.model.common import stack_projections
+
+    calls = count_fast_calls(monkeypatch, "moe_out")
+    m, n_moe, ids = _tiny_model()
     with torch.no_grad():
         plain = m.set_backends(OUT).model(ids)
         assert calls == []
@@ -181,15 +187,10 @@ def test_the_model_combines_inside_the_output_kernel(interpret, monkeypatch):
     # a tiny stacked model's no-grad forward with the decode step's MoE kernels: with op moe_combine_norm_out on,
     # each MoE layer with shared experts runs it in place of the combine-norm kernel and the output kernel, and the
     # hidden states are what those two give (fp32, 1e-6)
-    from k3.config import K3Config
     from k3.model.common import stack_projections
-    from k3.model.model import K3ForCausalLM
 
     calls = count_fast_calls(monkeypatch, "moe_combine_norm_out", "moe_combine_norm", "moe_out")
-    cfg = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=0)
-    m = K3ForCausalLM(cfg).init_weights(seed=1).eval()
-    n_moe = sum(type(x).__name__ == "LatentMoE" and x.shared_experts is not None for x in m.modules())
-    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    m, n_moe, ids = _tiny_model()
     two = Backends(per_op={**PAIRS_OUT.per_op, "moe_combine_norm_out": "torch"})
     with torch.no_grad():
         stack_projections(m)
