@@ -9,9 +9,10 @@ Two arms over the same logits:
 * ``per-row``: the earlier way, each sampled row's distribution computed and drawn from (torch.multinomial) on its
   own and written into the step's token tensor, then each row's log-softmax and top-k, with a read-back per value
   (the token's logprob, each alternative's id and logprob);
-* ``batched``: k3.serve.sampling.sample_batch (the distributions of all rows in one pass, one uniform number per row
-  from its generator, or from one draw for all unseeded rows, and one inverse transform) and k3.serve.postprocess.logprob_entries (one log-softmax, top-k and
-  gather for all rows, one read-back).
+* ``batched``: k3.serve.sampling.sample_step (the distributions of all rows in one pass, one uniform number per row
+  from its generator, or from one draw for all unseeded rows, and one inverse transform, the tokens left on the
+  device) and k3.serve.postprocess.read_step (one log-softmax, top-k and gather for all rows, read back with the
+  tokens: one read-back per step).
 
 Prints milliseconds per step (median of --runs, each synchronized) per arm and batch size; on CUDA also the kernels
 each arm launches per step (torch.profiler). The two arms draw from the same distributions with different noise, so
@@ -28,8 +29,8 @@ import time
 import torch
 
 from k3.cli_args import DefaultsHelpFormatter
-from k3.serve.postprocess import logprob_entries
-from k3.serve.sampling import SamplingParams, probs, sample_batch
+from k3.serve.postprocess import read_step
+from k3.serve.sampling import SamplingParams, probs, sample_step
 
 
 def per_row(logits: torch.Tensor, params: list[SamplingParams], gens: list, ks: list[int]) -> list:
@@ -49,8 +50,8 @@ def per_row(logits: torch.Tensor, params: list[SamplingParams], gens: list, ks: 
 
 
 def batched(logits: torch.Tensor, params: list[SamplingParams], gens: list, ks: list[int]) -> list:
-    toks = sample_batch(logits, params, gens)
-    return logprob_entries(logits, toks, ks)
+    """The postprocess step: the tokens drawn on the device, then read back with every row's logprob entry at once."""
+    return read_step(logits, sample_step(logits, params, gens), list(range(len(ks))), ks)[1]
 
 
 def _time(fn, dev: torch.device, runs: int) -> float:

@@ -17,7 +17,7 @@ import torch
 from k3.serve.detok import byte_level, decode_growing
 from k3.serve.metrics import EngineMetrics
 from k3.serve.runner import PromptScore
-from k3.serve.sampling import sample_batch
+from k3.serve.sampling import advance, sample_step
 from k3.serve.sequence import Sequence, Status
 
 
@@ -52,10 +52,10 @@ class Postprocessor:
         due = [s for s in due if s.params.max_tokens > 0]
         if due:
             rows = _rows_of(logits, due)
-            toks = self.draw(due, rows)
             want = [i for i, s in enumerate(due) if s.params.logprobs is not None]
-            lps = dict(zip(want, logprob_entries(rows if len(want) == len(due) else rows[want],
-                                                 [toks[i] for i in want], [due[i].params.logprobs for i in want])))
+            toks, entries = read_step(rows, self.draw(due, rows), want, [due[i].params.logprobs for i in want])
+            advance([s.params for s in due], toks)
+            lps = dict(zip(want, entries))
             for i, (s, t) in enumerate(zip(due, toks)):
                 first = s.first_token_at is None
                 out = self.emit(s, t, lps.get(i))
@@ -64,9 +64,10 @@ class Postprocessor:
                 outputs.append(out)
         return outputs
 
-    def draw(self, due: list[Sequence], rows: torch.Tensor) -> list[int]:
-        """The next token of each due request from its row of logits rows [N, V] (k3.serve.sampling.sample_batch)."""
-        return sample_batch(rows, [s.params for s in due], [s.generator for s in due])
+    def draw(self, due: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
+        """The next token of each due request from its row of logits rows [N, V], on the device [N]
+        (k3.serve.sampling.sample_step; `sample` reads them back with the step's logprobs)."""
+        return sample_step(rows, [s.params for s in due], [s.generator for s in due])
 
     def emit(self, seq: Sequence, tok: int, lp: dict | None = None) -> RequestOutput:
         """Take the token `tok` for seq: its logprob entry `lp` (`logprob_entries`: given when the request asks for
@@ -152,12 +153,42 @@ def logprob_entries(logits: torch.Tensor, toks: list[int], ks: list[int]) -> lis
         return []
     if len(toks) != logits.shape[0] or len(ks) != len(toks):
         raise ValueError(f"{len(toks)} tokens and {len(ks)} counts for {logits.shape[0]} rows of logits")
+    table, K = _entry_table(logits, torch.tensor(toks, device=logits.device), ks)
+    return _entries(toks, ks, table.tolist(), K)
+
+
+def read_step(rows: torch.Tensor, toks: torch.Tensor, want: list[int], ks: list[int]
+              ) -> tuple[list[int], list[dict]]:
+    """A step's tokens toks [N] (on the device, drawn from rows [N, V]) and the logprob entries of rows `want` (each
+    with ks[j] alternatives, as `logprob_entries` makes them), read back together: (the tokens, the entries of
+    `want` in order). One read-back for the whole step."""
+    if len(want) != len(ks):
+        raise ValueError(f"{len(ks)} counts for {len(want)} rows asking for logprobs")
+    if not want:
+        return toks.tolist(), []
+    N = rows.shape[0]
+    every = len(want) == N
+    sub = rows if every else rows[torch.tensor(want, device=rows.device)]
+    table, K = _entry_table(sub, toks if every else toks[torch.tensor(want, device=toks.device)], ks)
+    # the tokens (int64, exact as fp64) ahead of the entries' table: one tensor, one read-back
+    host = torch.cat([toks.double(), table.flatten()]).tolist()
+    got = [int(t) for t in host[:N]]
+    width = 1 + 2 * K
+    return got, _entries([got[i] for i in want], ks, [host[N + j * width:N + (j + 1) * width]
+                                                      for j in range(len(want))], K)
+
+
+def _entry_table(logits: torch.Tensor, toks: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, int]:
+    """[n, 1 + 2K] fp64 on the device: each row's token logprob, its K largest logprobs and their ids (fp32 values and
+    int64 ids as fp64, exact for both), K = the largest count (at least 1); and K."""
     logp = torch.log_softmax(logits.float(), -1)
     K = max(max(ks), 1)
     top = torch.topk(logp, K, dim=-1)
-    picked = logp.gather(-1, torch.tensor(toks, device=logp.device)[:, None])
-    # fp32 values and int64 ids as fp64 (exact for both), one tensor: one read-back
-    host = torch.cat([picked.double(), top.values.double(), top.indices.double()], dim=1).tolist()
+    picked = logp.gather(-1, toks[:, None])
+    return torch.cat([picked.double(), top.values.double(), top.indices.double()], dim=1), K
+
+
+def _entries(toks: list[int], ks: list[int], host: list[list[float]], K: int) -> list[dict]:
     return [{"token": t, "logprob": row[0], "top": [(int(row[1 + K + j]), row[1 + j]) for j in range(k)]}
             for t, k, row in zip(toks, ks, host)]
 

@@ -21,7 +21,7 @@ class SamplingParams:
     # computed in the forwards that prefill it. Such a request never takes prefix-cache hits.
     prompt_logprobs: int | None = None
     # A grammar over the output (e.g. k3.serve.chat_constrain.ToolCallConstraint): `mask(logits [V])` returns the
-    # logits with the tokens it forbids at -inf, `advance(token)` takes each sampled token. Used by `sample_batch`
+    # logits with the tokens it forbids at -inf, `advance(token)` takes each sampled token. Used by `sample_step`
     # (the engine's plain decode steps), so a constrained request must not be speculated.
     constraint: object | None = None
 
@@ -164,21 +164,33 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     return out, pr, rows
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits [N, V], row i with params[i] and generators[i], read back to the host once.
-    Greedy rows share one argmax (taken over all rows); the sampled rows' distributions are computed together
-    (`probs_rows`) and drawn from together (`inverse_transform`), each with one uniform number from its own
-    generator, so a request's tokens do not depend on which other requests share its step: equal to calling `sample`
-    row by row, in a fixed number of kernels plus one draw per sampled row. A row whose params have a constraint
-    samples from its masked logits (a copy: the caller's logits stay as they are, for logprobs), and the constraint
-    then takes the token."""
+def sample_step(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of logits [N, V], row i with params[i] and generators[i], left on the device [N] (the
+    caller reads it back with whatever else the step reads: one read-back per step). Greedy rows share one argmax
+    (taken over all rows); the sampled rows' distributions are computed together (`probs_rows`) and drawn from
+    together (`inverse_transform`), each with one uniform number from its own generator, so a request's tokens do not
+    depend on which other requests share its step: equal to calling `sample` row by row, in a fixed number of kernels
+    plus one draw per seeded row. A row whose params have a constraint samples from its masked logits (a copy: the
+    caller's logits stay as they are, for logprobs); the caller hands the tokens, once read back, to `advance`."""
     constrained = [i for i, p in enumerate(params) if p.constraint is not None]
     if constrained:
         logits = logits.clone()
         for i in constrained:
             logits[i] = params[i].constraint.mask(logits[i])
-    toks = sample_rows(logits, params, generators)[0].tolist()
-    for i in constrained:
-        params[i].constraint.advance(toks[i])
+    return sample_rows(logits, params, generators)[0]
+
+
+def advance(params: list[SamplingParams], toks: list[int]) -> None:
+    """Each constrained row's constraint takes its sampled token (after `sample_step`, once read back)."""
+    for p, t in zip(params, toks):
+        if p.constraint is not None:
+            p.constraint.advance(t)
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+    """`sample_step` read back to the host, the constraints advanced: the tokens as a list."""
+    toks = sample_step(logits, params, generators).tolist()
+    advance(params, toks)
     return toks

@@ -9,6 +9,8 @@ reads the whole token history of the request (prompt + output) and writes the sc
 current turn (the j-th generation prefix of the history: SCRIPT[j]), token by token, then [end_of_msg].
 """
 
+import torch
+
 from k3.env.client import assistant_message, tool_call
 from k3.env.task import Budget, Task, TaskFamily, Verdict, register_family
 from k3.serve.chat import chat_stop, render_chat_ids
@@ -53,7 +55,7 @@ def script_tokens(monkeypatch, tok, script):
         return bodies[turn][k]
 
     def draw(self, due, rows):
-        return [oracle(list(s.prompt_ids) + list(s.output_ids)) for s in due]
+        return torch.tensor([oracle(list(s.prompt_ids) + list(s.output_ids)) for s in due], device=rows.device)
 
     monkeypatch.setattr(Postprocessor, "draw", draw)
     return bodies

@@ -66,6 +66,28 @@ def test_logprob_entries_of_a_step_equal_each_token_scored_alone():
     assert logprob_entries(logits[:0], [], []) == []
 
 
+def test_a_steps_tokens_and_logprob_entries_come_back_in_one_read_back(monkeypatch):
+    # read_step: the device tokens and the entries of the rows that ask for logprobs (all, some, none) equal the
+    # tokens read alone and logprob_entries of those rows, from one tolist of one tensor
+    from k3.serve.postprocess import logprob_entries, read_step
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)) * 4
+    toks = torch.tensor([3, 60, 0, 17, 17])
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    for want, ks in (([0, 1, 2, 3, 4], [0, 1, 5, 2, 0]), ([1, 3], [2, 0]), ([], [])):
+        reads.clear()
+        got, entries = read_step(logits, toks, want, ks)
+        assert len(reads) == 1
+        monkeypatch.setattr(torch.Tensor, "tolist", real)
+        assert got == [3, 60, 0, 17, 17]
+        assert entries == (logprob_entries(logits[want], [got[i] for i in want], ks) if want else [])
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    with pytest.raises(ValueError, match="counts for"):
+        read_step(logits, toks, [0, 1], [1])
+
+
 def test_a_step_of_no_rows_samples_nothing():
     assert sample_batch(torch.zeros(0, 8), [], []) == []
     assert sample_batch(torch.zeros(2, 8), [SamplingParams(temperature=0)] * 2, [None, None]) == [0, 0]
