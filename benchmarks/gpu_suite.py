@@ -153,6 +153,12 @@ STEPS = {
     # decode with every fused decode kernel on and off, side by side (the first pass compiles: about 2 minutes on a
     # fresh machine), then kernels per layer on and off
     "decode_bench": ([_FUSED_ON + _DECODE, _FUSED_OFF + _DECODE, _FUSED_ON + _KERNELS, _FUSED_OFF + _KERNELS], 540),
+    # where a batch-1 decode step's time goes (the profiler's kernels of captured steps, `auto`'s kernels) and the
+    # step's sampling and logprobs by arm, with its costliest kernels (seeded as an RL rollout, then unseeded)
+    "decode_profile": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--decode-batch", "1", "--backend",
+                         "fast", "--profile"],
+                        [PY, "benchmarks/sampling_bench.py", "--batch", "1", "16", "64", "--top-kernels", "6"],
+                        [PY, "benchmarks/sampling_bench.py", "--batch", "1", "64", "--unseeded"]], 400),
     # the MoE GEMV kernels' tile shapes side by side (what picks their block sizes)
     "moe_gemv_tune": ([[PY, "benchmarks/moe_gemv_tune.py"]], 300),
     "serve": ([[PY, "benchmarks/serve_bench.py", "--preset", "k3-mini", "--ttft", "8192", "32768", "--decode-batch",
