@@ -63,12 +63,14 @@ def moe_out(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor, b
     return torch.addmm(F.linear(a, w_up), h, w_down.t())
 
 
-def _check(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor) -> None:
+def _check(a: Tensor, gate: Tensor, up: Tensor, w_up: Tensor, w_down: Tensor, tokens: int | None = None) -> None:
+    """The operands' shapes and dtypes; `tokens`: the token count N when a is not [N, L] itself (the experts' pairs
+    [N*k, L] of moe_combine_norm_out)."""
     for name, t in (("a", a), ("gate", gate), ("up", up), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(t, Tensor) or t.ndim != 2 or not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a 2-D floating tensor, got {type(t).__name__} "
                              f"{tuple(getattr(t, 'shape', ()))}")
-    N, L = a.shape
+    N, L = a.shape[0] if tokens is None else tokens, a.shape[1]
     I, D = gate.shape[1], w_up.shape[0]
     if gate.shape != up.shape or gate.shape[0] != N:
         raise ValueError(f"gate and up must be [N={N}, I], got {tuple(gate.shape)} and {tuple(up.shape)}")
@@ -241,8 +243,7 @@ def _check_pairs(y: Tensor, weights: Tensor, norm_weight: Tensor, gate: Tensor, 
         raise ValueError(f"the experts' pairs must be [N*k={weights.numel()}, L] in gate's dtype {gate.dtype}, got "
                          f"{(tuple(y.shape), y.dtype) if isinstance(y, Tensor) else type(y).__name__}")
     _check_norm((norm_weight, 0.0), y.shape[1])
-    # the shapes of moe_out's operands, with a of [N, L] standing for the combine's output
-    _check(torch.empty(weights.shape[0], y.shape[1], dtype=y.dtype, device="meta"), gate, up, w_up, w_down)
+    _check(y, gate, up, w_up, w_down, tokens=weights.shape[0])
 
 
 register(Op(
