@@ -59,8 +59,12 @@ def probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     N, V = logits.shape
     dev = logits.device
     temps = [float(p.temperature) for p in params]
-    # one temperature (the usual step): divided by it as a number, else by a column of them (the same fp32 division)
-    x = logits.float() / (temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=dev)[:, None])
+    # one temperature (the usual step): divided by it as a number (not at all by 1, which changes nothing), else by a
+    # column of them (the same fp32 division)
+    if len(set(temps)) > 1:
+        x = logits.float() / torch.tensor(temps, device=dev)[:, None]
+    else:
+        x = logits.float() if temps[0] == 1.0 else logits.float() / temps[0]
     ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values  # [N, max k], descending
