@@ -121,25 +121,26 @@ class GroupedExperts(CastsWeights, nn.Module):
         """norm(self(z, routing)) with the norm inside the GEMV path's combine kernel, where the registry picks both
         (ops ``moe_gemv`` and ``moe_combine_norm``: one kernel fewer per layer and step); None otherwise, and for
         subclasses that compute the experts another way (MX QAT, expert parallelism): the caller norms."""
-        if type(self).forward is not GroupedExperts.forward:
+        if not fuses_norm(z, self.backends):
             return None
-        gemv = moe_gemv_for(z, self.backends)
-        if gemv is None or not fuses_norm(z, self.backends):
-            return None
-        return gemv(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.beta1, self.beta2,
-                    backends=self.backends, norm=(norm.weight, norm.eps))
+        return self._gemv_only(z, routing, norm=(norm.weight, norm.eps))
 
     def forward_pairs(self, z: torch.Tensor, routing: Routing) -> torch.Tensor | None:
         """The experts' outputs y [N*k, L] before their combine (pairs in token order), from the GEMV path where the
         registry picks it, for a kernel that combines them itself (op ``moe_combine_norm_out``); None otherwise, and
         for subclasses that compute the experts another way."""
+        return self._gemv_only(z, routing, pairs=True)
+
+    def _gemv_only(self, z: torch.Tensor, routing: Routing, **how) -> torch.Tensor | None:
+        """The GEMV path's kernels with `how` (k3.ops.moe_gemv.moe_gemv_triton's norm or pairs) where the registry
+        picks them and this class computes the experts as GroupedExperts does; else None."""
         if type(self).forward is not GroupedExperts.forward:
             return None
         gemv = moe_gemv_for(z, self.backends)
         if gemv is None:
             return None
         return gemv(z, routing.weights, routing.indices, self.w1, self.w3, self.w2, self.beta1, self.beta2,
-                    backends=self.backends, pairs=True)
+                    backends=self.backends, **how)
 
 
 class LatentMoE(nn.Module):

@@ -39,8 +39,8 @@ from k3.ops.rms_norm import rms_norm_definition
 from k3.ops.situ import situ_glu
 from k3.tensors import constant
 
-__all__ = ["GEMV_MAX_TOKENS", "fuses_norm", "moe_combine_norm", "moe_combine_norm_triton", "moe_gemv", "moe_gemv_for",
-           "moe_gemv_triton"]
+__all__ = ["GEMV_MAX_TOKENS", "check_norm", "fuses_norm", "moe_combine_norm", "moe_combine_norm_triton", "moe_gemv",
+           "moe_gemv_for", "moe_gemv_triton"]
 
 GEMV_MAX_TOKENS = 8  # up to this many tokens per layer call (64 pairs at k = 8); the grouped GEMMs above it
 
@@ -208,7 +208,7 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
     h = torch.empty(n_pairs, F, device=z.device, dtype=z.dtype)
     y = torch.empty(n_pairs, L, device=z.device, dtype=z.dtype)
     if norm is not None:
-        _check_norm(norm, L)
+        check_norm(norm, L)
     if n_pairs:
         tune = tiles is None and (not _triton.interpret() if autotune is None else autotune)
         gate_up, down, _ = _kernels(_triton.interpret(), tune)
@@ -234,7 +234,8 @@ def moe_gemv_triton(z: Tensor, weights: Tensor, indices: Tensor, w1: Tensor, w3:
     return moe_combine(y, pos, weights, z.dtype, backends)
 
 
-def _check_norm(norm, L: int) -> None:
+def check_norm(norm, L: int) -> None:
+    """A latent RMSNorm's (weight [L], eps), as the combine-norm kernels take it: a clear error if it is not."""
     if not (isinstance(norm, tuple) and len(norm) == 2 and isinstance(norm[0], Tensor)):
         raise ValueError("norm must be (the RMSNorm's weight [L], eps)")
     if norm[0].shape != (L,) or not norm[0].dtype.is_floating_point:
@@ -247,7 +248,7 @@ def moe_combine_norm_triton(y: Tensor, weights: Tensor, norm_weight: Tensor, eps
     """`moe_combine_norm` as one kernel (program n: token n's combine, then its norm; y [N*k, L] in token order)."""
     N, k = weights.shape
     L = y.shape[1]
-    _check_norm((norm_weight, eps), L)
+    check_norm((norm_weight, eps), L)
     u = torch.empty(N, L, device=y.device, dtype=out_dtype)
     if N and L:
         *_, kernel = _kernels(_triton.interpret())

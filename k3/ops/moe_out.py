@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3.ops import _triton
-from k3.ops.moe_gemv import _check_norm, moe_combine_norm
+from k3.ops.moe_gemv import check_norm, moe_combine_norm
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
 from k3.ops.situ import situ_glu
 
@@ -242,7 +242,7 @@ def _check_pairs(y: Tensor, weights: Tensor, norm_weight: Tensor, gate: Tensor, 
     if not isinstance(y, Tensor) or y.ndim != 2 or y.shape[0] != weights.numel() or y.dtype != gate.dtype:
         raise ValueError(f"the experts' pairs must be [N*k={weights.numel()}, L] in gate's dtype {gate.dtype}, got "
                          f"{(tuple(y.shape), y.dtype) if isinstance(y, Tensor) else type(y).__name__}")
-    _check_norm((norm_weight, 0.0), y.shape[1])
+    check_norm((norm_weight, 0.0), y.shape[1])
     _check(y, gate, up, w_up, w_down, tokens=weights.shape[0])
 
 
