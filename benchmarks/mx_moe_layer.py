@@ -1,7 +1,7 @@
 """One release-shaped routed-expert layer served from MXFP4 storage, against dequantized bf16 and the floor.
 
     python benchmarks/mx_moe_layer.py [--experts 896] [--top-k 16] [--latent 3584] [--inter 3072]
-                                      [--tokens 1 16 64] [--runs 20] [--device cuda] [--impls ...]
+                                      [--tokens 1 16 64] [--runs 20] [--device cuda] [--impls ...] [--graphs]
 
 K3's routed experts (report §2.3, §4.1.4; checkpoint-layout.md §2.7): 896 experts of latent width 3584 and
 expert width 3072, top-16, weights in MXFP4. For each token count the experts are drawn once (random MXFP4
@@ -22,7 +22,10 @@ experts the batch routes to) over the device's memory bandwidth (`--bandwidth`, 
 device-to-device copy counting bytes read and written, the figure the decode floors of serve_bench.py use: a kernel
 that only reads streams at about that rate; an earlier default of 2000 counted reads at half of it, and the bf16
 grouped GEMMs ran at 142% of that floor on an H100). Timings are medians over `--runs`
-(CUDA events on GPU, wall clock on CPU) after a warm-up (which also autotunes the grouped kernels). One JSON line per
+(CUDA events on GPU, wall clock on CPU) after a warm-up (which also autotunes the grouped kernels); with `--graphs`
+each call is captured in a CUDA graph and replayed (a served decode step runs so: the GPU's time without the host's
+launch overhead, which at a token or two is most of an eager call), the rows that cannot be captured timed eagerly
+(the table's last column says which). One JSON line per
 (tokens, implementation), then a table with each one's share of its floor and its speed against bf16-grouped. An
 implementation that fails (a kernel that does not compile on this GPU) gets a row with its error, the others still
 run, and the exit status is 1. The Triton kernels run only on a GPU (the interpreter is a correctness tool, not a
@@ -44,9 +47,10 @@ from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed, mx_moe_packed_grou
 from k3.ops.situ import situ_glu
 
 B1, B2 = 4.0, 25.0
-IMPLS = ("packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton", "packed-torch",
-         "bf16-grouped")
-KERNELS = ("packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton")  # compiled Triton: GPU only
+IMPLS = ("packed-auto", "packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton",
+         "packed-torch", "bf16-grouped")
+# compiled Triton: GPU only
+KERNELS = ("packed-auto", "packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton")
 
 
 def random_packed(E: int, F: int, L: int, device) -> PackedExpertWeights:
@@ -64,22 +68,37 @@ def random_packed(E: int, F: int, L: int, device) -> PackedExpertWeights:
                                scales((E, F, L // 32)), codes((E, L, F // 2)), scales((E, L, F // 32)))
 
 
-def timed(fn, runs: int, device) -> float:
+def timed(fn, runs: int, device, graph: bool = False) -> tuple[float, bool]:
+    """(median seconds of `runs` calls, whether they replayed a CUDA graph). With `graph` (CUDA), the call is
+    captured once after its warm-up and the graph replayed, as a served decode step runs it: the GPU's time
+    without the host's launches; a call that cannot be captured (a read-back to the host) is timed eagerly."""
     fn()  # warm-up (compilation, autotuning)
+    replay = fn
+    if graph and device.type == "cuda":
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                fn()
+        except Exception:  # not capturable: eager below
+            graph = False
+        else:
+            replay = g.replay
+    graph = graph and device.type == "cuda"
     times = []
     for _ in range(runs):
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            replay()
             b.record()
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
         else:
             t = time.perf_counter()
-            fn()
+            replay()
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times), graph
 
 
 def main() -> int:
@@ -94,6 +113,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--bandwidth", type=float, default=4000.0, help="GB/s the floor assumes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--graphs", action="store_true",
+                    help="time each implementation replayed from a CUDA graph (as a decode step runs), where it "
+                         "captures")
     ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to time")
     args = ap.parse_args()
     if any(n < 1 for n in args.tokens):
@@ -119,12 +141,13 @@ def main() -> int:
         idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(dev)
         wt = torch.rand(N, K, generator=g).to(dev)
         touched = int(torch.unique(idx).numel())
-        impls = {"packed-grouped": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
-                                                                 decode="dot_scaled"),
+        impls = {"packed-auto": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8"),
+                 "packed-grouped": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
+                                                                 decode="dot_scaled", gemv_tokens=0),
                  "packed-grouped-regs": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
-                                                                      decode="registers"),
+                                                                      decode="registers", gemv_tokens=0),
                  "packed-grouped-bits": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
-                                                                      decode="bits"),
+                                                                      decode="bits", gemv_tokens=0),
                  "packed-triton": lambda: mx_moe_packed_triton(z, wt, idx, w, B1, B2, "mxfp8"),
                  "packed-torch": lambda: mx_moe_packed(z, wt, idx, w, B1, B2, "mxfp8")}
         if dense is not None:
@@ -138,22 +161,23 @@ def main() -> int:
             row = dict(tokens=N, impl=name, touched_experts=touched, bytes_touched=touched * per,
                        floor_ms=round(floor * 1e3, 4), device=str(dev))
             try:
-                s = timed(impls[name], min(args.runs, 3) if name == "packed-torch" else args.runs, dev)  # slow ref
+                runs = min(args.runs, 3) if name == "packed-torch" else args.runs  # the slow reference
+                s, graphed = timed(impls[name], runs, dev, args.graphs)
             except Exception as e:  # a kernel that does not build here: its row says so, the others still run
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
             else:
-                row.update(ms=round(s * 1e3, 4), share_of_floor=round(floor / s, 3))
+                row.update(ms=round(s * 1e3, 4), share_of_floor=round(floor / s, 3), graph=graphed)
             rows.append(row)
             print(json.dumps(row), flush=True)
     bf16 = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "bf16-grouped" and "ms" in r}
-    print(f"\n{'tokens':>6} {'impl':>19} {'ms':>9} {'floor ms':>9} {'of floor':>8} {'vs bf16':>8}")
+    print(f"\n{'tokens':>6} {'impl':>19} {'ms':>9} {'floor ms':>9} {'of floor':>8} {'vs bf16':>8} {'graph':>6}")
     for r in rows:
         if "error" in r:
             print(f"{r['tokens']:>6} {r['impl']:>19} failed: {r['error'][:120]}")
             continue
         speed = f"{bf16[r['tokens']] / r['ms']:>7.2f}x" if r["tokens"] in bf16 else f"{'-':>8}"
         print(f"{r['tokens']:>6} {r['impl']:>19} {r['ms']:>9.3f} {r['floor_ms']:>9.3f} {r['share_of_floor']:>8.1%} "
-              f"{speed}")
+              f"{speed} {'yes' if r['graph'] else 'no':>6}")
     return 1 if any("error" in r for r in rows) else 0
 
 

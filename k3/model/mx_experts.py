@@ -33,8 +33,8 @@ from torch import nn
 from k3.model.latent_moe import GroupedExperts, LatentMoE
 from k3.ops.moe import Routing, moe_experts_any
 from k3.ops.mx import MX_BLOCK, mxfp4_fake_quantize_any, mxfp4_quantize, mxfp8_fake_quantize_any
-from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed_any
-from k3.ops.registry import Backends
+from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed_any, mx_moe_packed_triton, takes_gemv
+from k3.ops.registry import Backends, dispatch
 
 WEIGHT_FORMATS = (None, "mxfp4")
 ACTIVATION_FORMATS = (None, "mxfp8")
@@ -144,6 +144,20 @@ class PackedMXExperts(nn.Module):
     def forward(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         return mx_moe_packed_any(z, routing.weights, routing.indices, self.packed, self.beta1, self.beta2,
                                  self.activations, backends=self.backends)
+
+    def forward_pairs(self, z: torch.Tensor, routing: Routing) -> torch.Tensor | None:
+        """The experts' outputs y [N*k, L] before their combine (pairs in token order, z's dtype) where op ``mx_moe``
+        runs these tokens on the token-centric kernels (``triton``; ``triton_grouped`` where k3.ops.mx_moe.takes_gemv
+        says), for a kernel that combines them itself (op ``moe_combine_norm_out``); else None (the caller
+        combines)."""
+        if torch.is_grad_enabled() or z.ndim != 2:
+            return None
+        name = dispatch("mx_moe", z, self.backends).name
+        E = self.packed.shape[0]
+        if name != "triton" and not (name == "triton_grouped" and takes_gemv(z.shape[0], routing.indices.shape[1], E)):
+            return None
+        return mx_moe_packed_triton(z, routing.weights, routing.indices, self.packed, self.beta1, self.beta2,
+                                    self.activations, pairs=True)
 
     def extra_repr(self) -> str:
         E, F, L = self.packed.shape

@@ -203,6 +203,28 @@ def test_the_model_combines_inside_the_output_kernel(interpret, monkeypatch):
     assert rel_err(got, want) <= 1e-6 and rel_err(got, plain) <= 1e-5
 
 
+def test_packed_mxfp4_experts_hand_their_pairs_to_the_output_kernel(interpret, monkeypatch):
+    # experts served from MXFP4 storage: at a decode step's few tokens the token-centric kernels give their pairs to
+    # the output kernel (one combine fewer), and the hidden states are what the separate combine gives (fp32, 1e-5)
+    from k3.model.common import stack_projections
+    from k3.model.mx_experts import pack_experts
+
+    calls = count_fast_calls(monkeypatch, "moe_combine_norm_out", "moe_out")
+    m, n_moe, ids = _tiny_model()
+    on = Backends(per_op={"mx_moe": "triton_grouped", "moe_out": "triton", "moe_combine_norm_out": "triton"})
+    two = Backends(per_op={**on.per_op, "moe_combine_norm_out": "torch"})
+    with torch.no_grad():
+        pack_experts(m, activations=None)
+        stack_projections(m)
+        want = m.set_backends(two).model(ids[:, :2])
+        assert calls == ["moe_out"] * n_moe and n_moe > 0
+        calls.clear()
+        got = m.set_backends(on).model(ids[:, :2])
+        assert calls == ["moe_combine_norm_out"] * n_moe
+        plain = m.set_backends(Backends()).model(ids[:, :2])
+    assert rel_err(got, want) <= 1e-5 and rel_err(got, plain) <= 1e-5
+
+
 def test_the_engine_decodes_the_same_with_the_combine_inside(interpret, monkeypatch):
     calls = count_fast_calls(monkeypatch, "moe_combine_norm_out")
     ran = []

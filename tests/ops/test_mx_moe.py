@@ -74,6 +74,32 @@ def test_triton_kernels_bf16(interpret):
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
 
 
+def test_triton_kernels_pairs_and_edge_scales(interpret):
+    # pairs=True: the per-pair outputs (token order) whose combine is the output; scales at the ends of E8M0
+    # (0: 2^-127; 253 and 254: weights near fp32's top, code 7 at 254 is +inf) decode as the reference decodes
+    z, weights, indices, packed = _case(F=32, L=64, N=3, k=2, seed=5)
+    y = mx_moe_packed_triton(z, weights, indices, packed, B1, B2, None, pairs=True)
+    assert y.shape == (6, 64) and y.dtype == z.dtype
+    u = (y.view(3, 2, 64) * weights[:, :, None]).sum(1)
+    assert torch.allclose(u, mx_moe_packed_triton(z, weights, indices, packed, B1, B2, None), rtol=1e-6, atol=1e-7)
+    w1p, w1s, w3p, w3s, w2p, w2s = (t.clone() for t in packed)
+    e = int(indices[0, 0])
+    w1p[e, 0, :16] = 0
+    w1s[e, 0, 0], w1p[e, 0, 0] = 253, 0x05  # column 0: code 5 (3.0) times 2^126, finite
+    w1s[e, 1, 0] = 0
+    w3s[e, 2, 1] = 240
+    w3p[e, 2, 16:32] = 0x11  # columns 32..63 of row 2: 0.5 * 2^113 each
+    w2s[e, 0, 0] = 0
+    edge = PackedExpertWeights(w1p, w1s, w3p, w3s, w2p, w2s)
+    z2 = z.clone()
+    z2[:, 0] = 1e-37  # w1 row 0 at 3 * 2^126 times a tiny input: a finite gate
+    z2[:, 32:] *= 1e-33
+    want = mx_moe_packed(z2, weights, indices, edge, B1, B2, None)
+    got = mx_moe_packed_triton(z2, weights, indices, edge, B1, B2, None)
+    assert bool(torch.isfinite(want).all())
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_auto_runs_the_reference_on_cpu():
     z, weights, indices, packed = _case(seed=3)
     ref = mx_moe_packed(z, weights, indices, packed, B1, B2, "mxfp8")

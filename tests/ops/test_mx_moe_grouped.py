@@ -8,16 +8,21 @@ each GEMM's output to bf16, the kernels keep fp32 until the hidden and the outpu
 experts with no tokens, experts with more tokens than one tile holds (several tiles, a partial last one).
 """
 
+import functools
+
 import pytest
 import torch
 
 from k3.ops.mx import mxfp4_quantize
-from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed, mx_moe_packed_any, mx_moe_packed_grouped
+from k3.ops.mx_moe import (PackedExpertWeights, mx_moe_packed, mx_moe_packed_any,
+                          mx_moe_packed_grouped, mx_moe_packed_triton, takes_gemv)
 from k3.ops.mx_moe_grouped import block_tokens, tile_map
 from k3.ops.registry import Backends, dispatch
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 B1, B2 = 4.0, 25.0
+# the grouped kernels at every token count (the op hands a few tokens to the token-centric kernels: tested below)
+_grouped = functools.partial(mx_moe_packed_grouped, gemv_tokens=0)
 
 
 @pytest.fixture
@@ -89,7 +94,7 @@ def test_grouped_kernels_equal_the_reference_fp32(interpret, activations, N):
     # 64 tokens top-2 over 6 experts: ~21 pairs per expert, tiles of 32 rows; 16: some experts get several
     z, weights, indices, packed = _case(N=N, seed=N, used=[0, 1, 3, 4] if N > 1 else None)
     want = mx_moe_packed(z, weights, indices, packed, B1, B2, activations)
-    got = mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, activations)
+    got = _grouped(z, weights, indices, packed, B1, B2, activations)
     _close(got, want, 1e-5)
 
 
@@ -98,7 +103,7 @@ def test_grouped_kernels_several_partial_tiles_per_expert_fp32(interpret):
     # experts 2, 5 and 6 none; L = 160: the last step along L is partial (64 columns per step in the interpreter)
     z, weights, indices, packed = _case(E=7, F=32, L=160, N=40, k=3, seed=5, used=[0, 1, 3, 4])
     want = mx_moe_packed(z, weights, indices, packed, B1, B2, "mxfp8")
-    got = mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, "mxfp8", block_t=16)
+    got = _grouped(z, weights, indices, packed, B1, B2, "mxfp8", block_t=16)
     _close(got, want, 1e-5)
 
 
@@ -109,10 +114,10 @@ def test_grouped_kernels_bf16(interpret, decode):
     z, weights, indices, packed = _case(F=32, N=16, seed=6, used=[0, 2, 3, 5])
     z = z.to(torch.bfloat16)
     want = mx_moe_packed(z, weights, indices, packed, B1, B2, None)
-    got = mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode=decode)
+    got = _grouped(z, weights, indices, packed, B1, B2, None, decode=decode)
     _close(got, want, 2e-2)
     if decode == "bits":  # the same bf16 weights as the registers decode, the same dots: the same output, bit for bit
-        assert torch.equal(got, mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode="registers"))
+        assert torch.equal(got, _grouped(z, weights, indices, packed, B1, B2, None, decode="registers"))
 
 
 def _edge_scales(packed, e):
@@ -135,26 +140,43 @@ def test_bits_decode_takes_the_registers_decode_where_a_scale_is_out_of_its_rang
     z[:, 0] = z[:, 0].abs() + 0.5  # x_0 > 0: the +inf weights make the gate and up +inf, saturating SiTU-GLU
     packed = _edge_scales(packed, int(indices[0, 0]))
     want = mx_moe_packed(z, weights, indices, packed, B1, B2, None)
-    got = mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode="bits")
+    got = _grouped(z, weights, indices, packed, B1, B2, None, decode="bits")
     assert bool(torch.isfinite(want).all())
     _close(got, want, 2e-2)
-    assert torch.equal(got, mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None, decode="registers"))
+    assert torch.equal(got, _grouped(z, weights, indices, packed, B1, B2, None, decode="registers"))
 
 
 def test_no_tokens_and_bad_options(interpret):
     z, weights, indices, packed = _case()
-    out = mx_moe_packed_grouped(z[:0], weights[:0], indices[:0], packed, B1, B2)
+    out = _grouped(z[:0], weights[:0], indices[:0], packed, B1, B2)
     assert out.shape == (0, z.shape[1]) and out.dtype == z.dtype
     with pytest.raises(ValueError, match="decode='dot_scaled' multiplies bf16 or fp16"):
-        mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, decode="dot_scaled")
+        _grouped(z, weights, indices, packed, B1, B2, decode="dot_scaled")
     with pytest.raises(ValueError, match="decode='bits' builds bf16 weights"):
-        mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, decode="bits")
+        _grouped(z, weights, indices, packed, B1, B2, decode="bits")
     with pytest.raises(ValueError, match="decode='fp4'"):
-        mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, decode="fp4")
+        _grouped(z, weights, indices, packed, B1, B2, decode="fp4")
     with pytest.raises(ValueError, match="block_t=24"):
-        mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, block_t=24)
+        _grouped(z, weights, indices, packed, B1, B2, block_t=24)
     with pytest.raises(ValueError, match="activations"):
-        mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, "mxfp6")
+        _grouped(z, weights, indices, packed, B1, B2, "mxfp6")
+
+
+def test_few_tokens_take_the_token_centric_kernels(interpret):
+    # while the pairs number at most 3/4 of the experts (or up to gemv_tokens tokens) the op runs the token-centric
+    # kernels, above that the grouped ones
+    assert takes_gemv(1, 16, 384) and takes_gemv(18, 16, 384) and not takes_gemv(19, 16, 384)
+    assert takes_gemv(3, 2, 8) and not takes_gemv(4, 2, 8) and not takes_gemv(1, 1, 8, gemv_tokens=0)
+    for N, limit in ((3, None), (4, None), (2, 2), (3, 2), (3, 0)):
+        z, weights, indices, packed = _case(E=8, F=32, N=N, k=2, seed=20 + N)
+        got = mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, "mxfp8", gemv_tokens=limit)
+        want = (mx_moe_packed_triton(z, weights, indices, packed, B1, B2, "mxfp8") if takes_gemv(N, 2, 8, limit)
+                else _grouped(z, weights, indices, packed, B1, B2, "mxfp8"))
+        assert torch.equal(got, want), (N, limit)
+        _close(got, mx_moe_packed(z, weights, indices, packed, B1, B2, "mxfp8"), 1e-5)
+    for bad in (-1, 2.0, "4", True):
+        with pytest.raises(ValueError, match="gemv_tokens"):
+            mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, gemv_tokens=bad)
 
 
 def test_registry_names_the_grouped_backend_and_auto_keeps_the_reference_on_cpu(interpret):
@@ -179,15 +201,15 @@ def test_grouped_kernels_on_gpu(N):
     used = None if N < 64 else [e for e in range(32) if e % 4 != 1]
     z, weights, indices, packed = _gpu_case(N, used=used)
     want = mx_moe_packed(z, weights, indices, packed, B1, B2, "mxfp8")
-    _close(mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, "mxfp8"), want, 1e-5)
+    _close(_grouped(z, weights, indices, packed, B1, B2, "mxfp8"), want, 1e-5)
     want = mx_moe_packed(z, weights, indices, packed, B1, B2, None)
-    _close(mx_moe_packed_grouped(z, weights, indices, packed, B1, B2, None), want, 1e-5)
+    _close(_grouped(z, weights, indices, packed, B1, B2, None), want, 1e-5)
     zb = z.to(torch.bfloat16)
     ref = mx_moe_packed(zb, weights, indices, packed, B1, B2, None)
     for decode in ("dot_scaled", "registers", "bits"):
-        _close(mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode=decode), ref, 2e-2)
+        _close(_grouped(zb, weights, indices, packed, B1, B2, None, decode=decode), ref, 2e-2)
     # untuned (one config for both), the bit-built weights are the registers decode's: the same output
-    regs, bits = (mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode=d, autotune=False)
+    regs, bits = (_grouped(zb, weights, indices, packed, B1, B2, None, decode=d, autotune=False)
                   for d in ("registers", "bits"))
     assert torch.equal(regs, bits)
 
@@ -200,10 +222,10 @@ def test_bits_decode_with_out_of_range_scales_on_gpu():
     zb[:, 0] = zb[:, 0].abs() + 0.5
     packed = _edge_scales(packed, int(indices[0, 0]))
     ref = mx_moe_packed(zb, weights, indices, packed, B1, B2, None)
-    got = mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode="bits", autotune=False)
+    got = _grouped(zb, weights, indices, packed, B1, B2, None, decode="bits", autotune=False)
     assert bool(torch.isfinite(ref).all())
     _close(got, ref, 2e-2)
-    assert torch.equal(got, mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None, decode="registers",
+    assert torch.equal(got, _grouped(zb, weights, indices, packed, B1, B2, None, decode="registers",
                                                   autotune=False))
 
 
@@ -213,7 +235,7 @@ def test_grouped_kernels_capture_in_a_cuda_graph():
     # nothing reads back to the host: the whole path captures, and a replay on new routing gives the new result
     z, weights, indices, packed = _gpu_case(16)
     zb = z.to(torch.bfloat16)
-    fn = lambda: mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, "mxfp8")  # noqa: E731
+    fn = lambda: _grouped(zb, weights, indices, packed, B1, B2, "mxfp8")  # noqa: E731
     fn()  # autotuning and compilation happen outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -225,4 +247,24 @@ def test_grouped_kernels_capture_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, fn())
     ref = mx_moe_packed(zb, weights, indices, packed, B1, B2, None)
-    _close(mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, None), ref, 2e-2)
+    _close(_grouped(zb, weights, indices, packed, B1, B2, None), ref, 2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_few_tokens_capture_in_a_cuda_graph():
+    # the op's default at decode (the token-centric kernels) captures too, and follows new routing on replay
+    z, weights, indices, packed = _gpu_case(2)
+    zb = z.to(torch.bfloat16)
+    fn = lambda: mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, "mxfp8")  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    _, _, new_indices, _ = _gpu_case(2, used=[0, 3, 7, 8, 9, 12, 20, 21, 30])
+    indices.copy_(new_indices)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn())
+    _close(out, mx_moe_packed(zb, weights, indices, packed, B1, B2, "mxfp8"), 2e-2)
