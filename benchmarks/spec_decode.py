@@ -25,6 +25,8 @@ the prompt and the plain output before it), and the KDA state bytes one verified
 per-position snapshots (T states written, one read back at the rollback). With `--stage-times`, `stage_ms` breaks a
 speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms per cycle, from one
 more generation that waits for the device at every stage boundary, so its total is a little above the timed run's).
+With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
+kernels it launched per cycle (count, ms, the N costliest; on a CPU the operators' host time instead).
 `auto_switch` is the switch's decision per batch bucket, `auto_switch_rates` each arm's median tokens/s over the
 decode-only steps it measured there.
 """
@@ -162,6 +164,55 @@ def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
     return st.per_cycle_ms()
 
 
+def stage_kernels(events, cycles: int, top: int) -> dict[str, dict]:
+    """Per stage of the speculative cycle (the ``spec.<stage>`` ranges StageTimes marks), from a profile's `events`:
+    the device kernels launched inside it (CUDA graph replays included, where the profiler attributes them), or,
+    when the profile holds no kernel at all (CPU), the operators' own host time. Per cycle: the count, the ms, and
+    the `top` costliest by name as [name, count, ms]."""
+    found = {}
+    ranges = [ev for ev in events if ev.name.startswith("spec.")]
+    any_kernel = any(getattr(ev, "kernels", None) for ev in events)
+    for ev in ranges:
+        acc = found.setdefault(ev.name[len("spec."):], {})
+        stack = [ev]
+        while stack:
+            e = stack.pop()
+            stack.extend(e.cpu_children)
+            if any_kernel:
+                items = [(k.name, k.duration) for k in e.kernels]
+            else:
+                items = [(e.name, e.self_cpu_time_total)] if e is not ev and e.name.startswith("aten::") else []
+            for name, us in items:
+                c = acc.setdefault(name, [0, 0.0])
+                c[0] += 1
+                c[1] += us
+    n = max(cycles, 1)
+    out = {}
+    for stage, acc in found.items():
+        ranked = sorted(acc.items(), key=lambda kv: -kv[1][1])
+        out[stage] = dict(kind="kernels" if any_kernel else "host operators",
+                          count=round(sum(c for c, _ in acc.values()) / n, 2),
+                          ms=round(sum(us for _, us in acc.values()) / 1e3 / n, 4),
+                          top=[[name[:90], round(c / n, 2), round(us / 1e3 / n, 4)] for name, (c, us) in ranked[:top]])
+    return out
+
+
+def profiled_stages(engine, prompts, max_tokens: int, device, top: int) -> dict[str, dict]:
+    """One more generation under torch.profiler with the cycle's stages marked: :func:`stage_kernels` of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from k3.serve.speculative.decoder import StageTimes
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    engine.speculative.stage_times = st = StageTimes(device)
+    try:
+        with profile(activities=acts) as prof:
+            run(engine, prompts, max_tokens)
+    finally:
+        engine.speculative.stage_times = None
+    return stage_kernels(prof.events(), st.cycles, top)
+
+
 def main() -> None:
     from k3.cli_args import RawDefaultsHelpFormatter
 
@@ -181,6 +232,10 @@ def main() -> None:
                     help="after each speculating engine's timed generation, one more with the cycle's stages timed "
                          "(waiting for the device at each stage boundary): `stage_ms` per arm, the mean ms per "
                          "cycle of draft, verify, accept, commit and observe")
+    ap.add_argument("--stage-kernels", type=int, default=0, metavar="N",
+                    help="one more generation per speculating engine under torch.profiler: per stage of the cycle, "
+                         "its kernels' count and device ms per cycle and the N costliest (`stage_kernels`; on a CPU "
+                         "the operators' host time)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -231,6 +286,12 @@ def main() -> None:
             if args.stage_times and mode != "off":
                 res[mode]["stage_ms"] = stage_times(eng, prompts[:B], args.max_tokens, dev)
                 _log(f"batch {B} {mode}: per cycle {res[mode]['stage_ms']}")
+            if args.stage_kernels and mode != "off":
+                res[mode]["stage_kernels"] = profiled_stages(eng, prompts[:B], args.max_tokens, dev,
+                                                             args.stage_kernels)
+                for stage, k in res[mode]["stage_kernels"].items():
+                    _log(f"batch {B} {mode} {stage}: {k['count']} {k['kind']}, {k['ms']} ms per cycle; top: "
+                         + "; ".join(f"{n} x{c} {ms} ms" for n, c, ms in k["top"]))
             _log(f"batch {B} {mode}: {rate:.1f} tok/s, accepted length {res[mode]['mean_accepted_length']}")
             del eng
         T = res["spec"]["mean_accepted_length"] or 1.0
@@ -245,6 +306,8 @@ def main() -> None:
                    graphs_made_while_timed={m: res[m]["graphs_made_while_timed"] for m in res},
                    **({"stage_ms": {m: res[m]["stage_ms"] for m in res if "stage_ms" in res[m]}}
                       if args.stage_times else {}),
+                   **({"stage_kernels": {m: res[m]["stage_kernels"] for m in res if "stage_kernels" in res[m]}}
+                      if args.stage_kernels else {}),
                    auto_switch=res["auto"].get("switch"), auto_switch_rates=res["auto"].get("switch_rates"),
                    **({"fused_tok_s": res["fused"]["tokens_per_s"],
                        "fused_speedup": round(res["fused"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3)}

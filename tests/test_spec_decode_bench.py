@@ -85,6 +85,34 @@ def test_stage_times_break_the_cycle_down_and_leave_the_output_unchanged():
     assert set(ms) == set(StageTimes.STAGES) | {"cycle"}
     assert all(ms[k] >= 0 for k in StageTimes.STAGES) and ms["draft"] > 0 and ms["verify"] > 0
     assert ms["cycle"] == pytest.approx(sum(ms[k] for k in StageTimes.STAGES), abs=0.01)
+    # under the profiler: each stage's operators (kernels on a GPU), per cycle, the costliest first
+    ks = bench.profiled_stages(eng, prompts, 12, torch.device("cpu"), top=3)
+    assert eng.speculative.stage_times is None
+    assert {"draft", "verify", "accept"} <= set(ks) <= set(StageTimes.STAGES)
+    verify = ks["verify"]
+    assert verify["kind"] == "host operators" and verify["count"] > 0 and verify["ms"] > 0
+    assert 0 < len(verify["top"]) <= 3 and all(name.startswith("aten::") for name, _, _ in verify["top"])
+    assert [t[2] for t in verify["top"]] == sorted((t[2] for t in verify["top"]), reverse=True)
+
+
+def test_stage_kernels_attribute_device_kernels_to_their_stage():
+    # a profile's events as torch.profiler gives them: kernels hang on the operators that launched them, inside the
+    # stage ranges; counts and times are per cycle, the costliest first
+    from types import SimpleNamespace as E
+
+    def ev(name, children=(), kernels=()):
+        return E(name=name, cpu_children=list(children), kernels=[E(name=n, duration=us) for n, us in kernels],
+                 self_cpu_time_total=1.0)
+
+    mm = ev("aten::mm", kernels=[("gemm", 30.0)])
+    launch = ev("cudaGraphLaunch", kernels=[("kda_step", 10.0), ("gemm", 20.0)])
+    verify = [ev("spec.verify", [mm, launch]) for _ in range(2)]
+    draft = ev("spec.draft", [ev("aten::add", kernels=[("add", 4.0)])])
+    outside = ev("aten::copy_", kernels=[("copy", 99.0)])  # not in any stage
+    got = bench.stage_kernels([*verify, draft, outside], cycles=2, top=2)
+    assert set(got) == {"verify", "draft"}
+    assert got["verify"] == dict(kind="kernels", count=3.0, ms=0.06, top=[["gemm", 2.0, 0.05], ["kda_step", 1.0, 0.01]])
+    assert got["draft"]["count"] == 0.5 and got["draft"]["top"] == [["add", 0.5, 0.002]]
 
 
 def test_stage_times_average_over_cycles_and_refuse_an_unknown_stage():

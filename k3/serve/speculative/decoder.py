@@ -42,7 +42,8 @@ class StageTimes:
     proposals), `verify` (the verification forwards), `accept` (acceptance, emitting, stop rules), `commit` (the
     replay or holding of the accepted positions, the cache's bookkeeping) and `observe` (the draft told the committed
     hidden states, the MLA cache truncated). Each stage waits for `device` before and after it, so the stages'
-    device work is counted in them and not in the next one."""
+    device work is counted in them and not in the next one; each is also a ``spec.<stage>`` range for torch.profiler
+    (benchmarks/spec_decode.py --stage-kernels lists the kernels of each)."""
 
     STAGES = ("draft", "verify", "accept", "commit", "observe")
 
@@ -62,7 +63,8 @@ class StageTimes:
         self._sync()
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"spec.{name}"):  # a profiler, when one runs, sees the stage's range
+                yield
         finally:
             self._sync()
             self.seconds[name] += time.perf_counter() - t0
