@@ -231,40 +231,23 @@ def test_bits_decode_with_out_of_range_scales_on_gpu():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_grouped_kernels_capture_in_a_cuda_graph():
-    # nothing reads back to the host: the whole path captures, and a replay on new routing gives the new result
-    z, weights, indices, packed = _gpu_case(16)
+@pytest.mark.parametrize("N, gemv_tokens", [(16, 0), (2, None)], ids=["grouped", "token-centric"])
+def test_kernels_capture_in_a_cuda_graph(N, gemv_tokens):
+    # nothing reads back to the host: the whole path captures (the grouped kernels, and the token-centric ones the op
+    # hands a decode step's few tokens to), and a replay on new routing gives the new result
+    z, weights, indices, packed = _gpu_case(N)
     zb = z.to(torch.bfloat16)
-    fn = lambda: _grouped(zb, weights, indices, packed, B1, B2, "mxfp8")  # noqa: E731
+    op = functools.partial(mx_moe_packed_grouped, gemv_tokens=gemv_tokens)
+    fn = lambda: op(zb, weights, indices, packed, B1, B2, "mxfp8")  # noqa: E731
     fn()  # autotuning and compilation happen outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
-    _, _, new_indices, _ = _gpu_case(16, used=[0, 3, 7, 8, 9, 12, 20, 21, 30])
+    _, _, new_indices, _ = _gpu_case(N, used=[0, 3, 7, 8, 9, 12, 20, 21, 30])
     indices.copy_(new_indices)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fn())
     ref = mx_moe_packed(zb, weights, indices, packed, B1, B2, None)
-    _close(_grouped(zb, weights, indices, packed, B1, B2, None), ref, 2e-2)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_few_tokens_capture_in_a_cuda_graph():
-    # the op's default at decode (the token-centric kernels) captures too, and follows new routing on replay
-    z, weights, indices, packed = _gpu_case(2)
-    zb = z.to(torch.bfloat16)
-    fn = lambda: mx_moe_packed_grouped(zb, weights, indices, packed, B1, B2, "mxfp8")  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    _, _, new_indices, _ = _gpu_case(2, used=[0, 3, 7, 8, 9, 12, 20, 21, 30])
-    indices.copy_(new_indices)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, fn())
-    _close(out, mx_moe_packed(zb, weights, indices, packed, B1, B2, "mxfp8"), 2e-2)
+    _close(op(zb, weights, indices, packed, B1, B2, None), ref, 2e-2)
