@@ -245,7 +245,7 @@ def main() -> None:
     from k3.checkpoint import from_pretrained
     from k3.cli import _resolve_ckpt
     from k3.data.tokenizer import load_any_tokenizer
-    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.engine import EngineConfig, LLMEngine, free_dropped_engines
     from k3.serve.scheduler import SchedulerConfig
 
     ckpt = _resolve_ckpt(args.ckpt)
@@ -294,6 +294,7 @@ def main() -> None:
                          + "; ".join(f"{n} x{c} {ms} ms" for n, c, ms in k["top"]))
             _log(f"batch {B} {mode}: {rate:.1f} tok/s, accepted length {res[mode]['mean_accepted_length']}")
             del eng
+            free_dropped_engines()  # its cache pool freed before the next engine allocates one
         T = res["spec"]["mean_accepted_length"] or 1.0
         row = dict(batch=B, off_tok_s=res["off"]["tokens_per_s"], spec_tok_s=res["spec"]["tokens_per_s"],
                    auto_tok_s=res["auto"]["tokens_per_s"],

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.engine import EngineConfig, LLMEngine, free_dropped_engines
 from k3.serve.sampling import SamplingParams
 
 
@@ -86,13 +86,15 @@ class RolloutEngine:
     def retire(self) -> None:
         """Drop the engine (and its cache) without a policy change: the next rollout starts on an empty cache, as
         if the rollouts since the last weight update had not run (held-out evaluation leaves training alone)."""
-        self._engine = None
+        if self._engine is not None:
+            self._engine = None
+            free_dropped_engines()  # its pool freed now, not at the cycle collector's next run
         self._engine_version = -1
 
     @property
     def engine(self) -> LLMEngine:
         if self._engine is None or self._engine_version != self.version:
-            self._engine = None  # release the old pool before the new one is allocated
+            self.retire()  # release the old pool before the new one is allocated
             self._engine = LLMEngine(self.model, self.tokenizer, self.config)
             self._engine_version = self.version
             self.engines_built += 1

@@ -52,7 +52,7 @@ from k3.env.task import Task
 from k3.model.common import use_weight_casts
 from k3.ops.weight_cast import WeightCasts
 from k3.serve.chat import AssistantParser, ChatTemplate, chat_stop, markup_ids, render_chat_ids
-from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.engine import EngineConfig, LLMEngine, free_dropped_engines
 from k3.serve.sampling import SamplingParams
 
 
@@ -196,7 +196,7 @@ class AgentRollouts:
     @property
     def engine(self) -> LLMEngine:
         if self._engine is None or self._engine_version != self.version:
-            self._engine = None
+            self._drop_engine()  # the old pool freed before the new one is allocated
             self._engine = LLMEngine(self.model, self.tok, self.engine_config)
             self._engine_version = self.version
             self.engines_built += 1
@@ -213,9 +213,15 @@ class AgentRollouts:
             if prefixes:
                 self._host = self._engine.write_back(prefixes)
                 self.counters["written_back_tokens"] += self._host.tokens
-        self._engine = None
-        self._engine_version = -1
         self._casts = None  # the bf16 copies too: training has the memory
+        self._drop_engine()
+
+    def _drop_engine(self) -> None:
+        """Drop the engine and free its page pool now (k3.serve.engine.free_dropped_engines)."""
+        if self._engine is not None:
+            self._engine = None
+            free_dropped_engines()
+        self._engine_version = -1
 
     def weight_casts(self) -> WeightCasts | None:
         """The current policy version's bf16 weight copies under `autocast_bf16` (made on first use), else None."""
@@ -236,7 +242,7 @@ class AgentRollouts:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        self._engine = None
+        self._drop_engine()
 
     # --- token in, token out ----------------------------------------------------------------------------------
     def _render(self, sample: Sample, messages: list[dict], generation: bool) -> list[int]:

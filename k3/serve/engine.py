@@ -41,6 +41,7 @@ into another engine of the same model config and cache geometry, whose next requ
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -121,6 +122,14 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens={k!r} is invalid: use an integer in [1, {MAX_DRAFT_TOKENS}]")
         self.scheduler.validate()
 
+
+
+def free_dropped_engines() -> None:
+    """Free the memory of engines just dropped (every reference set to None), now. An engine's parts refer to one
+    another (the scheduler, the speculative decoder and the runner call back into it), so a dropped engine is freed by
+    Python's cycle collector, which a large cache pool does not prompt: until it runs, the pool stays allocated beside
+    whatever comes next (a new engine, a training step). Callers that drop an engine to reuse its memory run this."""
+    gc.collect()
 
 class LLMEngine:
     """`draft`: a draft model for speculative decoding (k3.serve.speculative.draft.Draft) in place of the one

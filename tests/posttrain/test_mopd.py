@@ -137,6 +137,27 @@ def _perturb_(model, seed=5, scale=0.05):
             p.add_(torch.randn(p.shape, generator=g) * scale * (p.abs().mean() + 1e-3))
 
 
+def test_a_dropped_engine_is_freed_at_once():
+    # a new policy version or retire frees the old engine and its page pool now (their parts refer to one another:
+    # left to the cycle collector, the pool would stay allocated beside the new engine or the training step)
+    import gc
+    import weakref
+
+    ro = RolloutEngine(_model(0), config=_engine_cfg(), max_new_tokens=4, temperature=0.0)
+    ro.advance([Rollout(uid=0, prompt_index=0, prompt_ids=[5, 6, 7])])
+    gc.disable()
+    try:
+        old = weakref.ref(ro.engine)
+        ro.policy_changed()
+        ro.engine
+        assert old() is None
+        old = weakref.ref(ro.engine)
+        ro.retire()
+        assert old() is None and ro._engine is None
+    finally:
+        gc.enable()
+
+
 def test_partial_rollouts_resume_exactly_where_they_stopped():
     model = _model(0)
     prompt = [int(x) for x in torch.randint(1, VOCAB, (23,), generator=torch.Generator().manual_seed(3))]

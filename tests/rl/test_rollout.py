@@ -56,6 +56,29 @@ def test_rows_are_the_tokens_sampled_and_the_template_between(policy, scripted):
     ro.close()
 
 
+def test_parking_frees_the_engine_now(policy, scripted):
+    """park (before a training step) frees the engine and its page pool at once, not at the cycle collector's next
+    run: the engine's parts refer to one another, and a cache pool's bytes never prompt that collector."""
+    import gc
+    import weakref
+
+    ro = _rollouts(policy)
+    ro.run(_samples(2), seed=1)
+    gone = weakref.ref(ro.engine)
+    gc.disable()
+    try:
+        ro.park([])
+        assert gone() is None and ro._engine is None
+        ro.policy_changed()
+        first = weakref.ref(ro.engine)
+        ro.policy_changed()
+        ro.engine  # a new version: the old engine is freed before the new one is built
+        assert first() is None
+    finally:
+        gc.enable()
+    ro.close()
+
+
 @pytest.mark.parametrize("write_back", [False, True])
 def test_partial_rollouts_resume_exactly_where_they_paused(policy, scripted, write_back):
     """Paused mid-turn, the engine dropped (its prefixes written back to host memory, or not), the policy version
