@@ -84,6 +84,8 @@ def takes_gemv(tokens: int, k: int, experts: int, gemv_tokens: int | None = None
             raise ValueError(f"gemv_tokens={gemv_tokens!r} must be a non-negative int or None")
         return tokens <= gemv_tokens
     return tokens * k <= GEMV_MAX_PAIRS_PER_EXPERT * experts
+
+
 # triton.language and the sum combine function, bound on first use (k3.ops._triton.bind)
 tl = None
 _SUM = None

@@ -123,13 +123,13 @@ class EngineConfig:
         self.scheduler.validate()
 
 
-
 def free_dropped_engines() -> None:
-    """Free the memory of engines just dropped (every reference set to None), now. An engine's parts refer to one
-    another (the scheduler, the speculative decoder and the runner call back into it), so a dropped engine is freed by
-    Python's cycle collector, which a large cache pool does not prompt: until it runs, the pool stays allocated beside
-    whatever comes next (a new engine, a training step). Callers that drop an engine to reuse its memory run this."""
+    """Free the memory of engines just dropped (every reference set to None), now. An engine's parts hold references
+    back to one another (cycles), so a dropped engine is freed by Python's cycle collector, which a large cache pool
+    does not prompt: until it runs, the pool stays allocated beside whatever comes next (a new engine, a training
+    step). Callers that drop an engine to reuse its memory run this."""
     gc.collect()
+
 
 class LLMEngine:
     """`draft`: a draft model for speculative decoding (k3.serve.speculative.draft.Draft) in place of the one
