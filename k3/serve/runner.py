@@ -136,6 +136,32 @@ class ForwardResult:
     verified: Verified | None = None
 
 
+
+class ReplayedPositions:
+    """Picks each replayed row's positions offsets[i] .. offsets[i] + L - 1 (L = max(lengths); clamped to the T
+    verified positions, those past a row's length never read) out of a verification's kept KDAInputs [B, T, ...] as
+    [R, L, ...], and the rows' KDA pages. One row (batch 1) takes views of its slice: no kernel. Several take one
+    gather per tensor with the indices built on the device (the host lists through pinned memory: a copy from
+    pageable memory would wait for the device here and in every layer's replay; kda_replay copies its lengths the
+    same way)."""
+
+    def __init__(self, rows: list[int], offsets: list[int], lengths: list[int], T: int, device):
+        L = max(lengths)
+        self.view = len(rows) == 1 and offsets[0] + L <= T  # within the verified positions: no clamp to mimic
+        if self.view:
+            self.rows, self.idx = slice(rows[0], rows[0] + 1), (rows[0], slice(offsets[0], offsets[0] + L))
+        else:
+            r = to_device_async(torch.tensor(rows), device)
+            starts = to_device_async(torch.tensor(offsets), device)
+            pos = (starts[:, None] + torch.arange(L, device=device)[None]).clamp(max=T - 1)
+            self.rows, self.idx = r, (r[:, None], pos)
+
+    def __call__(self, inp: KDAInputs) -> KDAInputs:
+        take = (lambda x: x[self.idx].unsqueeze(0)) if self.view else (lambda x: x[self.idx])
+        return KDAInputs(tuple(take(x) for x in inp.pre_conv), take(inp.q), take(inp.k), take(inp.v), take(inp.z),
+                         take(inp.beta_logits))
+
+
 class ModelRunner:
     def __init__(self, model, pool: CachePool):
         self.model, self.pool = model, pool
@@ -200,22 +226,8 @@ class ModelRunner:
         the kept projected inputs (each KDA layer's `replay`), written back once."""
         if not rows:
             return
-        dev = self.device
-        # the host lists go through pinned memory: a copy from pageable memory would wait for the device here and in
-        # every layer's replay (kda_replay copies its lengths the same way)
-        r = to_device_async(torch.tensor(rows), dev)
-        L = max(lengths)
-        T = v.logits.shape[1]
-        starts = to_device_async(torch.tensor(offsets), dev)
-        pos = (starts[:, None] + torch.arange(L, device=dev)[None]).clamp(max=T - 1)
-        idx = (r[:, None], pos)  # [R, L] positions of each replayed row
-
-        def picked(g: int) -> KDAInputs:
-            inp = v.kda_views[g].inputs
-            return KDAInputs(tuple(x[idx] for x in inp.pre_conv), inp.q[idx], inp.k[idx], inp.v[idx], inp.z[idx],
-                             inp.beta_logits[idx])
-
-        self._replay_into(v.kda_pages[:, r], picked, lengths)
+        pick = ReplayedPositions(rows, offsets, lengths, v.logits.shape[1], self.device)
+        self._replay_into(v.kda_pages[:, pick.rows], lambda g: pick(v.kda_views[g].inputs), lengths)
 
     def _replay_into(self, pages: Tensor, inputs, lengths: list[int]) -> None:
         """Each KDA layer g: read the states in pages[g] ([n_kda, R]), replay the first lengths[i] positions of

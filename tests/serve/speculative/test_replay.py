@@ -187,3 +187,35 @@ def test_gpu_replay_does_not_wait_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def test_replayed_positions_of_one_row_are_views_equal_to_the_gather():
+    # batch 1 replays from views of its row (no kernel); several rows gather; both give [R, L, ...] equal to picking
+    # each row's positions (clamped to the T verified ones) by hand, strided members included
+    from k3.model.cache import KDAInputs
+    from k3.serve.runner import ReplayedPositions
+
+    g = torch.Generator().manual_seed(4)
+    B, T, H, K = 3, 5, 2, 4
+    wide = torch.randn(B, T, 3 * H * K + H, generator=g)  # a stacked GEMM's output: its splits are strided views
+    pre = tuple(wide[..., i * H * K:(i + 1) * H * K] for i in range(3))
+    inp = KDAInputs(pre, *(torch.randn(B, T, H, K, generator=g) for _ in range(4)), wide[..., 3 * H * K:])
+
+    def by_hand(rows, offsets, L):
+        pos = [[min(o + t, T - 1) for t in range(L)] for o in offsets]
+        pick = lambda x: torch.stack([x[r, p] for r, p in zip(rows, pos)])  # noqa: E731
+        return [pick(x) for x in (*inp.pre_conv, inp.q, inp.k, inp.v, inp.z, inp.beta_logits)]
+
+    for rows, offsets, lengths in (([1], [2], [3]), ([2], [0], [5]), ([0, 2], [1, 0], [2, 4]), ([1], [3], [3])):
+        pick = ReplayedPositions(rows, offsets, lengths, T, torch.device("cpu"))
+        got = pick(inp)
+        flat = [*got.pre_conv, got.q, got.k, got.v, got.z, got.beta_logits]
+        for a, b in zip(flat, by_hand(rows, offsets, max(lengths))):
+            assert torch.equal(a, b)
+        one_in_range = len(rows) == 1 and offsets[0] + lengths[0] <= T
+        assert pick.view == one_in_range
+        if pick.view:  # views of the verification's tensors: nothing copied
+            assert got.q.data_ptr() == inp.q[rows[0], offsets[0]].data_ptr()
+            assert pick.rows == slice(rows[0], rows[0] + 1)
+        else:
+            assert pick.rows.tolist() == rows
