@@ -25,6 +25,8 @@ the prompt and the plain output before it), and the KDA state bytes one verified
 per-position snapshots (T states written, one read back at the rollback). With `--stage-times`, `stage_ms` breaks a
 speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms per cycle, from one
 more generation that waits for the device at every stage boundary, so its total is a little above the timed run's).
+The auto engine also gets `auto_steps`: one more generation with every step timed to the device's end, by the
+switch's arm (steps, mean and largest ms) and its slowest steps.
 With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
 kernels it launched per cycle (count, ms, the N costliest; on a CPU the operators' host time instead).
 `auto_switch` is the switch's decision per batch bucket, `auto_switch_rates` each arm's median tokens/s over the
@@ -164,6 +166,42 @@ def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
     return st.per_cycle_ms()
 
 
+def step_trace(engine, prompts, max_tokens: int, device, slowest: int = 5) -> dict:
+    """One more generation with every step timed to the device's end (a synchronization after each step): per arm
+    of the switch (`speculative`: the step's decode steps speculated; `plain`), the steps, their mean and largest ms,
+    and the `slowest` steps as [step, arm, ms, tokens emitted]. Where a `--speculative-auto` engine's time goes."""
+    from k3.serve.sampling import SamplingParams
+
+    spec = engine.speculative
+    decided: list[bool] = []
+    decide = spec.decide
+    spec.decide = lambda batch: decided.append(decide(batch)) or decided[-1]  # the switch's answer, recorded
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    steps = []
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        for p in prompts:
+            engine.add_request(list(p), params)
+        while engine.has_work():
+            n = len(decided)
+            sync()
+            t0 = time.perf_counter()
+            outs = engine.step()
+            sync()
+            ms = (time.perf_counter() - t0) * 1e3
+            arm = "speculative" if decided[n:] and decided[-1] else "plain"
+            steps.append((len(steps), arm, round(ms, 3), sum(len(o.new_token_ids) for o in outs)))
+    finally:
+        spec.decide = decide
+    out = {}
+    for arm in ("speculative", "plain"):
+        ms = [s[2] for s in steps[1:] if s[1] == arm]  # the first step (prefill) apart
+        out[arm] = dict(steps=len(ms), mean_ms=round(sum(ms) / len(ms), 3) if ms else None,
+                        max_ms=max(ms) if ms else None)
+    out["slowest"] = [list(s) for s in sorted(steps[1:], key=lambda s: -s[2])[:slowest]]
+    return out
+
+
 def stage_kernels(events, cycles: int, top: int) -> dict[str, dict]:
     """Per stage of the speculative cycle (the ``spec.<stage>`` ranges StageTimes marks), from a profile's `events`:
     the device kernels launched inside it (CUDA graph replays included, where the profiler attributes them), or,
@@ -286,6 +324,9 @@ def main() -> None:
             if args.stage_times and mode != "off":
                 res[mode]["stage_ms"] = stage_times(eng, prompts[:B], args.max_tokens, dev)
                 _log(f"batch {B} {mode}: per cycle {res[mode]['stage_ms']}")
+            if args.stage_times and mode == "auto":
+                res[mode]["steps"] = step_trace(eng, prompts[:B], args.max_tokens, dev)
+                _log(f"batch {B} auto: steps by arm {res[mode]['steps']}")
             if args.stage_kernels and mode != "off":
                 res[mode]["stage_kernels"] = profiled_stages(eng, prompts[:B], args.max_tokens, dev,
                                                              args.stage_kernels)
@@ -310,6 +351,7 @@ def main() -> None:
                    **({"stage_kernels": {m: res[m]["stage_kernels"] for m in res if "stage_kernels" in res[m]}}
                       if args.stage_kernels else {}),
                    auto_switch=res["auto"].get("switch"), auto_switch_rates=res["auto"].get("switch_rates"),
+                   **({"auto_steps": res["auto"]["steps"]} if "steps" in res["auto"] else {}),
                    **({"fused_tok_s": res["fused"]["tokens_per_s"],
                        "fused_speedup": round(res["fused"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3)}
                       if "fused" in res else {}),

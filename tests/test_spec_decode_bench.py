@@ -127,3 +127,28 @@ def test_stage_times_average_over_cycles_and_refuse_an_unknown_stage():
     assert ms["draft"] > 0 and ms["verify"] == 0 and ms["cycle"] == ms["draft"]
     with pytest.raises(KeyError, match="unknown stage 'nonsense'"), st.stage("nonsense"):
         pass
+
+
+def test_step_trace_splits_an_auto_engines_steps_by_the_switchs_arm():
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+    from k3.serve.speculative.switch import SpecSwitch
+
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=512)
+    model = K3ForCausalLM(cfg).init_weights(seed=0).eval()
+    eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=8.0, speculative="mtp", speculative_auto=True,
+                                              scheduler=SchedulerConfig(max_num_seqs=1)))
+    eng.eos_id = None
+    # probe 1 step per arm, then re-probe every 4th step: both arms run in a 16-token generation
+    eng.speculative.switch = SpecSwitch(probe_steps=1, window=4, reprobe_every=4)
+    decide = eng.speculative.decide
+    got = bench.step_trace(eng, [list(range(3, 30))], 16, torch.device("cpu"), slowest=3)
+    assert eng.speculative.decide == decide  # the switch is answered as before afterwards
+    spec, plain = got["speculative"], got["plain"]
+    assert spec["steps"] >= 1 and plain["steps"] >= 1
+    for arm in (spec, plain):
+        assert 0 < arm["mean_ms"] <= arm["max_ms"]
+    assert len(got["slowest"]) == 3
+    assert [s[2] for s in got["slowest"]] == sorted((s[2] for s in got["slowest"]), reverse=True)
+    assert {s[1] for s in got["slowest"]} <= {"speculative", "plain"} and all(s[3] >= 1 for s in got["slowest"])
+    assert got["slowest"][0][2] == max(spec["max_ms"], plain["max_ms"])
