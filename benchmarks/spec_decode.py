@@ -25,6 +25,7 @@ the prompt and the plain output before it), and the KDA state bytes one verified
 per-position snapshots (T states written, one read back at the rollback). With `--stage-times`, `stage_ms` breaks a
 speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms per cycle, from one
 more generation that waits for the device at every stage boundary, so its total is a little above the timed run's).
+The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 commands read it).
 The auto engine also gets `auto_steps`: one more generation with every step timed to the device's end, by the
 switch's arm (steps, mean and largest ms) and its slowest steps.
 With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
@@ -283,13 +284,15 @@ def main() -> None:
     from k3.checkpoint import from_pretrained
     from k3.cli import _resolve_ckpt
     from k3.data.tokenizer import load_any_tokenizer
+    from k3.ops.registry import backends_from_env
     from k3.serve.engine import EngineConfig, LLMEngine, free_dropped_engines
     from k3.serve.scheduler import SchedulerConfig
 
     ckpt = _resolve_ckpt(args.ckpt)
     dev = torch.device(args.device)
+    # the implementations as the environment pins them (K3_<OP>_BACKEND=..., as the k3 commands read it)
     model = from_pretrained(ckpt, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-                            packed_experts="auto").eval()
+                            packed_experts="auto", backends=backends_from_env(os.environ)).eval()
     tok = load_any_tokenizer(ckpt)
     prompts = heldout_prompts(tok, max(args.batch), args.prompt_tokens, args.prompts)
     rows = []

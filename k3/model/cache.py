@@ -76,11 +76,11 @@ class KDALayerCache(Protocol):
     # fp32 tensor (the serving pool's pages) offers them there; the layer then runs a single-token step as one fused
     # update in place (k3.ops.kda_decode) instead of read, the ops and update. None, or no such method: read/update.
     #
-    # Optional: `pending_replay() -> (KDAInputs, lengths, state, conv) | None` and `replayed(state, conv, inputs)`. A
-    # verification cache whose committed states still lack positions accepted earlier (the serving engine's fused
-    # replay) hands them over: the layer runs `KimiDeltaAttention.verify_replay` (the pending positions, then the
-    # window, in one pass) and returns the state and conv tail after the pending positions and the window's inputs
-    # through `replayed`, instead of read/update.
+    # Optional: `pending_replay() -> (KDAInputs, lengths, KDAStore) | None` and `replayed(inputs)`. A verification
+    # cache whose committed states still lack positions accepted earlier (the serving engine's fused replay) hands
+    # them over with the rows its states live in: the layer runs `KimiDeltaAttention.verify_replay` (the pending
+    # positions, then the window, in one pass; the rows advanced in place to the state and conv tail after the
+    # pending positions) and returns the window's inputs through `replayed`, instead of read/update.
 
 
 class MLALayerCache(Protocol):

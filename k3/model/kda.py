@@ -12,9 +12,9 @@ from k3.model.common import Linear, RMSNorm, stacked_linear
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
-from k3.ops.kda_decode import kda_decode
+from k3.ops.kda_decode import KDAStore, kda_decode
 from k3.ops.kda_replay import kda_replay_any
-from k3.ops.kda_verify_replay import kda_verify_replay_any
+from k3.ops.kda_verify_step import kda_verify_step_any
 from k3.ops.registry import Backends, dispatch
 
 
@@ -68,8 +68,8 @@ class KimiDeltaAttention(nn.Module):
         if pending is not None:  # a verification with the previous cycle's accepted positions replayed in front
             if cu_seqlens is not None:
                 raise ValueError("a fused verify-replay forward runs rows of one length, not packed documents")
-            out, state, conv, inputs = self.verify_replay(x, *pending)
-            cache.replayed(state, conv, inputs)
+            out, inputs = self.verify_replay(x, *pending)
+            cache.replayed(inputs)
             return out.view(shape)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
@@ -137,25 +137,24 @@ class KimiDeltaAttention(nn.Module):
                               self.dt_bias, self.lower_bound, state, conv, lengths, backends=self.backends)
 
     def verify_replay(self, x: torch.Tensor, pending: KDAInputs, lengths: list[int] | torch.Tensor,
-                      state: torch.Tensor,
-                      conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KDAInputs]:
+                      store: KDAStore) -> tuple[torch.Tensor, KDAInputs]:
         """A verification forward of the window x [N, T, D] with the replay of the previous cycle's accepted
-        positions fused in front (report §5.4.2, k3.ops.kda_verify_replay): the first lengths[n] positions of row n
+        positions fused in front (report §5.4.2, k3.ops.kda_verify_step): the first lengths[n] positions of row n
         of `pending` (a verification's kept inputs, [N, P, ...]; 0 for none; host ints or an int tensor [N] on the
-        device, never read back: a captured verification step's) advance the committed `state`
-        [N, H, K, V] fp32 and `conv` [N, 3, H*K, W-1] fp32, then the window runs from there. Returns (the window's
-        outputs [N, T, D], as `forward` from the state after the pending positions gives them; that state and conv
-        tail, to be written back; the window's projected inputs, the next cycle's pending ones)."""
+        device, never read back: a captured verification step's) advance row n of `store` (its committed state
+        [H, K, V] fp32 and conv tails [3, H*K, W-1], updated in place to after those positions), then the window
+        runs from there. Returns (the window's outputs [N, T, D], as `forward` from the state after the pending
+        positions gives them; the window's projected inputs, the next cycle's pending ones)."""
         N, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        xq, xk, xv, f_a, beta_logits, gate = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
-                                                            self.b_proj, self.g_proj)
+        # q, k and v as one output (column slices of it, read in place), then the decay's input, beta, output gate
+        qkv, f_a, beta_logits, gate = stacked_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_a_proj,
+                                                     self.b_proj, self.g_proj)
+        pre = qkv.view(N, T, 3, H * K).unbind(2)
         z = self.f_b_proj(f_a).view(N, T, H, K)
         w = torch.stack([self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0]])
         p = pending
-        r = kda_verify_replay_any(p.k, p.v, p.z, p.beta_logits, torch.stack(p.pre_conv, 2), lengths,
-                                  torch.stack([xq, xk, xv], 2), z, beta_logits.contiguous(), w, self.A_log,
-                                  self.dt_bias, self.lower_bound, state, conv, backends=self.backends)
-        o = gate_norm(r.o, gate.view(N, T, H, K), self.o_norm.weight, self.o_norm.eps, backends=self.backends)
-        return (self.o_proj(o.reshape(N, T, H * K).to(x.dtype)), r.state, r.conv,
-                KDAInputs((xq, xk, xv), r.q, r.k, r.v, z, beta_logits))
+        r = kda_verify_step_any(p.k, p.v, p.z, p.beta_logits, p.pre_conv, lengths, pre, z, beta_logits, gate, w,
+                                self.A_log, self.dt_bias, self.lower_bound, self.o_norm.weight, self.o_norm.eps, store,
+                                backends=self.backends)
+        return self.o_proj(r.y), KDAInputs(pre, r.q, r.k, r.v, z, beta_logits)

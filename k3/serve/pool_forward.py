@@ -9,8 +9,8 @@ eager forward it replaces.
   keep the projected inputs and the states in the pages are not advanced (the accepted prefix is replayed later).
 * `verify_replay_on_pool`: the same verification with the replay of each request's pending accepted positions (a
   previous verification's, not yet in the states) fused in front (EngineConfig.fused_replay, report §5.4.2): each
-  KDA layer runs KimiDeltaAttention.verify_replay (k3.ops.kda_verify_replay) from the committed state read once, the
-  state after the pending positions is written back once, the window's inputs are kept.
+  KDA layer runs KimiDeltaAttention.verify_replay (k3.ops.kda_verify_step) on its rows of the pages: the committed
+  state read once, advanced in place to the state after the pending positions, the window's inputs kept.
 
 Each KDA layer recognises the fused view by its `pending_replay` (the k3.model.cache protocol) and runs its
 `verify_replay` on it.
@@ -26,7 +26,6 @@ from k3.model.batch import BatchInfo
 from k3.model.cache import K3Cache, KDAInputs
 from k3.serve.cache.pool import CachePool
 from k3.serve.cache.views import KDAReplayVerifyView, KDAVerifyView, LayerLayout, layer_views
-from k3.tensors import to_device_async
 
 
 def run_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor, mla_views: list,
@@ -75,26 +74,20 @@ def verify_replay_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tens
     pass: pending[g] the g-th KDA layer's pending inputs [B, P, ...] (a verification's kept inputs; row b's first
     lengths[b] positions are real, 0 for none), the states in pages kda_pages[g] the committed ones before them.
     Returns what `verify_on_pool` returns (the logits and hidden states of the window, from the state after the
-    pending positions; each KDA layer's view holding the window's inputs). The state and conv tail after the pending
-    positions are written into the pages of the rows that had any; the window advances nothing.
-
-    `lengths` as an int tensor [B] on the device (a static-buffer step's, refilled before each replay; nothing is read
-    back): every row's state and conv tail are written, a row with nothing pending writing back its committed ones
-    unchanged (identity steps: bit for bit) and a padding row only the scratch page its pages point at."""
+    pending positions; each KDA layer's view holding the window's inputs). Each KDA layer writes every row's state and
+    conv tail after its pending positions into its pages, in place (a row with nothing pending writes back its
+    committed ones unchanged, bit for bit; a padding row only the scratch page its pages point at); the window
+    advances nothing. `lengths`: host ints, or an int tensor [B] on the device (a static-buffer step's, refilled
+    before each replay; nothing is read back)."""
     B = ids.shape[0]
     if len(pending) != len(layout.kda) or len(lengths) != B:
         raise ValueError(f"pending inputs for {len(pending)} KDA layers and {len(lengths)} rows: need "
                          f"{len(layout.kda)} layers and {B} rows")
-    views = [KDAReplayVerifyView(*pool.read_kda(kda_pages[g]), pending[g], lengths) for g in range(len(layout.kda))]
+    views = [KDAReplayVerifyView(pool, kda_pages[g], pending[g], lengths) for g in range(len(layout.kda))]
     per_layer, views = layer_views(layout, pool, kda_pages, mla_views, kda_given=views)
     out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)
-    on_device = isinstance(lengths, Tensor)
-    rows = list(range(B)) if on_device else [b for b, n in enumerate(lengths) if n]
-    if rows:  # the state after the pending positions (accepted ones): written once
-        r = to_device_async(torch.tensor(rows), kda_pages.device) if len(rows) < B else slice(None)
-        for g, view in enumerate(views):
-            if view.state_after is None:
-                raise RuntimeError(f"KDA layer {layout.kda[g]} did not run verify_replay on its view")
-            pool.write_kda(kda_pages[g, r], view.state_after[r], view.conv_after[r])
+    for g, view in enumerate(views):
+        if view.inputs is None:
+            raise RuntimeError(f"KDA layer {layout.kda[g]} did not run verify_replay on its view")
     hidden = torch.cat([*out.features, out.hidden_states], -1) if features else out.hidden_states
     return out.logits.float(), hidden, views

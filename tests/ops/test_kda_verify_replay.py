@@ -205,8 +205,10 @@ def test_layer_verify_replay_equals_replay_then_verification(backend, monkeypatc
     """Cycle 1 verifies window 1 from the committed state; rows accepted 0 (nothing pending: say the row was flushed),
     2 and all T of its positions. Cycle 2 verifies window 2 with those pending: outputs, state and conv tail after the
     pending positions, and the window's kept inputs as replay-then-verify gives them. fp32: outputs and state 1e-5 of
-    the largest entry (the forward runs the chunkwise form for T > 1, the op the token recurrence)."""
+    the largest entry (the forward runs the chunkwise form for T > 1, the op the token recurrence); on the kernels
+    (`triton`: both fused ops) the kept q, k, v too (the conv in the kernel, its taps summed in its own order)."""
     from k3.model.cache import KDACache
+    from k3.ops.kda_decode import KDAStore
     from k3.ops.registry import Backends
     from k3.serve.cache.views import KDAVerifyView
 
@@ -230,17 +232,22 @@ def test_layer_verify_replay_equals_replay_then_verification(backend, monkeypatc
     view2 = KDAVerifyView(state1.clone(), conv1.clone())
     want = layer(window, view2)
 
-    layer.backends = Backends(per_op={"kda_verify_replay": backend})
+    # the committed states as the rows of a store (each row: state, then conv tails), advanced in place
+    store = KDAStore(torch.cat([state0.flatten(1), conv0.flatten(1)], 1), torch.arange(B))
+    layer.backends = Backends(per_op={"kda_verify_replay": backend, "kda_verify_step": backend})
     try:
-        y, state, conv, kept = layer.verify_replay(window, pending, lengths, state0.clone(), conv0.clone())
+        y, kept = layer.verify_replay(window, pending, lengths, store)
     finally:
         layer.backends = None
+    state, conv = store.read(*state0.shape[1:3], state0.shape[-1], conv0.shape[-1] + 1)
     assert _close(y, want, 1e-5)
     assert _close(state, state1, 1e-5) and torch.equal(conv, conv1)
     w = view2.inputs
     assert all(torch.equal(a, b) for a, b in zip(kept.pre_conv, w.pre_conv))
-    for a, b in ((kept.q, w.q), (kept.k, w.k), (kept.v, w.v), (kept.z, w.z), (kept.beta_logits, w.beta_logits)):
+    for a, b in ((kept.z, w.z), (kept.beta_logits, w.beta_logits)):
         assert torch.equal(a, b)
+    for a, b in ((kept.q, w.q), (kept.k, w.k), (kept.v, w.v)):  # the kernel's conv: its taps summed in its order
+        assert torch.equal(a, b) if backend == "torch" else _close(a, b, 1e-5)
     # the state after the pending positions differs row by row from the committed one where something was pending
     assert torch.equal(state[0], state0[0]) and not _close(state[1], state0[1], 1e-3)
 

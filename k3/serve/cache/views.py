@@ -7,9 +7,10 @@ cache protocol (k3.model.cache) over pool pages.
 * `KDAVerifyView`: the same read for a speculative verification forward, which must not advance the committed
   state: it keeps the forward's projected inputs instead, for the replay of the accepted tokens (report §5.4.2).
 * `KDAReplayVerifyView`: a verification with the replay of the request's pending accepted positions fused in front
-  (EngineConfig.fused_replay, report §5.4.2): the committed states, each row's pending inputs and their counts; the
-  layer runs KimiDeltaAttention.verify_replay on it and hands back the state after the pending positions (written
-  back once by the runner) and the window's projected inputs (kept, as `KDAVerifyView` keeps them).
+  (EngineConfig.fused_replay, report §5.4.2): the pages holding the committed states, each row's pending inputs and
+  their counts; the layer runs KimiDeltaAttention.verify_replay on it, which advances the pages in place to the
+  state after the pending positions, and hands back the window's projected inputs (kept, as `KDAVerifyView` keeps
+  them).
 * `KDAMixedView`: a packed forward of prefill chunks and verifications together: the new states of every request
   (the runner writes back only the prefill requests') and the projected inputs of every position.
 * `PagedMLAView`: an MLA layer's block tables for an eager forward. Rows of one length (a [B, T] batch) either
@@ -133,25 +134,26 @@ class KDAVerifyView:
 
 class KDAReplayVerifyView(KDAVerifyView):
     """One KDA layer's view for a verification with the replay of pending accepted positions fused in front
-    (k3.serve.runner.ModelRunner with fused_replay; KimiDeltaAttention.verify_replay, k3.ops.kda_verify_replay):
-    the committed states [N, H, K, V] and conv tails [N, 3, P, W-1] read from the pages, `pending` (a KDAInputs of
+    (k3.serve.runner.ModelRunner with fused_replay; KimiDeltaAttention.verify_replay, k3.ops.kda_verify_step): the
+    requests' pages (their committed states and conv tails, as the rows of a KDAStore), `pending` (a KDAInputs of
     [N, Pn, ...]: the positions a previous verification kept and accepted, not yet in the states) and `lengths`
     (row n's count of them, 0 for none: host ints, or an int tensor [N] on the device, what a static-buffer step
-    refills before each replay). The layer's verify_replay hands back, through `replayed`, the state and
-    conv tail after the pending positions (`state_after`, `conv_after`: the runner writes them back once) and the
-    window's projected inputs (`inputs`, for the replay or the pending positions of the next cycle). The layer's
-    plain forward (read / update) has no business with it: both raise."""
+    refills before each replay). The layer's verify_replay advances each row in place to its state and conv tail
+    after the pending positions (a row with nothing pending is written back unchanged; padding rows only the
+    scratch page) and hands back, through `replayed`, the window's projected inputs (`inputs`, for the replay or the
+    pending positions of the next cycle). The layer's plain forward (read / update) has no business with it: both
+    raise."""
 
-    def __init__(self, state: Tensor, conv: Tensor, pending: KDAInputs, lengths: list[int] | Tensor):
-        super().__init__(state, conv)
+    def __init__(self, pool: CachePool, pages: Tensor, pending: KDAInputs, lengths: list[int] | Tensor):
+        super().__init__(None, None)
+        self.pool, self.pages = pool, pages
         self.pending = pending
         self.lengths = lengths if isinstance(lengths, Tensor) else list(lengths)
-        self.state_after: Tensor | None = None
-        self.conv_after: Tensor | None = None
 
-    def pending_replay(self) -> tuple[KDAInputs, list[int] | Tensor, Tensor, Tensor]:
-        """What the layer's forward hands KimiDeltaAttention.verify_replay (the k3.model.cache protocol)."""
-        return self.pending, self.lengths, self.state, self.conv_tails
+    def pending_replay(self):
+        """What the layer's forward hands KimiDeltaAttention.verify_replay (the k3.model.cache protocol): the pending
+        inputs, their counts and the pages as the rows of a k3.ops.kda_decode.KDAStore."""
+        return self.pending, self.lengths, self.pool.kda_store(self.pages)
 
     def read(self) -> tuple[Tensor, list[Tensor]]:
         raise RuntimeError("a fused verify-replay view is run by KimiDeltaAttention.verify_replay (through "
@@ -160,10 +162,9 @@ class KDAReplayVerifyView(KDAVerifyView):
     def update(self, state: Tensor, conv: list[Tensor], inputs: KDAInputs | None = None) -> None:
         raise RuntimeError("a fused verify-replay view takes its results through `replayed`, not `update`")
 
-    def replayed(self, state: Tensor, conv: Tensor, inputs: KDAInputs) -> None:
-        """Keep verify_replay's results: the state [N, H, K, V] and conv tail [N, 3, P, W-1] after the pending
-        positions, and the window's projected inputs."""
-        self.state_after, self.conv_after, self.inputs = state, conv, inputs
+    def replayed(self, inputs: KDAInputs) -> None:
+        """Keep verify_replay's window inputs (the rows were advanced in place)."""
+        self.inputs = inputs
 
 
 class KDAMixedView(KDAPageView):

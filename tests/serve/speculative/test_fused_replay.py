@@ -372,6 +372,33 @@ class PagesWritten:
         monkeypatch.setattr(DecodeGraphs, "run_verify", run_verify)
 
 
+@pytest.mark.slow  # about three minutes: the kernel in Triton's interpreter, three KDA layers per verification
+def test_the_verification_kernel_on_static_buffers_matches_plain_decoding(monkeypatch):
+    # The fused verifications on the KDA verification step's kernel (k3.ops.kda_verify_step, in Triton's interpreter
+    # on CPU), on static buffers: pending counts on the device, the rows a strided column of the step's page table,
+    # padding rows; the outputs and acceptance are those of speculation without fused replay, and the states those
+    # of a plain run after every step.
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = fx._model()
+    model.set_backends(Backends(per_op={**GRAPH_OPS, "kda_verify_step": "triton"}))
+    try:
+        eng = _engine(fx.OracleDraft(wrong_every=3), k=3, graphs=True)
+        prompts = fx._prompts(3, 5)
+        params = [SamplingParams(max_tokens=n, temperature=0) for n in (10, 7, 5)]
+        results, held = drive(eng, [list(zip(prompts, params))])
+        fx._check(results, params)
+        assert eng.runner.graphs.fused_pending_steps > 0 and held > 0 and eng.runner.graphs.padded_rows > 0
+        model.set_backends(Backends(per_op=GRAPH_OPS))
+        off = _engine(fx.OracleDraft(wrong_every=3), k=3, graphs=True, fused=False)
+        ref, _ = drive(off, [list(zip(prompts, params))], states=False)
+    finally:
+        model.set_backends(None)
+    assert [s.output_ids for s, _, _ in results] == [s.output_ids for s, _, _ in ref]
+    m, mo = eng.metrics, off.metrics
+    assert (m.spec_verifications, m.draft_tokens_accepted) == (mo.spec_verifications, mo.draft_tokens_accepted)
+
+
 @pytest.mark.parametrize("kind", ["noisy", "mtp"])
 def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops):
     # cuda_graphs="eager": the verifications run as static-buffer steps (a captured graph's code on CPU) with the
@@ -577,10 +604,10 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
 
 
 def _gpu_engine_runs(backend, dtype):
-    """Greedy outputs of an eager CUDA engine with the MTP draft, with and without fused replay (op
-    kda_verify_replay on `backend`)."""
+    """Greedy outputs of an eager CUDA engine with the MTP draft, with and without fused replay (ops
+    kda_verify_replay and kda_verify_step on `backend`)."""
     model = copy.deepcopy(fx._model()).cuda().set_dtype(dtype)
-    model.set_backends(Backends(per_op={"kda_verify_replay": backend}))
+    model.set_backends(Backends(per_op={"kda_verify_replay": backend, "kda_verify_step": backend}))
     params = SamplingParams(max_tokens=16, temperature=0)
     runs, held = [], []
     for fused in (True, False):
@@ -626,7 +653,8 @@ def _bf16_fused_states(device: str, backend: str, cuda_graphs):
     accepted, so several positions are pending at a time), states checked after every step against the
     same model's plain bf16 run; returns the steps that held pending positions."""
     model = copy.deepcopy(fx._model()).to(device).set_dtype(torch.bfloat16)
-    model.set_backends(Backends(per_op={**(GRAPH_OPS if cuda_graphs else {}), "kda_verify_replay": backend}))
+    model.set_backends(Backends(per_op={**(GRAPH_OPS if cuda_graphs else {}), "kda_verify_replay": backend,
+                                        "kda_verify_step": backend}))
     eng = LLMEngine(model, None, EngineConfig(
         cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, num_draft_tokens=4, fused_replay=True,
         cuda_graphs=cuda_graphs, scheduler=SchedulerConfig(max_step_tokens=64, prefill_chunk=40, max_num_seqs=8)),
