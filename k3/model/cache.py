@@ -119,7 +119,11 @@ class MLACache:
     views of the held rows. Rows seen by a `fork` are never written again: an append that would write over them
     (after a truncation below them) moves the rows to new backing tensors first."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_form: bool = True) -> None:
+        # the first forward into an empty cache in the prefill form (keys and values expanded: the mla op, on a GPU a
+        # flex_attention kernel compiled per length), else the absorbed form always (plain ops: no compilation per
+        # length, what a serving draft's contexts of every length need)
+        self.prefill_form = prefill_form
         self.c: Tensor | None = None  # [B, L, kv_lora_rank]: a view of _cbuf[:, _off:_off + L]
         self.k_rope: Tensor | None = None  # [B, L, qk_rope_head_dim]
         self.start = 0  # position of the first kept row (rows dropped by keep_last)
@@ -136,7 +140,7 @@ class MLACache:
     def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
         past = self.length
         self.append(c, k_rope)
-        if not past:
+        if not past and self.prefill_form:
             return attn.expanded(q, c, k_rope)  # nothing cached before: the prefill form
         return attn.absorbed(q, self.c, self.k_rope, q_start=past)
 
@@ -194,7 +198,7 @@ class MLACache:
         """A cache holding the same rows that can be advanced without changing this one (nor this one it): it views
         this one's backing tensors without writing into them (its first append moves its rows to its own), and this
         one never writes over the rows held now."""
-        n = MLACache()
+        n = MLACache(self.prefill_form)
         if self.c is not None:
             n.c, n.k_rope, n.start = self.c, self.k_rope, self.start
             n._cbuf, n._kbuf, n._off = self._cbuf, self._kbuf, self._off

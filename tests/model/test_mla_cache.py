@@ -101,3 +101,38 @@ def test_the_benchmark_compares_the_two_caches(capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["context"] for r in lines] == [64, 300]
     assert all(r["capacity_us_per_append"] > 0 and r["concat_us_per_append"] > 0 for r in lines)
+
+
+@torch.no_grad()
+def test_a_cache_without_the_prefill_form_attends_absorbed_from_the_first_forward():
+    """A serving draft's context (prefill_form=False): its first forward into an empty cache runs the absorbed form
+    (plain ops, nothing compiled per length) and gives what the prefill form gives (fp32, 1e-5 of the largest entry:
+    the same attention, the up-projections absorbed); a fork keeps the setting; the default cache still expands."""
+    from k3.config import K3Config
+    from k3.model.gated_mla import GatedMLA
+
+    cfg = K3Config.from_preset("tiny")
+    attn = GatedMLA(cfg, 0).eval()
+    g = torch.Generator().manual_seed(0)
+    B, T = 2, 7
+    H, dq = attn.num_heads, attn.dn + attn.dr
+    q = torch.randn(B, T, H, dq, generator=g)
+    c, kr = torch.randn(B, T, cfg.kv_lora_rank, generator=g), torch.randn(B, T, attn.dr, generator=g)
+    forms = []
+    expanded = attn.expanded
+
+    def watch(*a):
+        forms.append("expanded")
+        return expanded(*a)
+
+    attn.expanded = watch
+    want = MLACache().attend(attn, q, c, kr)
+    assert forms == ["expanded"]
+    draft = MLACache(prefill_form=False)
+    got = draft.attend(attn, q, c, kr)
+    assert forms == ["expanded"]  # not called again
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert draft.fork().prefill_form is False and MLACache().fork().prefill_form is True
+    from k3.serve.speculative.draft import _Context
+
+    assert _Context().cache.prefill_form is False  # the MTP and EAGLE-3 drafts' contexts

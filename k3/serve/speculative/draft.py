@@ -74,7 +74,9 @@ class Draft(Protocol):
 
 @dataclass
 class _Context:
-    cache: MLACache = field(default_factory=MLACache)  # the MTP block's latent rows of committed positions
+    # the MTP block's latent rows of committed positions; the first step over a fresh context runs the absorbed form
+    # like every later one (the prefill form's kernel would compile for each new count of observed positions)
+    cache: MLACache = field(default_factory=lambda: MLACache(prefill_form=False))
     next_pos: int | None = None  # the first position not yet observed
     pending_start: int | None = None  # target hidden states observed but not yet run through the MTP layer
     pending: list[Tensor] = field(default_factory=list)
@@ -444,7 +446,8 @@ class _Chain:
 class _Chains:
     """The draft's captured greedy chains, one per (rows bucket, context bucket, k), made on first use: rows in
     powers of 2 up to MAX_ROWS, context lengths in powers of 2 from 64 up to the draft's window + k (a context of L
-    rows runs in the bucket of L + k - 1, or of L + 2k for a whole proposal). Larger batches, longer contexts and layers with RoPE draft eagerly.
+    rows runs in the bucket of L + k - 1, or of L + 2k for a whole proposal). Larger batches, longer contexts and
+    layers with RoPE draft eagerly.
     Memory: the chains of one (rows, length) share their context buffers (rows x length latent rows, at most
     MAX_BUFFER_ROWS); the graphs share one memory pool. Neither counts against the engine's cache budget."""
 
