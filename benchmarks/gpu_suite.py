@@ -148,7 +148,8 @@ STEPS = {
     # the fused KDA decode step and router kernel, the fused replay and the draft's captured chains: their GPU tests
     # (about 7.5 minutes on a fresh machine, most of it compiling)
     "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
-                                "tests/ops/test_kda_verify_replay.py", "tests/serve/speculative/test_fused_replay.py",
+                                "tests/ops/test_kda_verify_replay.py", "tests/ops/test_kda_verify_step.py",
+                                "tests/serve/speculative/test_fused_replay.py",
                                 "tests/serve/speculative/test_batched_draft.py"]], 540),
     # decode with every fused decode kernel on and off, side by side (the first pass compiles: about 2 minutes on a
     # fresh machine), then kernels per layer on and off

@@ -17,8 +17,9 @@ fp32 state [H, K, V] then its q/k/v conv tails [3, P, W-1]), the row advanced in
   (stores the post-conv q, k, v: the next cycle's pending inputs), the L2 norms, the decay gate and beta, the
   delta-rule step and the output read, and writes RMSNorm(o) * weight * sigmoid(gate) in the input dtype; last it
   stores the conv tail after the pending positions. Where the reference rounds to the input dtype (the conv outputs,
-  the recurrence's output, for bf16 inputs) the kernel rounds the same way. ``TRITON_INTERPRET=1`` runs it on CPU
-  tensors (the tests).
+  the recurrence's output, for bf16 inputs) the kernel rounds the same way. Validated: ``pytest -m gpu
+  tests/ops/test_kda_verify_step.py`` passed on an H100 (2026-12-07), so ``auto`` takes it on CUDA;
+  ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
 
 Inputs as the layer's projections give them: the window's pre-conv q, k, v [N, T, P] each (column slices of one
 stacked projection: read through their strides, not copied), decay logits z [N, T, H, K], beta logits [N, T, H] and
@@ -322,8 +323,9 @@ def kda_verify_step_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Tens
 
 register(Op(
     "kda_verify_step", reference=kda_verify_step,
-    # not validated: its GPU tests (tests/ops/test_kda_verify_step.py, marked gpu) have not run yet
-    fast=(Fast("triton", kda_verify_step_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_kda_verify_step.py, marked gpu) passed on an H100 (2026-12-07, fp32 and
+    # bf16 at k3-mini's layer shape, counts on the host and on the device)
+    fast=(Fast("triton", kda_verify_step_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32: outputs, kept inputs and state 1e-5 of their largest entries (the conv's taps and the K-term "
               "reads summed in another order, sigmoids from exponentials); bf16: the same after the shared roundings "
               "(one bf16 step of the outputs and kept inputs); the conv tail bit for bit"))
