@@ -141,7 +141,7 @@ def test_kernel_reads_device_counts_and_strided_rows(interpret):
     _compare(got, want, bg, bw, rows, 2, 16, 4, torch.float32)
 
 
-# --- on a GPU (marked gpu: passed on an H100, 2026-12-07, which validated the op) --------------------------------------
+# --- on a GPU (marked gpu: passed on an H100, 2026-12-07, which validated the op) ------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
