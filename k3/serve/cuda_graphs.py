@@ -43,8 +43,10 @@ With a speculative draft (k3.serve.speculative), every step also outputs the hid
 (`keep_hidden`), and verifications of T = 2 .. K + 1 positions per request run the same way in buckets of their own
 (`verify_lengths`, `run_verify`; k3.serve.pool_forward.verify_on_pool): the KDA layers keep their projected inputs
 (the states in the pages are not advanced; k3.serve.runner.ModelRunner.replay commits the accepted prefix after),
-the MLA rows of every position are written, and the logits of all T positions come out. A verification capture that fails turns off verification
-graphs only.
+the MLA rows of every position are written, and the logits of all T positions come out; the kept inputs of every KDA
+layer come out side by side in one tensor (k3.serve.cache.views.flat_inputs: one copy per step, and one per request
+where a fused verification reads them back as pending positions). A verification capture that fails turns off
+verification graphs only.
 
 With fused replay (k3.serve.runner, EngineConfig.fused_replay; `fused_replay`, the runner's by default) the
 verification step runs k3.serve.pool_forward.verify_replay_on_pool instead: each request's pending accepted positions
@@ -76,7 +78,7 @@ from k3.ops.mla_decode import default_num_splits, paged_kernel_used
 from k3.ops.moe import grouped_used
 from k3.ops.registry import Target, notice, opaque_under_compile, runs_on
 from k3.model.cache import KDAInputs
-from k3.serve.cache.views import StaticMLAView
+from k3.serve.cache.views import StaticMLAView, flat_inputs, inputs_of, kept_width
 from k3.serve.pool_forward import run_on_pool, verify_on_pool, verify_replay_on_pool
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
@@ -165,12 +167,13 @@ class _Bucket:
         self.tables = torch.full((size, n_mla, max_pages), scratch, dtype=torch.long, device=device)
         # a fused verification's (DecodeGraphs.fused_replay): per KDA layer the pending inputs [size, tokens, ...]
         # and each row's count of them [size] (0: nothing pending, or a padding row); set by DecodeGraphs._bucket
-        self.pending: list[KDAInputs] | None = None
+        self.pending: list[KDAInputs] | None = None  # views of pending_flat
+        self.pending_flat: torch.Tensor | None = None  # [size, tokens, layers * width] (views.flat_inputs)
         self.pending_lengths: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         # the captured step's outputs: (logits [size, V], hidden or None) for a decode or prefill step (hidden, with
-        # keep_hidden: what the draft reads [size, tokens, width]); (logits [size, T, V], hidden, each KDA layer's
-        # KDAInputs) for a verification
+        # keep_hidden: what the draft reads [size, tokens, width]); (logits [size, T, V], hidden, every KDA layer's
+        # kept inputs side by side [size, T, layers * width], k3.serve.cache.views.flat_inputs) for a verification
         self.out: tuple | None = None
 
 
@@ -282,34 +285,42 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run_verify(self, tokens: list[list[int]], starts: list[int], slots, pending: list[KDAInputs] | None = None,
-                   pending_lengths: list[int] | None = None):
+                   pending_lengths: list[int] | None = None, pending_rows: list | None = None):
         """A speculative verification (k3.serve.runner.ModelRunner.execute) over static buffers: every request runs
         its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
-        [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs), copies; or None when it cannot
-        run here (as `run`): verify eagerly.
+        [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs, all of them side by side
+        [B, T, layers * width] (k3.serve.cache.views.flat_inputs; the KDAInputs are views of it)), copies; or None
+        when it cannot run here (as `run`): verify eagerly.
 
-        With fused_replay, `pending` (per KDA layer the requests' pending inputs [B, P, ...], zero-padded; None:
-        nothing pending) and `pending_lengths` (B counts, 0 for none) are replayed in front of the windows, the states
-        after them written into the requests' pages; None (run eagerly) when a count exceeds T, the pending
+        With fused_replay, the requests' pending inputs, either `pending` (per KDA layer [B, P, ...], zero-padded) or
+        `pending_rows` (per request its pending positions' kept inputs side by side [n, layers * width], as this step
+        outputs them, or None: one copy per request instead of one per tensor and layer), and `pending_lengths` (B
+        counts, 0 for none) are replayed in front of the windows, the states after them written into the requests'
+        pages; None for both: nothing pending. Returns None (run eagerly) when a count exceeds T, the pending
         buffers' length."""
-        if pending is not None and not self.fused_replay:
+        given = pending if pending_rows is None else pending_rows
+        if given is not None and not self.fused_replay:
             raise ValueError("pending positions given to a verification step without fused replay "
                              "(DecodeGraphs.fused_replay is off)")
-        if pending is not None:
-            if pending_lengths is None or len(pending_lengths) != len(tokens) or len(pending) != len(self.layout.kda):
-                raise ValueError(f"pending inputs for {len(pending)} KDA layers and counts {pending_lengths}: need "
-                                 f"{len(self.layout.kda)} layers and {len(tokens)} counts")
+        if pending is not None and pending_rows is not None:
+            raise ValueError("give the pending inputs per KDA layer (pending) or per request (pending_rows), not both")
+        if given is not None:
+            want = len(self.layout.kda) if pending_rows is None else len(tokens)
+            if pending_lengths is None or len(pending_lengths) != len(tokens) or len(given) != want:
+                raise ValueError(f"pending inputs of {len(given)} {'KDA layers' if pending_rows is None else 'rows'} "
+                                 f"and counts {pending_lengths}: need {want} and {len(tokens)} counts")
             if tokens and max(pending_lengths) > len(tokens[0]):
                 return None  # more pending positions than the buffers hold (T of them)
-        got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths))
+        got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths, pending_rows))
         if got is None:
             return None
-        B, (logits, hidden, inputs) = got
+        B, (logits, hidden, flat) = got
         self.verify_steps += 1
-        self.fused_pending_steps += pending is not None and any(pending_lengths)
-        cut = lambda t: t[:B].clone()  # noqa: E731
-        return cut(logits), cut(hidden), [KDAInputs(tuple(cut(x) for x in i.pre_conv), cut(i.q), cut(i.k), cut(i.v),
-                                                    cut(i.z), cut(i.beta_logits)) for i in inputs]
+        self.fused_pending_steps += given is not None and any(pending_lengths)
+        cfg = self.model.config
+        flat = flat[:B].clone()  # one copy for every layer's kept inputs
+        inputs = [inputs_of(flat, g, cfg.kda_num_heads, cfg.kda_head_dim) for g in range(len(self.layout.kda))]
+        return logits[:B].clone(), hidden[:B].clone(), inputs, flat
 
     def warm_up(self) -> int:
         """Set up (capture) every bucket now instead of on first use, so no request waits for a capture; returns
@@ -328,10 +339,10 @@ class DecodeGraphs:
         return len(self._static)
 
     # --- internals -----------------------------------------------------------------------------------------------
-    def _run_static(self, tokens, starts, slots, verify: bool, pending=(None, None)):
+    def _run_static(self, tokens, starts, slots, verify: bool, pending=(None, None, None)):
         """The step of `run` (verify=False) or `run_verify` over the buffers of its bucket, replayed when captured ->
         (B, the step's outputs over the whole bucket), or None when it cannot run here. `pending`: a fused
-        verification's (inputs, counts), as `run_verify`'s."""
+        verification's (inputs per KDA layer, counts, inputs per request), as `run_verify`'s."""
         if self.disabled is not None:
             return None
         B = len(tokens)
@@ -374,17 +385,18 @@ class DecodeGraphs:
     def _verify_step(self, b: _Bucket):
         """The verification step that is captured: the model over b's T positions per row with each KDA layer's
         view keeping its inputs (the states in the pages stay as they are) -> (logits [size, T, V] fp32, hidden,
-        [KDAInputs per KDA layer]). A fused bucket (b.pending) replays each row's first b.pending_lengths[row]
-        pending positions in front of its window and writes every row's state after them back into its pages."""
+        every KDA layer's kept inputs side by side [size, T, layers * width]). A fused bucket (b.pending) replays
+        each row's first b.pending_lengths[row] pending positions in front of its window and writes every row's state
+        after them back into its pages."""
         self.pool.zero_page(self.scratch)
         if b.pending is not None:
             logits, hidden, views = verify_replay_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
                                                           self._mla_views(b), b.pending, b.pending_lengths,
                                                           self.features)
-            return logits, hidden, [v.inputs for v in views]
-        logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
-                                               self._mla_views(b), self.features)
-        return logits, hidden, [v.inputs for v in views]
+        else:
+            logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
+                                                   self._mla_views(b), self.features)
+        return logits, hidden, flat_inputs([v.inputs for v in views])
 
     def _mla_views(self, b: _Bucket) -> list[StaticMLAView]:
         return [StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)
@@ -404,11 +416,18 @@ class DecodeGraphs:
             rows += [[[scr] * width] * n_mla] * pad
             b.tables[:, :, :width].copy_(torch.tensor(rows, dtype=torch.long))
 
-    def _load_pending(self, b: _Bucket, B: int, pending: list[KDAInputs] | None, lengths: list[int] | None) -> None:
-        """Copy a fused verification's pending inputs and counts into b's buffers (no reallocation): rows past the
-        batch, and every row when nothing is pending, get count 0, so whatever their inputs hold is never read."""
-        counts = ([0] * B if pending is None else list(lengths)) + [0] * (b.size - B)
+    def _load_pending(self, b: _Bucket, B: int, pending: list[KDAInputs] | None, lengths: list[int] | None,
+                      rows: list | None = None) -> None:
+        """Copy a fused verification's pending inputs (per KDA layer, or `rows`: per request, all layers side by side)
+        and counts into b's buffers (no reallocation): rows past the batch, and every row when nothing is pending,
+        get count 0, so whatever their inputs hold is never read."""
+        counts = ([0] * B if pending is None and rows is None else list(lengths)) + [0] * (b.size - B)
         b.pending_lengths.copy_(torch.tensor(counts, dtype=torch.int32))
+        if rows is not None:
+            for i, r in enumerate(rows):
+                if r is not None and r.shape[0]:
+                    b.pending_flat[i, :r.shape[0]].copy_(r)
+            return
         if pending is None:
             return
         for buf, src in zip(b.pending, pending):
@@ -418,13 +437,13 @@ class DecodeGraphs:
 
     def _pending_buffers(self, b: _Bucket) -> None:
         """b's fused-verification buffers: per KDA layer KDAInputs of [size, tokens, ...] in the model's dtype (the
-        kept inputs' shapes) and the counts [size] int32, all zero."""
+        kept inputs' shapes; views of one buffer, `pending_flat`) and the counts [size] int32, all zero."""
         cfg, dev = self.model.config, self.device
         H, K = cfg.kda_num_heads, cfg.kda_head_dim
         dtype = next(self.model.parameters()).dtype
-        z = lambda *shape: torch.zeros(b.size, b.tokens, *shape, device=dev, dtype=dtype)  # noqa: E731
-        b.pending = [KDAInputs((z(H * K), z(H * K), z(H * K)), z(H, K), z(H, K), z(H, K), z(H, K), z(H))
-                     for _ in self.layout.kda]
+        n = len(self.layout.kda)
+        b.pending_flat = torch.zeros(b.size, b.tokens, n * kept_width(H, K), device=dev, dtype=dtype)
+        b.pending = [inputs_of(b.pending_flat, g, H, K) for g in range(n)]  # views: one buffer for every layer
         b.pending_lengths = torch.zeros(b.size, dtype=torch.int32, device=dev)
 
     def _bucket(self, size: int, tokens: int = 1, verify: bool = False) -> _Bucket | None:

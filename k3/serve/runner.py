@@ -104,21 +104,27 @@ class ForwardBatch:
 class Pending:
     """A request's accepted positions not yet in its KDA states (fused replay): `n` of them, `inputs` per KDA layer
     their kept projected inputs ([n, ...] each: slices of the verification's, which nothing writes again), `pages`
-    the request's KDA running-state pages (one per KDA layer) they belong to."""
+    the request's KDA running-state pages (one per KDA layer) they belong to; `flat`: when the verification ran on
+    static buffers, every layer's inputs side by side [n, layers * width] (k3.serve.cache.views.flat_inputs; `inputs`
+    are views of it), what the next static-buffer verification copies in one piece."""
     pages: list[int]
     inputs: list[KDAInputs]
     n: int
+    flat: Tensor | None = None
 
 
 @dataclass
 class Verified:
     """A verification forward: logits [B, T, V] fp32 and output-site hidden states [B, T, D] (or with the draft's
     features [B, T, (k + 1) D]) at every verified position, each KDA layer's view holding the projected inputs, and
-    the requests' running-state pages [n_kda, B] (unchanged by the forward)."""
+    the requests' running-state pages [n_kda, B] (unchanged by the forward); `flat`: a static-buffer verification's
+    kept inputs of every KDA layer side by side [B, T, layers * width] (the views' inputs are views of it), else
+    None."""
     logits: Tensor
     hidden: Tensor
     kda_views: list[KDAVerifyView]
     kda_pages: Tensor
+    flat: Tensor | None = None
 
 
 @dataclass
@@ -256,7 +262,7 @@ class ModelRunner:
             inp = v.kda_views[g].inputs
             inputs.append(KDAInputs(tuple(x[row, sl] for x in inp.pre_conv), inp.q[row, sl], inp.k[row, sl],
                                     inp.v[row, sl], inp.z[row, sl], inp.beta_logits[row, sl]))
-        self.pending[request_id] = Pending(list(pages), inputs, n)
+        self.pending[request_id] = Pending(list(pages), inputs, n, None if v.flat is None else v.flat[row, sl])
 
     def pending_tokens(self, request_id: str) -> int:
         """How many accepted positions of the request are pending (0: its KDA states are at num_computed)."""
@@ -395,20 +401,23 @@ class ModelRunner:
             fused = self.fused_replay and g.fused_replay
             if self.pending and not fused:  # these graphs verify from committed states: the unfused replay first
                 self.flush(ids)
-            pending = None
+            pending = rows = None
             if fused and any(lengths):
-                pending = [self._stacked(entries, gi, max(lengths)) for gi in range(len(self.layout.kda))]
-            out = g.run_verify(tokens, starts, slots, pending, lengths if fused else None)
+                if all(e is None or e.flat is not None for e in entries):  # one copy per request
+                    rows = [None if e is None else e.flat for e in entries]
+                else:
+                    pending = [self._stacked(entries, gi, max(lengths)) for gi in range(len(self.layout.kda))]
+            out = g.run_verify(tokens, starts, slots, pending, lengths if fused else None, rows)
             if out is not None:  # a graph replay: the same forward over static buffers
                 if fused:
                     self._replayed(ids, entries)
-                logits, hidden, inputs = out
+                logits, hidden, inputs, flat = out
                 views = []
                 for i in inputs:
                     view = KDAVerifyView(None, None)
                     view.inputs = i
                     views.append(view)
-                return Verified(logits, hidden, views, kda_pages)
+                return Verified(logits, hidden, views, kda_pages, flat)
         if self.fused_replay:
             entries = [None if ids is None else self.pending.get(rid) for rid in (ids or [None] * len(tokens))]
             lengths = [0 if e is None else e.n for e in entries]

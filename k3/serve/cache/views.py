@@ -187,6 +187,30 @@ class KDAMixedView(KDAPageView):
         return None  # a mixed forward keeps every position's inputs: never updated in place
 
 
+def kept_width(num_heads: int, head_dim: int) -> int:
+    """One KDA layer's kept inputs per position, side by side (`flat_inputs`): the pre-conv q, k, v, the post-conv
+    q, k, v and the decay logits (H * K each), then the beta logits (H)."""
+    return 7 * num_heads * head_dim + num_heads
+
+
+def flat_inputs(inputs: list[KDAInputs]) -> Tensor:
+    """Every KDA layer's kept inputs of one verification ([B, T, ...] each) as one tensor [B, T, layers * width]
+    (layer g at columns g * width, `kept_width`'s order): what a static-buffer step outputs and a pending request
+    keeps, so that each is one copy for all layers, not one per tensor and layer."""
+    B, T = inputs[0].q.shape[:2]
+    return torch.cat([x.reshape(B, T, -1) for i in inputs for x in (*i.pre_conv, i.q, i.k, i.v, i.z, i.beta_logits)],
+                     -1)
+
+
+def inputs_of(flat: Tensor, g: int, num_heads: int, head_dim: int) -> KDAInputs:
+    """KDA layer g's kept inputs as views of `flat` [..., layers * width] (`flat_inputs`), nothing copied."""
+    H, K = num_heads, head_dim
+    C, at = H * K, g * kept_width(H, K)
+    part = [flat[..., at + i * C:at + (i + 1) * C] for i in range(7)]
+    beta = flat[..., at + 7 * C:at + 7 * C + H]
+    return KDAInputs(tuple(part[:3]), *(x.unflatten(-1, (H, K)) for x in part[3:]), beta)
+
+
 def append_paged(pool: CachePool, tables: Tensor, pos: Tensor, c: Tensor, k_rope: Tensor,
                  backends: Backends | None = None):
     """Write each request's T new latent rows (c [B, T, R], k_rope [B, T, Dr]; request b's first at position

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from helpers import one_torch_thread
 from k3.ops.registry import Backends
 from k3.serve import runner as runner_mod
+from k3.serve.cuda_graphs import DecodeGraphs
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.runner import ForwardBatch, ModelRunner
 from k3.serve.sampling import SamplingParams
@@ -358,9 +359,9 @@ class PagesWritten:
         self.checked = 0
         orig, scratch, watch = DecodeGraphs.run_verify, eng.cache.scratch_page, self
 
-        def run_verify(graphs, tokens, starts, slots, *args):
+        def run_verify(graphs, tokens, starts, slots, *args, **kwargs):
             before = graphs.pool.pages.clone()
-            out = orig(graphs, tokens, starts, slots, *args)
+            out = orig(graphs, tokens, starts, slots, *args, **kwargs)
             if out is not None:
                 changed = set((graphs.pool.pages != before).flatten(1).any(1).nonzero().flatten().tolist())
                 own = {scratch} | {p for sl in slots for p in sl.kda_pages}
@@ -410,6 +411,14 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
     spec, draft = ("mtp", None) if kind == "mtp" else ("off", fx.OracleDraft(wrong_every=3))
     eng = _engine(draft, spec=spec, k=3, graphs=True)
     pages = PagesWritten(monkeypatch, eng)
+    loads = []  # how each step's pending inputs reached its buffers: per request in one piece, or per layer
+    orig_load = DecodeGraphs._load_pending
+
+    def load(graphs, b, B, pending, lengths, rows=None):
+        loads.append("rows" if rows is not None else "layers" if pending is not None else "none")
+        return orig_load(graphs, b, B, pending, lengths, rows)
+
+    monkeypatch.setattr(DecodeGraphs, "_load_pending", load)
     eng.spec_switch = EveryThirdPlain()
     prompts = fx._prompts(5, 5)
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (fx.LONGEST, 9, 14, 19, 5)]
@@ -418,6 +427,9 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
     g = eng.runner.graphs
     assert g.fused_replay and g.fused_pending_steps > 0 and watch.flush_graph == 0 and held > 0
     assert g.padded_rows > 0 and len({k[0] for k in g._static if len(k) == 3}) >= 2 and pages.checked > 0
+    # positions held from a static-buffer verification come back as one piece per request (those held from the
+    # first verification, which joined the prefill's forward, per layer)
+    assert loads.count("rows") > loads.count("layers")
     off = _engine(_draft(kind), spec=spec, k=3, graphs=True, fused=False)
     off.spec_switch = EveryThirdPlain()
     ref, _ = drive(off, [list(zip(prompts, params))], states=False)
@@ -437,8 +449,8 @@ def test_more_pending_positions_than_a_short_window_verify_eagerly_fused(monkeyp
     seen = []
     orig = type(g).run_verify
 
-    def run_verify(graphs, tokens, starts, slots, pending=None, lengths=None):
-        out = orig(graphs, tokens, starts, slots, pending, lengths)
+    def run_verify(graphs, tokens, starts, slots, pending=None, lengths=None, rows=None):
+        out = orig(graphs, tokens, starts, slots, pending, lengths, rows)
         seen.append((len(tokens[0]), max(lengths or [0]), out is None))
         return out
 

@@ -219,3 +219,31 @@ def test_replayed_positions_of_one_row_are_views_equal_to_the_gather():
             assert pick.rows == slice(rows[0], rows[0] + 1)
         else:
             assert pick.rows.tolist() == rows
+
+
+def test_flat_inputs_put_every_layers_kept_inputs_side_by_side_and_views_give_them_back():
+    """k3.serve.cache.views.flat_inputs / inputs_of: one tensor [B, T, layers * width] holding each KDA layer's kept
+    inputs (strided ones, as the stacked projection's slices are, included), and views of it equal to them."""
+    from k3.model.cache import KDAInputs
+    from k3.serve.cache.views import flat_inputs, inputs_of, kept_width
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K = 2, 3, 2, 4
+    C = H * K
+    layers = []
+    for _ in range(3):
+        stacked = torch.randn(B, T, 3 * C + H + 5, generator=g)
+        pre = tuple(stacked[..., i * C:(i + 1) * C] for i in range(3))
+        layers.append(KDAInputs(pre, *(torch.randn(B, T, H, K, generator=g) for _ in range(4)),
+                                stacked[..., 3 * C:3 * C + H]))
+    flat = flat_inputs(layers)
+    assert flat.shape == (B, T, 3 * kept_width(H, K)) and kept_width(H, K) == 7 * C + H
+    for i, want in enumerate(layers):
+        got = inputs_of(flat, i, H, K)
+        assert all(torch.equal(a, b) for a, b in zip(got.pre_conv, want.pre_conv))
+        for a, b in ((got.q, want.q), (got.k, want.k), (got.v, want.v), (got.z, want.z),
+                     (got.beta_logits, want.beta_logits)):
+            assert a.shape == b.shape and torch.equal(a, b)
+        assert got.q.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view, not a copy
+    row = flat[1, 1:]  # a request's held positions: the views of a slice are the slices of the views
+    assert torch.equal(inputs_of(row, 2, H, K).z, layers[2].z[1, 1:])
