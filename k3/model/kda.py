@@ -152,7 +152,7 @@ class KimiDeltaAttention(nn.Module):
                                                      self.b_proj, self.g_proj)
         pre = qkv.view(N, T, 3, H * K).unbind(2)
         z = self.f_b_proj(f_a).view(N, T, H, K)
-        w = torch.stack([self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0]])
+        w = (self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0])
         p = pending
         r = kda_verify_step_any(p.k, p.v, p.z, p.beta_logits, p.pre_conv, lengths, pre, z, beta_logits, gate, w,
                                 self.A_log, self.dt_bias, self.lower_bound, self.o_norm.weight, self.o_norm.eps, store,

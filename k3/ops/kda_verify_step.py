@@ -63,7 +63,7 @@ class VerifyStep(NamedTuple):
 
 def _check(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta_logits: Tensor,
            pending_pre: tuple, lengths: list[int] | Tensor, window_pre: tuple, window_z: Tensor,
-           window_beta_logits: Tensor, gate: Tensor, conv_weight: Tensor, norm_w: Tensor,
+           window_beta_logits: Tensor, gate: Tensor, conv_w: tuple, norm_w: Tensor,
            store: KDAStore) -> tuple[int, int, int, int]:
     """Shapes and counts, each error naming the argument, what it got and what it needs."""
     if window_z.dim() != 4:
@@ -71,11 +71,12 @@ def _check(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta
     N, T, H, K = window_z.shape
     C = H * K
     Pn = pending_k.shape[1] if pending_k.dim() == 4 else -1
-    W = conv_weight.shape[-1] if conv_weight.dim() == 3 else 0
+    W = conv_w[0].shape[-1] if len(conv_w) == 3 and conv_w[0].dim() == 2 else 0
     want = {"pending_k": (pending_k, (N, Pn, H, K)), "pending_v": (pending_v, (N, Pn, H, K)),
             "pending_z": (pending_z, (N, Pn, H, K)), "pending_beta_logits": (pending_beta_logits, (N, Pn, H)),
             "window_beta_logits": (window_beta_logits, (N, T, H)), "gate": (gate, (N, T, C)),
-            "conv_weight": (conv_weight, (3, C, W)), "norm_w": (norm_w, (K,))}
+            "conv_w[0]": (conv_w[0], (C, W)), "conv_w[1]": (conv_w[1], (C, W)), "conv_w[2]": (conv_w[2], (C, W)),
+            "norm_w": (norm_w, (K,))}
     for name, (x, shape) in want.items():
         if Pn < 0 or W < 2 or tuple(x.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {list(shape)} (N={N} rows, "
@@ -106,22 +107,25 @@ def _check(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta
 def kda_verify_step(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta_logits: Tensor,
                     pending_pre_conv: tuple[Tensor, Tensor, Tensor], pending_lengths: list[int] | Tensor,
                     window_pre_conv: tuple[Tensor, Tensor, Tensor], window_z: Tensor, window_beta_logits: Tensor,
-                    gate: Tensor, conv_weight: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
+                    gate: Tensor, conv_w: tuple[Tensor, Tensor, Tensor], A_log: Tensor, dt_bias: Tensor,
+                    lower_bound: float,
                     norm_w: Tensor, eps: float, store: KDAStore, backends: Backends | None = None) -> VerifyStep:
     """The reference (module docstring): the first pending_lengths[n] pending positions of row n advance its state
     and conv tail in `store` (written back in place: a row with nothing pending gets its own values again), then the
     window's outputs from there. pending_k, pending_v, pending_z [N, Pn, H, K], pending_beta_logits [N, Pn, H],
     pending_pre_conv three [N, Pn, P]: a verification's kept inputs; window_pre_conv three [N, T, P], window_z
-    [N, T, H, K], window_beta_logits [N, T, H], gate [N, T, P]: the window's projections; conv_weight [3, P, W];
+    [N, T, H, K], window_beta_logits [N, T, H], gate [N, T, P]: the window's projections; conv_w: the q, k, v conv
+    weights [P, W] each;
     A_log [H], dt_bias [P], lower_bound: the decay gate's; norm_w [K], eps: the output norm's. Returns a
     `VerifyStep`."""
     N, T, H, K = _check(pending_k, pending_v, pending_z, pending_beta_logits, pending_pre_conv, pending_lengths,
-                        window_pre_conv, window_z, window_beta_logits, gate, conv_weight, norm_w, store)
-    W = conv_weight.shape[-1]
+                        window_pre_conv, window_z, window_beta_logits, gate, conv_w, norm_w, store)
+    W = conv_w[0].shape[-1]
     state, conv = store.read(H, K, K, W)
     r = kda_verify_replay_any(pending_k, pending_v, pending_z, pending_beta_logits, torch.stack(pending_pre_conv, 2),
                               pending_lengths, torch.stack(window_pre_conv, 2), window_z,
-                              window_beta_logits.contiguous(), conv_weight, A_log, dt_bias, lower_bound, state, conv,
+                              window_beta_logits.contiguous(), torch.stack(conv_w), A_log, dt_bias, lower_bound, state,
+                              conv,
                               backends=backends)
     y = gate_norm(r.o, gate.view(N, T, H, K), norm_w, eps, backends=backends)
     store.write(r.state, r.conv)
@@ -278,16 +282,17 @@ def _nt(x: Tensor) -> tuple[Tensor, int, int]:
 def kda_verify_step_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta_logits: Tensor,
                            pending_pre_conv: tuple[Tensor, Tensor, Tensor], pending_lengths: list[int] | Tensor,
                            window_pre_conv: tuple[Tensor, Tensor, Tensor], window_z: Tensor,
-                           window_beta_logits: Tensor, gate: Tensor, conv_weight: Tensor, A_log: Tensor,
-                           dt_bias: Tensor, lower_bound: float, norm_w: Tensor, eps: float, store: KDAStore,
+                           window_beta_logits: Tensor, gate: Tensor, conv_w: tuple[Tensor, Tensor, Tensor],
+                           A_log: Tensor, dt_bias: Tensor, lower_bound: float, norm_w: Tensor, eps: float,
+                           store: KDAStore,
                            backends: Backends | None = None) -> VerifyStep:
     """`kda_verify_step` as one Triton kernel (the module docstring); the same arguments and results."""
     N, T, H, K = _check(pending_k, pending_v, pending_z, pending_beta_logits, pending_pre_conv, pending_lengths,
-                        window_pre_conv, window_z, window_beta_logits, gate, conv_weight, norm_w, store)
+                        window_pre_conv, window_z, window_beta_logits, gate, conv_w, norm_w, store)
     dtype = window_pre_conv[0].dtype
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the KDA verification kernel takes fp32 or bf16 inputs, got {dtype}")
-    W = conv_weight.shape[-1]
+    W = conv_w[0].shape[-1]
     buf = store.buf
     ok, why = _triton.runnable()
     if not ok:
@@ -309,7 +314,7 @@ def kda_verify_step_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Tens
     q, k, v = (torch.empty(N, T, H, K, device=dev, dtype=dtype) for _ in range(3))
     if N == 0:
         return VerifyStep(y, q, k, v)
-    w = conv_weight.contiguous()
+    w = [x.contiguous() for x in conv_w]
     with torch.cuda.device(dev.index if window_z.is_cuda else -1):  # the tensors' GPU; -1: no-op
         _kernel(_triton.interpret())[(N, H)](
             *pend, pq0, pk0, pv0, pp_sn, pp_st, Pn, wq, wk, wv, x_sn, x_st, z, z_sn, z_st, beta, b_sn, b_st,

@@ -26,6 +26,7 @@ from k3.model.batch import BatchInfo
 from k3.model.cache import K3Cache, KDAInputs
 from k3.serve.cache.pool import CachePool
 from k3.serve.cache.views import KDAReplayVerifyView, KDAVerifyView, LayerLayout, layer_views
+from k3.tensors import to_device_async
 
 
 def run_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tensor, kda_pages: Tensor, mla_views: list,
@@ -83,6 +84,8 @@ def verify_replay_on_pool(model, layout: LayerLayout, pool: CachePool, ids: Tens
     if len(pending) != len(layout.kda) or len(lengths) != B:
         raise ValueError(f"pending inputs for {len(pending)} KDA layers and {len(lengths)} rows: need "
                          f"{len(layout.kda)} layers and {B} rows")
+    if not isinstance(lengths, Tensor):  # the counts on the device once for every layer (not one copy per layer)
+        lengths = to_device_async(torch.tensor(lengths, dtype=torch.int32), ids.device)
     views = [KDAReplayVerifyView(pool, kda_pages[g], pending[g], lengths) for g in range(len(layout.kda))]
     per_layer, views = layer_views(layout, pool, kda_pages, mla_views, kda_given=views)
     out = model(ids, cache=K3Cache(per_layer), logits_to_keep=ids.shape[1], check_ids=False, features=features)

@@ -34,14 +34,14 @@ def _case(N=4, Pn=3, T=3, H=2, K=16, W=4, dtype=torch.float32, seed=0, device="c
     pending = (r(N, Pn, H, K), r(N, Pn, H, K), r(N, Pn, H, K), r(N, Pn, H), tuple(r(N, Pn, C) for _ in range(3)))
     wz, wb = r(N, T, H, K), stacked[..., 3 * C:3 * C + H] if H <= 5 else r(N, T, H)
     gate = r(N, T, C)
-    conv_weight = r(3, C, W, s=0.5)
+    conv_w = tuple(r(3, C, W, s=0.5).unbind(0))
     A_log, dt_bias = (torch.randn(H, generator=g) * 0.5).to(device), torch.randn(C, generator=g).to(device)
     norm_w = (1 + 0.1 * torch.randn(K, generator=g)).to(device, dtype)
     E = H * K * K + 3 * C * (W - 1)
     buf = torch.randn(N + spare, E + 7, generator=g).to(device)
     rows = torch.randperm(N + spare, generator=g)[:N].to(device)
     lengths = [min(i, Pn) for i in range(N)] if lengths is None else lengths
-    args = (*pending, lengths, window_pre, wz, wb, gate, conv_weight, A_log, dt_bias, -5.0, norm_w, 1e-5)
+    args = (*pending, lengths, window_pre, wz, wb, gate, conv_w, A_log, dt_bias, -5.0, norm_w, 1e-5)
     return args, buf, rows
 
 
@@ -125,7 +125,7 @@ def test_kernel_equals_the_reference(interpret, shape, dtype):
     want, bw = _run(kda_verify_step, args, buf, rows)
     got, bg = _run(kda_verify_step_triton, args, buf, rows)
     H, K = args[7].shape[2:]
-    _compare(got, want, bg, bw, rows, H, K, args[10].shape[-1], dtype)
+    _compare(got, want, bg, bw, rows, H, K, args[10][0].shape[-1], dtype)
 
 
 def test_kernel_reads_device_counts_and_strided_rows(interpret):
