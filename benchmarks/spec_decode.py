@@ -26,8 +26,8 @@ per-position snapshots (T states written, one read back at the rollback). With `
 speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms per cycle, from one
 more generation that waits for the device at every stage boundary, so its total is a little above the timed run's).
 The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 commands read it).
-The auto engine also gets `auto_steps`: one more generation with every step timed to the device's end, by the
-switch's arm (steps, mean and largest ms) and its slowest steps.
+`auto_steps`: the auto engine's timed generation step by step, by the switch's arm (steps, mean and largest ms) and
+its slowest steps.
 With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
 kernels it launched per cycle (count, ms, the N costliest; on a CPU the operators' host time instead).
 `auto_switch` is the switch's decision per batch bucket, `auto_switch_rates` each arm's median tokens/s over the
@@ -139,19 +139,48 @@ def state_bytes(cfg, T: float) -> dict:
     return {"replay": round(n * (2 * state + T * inputs)), "snapshots": round(n * (T * state + state))}
 
 
-def run(engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
+def run(engine, prompts, max_tokens: int, trace: list | None = None) -> tuple[list[list[int]], float]:
+    """Generate greedily -> (the outputs, decode tokens/s). `trace`: a list that gets each step as [step, arm, ms,
+    tokens emitted] (arm "speculative" when the step's decode steps speculated, else "plain"; ms the step's wall time,
+    which includes the device's work: every step reads its sampled tokens back)."""
     from k3.serve.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     seqs = [engine.add_request(list(p), params) for p in prompts]
+    spec = engine.speculative if trace is not None else None
+    decided: list[bool] = []
+    if spec is not None:
+        decide = spec.decide
+        spec.decide = lambda batch: decided.append(decide(batch)) or decided[-1]  # the switch's answer, recorded
     t_first = None
-    while engine.has_work():
-        engine.step()
-        if t_first is None and all(s.output_ids for s in seqs):
-            t_first = time.perf_counter()
+    try:
+        while engine.has_work():
+            n, t0 = len(decided), time.perf_counter()
+            outs = engine.step()
+            if trace is not None:
+                arm = "speculative" if decided[n:] and decided[-1] else "plain"
+                trace.append([len(trace), arm, round((time.perf_counter() - t0) * 1e3, 3),
+                              sum(len(o.new_token_ids) for o in outs)])
+            if t_first is None and all(s.output_ids for s in seqs):
+                t_first = time.perf_counter()
+    finally:
+        if spec is not None:
+            spec.decide = decide
     t_end = time.perf_counter()
     n = sum(len(s.output_ids) - 1 for s in seqs)
     return [s.output_ids for s in seqs], n / max(t_end - (t_first or t_end), 1e-9)
+
+
+def steps_by_arm(trace: list, slowest: int = 5) -> dict:
+    """A `run` trace summed up: per arm the steps, their mean and largest ms (the first step, the prefill, apart),
+    and the `slowest` steps."""
+    out = {}
+    for arm in ("speculative", "plain"):
+        ms = [s[2] for s in trace[1:] if s[1] == arm]
+        out[arm] = dict(steps=len(ms), mean_ms=round(sum(ms) / len(ms), 3) if ms else None,
+                        max_ms=max(ms) if ms else None)
+    out["slowest"] = sorted(trace[1:], key=lambda s: -s[2])[:slowest]
+    return out
 
 
 def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
@@ -165,42 +194,6 @@ def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
     finally:
         engine.speculative.stage_times = None
     return st.per_cycle_ms()
-
-
-def step_trace(engine, prompts, max_tokens: int, device, slowest: int = 5) -> dict:
-    """One more generation with every step timed to the device's end (a synchronization after each step): per arm
-    of the switch (`speculative`: the step's decode steps speculated; `plain`), the steps, their mean and largest ms,
-    and the `slowest` steps as [step, arm, ms, tokens emitted]. Where a `--speculative-auto` engine's time goes."""
-    from k3.serve.sampling import SamplingParams
-
-    spec = engine.speculative
-    decided: list[bool] = []
-    decide = spec.decide
-    spec.decide = lambda batch: decided.append(decide(batch)) or decided[-1]  # the switch's answer, recorded
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    steps = []
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        for p in prompts:
-            engine.add_request(list(p), params)
-        while engine.has_work():
-            n = len(decided)
-            sync()
-            t0 = time.perf_counter()
-            outs = engine.step()
-            sync()
-            ms = (time.perf_counter() - t0) * 1e3
-            arm = "speculative" if decided[n:] and decided[-1] else "plain"
-            steps.append((len(steps), arm, round(ms, 3), sum(len(o.new_token_ids) for o in outs)))
-    finally:
-        spec.decide = decide
-    out = {}
-    for arm in ("speculative", "plain"):
-        ms = [s[2] for s in steps[1:] if s[1] == arm]  # the first step (prefill) apart
-        out[arm] = dict(steps=len(ms), mean_ms=round(sum(ms) / len(ms), 3) if ms else None,
-                        max_ms=max(ms) if ms else None)
-    out["slowest"] = [list(s) for s in sorted(steps[1:], key=lambda s: -s[2])[:slowest]]
-    return out
 
 
 def stage_kernels(events, cycles: int, top: int) -> dict[str, dict]:
@@ -312,7 +305,8 @@ def main() -> None:
             run(eng, prompts[:B], args.max_tokens)
             m0 = (eng.metrics.spec_verifications, eng.metrics.draft_tokens_accepted)
             g0 = graphs_made(eng)
-            outs, rate = run(eng, prompts[:B], args.max_tokens)
+            trace = [] if mode == "auto" else None  # where an auto generation's time goes, step by step
+            outs, rate = run(eng, prompts[:B], args.max_tokens, trace)
             v = eng.metrics.spec_verifications - m0[0]
             acc = eng.metrics.draft_tokens_accepted - m0[1]
             res[mode] = dict(tokens_per_s=round(rate, 1), outputs=outs,
@@ -327,9 +321,9 @@ def main() -> None:
             if args.stage_times and mode != "off":
                 res[mode]["stage_ms"] = stage_times(eng, prompts[:B], args.max_tokens, dev)
                 _log(f"batch {B} {mode}: per cycle {res[mode]['stage_ms']}")
-            if args.stage_times and mode == "auto":
-                res[mode]["steps"] = step_trace(eng, prompts[:B], args.max_tokens, dev)
-                _log(f"batch {B} auto: steps by arm {res[mode]['steps']}")
+            if trace is not None:
+                res[mode]["steps"] = steps_by_arm(trace)
+                _log(f"batch {B} auto: timed steps by arm {res[mode]['steps']}")
             if args.stage_kernels and mode != "off":
                 res[mode]["stage_kernels"] = profiled_stages(eng, prompts[:B], args.max_tokens, dev,
                                                              args.stage_kernels)

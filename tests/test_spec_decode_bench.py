@@ -129,26 +129,40 @@ def test_stage_times_average_over_cycles_and_refuse_an_unknown_stage():
         pass
 
 
-def test_step_trace_splits_an_auto_engines_steps_by_the_switchs_arm():
+def test_a_run_traces_an_auto_engines_steps_by_the_switchs_arm():
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
     from k3.serve.speculative.switch import SpecSwitch
 
     cfg = K3Config.from_preset("tiny").replace(vocab_size=512)
     model = K3ForCausalLM(cfg).init_weights(seed=0).eval()
-    eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=8.0, speculative="mtp", speculative_auto=True,
-                                              scheduler=SchedulerConfig(max_num_seqs=1)))
-    eng.eos_id = None
+
+    def engine(auto):
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=8.0, speculative="mtp", speculative_auto=auto,
+                                                  scheduler=SchedulerConfig(max_num_seqs=1)))
+        eng.eos_id = None
+        return eng
+
+    want, _ = bench.run(engine(False), [list(range(3, 30))], 16)
+    eng = engine(True)
     # probe 1 step per arm, then re-probe every 4th step: both arms run in a 16-token generation
     eng.speculative.switch = SpecSwitch(probe_steps=1, window=4, reprobe_every=4)
     decide = eng.speculative.decide
-    got = bench.step_trace(eng, [list(range(3, 30))], 16, torch.device("cpu"), slowest=3)
-    assert eng.speculative.decide == decide  # the switch is answered as before afterwards
-    spec, plain = got["speculative"], got["plain"]
-    assert spec["steps"] >= 1 and plain["steps"] >= 1
+    trace = []
+    got, _ = bench.run(eng, [list(range(3, 30))], 16, trace)
+    assert got == want and eng.speculative.decide == decide  # the switch is answered as before afterwards
+    assert [t[0] for t in trace] == list(range(len(trace))) and sum(t[3] for t in trace) == 16
+    summary = bench.steps_by_arm(trace, slowest=3)
+    spec, plain = summary["speculative"], summary["plain"]
+    assert spec["steps"] >= 1 and plain["steps"] >= 1 and spec["steps"] + plain["steps"] == len(trace) - 1
     for arm in (spec, plain):
         assert 0 < arm["mean_ms"] <= arm["max_ms"]
-    assert len(got["slowest"]) == 3
-    assert [s[2] for s in got["slowest"]] == sorted((s[2] for s in got["slowest"]), reverse=True)
-    assert {s[1] for s in got["slowest"]} <= {"speculative", "plain"} and all(s[3] >= 1 for s in got["slowest"])
-    assert got["slowest"][0][2] == max(spec["max_ms"], plain["max_ms"])
+    top = summary["slowest"]
+    assert len(top) == 3 and [s[2] for s in top] == sorted((s[2] for s in top), reverse=True)
+    assert top[0][2] == max(spec["max_ms"], plain["max_ms"])
+    # an engine without speculation: every step plain
+    off = LLMEngine(model, None, EngineConfig(cache_memory_mb=8.0, scheduler=SchedulerConfig(max_num_seqs=1)))
+    off.eos_id = None
+    trace = []
+    bench.run(off, [list(range(3, 30))], 5, trace)
+    assert {t[1] for t in trace} == {"plain"}
