@@ -174,7 +174,7 @@ STEPS = {
     "spec_train_more": ([[PY, "-m", "k3", "train", "--out", "runs/spec_gpu", "--resume", "--max-minutes", "9.5",
                           "--eval-batches", "8", "--no-progress"]], 560),
     "spec": ([[PY, "benchmarks/spec_decode.py", "--ckpt", "runs/spec_gpu", "--batch", "1", "4", "16", "64",
-               "--max-tokens", "128", "--fused-replay", "--stage-times", "--stage-kernels", "8", "--json",
+               "--max-tokens", "128", "--replay-after", "--stage-times", "--stage-kernels", "8", "--json",
                "{out}/spec.json"]], 560),
 }
 

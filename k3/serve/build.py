@@ -12,7 +12,7 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
                  max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
                  max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True,
                  verify: bool = True, speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
-                 speculative_auto: bool = True, compile_decode: bool = False, fused_replay: bool = False):
+                 speculative_auto: bool = True, compile_decode: bool = False, fused_replay: bool | None = None):
     """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template). `backends`
     (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs.
     `verify`: check the shards against the SHA-256 digests their index records. `speculative`, `num_draft_tokens`:
@@ -38,7 +38,7 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
                         **{k: v for k, v in (("cache_memory_mb", cache_memory_mb), ("page_tokens", page_tokens),
                                              ("hash_block_tokens", hash_block_tokens)) if v is not None})
     ecfg.validate()  # before the (possibly slow) load
-    if fused_replay and speculative == "off":
+    if fused_replay is True and speculative == "off":
         raise ValueError("--fused-replay fuses the replay of accepted drafts into the next verification: it needs "
                          "--speculative mtp or eagle3")
     tokenizer = load_any_tokenizer(ckpt_dir)

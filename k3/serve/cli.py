@@ -22,7 +22,7 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
           cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True,
           speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
           speculative_auto: bool = True, compile_decode: bool = False, image_limits=None,
-          fused_replay: bool = False) -> None:
+          fused_replay: bool | None = None) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
     as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
     DEFAULT_MAX_REQUEST_BYTES; `image_limits` (k3.serve.images.ImageLimits) to its defaults."""
@@ -87,7 +87,7 @@ def cmd_serve(args) -> int:
               speculative=getattr(args, "speculative", "off"), num_draft_tokens=getattr(args, "num_draft_tokens", 3),
               draft=getattr(args, "draft", None), speculative_auto=getattr(args, "speculative_auto", True),
               compile_decode=getattr(args, "compile_decode", False), image_limits=image_limits(args),
-              fused_replay=getattr(args, "fused_replay", False))
+              fused_replay=getattr(args, "fused_replay", None))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

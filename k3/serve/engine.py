@@ -95,10 +95,11 @@ class EngineConfig:
     # With speculation: verifications join the step's prefill forward when it runs eagerly (one pass over the weights
     # for both, a mixed ForwardBatch); False: they always run as a forward of their own.
     mix_verify: bool = True
-    # With speculation: the accepted positions' KDA replay runs in the same pass as the request's next eager
-    # verification (op kda_verify_replay, KimiDeltaAttention.verify_replay; k3.serve.runner: fused replay) instead of
-    # right after acceptance. Opt-in until its kernel is measured on a GPU.
-    fused_replay: bool = False
+    # With speculation: the accepted positions' KDA replay runs in the same pass as the request's next verification
+    # (op kda_verify_step, KimiDeltaAttention.verify_replay; k3.serve.runner: fused replay) instead of right after
+    # acceptance. None (default): on with speculation (measured on an H100: a batch-1 cycle of 3.5 ms against 7.8 ms
+    # with the replay after acceptance, BENCHMARKS.md), off without; True needs speculation; False: the replay after.
+    fused_replay: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -111,9 +112,12 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
-        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections", "fused_replay"):
+        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use True or False")
+        if self.fused_replay is not None and not isinstance(self.fused_replay, bool):
+            raise ValueError(f"fused_replay={self.fused_replay!r} is invalid: use None (on with speculation), True or "
+                             "False")
         if self.draft is not None and self.speculative != "eagle3":
             raise ValueError(f"a draft directory ({self.draft}) is for speculative='eagle3', not "
                              f"{self.speculative!r}")
@@ -170,7 +174,7 @@ class LLMEngine:
         if cfg.fused_replay and draft is None:
             raise ValueError("fused_replay fuses the replay of accepted drafts into the next verification: it needs "
                              "speculative decoding (speculative='mtp' or 'eagle3', or a draft)")
-        self.runner.fused_replay = cfg.fused_replay
+        self.runner.fused_replay = draft is not None if cfg.fused_replay is None else cfg.fused_replay
         self.speculative = None if draft is None else SpeculativeDecoder(
             draft, SpecSwitch() if cfg.speculative_auto else None, self.runner, self.scheduler, self.post, cfg,
             self._release)

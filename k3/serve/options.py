@@ -57,11 +57,11 @@ def add_speculative_arguments(parser) -> None:
                         help="with --speculative: measure speculative against plain decode steps per decode batch "
                              "size and keep to the faster (default on; --no-speculative-auto: speculate on every "
                              "step)")
-    parser.add_argument("--fused-replay", action="store_true", default=False,
+    parser.add_argument("--fused-replay", action=argparse.BooleanOptionalAction, default=None,
                         help="with --speculative: replay the accepted drafts into the KDA states in the same pass as "
-                             "the request's next verification (op kda_verify_replay) instead of right after "
-                             "acceptance; the outputs are the same. Opt-in until its kernel is measured on a GPU "
-                             "(default off)")
+                             "the request's next verification (op kda_verify_step) instead of right after "
+                             "acceptance; the outputs are the same (default: on with --speculative; "
+                             "--no-fused-replay: the replay right after acceptance)")
 
 
 def add_serve_arguments(parser) -> None:

@@ -558,12 +558,15 @@ def test_the_state_check_fails_on_a_lost_position(monkeypatch):
 
 
 # --- the switch and its errors ---------------------------------------------------------------------------------------
-def test_fused_replay_is_opt_in_and_needs_speculation():
-    assert EngineConfig().fused_replay is False
+def test_fused_replay_is_on_with_speculation_by_default_and_needs_it_when_asked_for():
+    assert EngineConfig().fused_replay is None
     with pytest.raises(ValueError, match="fused_replay"):
         EngineConfig(fused_replay="yes").validate()
     with pytest.raises(ValueError, match="fused_replay .*needs speculative decoding"):
         _engine(None, spec="off")
+    for spec, draft, fused, want in (("mtp", None, None, True), ("off", fx.OracleDraft(), None, True),
+                                     ("off", None, None, False), ("mtp", None, False, False)):
+        assert _engine(draft, spec=spec, fused=fused).runner.fused_replay is want
 
 
 def test_a_forward_that_does_not_name_its_requests_is_refused_while_positions_are_pending():
@@ -594,9 +597,10 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
 
     parser = argparse.ArgumentParser()
     add_speculative_arguments(parser)
-    assert parser.parse_args([]).fused_replay is False
+    assert parser.parse_args([]).fused_replay is None  # the engine's default: on with speculation
     assert parser.parse_args(["--speculative", "mtp", "--fused-replay"]).fused_replay is True
-    assert "Opt-in until its kernel is measured on a GPU" in " ".join(parser.format_help().split())
+    assert parser.parse_args(["--speculative", "mtp", "--no-fused-replay"]).fused_replay is False
+    assert "default: on with --speculative" in " ".join(parser.format_help().split())
     with pytest.raises(ValueError, match="--fused-replay .*needs --speculative mtp or eagle3"):
         build_engine(str(tmp_path), speculative="off", fused_replay=True)  # refused before anything is loaded
     # `k3 serve` hands it to the engine's builder; `k3 generate` takes it too
@@ -609,8 +613,9 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
 
     monkeypatch.setattr(serve_cli, "build_engine", fake_build)
     parse = cli.build_parser().parse_args
-    for argv, want in ((["serve", "--ckpt", str(tmp_path)], False),
-                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--fused-replay"], True)):
+    for argv, want in ((["serve", "--ckpt", str(tmp_path)], None),
+                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--fused-replay"], True),
+                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--no-fused-replay"], False)):
         assert serve_cli.cmd_serve(parse(argv)) == 2 and seen[-1] is want
     assert parse(["generate", "--ckpt", str(tmp_path), "x", "--fused-replay"]).fused_replay is True
 
