@@ -30,7 +30,9 @@ The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 comman
 `auto_steps`: the auto engine's timed generation step by step, by the switch's arm (steps, mean and largest ms) and
 its slowest steps.
 With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
-kernels it launched per cycle (count, ms, the N costliest; on a CPU the operators' host time instead).
+kernels it launched per cycle (count, ms, the N costliest; on a CPU the operators' host time instead); a CUDA graph's
+replayed kernels are not attributed to a stage, so `--uncaptured` profiles an engine running the same static-buffer
+steps without capture.
 `auto_switch` is the switch's decision per batch bucket, `auto_switch_rates` each arm's median tokens/s over the
 decode-only steps it measured there.
 """
@@ -38,6 +40,7 @@ decode-only steps it measured there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -251,7 +254,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDefaultsHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="a trained checkpoint (or run directory) with an MTP layer")
-    ap.add_argument("--draft", default=None, help="an EAGLE-3 draft directory (k3 train-draft) instead of the MTP layer")
+    ap.add_argument("--draft", default=None,
+                    help="an EAGLE-3 draft directory (k3 train-draft) instead of the MTP layer")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -273,6 +277,10 @@ def main() -> None:
                     help="one more generation per speculating engine under torch.profiler: per stage of the cycle, "
                          "its kernels' count and device ms per cycle and the N costliest (`stage_kernels`; on a CPU "
                          "the operators' host time)")
+    ap.add_argument("--uncaptured", action="store_true",
+                    help="with --stage-kernels: profile an engine that runs the same static-buffer steps without "
+                         "capturing them (cuda_graphs='eager'), so that the kernels of the verification and the "
+                         "other graph steps count in their stage (the profiler does not attribute a graph replay's)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -330,6 +338,12 @@ def main() -> None:
                 res[mode]["steps"] = steps_by_arm(trace)
                 _log(f"batch {B} auto: timed steps by arm {res[mode]['steps']}")
             if args.stage_kernels and mode != "off":
+                if args.uncaptured:  # the same engine on the static buffers uncaptured: each kernel in its stage
+                    del eng
+                    free_dropped_engines()
+                    eng = LLMEngine(model, tok, dataclasses.replace(cfg, cuda_graphs="eager"))
+                    eng.eos_id = None
+                    run(eng, prompts[:B], args.max_tokens)  # its warm-up
                 res[mode]["stage_kernels"] = profiled_stages(eng, prompts[:B], args.max_tokens, dev,
                                                              args.stage_kernels)
                 for stage, k in res[mode]["stage_kernels"].items():
