@@ -16,9 +16,9 @@ verifications join the chunks' packed forward, so the step passes over the weigh
 run as one batched forward of their own (plain decode steps run in the step's other forward). The verification
 leaves the KDA states as they were; the accepted prefix is then replayed into them (KDA rollback by replay, report
 §5.4.2), KDA checkpoints are taken only of those committed states, and the MLA block tables shrink to the accepted
-length. With `EngineConfig.fused_replay` the accepted positions past the last hash-block boundary among them stay
-pending instead and are replayed in the same pass as the request's next eager verification (op kda_verify_replay),
-or before any other forward over the request (k3.serve.runner: fused replay).
+length. With `EngineConfig.fused_replay` (on by default with speculation) the accepted positions past the last
+hash-block boundary among them stay pending instead and are replayed in the same pass as the request's next
+verification (op kda_verify_step), or before any other forward over the request (k3.serve.runner: fused replay).
 Greedy output is token-identical to decoding without speculation and sampled output has the target's
 distribution. With CUDA graphs, the verifications run as graph replays (one graph per batch bucket and number of
 positions) and the plain decode steps on graphs that also output the hidden states the draft observes.

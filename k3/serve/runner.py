@@ -25,8 +25,9 @@ Fused replay (`fused_replay`, EngineConfig.fused_replay; report §5.4.2): instea
 pending (`hold`: their kept inputs, per request id, in `pending`), and a request's pages hold its KDA state at
 num_computed minus its pending count. Its next verification alone (every row of the forward a verification of the
 same length), eager or on the static buffers (k3.serve.cuda_graphs: the fused verification step, with the pending
-inputs copied into its buffers), replays them in the same pass as the new window (k3.serve.pool_forward.
-verify_replay_on_pool: the committed state read once, the state after the pending positions written once). Every
+inputs copied into its buffers, one copy per request when they came from such a step: `Pending.flat`), replays them
+in the same pass as the new window (k3.serve.pool_forward.verify_replay_on_pool, op kda_verify_step: the committed
+state read once, the state after the pending positions written once, in place). Every
 other forward that reads a request's KDA state as committed replays its pending positions first (`flush`, the same
 replay as `replay`): a plain forward (prefill, decode, the static-buffer steps), a mixed forward's verifications, a
 verification on static buffers whose graphs were built without fused replay. While anything is pending every
