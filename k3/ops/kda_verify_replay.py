@@ -87,11 +87,17 @@ def _check(pk: Tensor, pv: Tensor, pz: Tensor, pbeta: Tensor, ppre: Tensor, leng
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {list(shape)} (N={N} rows, P={max(P, 0)} "
                              f"pending and T={T} window positions, H={H} heads of K={K}, a conv of width >= 2; "
                              "pending_k is [N, P, H, K])")
-    if isinstance(lengths, Tensor):  # on the device: shape, dtype and device only (the values are never read back)
+    _check_lengths(lengths, N, P, wz.device)
+
+
+def _check_lengths(lengths: list[int] | Tensor, N: int, P: int, device) -> None:
+    """The pending counts: N host ints in [0, P], or an int32/int64 tensor [N] on `device` (then only its shape,
+    dtype and device are checked: the values are never read back)."""
+    if isinstance(lengths, Tensor):
         if tuple(lengths.shape) != (N,) or lengths.dtype not in (torch.int32, torch.int64) \
-                or lengths.device != wz.device:
+                or lengths.device != device:
             raise ValueError(f"pending_lengths is a {lengths.dtype} tensor of shape {tuple(lengths.shape)} on "
-                             f"{lengths.device}: need an int32 or int64 tensor [{N}] on {wz.device}, values in "
+                             f"{lengths.device}: need an int32 or int64 tensor [{N}] on {device}, values in "
                              f"[0, {P}]")
     elif len(lengths) != N or not all(isinstance(n, int) and 0 <= n <= P for n in lengths):
         raise ValueError(f"pending_lengths={lengths}: need {N} ints in [0, {P}]")

@@ -40,7 +40,7 @@ from torch import Tensor
 from k3.ops import _triton
 from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_decode import KDAStore
-from k3.ops.kda_verify_replay import _lengths_on, kda_verify_replay_any
+from k3.ops.kda_verify_replay import _check_lengths, _lengths_on, kda_verify_replay_any
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
 __all__ = ["VerifyStep", "kda_verify_step", "kda_verify_step_any", "kda_verify_step_triton"]
@@ -86,14 +86,7 @@ def _check(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pending_beta
         if len(group) != 3 or any(tuple(x.shape) != (N, L, C) for x in group):
             raise ValueError(f"{name} must be the q, k, v inputs of the short convs, three [{N}, {L}, {C}] tensors, "
                              f"got {[tuple(x.shape) for x in group]}")
-    if isinstance(lengths, Tensor):  # on the device: shape, dtype and device only (the values are never read back)
-        if tuple(lengths.shape) != (N,) or lengths.dtype not in (torch.int32, torch.int64) \
-                or lengths.device != window_z.device:
-            raise ValueError(f"pending_lengths is a {lengths.dtype} tensor of shape {tuple(lengths.shape)} on "
-                             f"{lengths.device}: need an int32 or int64 tensor [{N}] on {window_z.device}, values in "
-                             f"[0, {Pn}]")
-    elif len(lengths) != N or not all(isinstance(n, int) and 0 <= n <= Pn for n in lengths):
-        raise ValueError(f"pending_lengths={lengths}: need {N} ints in [0, {Pn}]")
+    _check_lengths(lengths, N, Pn, window_z.device)
     need = H * K * K + 3 * C * (W - 1)
     buf = store.buf
     if tuple(store.rows.shape) != (N,):
