@@ -284,39 +284,33 @@ class DecodeGraphs:
         return logits[:B].clone()
 
     @torch.no_grad()
-    def run_verify(self, tokens: list[list[int]], starts: list[int], slots, pending: list[KDAInputs] | None = None,
-                   pending_lengths: list[int] | None = None, pending_rows: list | None = None):
+    def run_verify(self, tokens: list[list[int]], starts: list[int], slots, pending: list | None = None,
+                   pending_lengths: list[int] | None = None):
         """A speculative verification (k3.serve.runner.ModelRunner.execute) over static buffers: every request runs
         its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
         [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs, all of them side by side
         [B, T, layers * width] (k3.serve.cache.views.flat_inputs; the KDAInputs are views of it)), copies; or None
         when it cannot run here (as `run`): verify eagerly.
 
-        With fused_replay, the requests' pending inputs, either `pending` (per KDA layer [B, P, ...], zero-padded) or
-        `pending_rows` (per request its pending positions' kept inputs side by side [n, layers * width], as this step
-        outputs them, or None: one copy per request instead of one per tensor and layer), and `pending_lengths` (B
-        counts, 0 for none) are replayed in front of the windows, the states after them written into the requests'
-        pages; None for both: nothing pending. Returns None (run eagerly) when a count exceeds T, the pending
-        buffers' length."""
-        given = pending if pending_rows is None else pending_rows
-        if given is not None and not self.fused_replay:
+        With fused_replay, `pending` (per request its pending positions' kept inputs side by side [n, layers * width],
+        as this step outputs them, or None: one copy per request into the buffers) and `pending_lengths` (B counts,
+        0 for none) are replayed in front of the windows, the states after them written into the requests' pages;
+        None: nothing pending. Returns None (run eagerly) when a count exceeds T, the pending buffers' length."""
+        if pending is not None and not self.fused_replay:
             raise ValueError("pending positions given to a verification step without fused replay "
                              "(DecodeGraphs.fused_replay is off)")
-        if pending is not None and pending_rows is not None:
-            raise ValueError("give the pending inputs per KDA layer (pending) or per request (pending_rows), not both")
-        if given is not None:
-            want = len(self.layout.kda) if pending_rows is None else len(tokens)
-            if pending_lengths is None or len(pending_lengths) != len(tokens) or len(given) != want:
-                raise ValueError(f"pending inputs of {len(given)} {'KDA layers' if pending_rows is None else 'rows'} "
-                                 f"and counts {pending_lengths}: need {want} and {len(tokens)} counts")
+        if pending is not None:
+            if pending_lengths is None or len(pending_lengths) != len(tokens) or len(pending) != len(tokens):
+                raise ValueError(f"pending inputs of {len(pending)} requests and counts {pending_lengths}: need "
+                                 f"{len(tokens)} of each")
             if tokens and max(pending_lengths) > len(tokens[0]):
                 return None  # more pending positions than the buffers hold (T of them)
-        got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths, pending_rows))
+        got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths))
         if got is None:
             return None
         B, (logits, hidden, flat) = got
         self.verify_steps += 1
-        self.fused_pending_steps += given is not None and any(pending_lengths)
+        self.fused_pending_steps += pending is not None and any(pending_lengths)
         cfg = self.model.config
         flat = flat[:B].clone()  # one copy for every layer's kept inputs
         inputs = [inputs_of(flat, g, cfg.kda_num_heads, cfg.kda_head_dim) for g in range(len(self.layout.kda))]
@@ -339,10 +333,10 @@ class DecodeGraphs:
         return len(self._static)
 
     # --- internals -----------------------------------------------------------------------------------------------
-    def _run_static(self, tokens, starts, slots, verify: bool, pending=(None, None, None)):
+    def _run_static(self, tokens, starts, slots, verify: bool, pending=(None, None)):
         """The step of `run` (verify=False) or `run_verify` over the buffers of its bucket, replayed when captured ->
         (B, the step's outputs over the whole bucket), or None when it cannot run here. `pending`: a fused
-        verification's (inputs per KDA layer, counts, inputs per request), as `run_verify`'s."""
+        verification's (inputs per request, counts), as `run_verify`'s."""
         if self.disabled is not None:
             return None
         B = len(tokens)
@@ -416,24 +410,15 @@ class DecodeGraphs:
             rows += [[[scr] * width] * n_mla] * pad
             b.tables[:, :, :width].copy_(torch.tensor(rows, dtype=torch.long))
 
-    def _load_pending(self, b: _Bucket, B: int, pending: list[KDAInputs] | None, lengths: list[int] | None,
-                      rows: list | None = None) -> None:
-        """Copy a fused verification's pending inputs (per KDA layer, or `rows`: per request, all layers side by side)
-        and counts into b's buffers (no reallocation): rows past the batch, and every row when nothing is pending,
-        get count 0, so whatever their inputs hold is never read."""
-        counts = ([0] * B if pending is None and rows is None else list(lengths)) + [0] * (b.size - B)
+    def _load_pending(self, b: _Bucket, B: int, pending: list | None, lengths: list[int] | None) -> None:
+        """Copy a fused verification's pending inputs (per request, every layer's side by side: one copy each) and
+        counts into b's buffers (no reallocation): rows past the batch, and every row when nothing is pending, get
+        count 0, so whatever their inputs hold is never read."""
+        counts = ([0] * B if pending is None else list(lengths)) + [0] * (b.size - B)
         b.pending_lengths.copy_(torch.tensor(counts, dtype=torch.int32))
-        if rows is not None:
-            for i, r in enumerate(rows):
-                if r is not None and r.shape[0]:
-                    b.pending_flat[i, :r.shape[0]].copy_(r)
-            return
-        if pending is None:
-            return
-        for buf, src in zip(b.pending, pending):
-            for x, y in zip((*buf.pre_conv, buf.q, buf.k, buf.v, buf.z, buf.beta_logits),
-                            (*src.pre_conv, src.q, src.k, src.v, src.z, src.beta_logits)):
-                x[:B, :y.shape[1]].copy_(y)
+        for i, r in enumerate(pending or ()):
+            if r is not None and r.shape[0]:
+                b.pending_flat[i, :r.shape[0]].copy_(r)
 
     def _pending_buffers(self, b: _Bucket) -> None:
         """b's fused-verification buffers: per KDA layer KDAInputs of [size, tokens, ...] in the model's dtype (the

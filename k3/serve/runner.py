@@ -25,7 +25,7 @@ Fused replay (`fused_replay`, EngineConfig.fused_replay; report §5.4.2): instea
 pending (`hold`: their kept inputs, per request id, in `pending`), and a request's pages hold its KDA state at
 num_computed minus its pending count. Its next verification alone (every row of the forward a verification of the
 same length), eager or on the static buffers (k3.serve.cuda_graphs: the fused verification step, with the pending
-inputs copied into its buffers, one copy per request when they came from such a step: `Pending.flat`), replays them
+inputs copied into its buffers, one copy per request: `Pending.flat`), replays them
 in the same pass as the new window (k3.serve.pool_forward.verify_replay_on_pool, op kda_verify_step: the committed
 state read once, the state after the pending positions written once, in place). Every
 other forward that reads a request's KDA state as committed replays its pending positions first (`flush`, the same
@@ -47,7 +47,8 @@ from torch import Tensor
 from k3.model.batch import BatchInfo
 from k3.model.cache import K3Cache, KDAInputs
 from k3.serve.cache.pool import CachePool
-from k3.serve.cache.views import KDAMixedView, KDAVerifyView, LayerLayout, PagedMLAView, SeqSlots, layer_views
+from k3.serve.cache.views import (KDAMixedView, KDAVerifyView, LayerLayout, PagedMLAView, SeqSlots, flat_inputs,
+                                  inputs_of, layer_views)
 from k3.serve.cuda_graphs import DecodeGraphs
 from k3.serve.pool_forward import run_on_pool, verify_on_pool, verify_replay_on_pool
 from k3.tensors import to_device_async
@@ -104,14 +105,14 @@ class ForwardBatch:
 @dataclass
 class Pending:
     """A request's accepted positions not yet in its KDA states (fused replay): `n` of them, `inputs` per KDA layer
-    their kept projected inputs ([n, ...] each: slices of the verification's, which nothing writes again), `pages`
-    the request's KDA running-state pages (one per KDA layer) they belong to; `flat`: when the verification ran on
-    static buffers, every layer's inputs side by side [n, layers * width] (k3.serve.cache.views.flat_inputs; `inputs`
-    are views of it), what the next static-buffer verification copies in one piece."""
+    their kept projected inputs ([n, ...] each: views of `flat`), `pages` the request's KDA running-state pages (one
+    per KDA layer) they belong to; `flat`: every layer's inputs side by side [n, layers * width]
+    (k3.serve.cache.views.flat_inputs; a slice of a static-buffer verification's, which nothing writes again, else
+    made once), what the next static-buffer verification copies in one piece."""
     pages: list[int]
     inputs: list[KDAInputs]
     n: int
-    flat: Tensor | None = None
+    flat: Tensor
 
 
 @dataclass
@@ -258,12 +259,15 @@ class ModelRunner:
         if not (n >= 1 and 0 <= offset and offset + n <= T):
             raise ValueError(f"pending positions {offset} .. {offset + n - 1} lie outside the verification's {T}")
         sl = slice(offset, offset + n)
-        inputs = []
-        for g in range(len(self.layout.kda)):
-            inp = v.kda_views[g].inputs
-            inputs.append(KDAInputs(tuple(x[row, sl] for x in inp.pre_conv), inp.q[row, sl], inp.k[row, sl],
-                                    inp.v[row, sl], inp.z[row, sl], inp.beta_logits[row, sl]))
-        self.pending[request_id] = Pending(list(pages), inputs, n, None if v.flat is None else v.flat[row, sl])
+        if v.flat is not None:  # a static-buffer verification's: a slice of it
+            flat = v.flat[row, sl]
+        else:  # an eager or mixed verification's per-layer inputs, put side by side once
+            flat = flat_inputs([KDAInputs(tuple(x[row:row + 1, sl] for x in i.pre_conv), i.q[row:row + 1, sl],
+                                          i.k[row:row + 1, sl], i.v[row:row + 1, sl], i.z[row:row + 1, sl],
+                                          i.beta_logits[row:row + 1, sl]) for i in (w.inputs for w in v.kda_views)])[0]
+        cfg = self.model.config
+        inputs = [inputs_of(flat, g, cfg.kda_num_heads, cfg.kda_head_dim) for g in range(len(self.layout.kda))]
+        self.pending[request_id] = Pending(list(pages), inputs, n, flat)
 
     def pending_tokens(self, request_id: str) -> int:
         """How many accepted positions of the request are pending (0: its KDA states are at num_computed)."""
@@ -402,13 +406,8 @@ class ModelRunner:
             fused = self.fused_replay and g.fused_replay
             if self.pending and not fused:  # these graphs verify from committed states: the unfused replay first
                 self.flush(ids)
-            pending = rows = None
-            if fused and any(lengths):
-                if all(e is None or e.flat is not None for e in entries):  # one copy per request
-                    rows = [None if e is None else e.flat for e in entries]
-                else:
-                    pending = [self._stacked(entries, gi, max(lengths)) for gi in range(len(self.layout.kda))]
-            out = g.run_verify(tokens, starts, slots, pending, lengths if fused else None, rows)
+            rows = [None if e is None else e.flat for e in entries] if fused and any(lengths) else None
+            out = g.run_verify(tokens, starts, slots, rows, lengths if fused else None)
             if out is not None:  # a graph replay: the same forward over static buffers
                 if fused:
                     self._replayed(ids, entries)

@@ -414,9 +414,9 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
     loads = []  # how each step's pending inputs reached its buffers: per request in one piece, or per layer
     orig_load = DecodeGraphs._load_pending
 
-    def load(graphs, b, B, pending, lengths, rows=None):
-        loads.append("rows" if rows is not None else "layers" if pending is not None else "none")
-        return orig_load(graphs, b, B, pending, lengths, rows)
+    def load(graphs, b, B, pending, lengths):
+        loads.append("rows" if pending is not None else "none")
+        return orig_load(graphs, b, B, pending, lengths)
 
     monkeypatch.setattr(DecodeGraphs, "_load_pending", load)
     eng.spec_switch = EveryThirdPlain()
@@ -427,8 +427,7 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
     g = eng.runner.graphs
     assert g.fused_replay and g.fused_pending_steps > 0 and watch.flush_graph == 0 and held > 0
     assert g.padded_rows > 0 and len({k[0] for k in g._static if len(k) == 3}) >= 2 and pages.checked > 0
-    # positions held from a static-buffer verification come back as one piece per request (those held from the
-    # first verification, which joined the prefill's forward, per layer)
+    # held positions come back as one piece per request (those held from an eager or mixed verification too)
     assert loads.count("rows") > loads.count("layers")
     off = _engine(_draft(kind), spec=spec, k=3, graphs=True, fused=False)
     off.spec_switch = EveryThirdPlain()
@@ -449,8 +448,8 @@ def test_more_pending_positions_than_a_short_window_verify_eagerly_fused(monkeyp
     seen = []
     orig = type(g).run_verify
 
-    def run_verify(graphs, tokens, starts, slots, pending=None, lengths=None, rows=None):
-        out = orig(graphs, tokens, starts, slots, pending, lengths, rows)
+    def run_verify(graphs, tokens, starts, slots, pending=None, lengths=None):
+        out = orig(graphs, tokens, starts, slots, pending, lengths)
         seen.append((len(tokens[0]), max(lengths or [0]), out is None))
         return out
 
