@@ -24,14 +24,16 @@ fp32 state [H, K, V] then its q/k/v conv tails [3, P, W-1]), the row advanced in
 Inputs as the layer's projections give them: the window's pre-conv q, k, v [N, T, P] each (column slices of one
 stacked projection: read through their strides, not copied), decay logits z [N, T, H, K], beta logits [N, T, H] and
 the output gate [N, T, P]; the pending positions as a verification kept them (k3.model.cache.KDAInputs: post-conv k
-and v, z and beta logits [N, Pn, ...], the pre-conv q/k/v [N, Pn, P] each) with a row's count in `pending_lengths`
-(host ints, or an int tensor [N] on the device that nothing reads back: a CUDA graph captures the op and refills the
-counts before each replay).
+and v, z and beta logits [N, Pn, ...], the pre-conv q/k/v [N, Pn, P] each; read in place where the seven share their
+row and position strides, as views of a request's kept inputs side by side do, else put side by side in one copy)
+with a row's count in `pending_lengths` (host ints, or an int tensor [N] on the device that nothing reads back: a
+CUDA graph captures the op and refills the counts before each replay).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -126,7 +128,7 @@ def kda_verify_step(pending_k: Tensor, pending_v: Tensor, pending_z: Tensor, pen
 
 
 # --- the fused kernel ----------------------------------------------------------------------------------------------
-def _verify_step_kernel(pk_ptr, pv_ptr, pz_ptr, pb_ptr, pq0_ptr, pk0_ptr, pv0_ptr, pp_sn, pp_st, PN,
+def _verify_step_kernel(pq0_ptr, pk0_ptr, pv0_ptr, pk_ptr, pv_ptr, pz_ptr, pb_ptr, pp_sn, pp_st,
                         xq_ptr, xk_ptr, xv_ptr, x_sn, x_st, z_ptr, z_sn, z_st, b_ptr, b_sn, b_st, g_ptr, g_sn, g_st,
                         wq_ptr, wk_ptr, wv_ptr, a_ptr, dtb_ptr, nw_ptr, buf_ptr, buf_stride, rows_ptr, rows_stride,
                         len_ptr, y_ptr, qo_ptr, ko_ptr, vo_ptr, lower_bound, scale, eps, H, T,
@@ -149,16 +151,16 @@ def _verify_step_kernel(pk_ptr, pv_ptr, pz_ptr, pb_ptr, pq0_ptr, pk0_ptr, pv0_pt
     sm = km[:, None] & km[None, :]
     S = tl.load(base + s_off, mask=sm, other=0.0)
     for t in range(0, length):  # the pending positions (accepted): their post-conv k and v as kept
-        pb = (n * PN + t) * H + h
-        kt = tl.load(pk_ptr + pb * K + kk, mask=km, other=0.0).to(tl.float32)
+        pt = n * pp_sn + t * pp_st  # position t of request n (the seven pending inputs share their strides)
+        kt = tl.load(pk_ptr + pt + c, mask=km, other=0.0).to(tl.float32)
         kt = kt * tl.rsqrt(tl.reduce(kt * kt, 0, _SUM) + 1e-6)
-        x = A * (tl.load(pz_ptr + pb * K + kk, mask=km, other=0.0).to(tl.float32) + dtb)
+        x = A * (tl.load(pz_ptr + pt + c, mask=km, other=0.0).to(tl.float32) + dtb)
         e = tl.exp(-tl.abs(x))
         g = lower_bound * tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-        bl = tl.load(pb_ptr + pb).to(tl.float32)
+        bl = tl.load(pb_ptr + pt + h).to(tl.float32)
         eb = tl.exp(-tl.abs(bl))
         beta = tl.where(bl >= 0, 1.0 / (1.0 + eb), eb / (1.0 + eb))
-        vt = tl.load(pv_ptr + pb * K + kk, mask=km, other=0.0).to(tl.float32)
+        vt = tl.load(pv_ptr + pt + c, mask=km, other=0.0).to(tl.float32)
         S = S * tl.exp(g)[:, None]
         kS = tl.reduce(kt[:, None] * S, 0, _SUM)
         S = S + kt[:, None] * (beta * (vt - kS))[None, :]
@@ -255,13 +257,32 @@ def _kernel(interpret: bool):
     return triton.jit(_verify_step_kernel)
 
 
+def _inner_contiguous(x: Tensor) -> bool:
+    """Whether x [N, L, ...]'s dims after the first two are laid out contiguously (any row and position stride)."""
+    want = 1
+    for d in range(x.dim() - 1, 1, -1):
+        if x.shape[d] != 1 and x.stride(d) != want:
+            return False
+        want *= x.shape[d]
+    return True
+
+
 def _strided(group: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int, int]:
-    """Tensors [N, L, C] of one shape as pointers with one (row, position) stride pair, columns contiguous: as given
-    when they share their strides (column slices of one stacked projection), else contiguous copies."""
-    if all(x.stride(-1) == 1 for x in group) and len({x.stride()[:2] for x in group}) == 1:
-        return group, group[0].stride(0), group[0].stride(1)
-    group = tuple(x.contiguous() for x in group)
-    return group, group[0].stride(0), group[0].stride(1)
+    """Tensors [N, L, ...] (one N and L) as pointers with one (row, position) stride pair, the rest of each
+    contiguous: as given when they share their strides (column slices of one stacked projection, or of the kept
+    inputs a pending request holds side by side), else put side by side in one new tensor (one copy) as its views."""
+    # a dim of size 1 is never stepped over, so its stride is no constraint (a view's may be anything: unflatten's)
+    pairs = {tuple(st if size > 1 else 0 for size, st in zip(x.shape[:2], x.stride()[:2])) for x in group}
+    if all(_inner_contiguous(x) for x in group) and len(pairs) == 1:
+        return group, *pairs.pop()
+    N, L = group[0].shape[:2]
+    flat = torch.cat([x.reshape(N, L, -1) for x in group], -1)
+    views, at = [], 0
+    for x in group:
+        w = math.prod(x.shape[2:])
+        views.append(flat[..., at:at + w].view(x.shape))
+        at += w
+    return tuple(views), flat.stride(0), flat.stride(1)
 
 
 def _nt(x: Tensor) -> tuple[Tensor, int, int]:
@@ -299,10 +320,9 @@ def kda_verify_step_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Tens
     beta, b_sn, b_st = _nt(window_beta_logits)
     gate, g_sn, g_st = _nt(gate)
     if Pn == 0:  # nothing pending in any row (every count is 0, so nothing is read): any valid pointers will do
-        pend, (pq0, pk0, pv0), pp_sn, pp_st = (window_z, window_z, window_z, window_beta_logits), (wq, wk, wv), 0, 0
-    else:
-        pend = tuple(x.contiguous() for x in (pending_k, pending_v, pending_z, pending_beta_logits))
-        (pq0, pk0, pv0), pp_sn, pp_st = _strided(pending_pre_conv)
+        pend, pp_sn, pp_st = (wq, wk, wv, window_z, window_z, window_z, window_beta_logits), 0, 0
+    else:  # views of a request's kept inputs side by side (`k3.serve.cache.views.flat_inputs`): read in place
+        pend, pp_sn, pp_st = _strided((*pending_pre_conv, pending_k, pending_v, pending_z, pending_beta_logits))
     y = torch.empty(N, T, P, device=dev, dtype=dtype)
     q, k, v = (torch.empty(N, T, H, K, device=dev, dtype=dtype) for _ in range(3))
     if N == 0:
@@ -310,7 +330,7 @@ def kda_verify_step_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Tens
     w = [x.contiguous() for x in conv_w]
     with torch.cuda.device(dev.index if window_z.is_cuda else -1):  # the tensors' GPU; -1: no-op
         _kernel(_triton.interpret())[(N, H)](
-            *pend, pq0, pk0, pv0, pp_sn, pp_st, Pn, wq, wk, wv, x_sn, x_st, z, z_sn, z_st, beta, b_sn, b_st,
+            *pend, pp_sn, pp_st, wq, wk, wv, x_sn, x_st, z, z_sn, z_st, beta, b_sn, b_st,
             gate, g_sn, g_st, w[0], w[1], w[2], A_log.contiguous(), dt_bias.reshape(-1).contiguous(),
             norm_w.contiguous(), buf, buf.stride(0), store.rows, store.rows.stride(0), lengths, y, q, k, v,
             float(lower_bound), K ** -0.5, float(eps), H, T, K=K, W=W, K_PAD=1 << (K - 1).bit_length(),
@@ -322,7 +342,8 @@ def kda_verify_step_triton(pending_k: Tensor, pending_v: Tensor, pending_z: Tens
 register(Op(
     "kda_verify_step", reference=kda_verify_step,
     # validated: its GPU tests (tests/ops/test_kda_verify_step.py, marked gpu) passed on an H100 (2026-12-07, fp32 and
-    # bf16 at k3-mini's layer shape, counts on the host and on the device)
+    # bf16 at k3-mini's layer shape, counts on the host and on the device, pending inputs as separate tensors and as
+    # views of one tensor read in place)
     fast=(Fast("triton", kda_verify_step_triton, _triton.available, validated=True, cpu=True),),
     tolerance="fp32: outputs, kept inputs and state 1e-5 of their largest entries (the conv's taps and the K-term "
               "reads summed in another order, sigmoids from exponentials); bf16: the state the same, the kept inputs "

@@ -16,13 +16,16 @@ import pytest
 import torch
 
 from k3.ops.kda_decode import KDAStore
-from k3.ops.kda_verify_step import kda_verify_step, kda_verify_step_triton
+from k3.ops.kda_verify_step import _inner_contiguous, _strided, kda_verify_step, kda_verify_step_triton
 
 
-def _case(N=4, Pn=3, T=3, H=2, K=16, W=4, dtype=torch.float32, seed=0, device="cpu", lengths=None, spare=2):
-    """Random pending inputs, a window's projections (pre-conv q/k/v as column slices of one stacked tensor, as the
-    layer's projection gives them), gate and norm parameters, and a store of N + `spare` rows (wider than a state,
-    as pool pages are) whose rows are the batch's in shuffled order."""
+def _case(N=4, Pn=3, T=3, H=2, K=16, W=4, dtype=torch.float32, seed=0, device="cpu", lengths=None, spare=2,
+          side_by_side=False):
+    """Random pending inputs (with `side_by_side`, views of one tensor [N, Pn, 7 * H * K + H + 3] as a pending request
+    keeps them, k3.serve.cache.views.flat_inputs: one row and position stride for all seven), a window's projections
+    (pre-conv q/k/v as column slices of one stacked tensor, as the layer's projection gives them), gate and norm
+    parameters, and a store of N + `spare` rows (wider than a state, as pool pages are) whose rows are the batch's in
+    shuffled order."""
     g = torch.Generator().manual_seed(seed)
     C = H * K
 
@@ -31,7 +34,12 @@ def _case(N=4, Pn=3, T=3, H=2, K=16, W=4, dtype=torch.float32, seed=0, device="c
 
     stacked = r(N, T, 3 * C + 5)  # q, k, v and other projections side by side
     window_pre = tuple(stacked[..., i * C:(i + 1) * C] for i in range(3))
-    pending = (r(N, Pn, H, K), r(N, Pn, H, K), r(N, Pn, H, K), r(N, Pn, H), tuple(r(N, Pn, C) for _ in range(3)))
+    if side_by_side:
+        kept = r(N, Pn, 7 * C + H + 3)
+        part = [kept[..., i * C:(i + 1) * C] for i in range(7)]
+        pending = (*(x.unflatten(-1, (H, K)) for x in part[4:]), kept[..., 7 * C:7 * C + H], tuple(part[:3]))
+    else:
+        pending = (r(N, Pn, H, K), r(N, Pn, H, K), r(N, Pn, H, K), r(N, Pn, H), tuple(r(N, Pn, C) for _ in range(3)))
     wz, wb = r(N, T, H, K), stacked[..., 3 * C:3 * C + H] if H <= 5 else r(N, T, H)
     gate = r(N, T, C)
     conv_w = tuple(r(3, C, W, s=0.5).unbind(0))
@@ -141,16 +149,49 @@ def test_kernel_reads_device_counts_and_strided_rows(interpret):
     _compare(got, want, bg, bw, rows, 2, 16, 4, torch.float32)
 
 
+@pytest.mark.parametrize("shape", [dict(Pn=3, T=3), dict(N=2, Pn=2, T=2, K=12, H=3, lengths=[2, 1]),
+                                   dict(N=2, Pn=1, T=2, W=5, lengths=[1, 0]), dict(N=1, Pn=3, T=4, lengths=[2])])
+def test_kernel_reads_pending_inputs_kept_side_by_side(interpret, shape):
+    """The serving form: the seven pending inputs are views of one tensor per request batch (a static-buffer
+    verification's output), read through their shared strides as they are."""
+    args, buf, rows = _case(**shape, side_by_side=True)
+    pend = (*args[4], *args[:4])
+    got_views, sn, st = _strided(pend)
+    assert all(a is b for a, b in zip(got_views, pend))  # nothing copied (a size-1 dim's stride is no constraint)
+    assert (sn, st) == tuple(x if n > 1 else 0 for n, x in zip(pend[0].shape[:2], pend[-1].stride()[:2]))
+    want, bw = _run(kda_verify_step, args, buf, rows)
+    got, bg = _run(kda_verify_step_triton, args, buf, rows)
+    H, K = args[7].shape[2:]
+    _compare(got, want, bg, bw, rows, H, K, args[10][0].shape[-1], torch.float32)
+
+
+def test_inputs_of_other_strides_go_side_by_side_in_one_copy():
+    """Pending inputs that do not share their strides (separate tensors, or a view with its inner dims apart) are
+    put side by side once, equal to what was given, under one stride pair."""
+    args, _, _ = _case(N=3, Pn=2, T=2)
+    pend = (*args[4], *args[:4])
+    views, sn, st = _strided(pend)
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    assert all(v.stride()[:2] == (sn, st) and torch.equal(v, p) for v, p in zip(views, pend))
+    k = args[0]
+    apart = torch.cat([k, k], -1)[..., :k.shape[-1]]  # [N, Pn, H, K] whose heads are 2K apart
+    assert not _inner_contiguous(apart) and _inner_contiguous(k) and _inner_contiguous(k[:, :1])
+    views, _, _ = _strided((apart, args[3]))
+    assert torch.equal(views[0], k) and views[0].stride()[2:] == (k.shape[-1], 1)
+
+
 # --- on a GPU (marked gpu: passed on an H100, 2026-12-07, which validated the op) ------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("side_by_side", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_kernel_equals_the_reference(dtype):
+def test_gpu_kernel_equals_the_reference(dtype, side_by_side):
     """k3-mini's layer shape (8 heads of 128, conv 4): 16 requests with 0 .. 4 pending positions and a window of 4
-    (the last token and 3 drafts), counts as host ints and as a device tensor."""
+    (the last token and 3 drafts), counts as host ints and as a device tensor; the pending inputs as separate tensors
+    and as the serving engine keeps them (views of one tensor)."""
     args, buf, rows = _case(N=16, Pn=4, T=4, H=8, K=128, W=4, dtype=dtype, device="cuda",
-                            lengths=[i % 5 for i in range(16)])
+                            lengths=[i % 5 for i in range(16)], side_by_side=side_by_side)
     want, bw = _run(kda_verify_step, args, buf, rows)
     for lengths in (args[5], torch.tensor(args[5], dtype=torch.int32, device="cuda")):
         a = list(args)
