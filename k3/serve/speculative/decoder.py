@@ -78,7 +78,8 @@ class StageTimes:
 
 
 class SpeculativeDecoder:
-    """`cfg`: the engine's EngineConfig (read at each step: `mix_verify`, `hash_block_tokens`, `fused_replay`);
+    """`cfg`: the engine's EngineConfig (read at each step: `mix_verify`, `hash_block_tokens`; fused replay is the
+    runner's `fused_replay`, which the engine resolves from the config's);
     `release`: ends a finished request's life in the engine (its pages, its entry)."""
 
     def __init__(self, draft: Draft, switch: SpecSwitch | None, runner: ModelRunner, scheduler: Scheduler,
@@ -215,7 +216,7 @@ class SpeculativeDecoder:
         """Replay each request's committed positions into its KDA state and register them with the cache. A
         hash-block boundary inside them splits the replay there, so the checkpoint taken at it holds the state at
         exactly that position (checkpoints only of committed states)."""
-        if self.cfg.fused_replay:
+        if self.runner.fused_replay:  # the engine's resolved choice (EngineConfig.fused_replay None: on here)
             self._commit_pending(work, v, emitted)
             return
         hb = self.cfg.hash_block_tokens

@@ -557,7 +557,7 @@ def test_the_state_check_fails_on_a_lost_position(monkeypatch):
 
 
 # --- the switch and its errors ---------------------------------------------------------------------------------------
-def test_fused_replay_is_on_with_speculation_by_default_and_needs_it_when_asked_for():
+def test_fused_replay_is_on_with_speculation_by_default_and_needs_it_when_asked_for(monkeypatch):
     assert EngineConfig().fused_replay is None
     with pytest.raises(ValueError, match="fused_replay"):
         EngineConfig(fused_replay="yes").validate()
@@ -566,6 +566,14 @@ def test_fused_replay_is_on_with_speculation_by_default_and_needs_it_when_asked_
     for spec, draft, fused, want in (("mtp", None, None, True), ("off", fx.OracleDraft(), None, True),
                                      ("off", None, None, False), ("mtp", None, False, False)):
         assert _engine(draft, spec=spec, fused=fused).runner.fused_replay is want
+    # and the default engine's cycle holds its accepted positions to the next verification (the commit reads the
+    # engine's resolved choice, not the config's None)
+    watch = Watch(monkeypatch)
+    prompts = fx._prompts(1, 2)
+    p = SamplingParams(max_tokens=fx.LONGEST, temperature=0)
+    results, held = drive(_engine(fx.OracleDraft(), fused=None), [[(q, p) for q in prompts]])
+    assert held > 0 and watch.fused_with_pending > 0
+    fx._check(results, [p] * len(prompts))
 
 
 def test_a_forward_that_does_not_name_its_requests_is_refused_while_positions_are_pending():
