@@ -91,10 +91,23 @@ def autotuned(kernel, table, names: tuple[str, ...], key: list[str], prune=None)
 
     configs = [config(row) for row in table]
     if prune is None:
-        return triton.autotune(configs, key=key)(kernel)
+        return triton.autotune(configs, key=key, do_bench=bench)(kernel)
 
     def early(configs, named_args, **kwargs):
         kept = [c for c in configs if prune(c.kwargs, named_args)]
         return kept or configs[:1]
 
-    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": early})(kernel)
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": early}, do_bench=bench)(kernel)
+
+
+# How long each config of an autotuned kernel is timed (ms). Triton's defaults (25 of warm-up, 100 of timing) make a
+# new key (a new log2 bucket of tokens: a serving step of a count not seen before) cost ~1 s per 8-config kernel
+# while a request waits; these kernels run for microseconds, so 20 ms still takes hundreds of samples each.
+BENCH_WARMUP_MS, BENCH_REP_MS = 5, 20
+
+
+def bench(kernel_call, quantiles):
+    """The timing of one autotuning config (``triton.autotune``'s `do_bench`), over BENCH_WARMUP_MS/BENCH_REP_MS."""
+    import triton.testing
+
+    return triton.testing.do_bench(kernel_call, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS, quantiles=quantiles)

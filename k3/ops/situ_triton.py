@@ -147,7 +147,8 @@ def _kernel(interpret: bool, tune: bool):
         return kernel
     configs = [triton.Config({"TILE": t}, num_warps=w) for t in _TUNE_TILES for w in _TUNE_WARPS]
     rows_per_tile = triton.heuristics({"BLOCK_N": lambda a: a["TILE"] // a["BLOCK_F"]})
-    return triton.autotune(configs, key=["n_cols", "rows_log2", "BACKWARD"])(rows_per_tile(kernel))
+    tuned = triton.autotune(configs, key=["n_cols", "rows_log2", "BACKWARD"], do_bench=_triton.bench)
+    return tuned(rows_per_tile(kernel))
 
 
 def _launch(g: Tensor, u: Tensor, beta1: float, beta2: float, *, y: Tensor | None = None,

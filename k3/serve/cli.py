@@ -37,10 +37,12 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
                                                speculative=speculative, num_draft_tokens=num_draft_tokens,
                                                draft=draft, speculative_auto=speculative_auto,
                                                compile_decode=compile_decode, fused_replay=fused_replay)
-    if engine.runner.graphs is not None and engine.runner.graphs.capture:
-        t0 = time.perf_counter()
-        n = engine.runner.graphs.warm_up()  # captured now, so no request waits for a capture
-        print(f"k3 serve: {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    warm = engine.warm_up()  # graphs captured and the draft's kernels tuned now, so no request waits for them
+    if warm["graphs"] or warm["draft_counts"]:
+        draft = f", the draft's first step at {len(warm['draft_counts'])} counts" if warm["draft_counts"] else ""
+        print(f"k3 serve: {warm['graphs']} CUDA graphs captured{draft} in {time.perf_counter() - t0:.1f} s",
+              flush=True)
     name = model_name or default_model_name(ckpt_dir)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)

@@ -224,6 +224,19 @@ class LLMEngine:
     def eos_id(self, tok: int | None) -> None:
         self.post.eos_id = tok
 
+    def warm_up(self) -> dict:
+        """Make now what the first requests would otherwise wait for: every CUDA graph bucket (captured, where the
+        engine captures) and, on a GPU, the draft's first step at every power-of-two count of observed positions
+        (kernels autotuned per count bucket: `MTPDraft.warm_up`). A server calls this once at startup. Returns
+        {"graphs": buckets ready, "draft_counts": the counts run}."""
+        graphs = self.runner.graphs
+        n = graphs.warm_up() if graphs is not None and graphs.capture else 0
+        draft = self.draft
+        counts = []
+        if draft is not None and hasattr(draft, "warm_up") and self.runner.device.type == "cuda":
+            counts = draft.warm_up()
+        return {"graphs": n, "draft_counts": counts}
+
     @property
     def _features(self) -> tuple[int, ...]:
         return self.speculative.features if self.speculative is not None else ()

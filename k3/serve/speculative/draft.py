@@ -108,6 +108,28 @@ class MTPDraft:
         self._ctx.pop(seq.request_id, None)
 
     @torch.no_grad()
+    def warm_up(self, longest: int | None = None) -> list[int]:
+        """Run the first drafting step once at every power-of-two count of observed positions up to the bucket of
+        `longest` (default: the window, the most a first step runs), on a scratch context that is dropped; returns
+        the counts run. The first step over what plain steps committed (a prompt just prefilled, a switch back to
+        speculation) runs eagerly over a count that varies, and on a GPU some of its kernels are autotuned per log2
+        bucket of tokens: without this the first proposal at each new bucket waits for the tuning (~1 s each)."""
+        longest = min(longest or self.window, self.window)
+        p = next(self.layer.parameters())
+        g = torch.Generator(device=p.device).manual_seed(0)  # not the global generator a sampler may rely on
+        emb, vocab = self.model.model.embed_tokens, self.model.config.vocab_size
+        counts = [1 << j for j in range((longest - 1).bit_length() + 1)]
+        for n in counts:
+            hidden = torch.randn(1, n, self._first_width(), generator=g, device=p.device, dtype=p.dtype)
+            ids = torch.randint(vocab, (1, n), generator=g, device=p.device)
+            self._step(hidden, emb(ids), True, MLACache(prefill_form=False))
+        return counts
+
+    def _first_width(self) -> int:
+        """The width of an observed position's input to the first step (the target's hidden state)."""
+        return self.model.config.hidden_size
+
+    @torch.no_grad()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """Every drafting step of all requests as one batched forward: the first runs each request's newly observed
         positions (a different number each, right-padded), the later ones one new position per request, each
@@ -279,6 +301,9 @@ class Eagle3Draft(MTPDraft):
 
     def attention(self):
         return self.layer.mtp.block.self_attn
+
+    def _first_width(self) -> int:
+        return self.layer.feature_width  # the fused blocks' outputs and the hidden state
 
     def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
         return self.layer(hidden, embeds, fused=first, cache=cache)

@@ -256,3 +256,37 @@ def test_a_failed_chain_capture_drafts_eagerly_with_the_same_drafts(monkeypatch)
     assert got["failing"] == got["eager"]
     assert len(notices) == 1 and "capturing them failed" in notices[0]
     assert [first for *_, first in failing.chains.made] == [0] and not failing.chains.nope
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_warm_up_runs_every_count_bucket_and_leaves_nothing_behind(kind):
+    """MTPDraft.warm_up: the first step at 1, 2, 4, ... up to the bucket of the window (a count of 40 runs in the
+    bucket of 64), on scratch contexts: the proposals after it equal a fresh draft's, the global generator is not
+    drawn from, and no request's context is made."""
+    model = _model()
+    lengths, ks = [7, 30], [3, 2]
+    props = []
+    for warm in (False, True):
+        draft = _draft(kind, model)
+        if warm:
+            state = torch.random.get_rng_state()
+            assert draft.warm_up() == [1, 2, 4, 8, 16, 32, 64]
+            assert draft.warm_up(5) == [1, 2, 4, 8]
+            assert torch.equal(torch.random.get_rng_state(), state) and not draft._ctx
+        seqs = _seqs(lengths, 0.0)
+        _observe(draft, seqs, _width(draft))
+        props.append([p.tokens for p in draft.propose(seqs, ks)])
+    assert props[0] == props[1]
+
+
+def test_the_engine_warm_up_tunes_the_draft_on_a_gpu_only(monkeypatch):
+    """LLMEngine.warm_up: the graph buckets where the engine captures (none on CPU) and the draft's counts where its
+    kernels are tuned (a GPU): on CPU neither runs, on a (pretended) GPU the draft's does."""
+    from k3.serve.engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(_model(), None, EngineConfig(cache_memory_mb=4, speculative="mtp"))
+    calls = []
+    monkeypatch.setattr(MTPDraft, "warm_up", lambda self, longest=None: calls.append(longest) or [1, 2])
+    assert eng.warm_up() == {"graphs": 0, "draft_counts": []} and not calls
+    monkeypatch.setattr(eng.runner, "device", torch.device("cuda"))
+    assert eng.warm_up() == {"graphs": 0, "draft_counts": [1, 2]} and calls == [None]
