@@ -225,6 +225,8 @@ def test_packed_mxfp4_experts_hand_their_pairs_to_the_output_kernel(interpret, m
     assert rel_err(got, want) <= 1e-5 and rel_err(got, plain) <= 1e-5
 
 
+@pytest.mark.slow  # ~13 s on 2 cores; its parts have faster tests: the model's forward with the combine inside (above)
+# and the engine with the output kernel (test_the_engine_decodes_the_same_with_the_kernel)
 def test_the_engine_decodes_the_same_with_the_combine_inside(interpret, monkeypatch):
     calls = count_fast_calls(monkeypatch, "moe_combine_norm_out")
     ran = []

@@ -361,6 +361,8 @@ def test_compile_decode_without_static_steps_says_it_has_no_effect(monkeypatch, 
 
 
 
+@pytest.mark.slow  # ~20 s on 2 cores (dynamo traces every layer of every bucket); the compiled step's other tests
+# are slow too: `pytest -m slow tests/serve/test_cuda_graphs.py` runs the three
 def test_compiled_decode_step_breaks_only_at_the_fast_implementations(static_mode, monkeypatch, capsys):
     # torch.compile traces the real decode step (Dynamo, with its eager backend: no code generation). The only graph
     # breaks are the calls of the fast implementations, which are opaque by design; no glue around them (the
