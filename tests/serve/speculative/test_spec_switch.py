@@ -23,7 +23,8 @@ def test_buckets_are_powers_of_two():
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
     with pytest.raises(ValueError, match="batch"):
         bucket_of(0)
-    for bad in (dict(probe_steps=0), dict(window=True), dict(reprobe_every=1)):
+    for bad in (dict(probe_steps=0), dict(window=True), dict(reprobe_every=1), dict(reprobe_every=8, reprobe_max=4),
+                dict(reprobe_max=0)):
         with pytest.raises(ValueError):
             SpecSwitch(**bad)
 
@@ -47,8 +48,8 @@ def test_probes_both_arms_then_keeps_the_faster_and_reprobes_the_other():
     assert sw.state()[1]["speculative"] is True
     assert sw.state()[1]["spec_tokens_per_s"] == pytest.approx(300.0)
     seen = _drive(sw, 1, 30, lambda spec: 300.0 if spec else 100.0)
-    # bucket step counts 9..38: every 10th (10, 20, 30) runs the other arm once
-    assert [i + 9 for i, s in enumerate(seen) if not s] == [10, 20, 30]
+    # bucket step counts 9..38: the 10th runs the other arm once, the 20th, then (the decision held) not before 40
+    assert [i + 9 for i, s in enumerate(seen) if not s] == [10, 20]
     # batch 2 is its own bucket: plain is faster there
     _drive(sw, 2, 8, lambda spec: 50.0 if spec else 100.0)
     assert sw.state()[2]["speculative"] is False and sw.state()[1]["speculative"] is True
@@ -59,6 +60,27 @@ def test_probes_both_arms_then_keeps_the_faster_and_reprobes_the_other():
     sw2 = SpecSwitch(probe_steps=1)
     sw2.record(4, True, 100, 1000.0)
     assert sw2.state()[4]["spec_tokens_per_s"] is None
+
+
+def test_reprobes_back_off_while_the_decision_holds_and_come_back_when_it_changes():
+    sw = SpecSwitch(probe_steps=1, window=1, reprobe_every=4, reprobe_max=16)
+    rate = {"spec": 50.0}
+    _drive(sw, 1, 4, lambda spec: rate["spec"] if spec else 100.0)  # probing: warm-ups, one measured step each
+    assert sw.state()[1]["speculative"] is False
+    seen = _drive(sw, 1, 60, lambda spec: rate["spec"] if spec else 100.0)  # bucket steps 5..64
+    # the next multiple of 4, 4 steps later, then (the decision held) 8 and 16 (the cap) steps apart
+    assert [i + 5 for i, s in enumerate(seen) if s] == [8, 12, 20, 36, 52]
+    # speculation becomes faster: the re-probe at 68 measures it and the decision changes; the re-probe after it
+    # (of plain, at 84) finds a changed decision, so the next comes 4 steps later, then 8, 16 while it holds
+    rate["spec"] = 400.0
+    seen = _drive(sw, 1, 60, lambda spec: rate["spec"] if spec else 100.0)  # steps 65..124
+    assert [i + 65 for i, s in enumerate(seen) if not s] == [65, 66, 67, 84, 88, 96, 112]
+    assert sw.state()[1]["speculative"] is True
+    # a fixed interval, as before: reprobe_max == reprobe_every
+    fixed = SpecSwitch(probe_steps=1, window=1, reprobe_every=4, reprobe_max=4)
+    _drive(fixed, 1, 4, lambda spec: 50.0 if spec else 100.0)
+    seen = _drive(fixed, 1, 20, lambda spec: 50.0 if spec else 100.0)
+    assert [i + 5 for i, s in enumerate(seen) if s] == [8, 12, 16, 20, 24]
 
 
 class FakeClock:
