@@ -17,7 +17,8 @@ each batch size, three engines over the same loaded model, greedy:
 each generates --max-tokens tokens for every request after the engine's warm-up as `k3 serve` runs it at startup
 (LLMEngine.warm_up: every graph bucket, the draft's first step at every power-of-two count of positions) and a
 warm-up generation of the same prompts and length, so every CUDA graph the timed generation replays (each decode
-bucket, prefill chunk and verification length) is captured, and every kernel it runs tuned, before the timing starts; `graphs_made_while_timed` counts any made inside it anyway (it should be 0).
+bucket, prefill chunk and verification length) is captured, and every kernel it runs tuned, before the timing
+starts; `graphs_made_while_timed` counts any made inside it anyway (it should be 0).
 Reported: decode tokens/s (from the step where every request has its first token to the end), the speed-up
 against off, the mean accepted length (tokens emitted per verification), whether the outputs equal off's (they
 must: greedy speculation is lossless; where bf16 near-ties make the arms differ, `divergence` gives each differing
@@ -31,9 +32,9 @@ The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 comman
 `auto_steps`: the auto engine's timed generation step by step, by the switch's arm (steps, mean and largest ms) and
 its slowest steps.
 With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
-kernels it launched per cycle (count, ms, the N costliest; on a CPU the operators' host time instead); a CUDA graph's
-replayed kernels are not attributed to a stage, so `--uncaptured` profiles an engine running the same static-buffer
-steps without capture.
+kernels that ran in it per cycle (count, ms, the N costliest; counted by their time inside the stage's range, so a
+CUDA graph replay's kernels and Triton's count too; on a CPU the operators' host time instead); `--uncaptured`
+profiles an engine running the same static-buffer steps without capture, for the same kernels launched one by one.
 `auto_switch` is the switch's decision per batch bucket, `auto_switch_rates` each arm's median tokens/s over the
 decode-only steps it measured there.
 """
@@ -41,6 +42,7 @@ decode-only steps it measured there.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import os
@@ -48,6 +50,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -203,11 +206,28 @@ def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
 
 def stage_kernels(events, cycles: int, top: int) -> dict[str, dict]:
     """Per stage of the speculative cycle (the ``spec.<stage>`` ranges StageTimes marks), from a profile's `events`:
-    the device kernels launched inside it (CUDA graph replays included, where the profiler attributes them), or,
-    when the profile holds no kernel at all (CPU), the operators' own host time. Per cycle: the count, the ms, and
+    the device's work in it, or, when the profile holds no device work at all (CPU), the operators' own host time.
+    Device events (kernels, copies) count in the stage whose range holds their start: StageTimes waits for the device
+    at both ends of a range, so a stage's work runs inside it. That takes in what the launching operator would miss:
+    a CUDA graph replay's kernels and Triton's (launched through the driver, under no operator). Profiles without
+    device events but with kernels hung on their operators are read from those. Per cycle: the count, the ms, and
     the `top` costliest by name as [name, count, ms]."""
     found = {}
     ranges = [ev for ev in events if ev.name.startswith("spec.")]
+    on_device = [ev for ev in events if getattr(ev, "device_type", DeviceType.CPU) != DeviceType.CPU]
+    if on_device:
+        spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[len("spec."):]) for ev in ranges)
+        starts = [s for s, _, _ in spans]
+        for ev in spans:
+            found.setdefault(ev[2], {})
+        for k in on_device:
+            t = k.time_range.start
+            i = bisect.bisect_right(starts, t) - 1
+            if i >= 0 and t <= spans[i][1]:
+                c = found[spans[i][2]].setdefault(k.name, [0, 0.0])
+                c[0] += 1
+                c[1] += k.time_range.elapsed_us()
+        return _per_cycle(found, "kernels", cycles, top)
     any_kernel = any(getattr(ev, "kernels", None) for ev in events)
     for ev in ranges:
         acc = found.setdefault(ev.name[len("spec."):], {})
@@ -223,12 +243,15 @@ def stage_kernels(events, cycles: int, top: int) -> dict[str, dict]:
                 c = acc.setdefault(name, [0, 0.0])
                 c[0] += 1
                 c[1] += us
+    return _per_cycle(found, "kernels" if any_kernel else "host operators", cycles, top)
+
+
+def _per_cycle(found: dict[str, dict], kind: str, cycles: int, top: int) -> dict[str, dict]:
     n = max(cycles, 1)
     out = {}
     for stage, acc in found.items():
         ranked = sorted(acc.items(), key=lambda kv: -kv[1][1])
-        out[stage] = dict(kind="kernels" if any_kernel else "host operators",
-                          count=round(sum(c for c, _ in acc.values()) / n, 2),
+        out[stage] = dict(kind=kind, count=round(sum(c for c, _ in acc.values()) / n, 2),
                           ms=round(sum(us for _, us in acc.values()) / 1e3 / n, 4),
                           top=[[name[:90], round(c / n, 2), round(us / 1e3 / n, 4)] for name, (c, us) in ranked[:top]])
     return out
@@ -280,8 +303,8 @@ def main() -> None:
                          "the operators' host time)")
     ap.add_argument("--uncaptured", action="store_true",
                     help="with --stage-kernels: profile an engine that runs the same static-buffer steps without "
-                         "capturing them (cuda_graphs='eager'), so that the kernels of the verification and the "
-                         "other graph steps count in their stage (the profiler does not attribute a graph replay's)")
+                         "capturing them (cuda_graphs='eager'): the verification's and the other graph steps' kernels "
+                         "launched one by one, against the captured engine's replays")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -96,8 +96,8 @@ def test_stage_times_break_the_cycle_down_and_leave_the_output_unchanged():
 
 
 def test_stage_kernels_attribute_device_kernels_to_their_stage():
-    # a profile's events as torch.profiler gives them: kernels hang on the operators that launched them, inside the
-    # stage ranges; counts and times are per cycle, the costliest first
+    # a profile's events without device events of their own: kernels hang on the operators that launched them,
+    # inside the stage ranges; counts and times are per cycle, the costliest first
     from types import SimpleNamespace as E
 
     def ev(name, children=(), kernels=()):
@@ -113,6 +113,30 @@ def test_stage_kernels_attribute_device_kernels_to_their_stage():
     assert set(got) == {"verify", "draft"}
     assert got["verify"] == dict(kind="kernels", count=3.0, ms=0.06, top=[["gemm", 2.0, 0.05], ["kda_step", 1.0, 0.01]])
     assert got["draft"]["count"] == 0.5 and got["draft"]["top"] == [["add", 0.5, 0.002]]
+
+
+def test_stage_kernels_count_device_events_by_time_inside_their_stage():
+    # a GPU profile: kernels are device events with their own times; each counts in the stage whose range holds its
+    # start, whether an operator launched it, a CUDA graph replay or Triton (through the driver, under no operator)
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    def cpu(name, start, end):
+        return E(name=name, device_type=DeviceType.CPU, time_range=Interval(start, end), cpu_children=[], kernels=[])
+
+    def dev(name, start, us):
+        return E(name=name, device_type=DeviceType.CUDA, time_range=Interval(start, start + us))
+
+    events = [cpu("spec.draft", 0, 100), cpu("spec.verify", 100, 300), cpu("spec.draft", 300, 350),
+              cpu("spec.verify", 350, 500), cpu("aten::mm", 110, 120),
+              dev("gemm", 120, 30.0), dev("kda_verify_step_kernel", 200, 10.0), dev("gemm", 360, 20.0),  # verify
+              dev("add", 10, 4.0), dev("copy", 600, 99.0)]  # a draft's kernel; a copy outside every stage
+    got = bench.stage_kernels(events, cycles=2, top=2)
+    assert got["verify"] == dict(kind="kernels", count=1.5, ms=0.03,
+                                 top=[["gemm", 1.0, 0.025], ["kda_verify_step_kernel", 0.5, 0.005]])
+    assert got["draft"] == dict(kind="kernels", count=0.5, ms=0.002, top=[["add", 0.5, 0.002]])
 
 
 def test_stage_times_average_over_cycles_and_refuse_an_unknown_stage():

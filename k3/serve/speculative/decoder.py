@@ -63,10 +63,13 @@ class StageTimes:
         self._sync()
         t0 = time.perf_counter()
         try:
-            with torch.profiler.record_function(f"spec.{name}"):  # a profiler, when one runs, sees the stage's range
-                yield
+            # a profiler, when one runs, sees the stage's range; it ends after the device's work of the stage
+            with torch.profiler.record_function(f"spec.{name}"):
+                try:
+                    yield
+                finally:
+                    self._sync()
         finally:
-            self._sync()
             self.seconds[name] += time.perf_counter() - t0
 
     def per_cycle_ms(self) -> dict[str, float]:
