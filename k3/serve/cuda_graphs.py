@@ -316,9 +316,11 @@ class DecodeGraphs:
         inputs = [inputs_of(flat, g, cfg.kda_num_heads, cfg.kda_head_dim) for g in range(len(self.layout.kda))]
         return logits[:B].clone(), hidden[:B].clone(), inputs, flat
 
+    @torch.no_grad()
     def warm_up(self) -> int:
         """Set up (capture) every bucket now instead of on first use, so no request waits for a capture; returns
-        the number of buckets ready. A server calls this once at startup."""
+        the number of buckets ready. A server calls this once at startup. Without gradients, as the steps run (a
+        capture with them enabled fails at the first inference-only kernel, and the engine then runs eagerly)."""
         for size in self.buckets:
             if self.disabled is None:
                 self._bucket(size, 1)

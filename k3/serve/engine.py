@@ -224,6 +224,7 @@ class LLMEngine:
     def eos_id(self, tok: int | None) -> None:
         self.post.eos_id = tok
 
+    @torch.no_grad()
     def warm_up(self) -> dict:
         """Make now what the first requests would otherwise wait for: every CUDA graph bucket (captured, where the
         engine captures) and, on a GPU, the draft's first step at every power-of-two count of observed positions

@@ -589,6 +589,21 @@ def test_warm_up_sets_up_every_bucket_at_once(static_mode):
     assert set(graphs._static) == want  # nothing new was set up while serving
 
 
+def test_warm_up_captures_without_gradients(static_mode, monkeypatch):
+    # a capture runs the step; with gradients enabled (a caller outside no_grad: k3 serve's startup, a benchmark)
+    # the first inference-only kernel refuses, and the engine then served every step eagerly on a GPU
+    eng = _engine(max_num_seqs=2)
+    graphs = eng.runner.graphs
+    seen = []
+    monkeypatch.setattr(graphs, "capture", True)
+    monkeypatch.setattr(type(graphs), "_capture", lambda self, b, verify=False: seen.append(torch.is_grad_enabled()))
+    assert torch.is_grad_enabled()
+    assert graphs.warm_up() == len(seen) > 0 and not any(seen) and graphs.disabled is None
+    graphs._static.clear()
+    seen.clear()
+    assert eng.warm_up()["graphs"] == len(seen) > 0 and not any(seen)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_compiled_captured_decode_equals_the_uncompiled_one():
