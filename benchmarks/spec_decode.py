@@ -214,7 +214,9 @@ def stage_kernels(events, cycles: int, top: int) -> dict[str, dict]:
     the `top` costliest by name as [name, count, ms]."""
     found = {}
     ranges = [ev for ev in events if ev.name.startswith("spec.")]
-    on_device = [ev for ev in events if getattr(ev, "device_type", DeviceType.CPU) != DeviceType.CPU]
+    # the device's events, less the ranges' own copies on the device's timeline (a profiler's user annotations)
+    on_device = [ev for ev in events if getattr(ev, "device_type", DeviceType.CPU) != DeviceType.CPU
+                 and not ev.name.startswith("spec.") and not getattr(ev, "is_user_annotation", False)]
     if on_device:
         spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[len("spec."):]) for ev in ranges)
         starts = [s for s, _, _ in spans]

@@ -132,7 +132,8 @@ def test_stage_kernels_count_device_events_by_time_inside_their_stage():
     events = [cpu("spec.draft", 0, 100), cpu("spec.verify", 100, 300), cpu("spec.draft", 300, 350),
               cpu("spec.verify", 350, 500), cpu("aten::mm", 110, 120),
               dev("gemm", 120, 30.0), dev("kda_verify_step_kernel", 200, 10.0), dev("gemm", 360, 20.0),  # verify
-              dev("add", 10, 4.0), dev("copy", 600, 99.0)]  # a draft's kernel; a copy outside every stage
+              dev("add", 10, 4.0), dev("copy", 600, 99.0),  # a draft's kernel; a copy outside every stage
+              dev("spec.verify", 100, 200.0)]  # the range's own copy on the device's timeline: not a kernel
     got = bench.stage_kernels(events, cycles=2, top=2)
     assert got["verify"] == dict(kind="kernels", count=1.5, ms=0.03,
                                  top=[["gemm", 1.0, 0.025], ["kda_verify_step_kernel", 0.5, 0.005]])
