@@ -555,7 +555,8 @@ def test_serve_answers_to_the_run_name_and_model_name_overrides(tmp_path, monkey
 
     names = []
     engine = SimpleNamespace(runner=SimpleNamespace(graphs=None), max_model_len=8,
-                             cache_stats=lambda: {"num_pages": 1, "page_bytes": 1})
+                             cache_stats=lambda: {"num_pages": 1, "page_bytes": 1},
+                             warm_up=lambda: {"graphs": 0, "draft_counts": []})
     monkeypatch.setattr(serve_cli, "build_engine", lambda *a, **k: (engine, None, None))
     monkeypatch.setattr(serve_cli, "create_app", lambda eng, tok, name, **k: names.append(name))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: names.append(kw["http"].__name__))

@@ -98,7 +98,8 @@ class EngineConfig:
     # With speculation: the accepted positions' KDA replay runs in the same pass as the request's next verification
     # (op kda_verify_step, KimiDeltaAttention.verify_replay; k3.serve.runner: fused replay) instead of right after
     # acceptance. None (default): on with speculation (measured on an H100: a batch-1 cycle of 3.5 ms against 7.8 ms
-    # with the replay after acceptance, BENCHMARKS.md), off without; True needs speculation; False: the replay after.
+    # with the replay after acceptance, BENCHMARKS.md), off without (and for a model without KDA layers: nothing to
+    # replay); True needs speculation; False: the replay after.
     fused_replay: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -174,7 +175,9 @@ class LLMEngine:
         if cfg.fused_replay and draft is None:
             raise ValueError("fused_replay fuses the replay of accepted drafts into the next verification: it needs "
                              "speculative decoding (speculative='mtp' or 'eagle3', or a draft)")
-        self.runner.fused_replay = draft is not None if cfg.fused_replay is None else cfg.fused_replay
+        # resolved here, read by the runner and the speculative decoder alike; a model without KDA layers (the all-MLA
+        # ablation) has no state to replay, so nothing to hold back
+        self.runner.fused_replay = (draft is not None if cfg.fused_replay is None else cfg.fused_replay) and n_kda > 0
         self.speculative = None if draft is None else SpeculativeDecoder(
             draft, SpecSwitch() if cfg.speculative_auto else None, self.runner, self.scheduler, self.post, cfg,
             self._release)
