@@ -14,7 +14,9 @@ accepted. So the engine measures instead of guessing. Decode batches are grouped
    re-probe to the next the interval doubles, up to `reprobe_max` steps, and a decision that changes sets it back
    to `reprobe_every`. A re-probe costs more than a step of its arm usually does (speculating after plain steps
    first drafts over every position they committed, eagerly: ~13 ms against 1.1 ms per plain step at batch 1 on
-   an H100), so a fixed one step in 32 cost a decided-plain bucket about a third of its speed.
+   an H100), so a fixed one step in 32 cost a decided-plain bucket about a third of its speed. For the same reason
+   a re-probe runs two steps of the other arm and measures only the second: the first catches the draft up, and
+   measured it would make speculation look slower than it runs, so a bucket once decided plain would stay so.
 
 Only steps that decode and nothing else are measured (a step with a prefill chunk has a time that is not the
 decode's); every step follows the bucket's current decision. Both arms emit exactly the tokens decoding without
@@ -54,6 +56,8 @@ class _Bucket:
     next_probe: int | None = None  # the step of the next re-probe (after probing)
     interval: int = 0  # steps from the last re-probe to the next
     probed_choice: bool | None = None  # the decision at the last re-probe
+    probe_left: int = 0  # steps of the current re-probe still to run
+    skip: int = 0  # measurements of the current re-probe not to count (its first step's)
 
 
 class SpecSwitch:
@@ -82,6 +86,9 @@ class SpecSwitch:
             done_spec = b.spec.measured + b.spec.warmed
             done_plain = b.plain.measured + b.plain.warmed
             return done_spec <= done_plain
+        if b.probe_left:  # the re-probe's second step: the one it measures
+            b.probe_left -= 1
+            return not b.choice
         if b.next_probe is None:  # just decided: the next multiple of reprobe_every (this step if it is one)
             b.next_probe = -(-b.steps // self.reprobe_every) * self.reprobe_every
         if b.steps < b.next_probe:
@@ -90,6 +97,7 @@ class SpecSwitch:
         b.interval = min(2 * b.interval, self.reprobe_max) if held else self.reprobe_every
         b.probed_choice = b.choice
         b.next_probe = b.steps + b.interval
+        b.probe_left, b.skip = 1, 1
         return not b.choice
 
     def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
@@ -100,6 +108,9 @@ class SpecSwitch:
             arm.warmed = True
             return
         if seconds <= 0 or tokens < 0:
+            return
+        if b.skip and speculative != b.choice:  # a re-probe's first step (the catch-up): not its arm's rate
+            b.skip -= 1
             return
         arm.rates.append(tokens / seconds)
         if len(arm.rates) > self.window:

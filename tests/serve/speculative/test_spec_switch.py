@@ -48,8 +48,9 @@ def test_probes_both_arms_then_keeps_the_faster_and_reprobes_the_other():
     assert sw.state()[1]["speculative"] is True
     assert sw.state()[1]["spec_tokens_per_s"] == pytest.approx(300.0)
     seen = _drive(sw, 1, 30, lambda spec: 300.0 if spec else 100.0)
-    # bucket step counts 9..38: the 10th runs the other arm once, the 20th, then (the decision held) not before 40
-    assert [i + 9 for i, s in enumerate(seen) if not s] == [10, 20]
+    # bucket step counts 9..38: re-probes of two steps each at the 10th and the 20th, then (the decision held) not
+    # before the 40th
+    assert [i + 9 for i, s in enumerate(seen) if not s] == [10, 11, 20, 21]
     # batch 2 is its own bucket: plain is faster there
     _drive(sw, 2, 8, lambda spec: 50.0 if spec else 100.0)
     assert sw.state()[2]["speculative"] is False and sw.state()[1]["speculative"] is True
@@ -68,19 +69,41 @@ def test_reprobes_back_off_while_the_decision_holds_and_come_back_when_it_change
     _drive(sw, 1, 4, lambda spec: rate["spec"] if spec else 100.0)  # probing: warm-ups, one measured step each
     assert sw.state()[1]["speculative"] is False
     seen = _drive(sw, 1, 60, lambda spec: rate["spec"] if spec else 100.0)  # bucket steps 5..64
-    # the next multiple of 4, 4 steps later, then (the decision held) 8 and 16 (the cap) steps apart
-    assert [i + 5 for i, s in enumerate(seen) if s] == [8, 12, 20, 36, 52]
-    # speculation becomes faster: the re-probe at 68 measures it and the decision changes; the re-probe after it
+    # two-step re-probes at the next multiple of 4, 4 steps later, then (the decision held) 8 and 16 (the cap) apart
+    assert [i + 5 for i, s in enumerate(seen) if s] == [8, 9, 12, 13, 20, 21, 36, 37, 52, 53]
+    # speculation becomes faster: the re-probe at 68-69 measures it and the decision changes; the re-probe after it
     # (of plain, at 84) finds a changed decision, so the next comes 4 steps later, then 8, 16 while it holds
     rate["spec"] = 400.0
     seen = _drive(sw, 1, 60, lambda spec: rate["spec"] if spec else 100.0)  # steps 65..124
-    assert [i + 65 for i, s in enumerate(seen) if not s] == [65, 66, 67, 84, 88, 96, 112]
+    assert [i + 65 for i, s in enumerate(seen) if not s] == [65, 66, 67, 84, 85, 88, 89, 96, 97, 112, 113]
     assert sw.state()[1]["speculative"] is True
     # a fixed interval, as before: reprobe_max == reprobe_every
     fixed = SpecSwitch(probe_steps=1, window=1, reprobe_every=4, reprobe_max=4)
     _drive(fixed, 1, 4, lambda spec: 50.0 if spec else 100.0)
     seen = _drive(fixed, 1, 20, lambda spec: 50.0 if spec else 100.0)
-    assert [i + 5 for i, s in enumerate(seen) if s] == [8, 12, 16, 20, 24]
+    assert [i + 5 for i, s in enumerate(seen) if s] == [8, 9, 12, 13, 16, 17, 20, 21, 24]
+
+
+def test_a_reprobe_measures_its_second_step_only():
+    # speculating after plain steps first catches the draft up over what they committed: that step is slow, the
+    # next runs as speculation runs. Measured, the catch-up would keep a decided-plain bucket plain for good.
+    sw = SpecSwitch(probe_steps=1, window=1, reprobe_every=4, reprobe_max=4)
+    last = [None]
+
+    def rate(spec):
+        slow = spec and last[0] is False  # the first speculative step after a plain one
+        last[0] = spec
+        return 10.0 if slow else (400.0 if spec else 100.0)
+
+    seen = []
+    for _ in range(9):
+        spec = sw.decide(1)
+        seen.append(spec)
+        sw.record(1, spec, 100, 100 / rate(spec))
+    # probing (spec warm-up, plain warm-up, spec after plain: slow, plain) decides plain; the re-probe at 8-9 runs
+    # the catch-up (not counted), then a step at speculation's speed, which wins
+    assert seen == [True, False, True, False, False, False, False, True, True]
+    assert sw.state()[1]["speculative"] is True and sw.state()[1]["spec_tokens_per_s"] == pytest.approx(400.0)
 
 
 class FakeClock:
