@@ -50,7 +50,8 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
 def load_for_generation(ckpt_dir: str, device, backends=None, verify: bool = True):
     """The checkpoint's model as the serving engine runs it on `device`: in `inference_dtype` (a float32
     checkpoint in bfloat16 on CUDA, said once on stderr), with an MXFP4 checkpoint's routed experts packed in memory
-    where their kernels run (k3.checkpoint.from_pretrained's packed_experts="auto")."""
+    where their kernels run (k3.checkpoint.from_pretrained's packed_experts="auto"); its weights require no
+    gradients (nothing generating trains them; the inference-only kernels then run in any grad mode)."""
     from k3.checkpoint import from_pretrained, load_config
     from k3.ops.registry import notice
 
@@ -60,8 +61,9 @@ def load_for_generation(ckpt_dir: str, device, backends=None, verify: bool = Tru
     if dtype != stored:
         notice(f"the checkpoint's {str(stored).removeprefix('torch.')} weights run in "
                f"{str(dtype).removeprefix('torch.')} on {device.type} (the serving cache's and kernels' dtype there)")
-    return from_pretrained(ckpt_dir, dtype=dtype, device=device, backends=backends, verify=verify,
-                           packed_experts="auto")
+    model = from_pretrained(ckpt_dir, dtype=dtype, device=device, backends=backends, verify=verify,
+                            packed_experts="auto")
+    return model.requires_grad_(False)
 
 
 def inference_dtype(stored: torch.dtype, device: torch.device) -> torch.dtype:

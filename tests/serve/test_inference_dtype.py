@@ -68,3 +68,12 @@ def test_serving_and_generation_load_in_the_inference_dtype(fp32_ckpt, monkeypat
     assert seen == [want, want, None]
     said = "the checkpoint's float32 weights run in bfloat16 on cuda" in capsys.readouterr().err
     assert said == (device.type == "cuda")  # a dtype change is said; none on the CPU
+
+
+def test_a_model_loaded_for_generation_requires_no_gradients(fp32_ckpt):
+    # nothing that generates trains it, and the inference-only kernels (which refuse weights that require gradients
+    # while gradients are enabled) then run whatever the caller's grad mode
+    from k3.serve.build import load_for_generation
+
+    model = load_for_generation(fp32_ckpt, CPU)
+    assert not any(p.requires_grad for p in model.parameters())
