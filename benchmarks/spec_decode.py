@@ -18,7 +18,8 @@ each generates --max-tokens tokens for every request after the engine's warm-up 
 (LLMEngine.warm_up: every graph bucket, the draft's first step at every power-of-two count of positions) and a
 warm-up generation of the same prompts and length, so every CUDA graph the timed generation replays (each decode
 bucket, prefill chunk and verification length) is captured, and every kernel it runs tuned, before the timing
-starts; `graphs_made_while_timed` counts any made inside it anyway (it should be 0).
+starts; `graphs_made_while_timed` counts any made inside it anyway (it should be 0), and `graphs_off` gives, per arm,
+why its steps ran without CUDA graphs (null where they ran on them: on a GPU every arm's should be null).
 Reported: decode tokens/s (from the step where every request has its first token to the end), the speed-up
 against off, the mean accepted length (tokens emitted per verification), whether the outputs equal off's (they
 must: greedy speculation is lossless; where bf16 near-ties make the arms differ, `divergence` gives each differing
@@ -120,6 +121,13 @@ def graphs_made(engine) -> int:
     g = getattr(engine.runner, "graphs", None)
     chains = getattr(engine.draft, "chains", None) if engine.draft is not None else None
     return (0 if g is None else g.made) + (0 if chains is None else len(chains.made))
+
+
+def graphs_off(engine) -> str | None:
+    """Why the engine's steps ran without CUDA graphs (None: they ran on them): a capture that failed turns them off
+    for good and the engine serves eagerly, which a timing must not pass for the captured engine's."""
+    g = getattr(engine.runner, "graphs", None)
+    return "the engine has no CUDA graphs (off, or not on CUDA)" if g is None else g.disabled
 
 
 @torch.no_grad()
@@ -352,7 +360,9 @@ def main() -> None:
             acc = eng.metrics.draft_tokens_accepted - m0[1]
             res[mode] = dict(tokens_per_s=round(rate, 1), outputs=outs,
                              mean_accepted_length=round((acc + v) / v, 3) if v else None, verifications=v,
-                             graphs_made_while_timed=graphs_made(eng) - g0)
+                             graphs_made_while_timed=graphs_made(eng) - g0, graphs_off=graphs_off(eng))
+            if dev.type == "cuda" and res[mode]["graphs_off"]:
+                _log(f"batch {B} {mode}: ran WITHOUT CUDA graphs: {res[mode]['graphs_off']}")
             if mode == "auto" and eng.spec_switch is not None:
                 res[mode]["switch"] = {str(k): st["speculative"] for k, st in eng.spec_switch.state().items()}
                 # what the switch measured per bucket: each arm's median tokens/s over its decode-only steps
@@ -390,6 +400,7 @@ def main() -> None:
                    divergence={m: divergence(model, prompts[:B], res["off"]["outputs"], res[m]["outputs"])
                                for m in modes[1:] if res[m]["outputs"] != res["off"]["outputs"]},
                    graphs_made_while_timed={m: res[m]["graphs_made_while_timed"] for m in res},
+                   graphs_off={m: res[m]["graphs_off"] for m in res},
                    **({"stage_ms": {m: res[m]["stage_ms"] for m in res if "stage_ms" in res[m]}}
                       if args.stage_times else {}),
                    **({"stage_kernels": {m: res[m]["stage_kernels"] for m in res if "stage_kernels" in res[m]}}

@@ -140,6 +140,15 @@ def test_stage_kernels_count_device_events_by_time_inside_their_stage():
     assert got["draft"] == dict(kind="kernels", count=0.5, ms=0.002, top=[["add", 0.5, 0.002]])
 
 
+def test_graphs_off_says_why_an_engine_ran_eagerly():
+    from types import SimpleNamespace as E
+
+    assert bench.graphs_off(E(runner=E(graphs=E(disabled=None)))) is None
+    why = "capturing the decode step of 1 requests failed (RuntimeError: ...)"
+    assert bench.graphs_off(E(runner=E(graphs=E(disabled=why)))) == why
+    assert "no CUDA graphs" in bench.graphs_off(E(runner=E(graphs=None)))
+
+
 def test_stage_times_average_over_cycles_and_refuse_an_unknown_stage():
     from k3.serve.speculative.decoder import StageTimes
 
