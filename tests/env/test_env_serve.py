@@ -48,7 +48,9 @@ def _small_harness(tmp_path, preset: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("markup", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["text", "markup"])
+@pytest.mark.slow  # ~25 s on 2 cores (a served model, 50 episodes in the sandbox); faster siblings: the scripted
+# episodes against each task family (tests/env/test_scripted_episodes.py) and the harness's own tests
+@pytest.mark.parametrize("markup", [False, True], ids=["text", "markup"])
 def test_env_run_against_k3_serve(tmp_path, markup):
     from k3.serve.app import create_app
     from k3.serve.engine import EngineConfig, LLMEngine

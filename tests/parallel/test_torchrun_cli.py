@@ -26,6 +26,8 @@ def _val_losses(run: str) -> list[float]:
     return [r["val_loss"] for r in recs if "val_loss" in r]
 
 
+@pytest.mark.slow  # ~25 s on 2 cores (two torchrun launches); faster siblings: one-process torchrun (below) and
+# expert parallelism against one process in tests/parallel/test_train_distributed.py
 def test_torchrun_ep2_equals_one_process_and_its_checkpoint_loads(tmp_path, capsys):
     from k3.cli import main
 

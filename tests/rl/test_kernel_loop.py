@@ -75,6 +75,8 @@ def scores(monkeypatch):
     return seen
 
 
+@pytest.mark.slow  # ~30 s on 2 cores (kernel scoring in fresh processes); faster siblings: a wrong kernel's zero
+# reward (below) and the task's verdict being the kernel reward (tests/env/test_tasks.py)
 def test_scripted_kernel_episodes_get_the_kernel_reward(policy, monkeypatch, scores):
     from k3.kernel_reward import score
     from k3.kernel_reward.examples import source
