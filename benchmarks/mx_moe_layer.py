@@ -11,6 +11,8 @@ storage), the routing uniformly (each token 16 distinct experts), and side by si
   triton_grouped: each touched expert's packed rows read once per tile of its tokens), decoding through
   ``tl.dot_scaled``; ``packed-grouped-regs``: the same kernels with their own decode in registers;
   ``packed-grouped-bits``: with the weights' bf16 bits built by integer operations (decode="bits");
+  ``packed-grouped-nibbles``: per 32-column scale block, the low nibbles against the even columns and the high ones
+  against the odd, the block's sums scaled once (decode="nibbles");
 * ``packed-triton``: k3.ops.mx_moe's token-centric kernels on the packed storage (what `k3 serve` runs with
   mx_moe=triton);
 * ``packed-torch``: the reference (each touched expert decoded just before its GEMMs);
@@ -47,10 +49,11 @@ from k3.ops.mx_moe import PackedExpertWeights, mx_moe_packed, mx_moe_packed_grou
 from k3.ops.situ import situ_glu
 
 B1, B2 = 4.0, 25.0
-IMPLS = ("packed-auto", "packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton",
-         "packed-torch", "bf16-grouped")
+IMPLS = ("packed-auto", "packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-grouped-nibbles",
+         "packed-triton", "packed-torch", "bf16-grouped")
 # compiled Triton: GPU only
-KERNELS = ("packed-auto", "packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-triton")
+KERNELS = ("packed-auto", "packed-grouped", "packed-grouped-regs", "packed-grouped-bits", "packed-grouped-nibbles",
+           "packed-triton")
 
 
 def random_packed(E: int, F: int, L: int, device) -> PackedExpertWeights:
@@ -148,6 +151,8 @@ def main() -> int:
                                                                       decode="registers", gemv_tokens=0),
                  "packed-grouped-bits": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
                                                                       decode="bits", gemv_tokens=0),
+                 "packed-grouped-nibbles": lambda: mx_moe_packed_grouped(z, wt, idx, w, B1, B2, "mxfp8",
+                                                                         decode="nibbles", gemv_tokens=0),
                  "packed-triton": lambda: mx_moe_packed_triton(z, wt, idx, w, B1, B2, "mxfp8"),
                  "packed-torch": lambda: mx_moe_packed(z, wt, idx, w, B1, B2, "mxfp8")}
         if dense is not None:

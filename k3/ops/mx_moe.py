@@ -348,8 +348,9 @@ def mx_moe_packed_grouped(z: Tensor, weights: Tensor, indices: Tensor, w: Packed
     :func:`takes_gemv` says: nearly every pair has an expert of its own there, which a GEMV streams and a tile of one
     real row wastes the matrix unit on); `gemv_tokens` overrides that (at most that many tokens; 0: never).
     `decode` (the grouped kernels'): "dot_scaled" (Triton's MX dot, bf16/fp16 inputs), "registers" (our decode, any
-    dtype), "bits" (bf16 tokens: the weights' bf16 bits by integer operations) or "auto" (registers: faster than
-    dot_scaled on an H100); `autotune`: None tunes the block sizes when compiled.
+    dtype), "bits" (bf16 tokens: the weights' bf16 bits by integer operations), "nibbles" (any dtype: per scale
+    block, low nibbles against even columns and high against odd, the sums scaled once) or "auto" (registers:
+    faster than dot_scaled on an H100); `autotune`: None tunes the block sizes when compiled.
     The expert indices are not range-checked on CUDA (on the router's output they are valid)."""
     _check(z, weights, indices, w, activations)
     ok, why = _triton.runnable()

@@ -40,6 +40,14 @@ the wide dimension of W fills the matrix unit and BLOCK_T can be as small as 16 
   m = 1, with the sign at bit 15. That holds for every scale in [2, 252]; a step whose rows hold a scale outside
   (subnormal or infinite results, NaN) takes the ``registers`` decode, so every scale decodes exactly as
   k3.ops.mx.mxfp4_dequantize. Not ``auto``'s choice until measured faster on a GPU.
+* ``nibbles`` (any float dtype): no scale multiplied into a weight and no interleave. Per 32-column scale block,
+  the low nibbles of the block's 16 bytes per row are multiplied with the tokens' even columns and the high nibbles
+  with the odd ones (two dots of depth 16), and the block's sums [rows, BLOCK_T] are scaled once by the E8M0 scale:
+  a multiply per (row, token) instead of per weight. A code becomes an fp16 by moving its bits (value times 2^-14,
+  exact: code 1 is the subnormal 2^-15; the scale carries the 2^14), then the tokens' dtype (exact in bf16). The
+  per-weight work is six integer operations and a conversion, against ``registers``' two conversions, two
+  multiplies and the join of the two nibbles' columns. Measured against ``registers`` on a GPU before ``auto``
+  takes it.
 
 Nothing reads back to the host: the tile map is built on the device (counts by index_add, cumsums, searchsorted)
 for a grid sized by its upper bound ``min(E, N*k) + N*k // BLOCK_T`` tiles, and programs past the last tile do
@@ -61,7 +69,7 @@ from k3.ops.mx import mxfp8_fake_quantize_any
 
 __all__ = ["DECODES", "grouped_experts", "tile_map"]
 
-DECODES = ("auto", "dot_scaled", "registers", "bits")
+DECODES = ("auto", "dot_scaled", "registers", "bits", "nibbles")
 # triton.language, bound on first use (k3.ops._triton.bind)
 tl = None
 
@@ -81,12 +89,13 @@ _INTERPRET_CONFIG = (32, 64, 4, 1)
 def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_ptr, h_ptr, L, LH, LS, F, beta1,
                     beta2, tiles_log2, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_SCALED: tl.constexpr, FMT: tl.constexpr,
-                    IEEE: tl.constexpr, BITS: tl.constexpr):
+                    IEEE: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr):
     """Program (tile t, block b of F): h[rows of t, b] = SiTU-GLU(w1[e] x, w3[e] x) for the tile's tokens x and its
     expert e, w1/w3 rows decoded once for all of them; fp32 accumulation. LH = L/2 and LS = L/32 (row lengths of
     the codes and scales, passed so that Triton sees their divisibility); EVEN_K: BLOCK_K divides L (no column
     masks); BITS: bf16 tokens, the weights' bf16 bits built by integer operations where the step's scales allow
-    (the module docstring); `tiles_log2` only keys the autotuning."""
+    (the module docstring); NIBBLES: the ``nibbles`` decode (per scale block, the low and high nibbles against the
+    even and odd columns, the block's sums scaled once); `tiles_log2` only keys the autotuning."""
     t = tl.program_id(0)
     e = tl.load(tile_ptr + 3 * t).to(tl.int64)  # -1: past the last tile
     if e >= 0:
@@ -101,82 +110,118 @@ def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_p
         acc1 = tl.full([BLOCK_F, BLOCK_T], 0.0, tl.float32)
         acc3 = tl.full([BLOCK_F, BLOCK_T], 0.0, tl.float32)
         for l0 in range(0, L, BLOCK_K):
-            c = l0 + tl.arange(0, BLOCK_K)  # columns of the step
-            jb = l0 // 2 + tl.arange(0, BLOCK_K // 2)  # their bytes
-            sb = l0 // 32 + tl.arange(0, BLOCK_K // 32)  # their scales
-            if EVEN_K:
-                xm = rm[None, :]
-                wm = fm[:, None]
-                sm = fm[:, None]
+            if NIBBLES:  # per scale block: low nibbles x even columns + high x odd, the sums scaled once
+                for g in tl.static_range(BLOCK_K // 32):
+                    c0 = l0 + g * 32
+                    jn = c0 // 2 + tl.arange(0, 16)
+                    cn = c0 + 2 * tl.arange(0, 16)
+                    sn1 = c0 // 32 + tl.full([1], 0, tl.int32)  # the block's scale column
+                    wm = fm[:, None] & (jn < LH)[None, :]
+                    sm = fm[:, None] & (sn1 < LS)[None, :]
+                    xm = rm[None, :] & (cn < L)[:, None]
+                    xe = tl.load(z_ptr + tok[None, :] * L + cn[:, None], mask=xm, other=0.0)  # [16, BLOCK_T]
+                    xo = tl.load(z_ptr + tok[None, :] * L + (cn + 1)[:, None], mask=xm, other=0.0)
+                    for which in tl.static_range(2):  # w1, then w3
+                        if which == 0:
+                            bn = tl.load(w1p_ptr + wrow * LH + jn[None, :], mask=wm, other=0).to(tl.int32)
+                            sn = tl.load(w1s_ptr + wrow * LS + sn1[None, :], mask=sm, other=127).to(tl.int32)
+                        else:
+                            bn = tl.load(w3p_ptr + wrow * LH + jn[None, :], mask=wm, other=0).to(tl.int32)
+                            sn = tl.load(w3s_ptr + wrow * LS + sn1[None, :], mask=sm, other=127).to(tl.int32)
+                        # codes as fp16 (value x 2^-14, exact, no float operation; the module docstring)
+                        lo = (((bn & 8) << 12) | ((bn & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+                        hi = (((bn & 128) << 8) | ((bn & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                        # E8M0 2^(s - 127) times the 2^14 left out of the codes (byte 0: 2^-127; 255: NaN)
+                        sc = tl.where(sn == 0, 4194304, sn << 23).to(tl.float32, bitcast=True)
+                        sc = tl.where(sn == 255, float("nan"), sc) * 16384.0  # [BLOCK_F, 1]
+                        if IEEE:
+                            part = tl.dot(lo.to(tl.float32), xe.to(tl.float32), input_precision="ieee")
+                            part = tl.dot(hi.to(tl.float32), xo.to(tl.float32), part, input_precision="ieee")
+                        else:
+                            part = tl.dot(lo.to(xe.dtype), xe)
+                            part = tl.dot(hi.to(xo.dtype), xo, part)
+                        if which == 0:
+                            acc1 += part * sc
+                        else:
+                            acc3 += part * sc
             else:
-                xm = (c < L)[:, None] & rm[None, :]
-                wm = fm[:, None] & (jb < LH)[None, :]
-                sm = fm[:, None] & (sb < LS)[None, :]
-            x = tl.load(z_ptr + tok[None, :] * L + c[:, None], mask=xm, other=0.0)  # [BLOCK_K, BLOCK_T]
-            b1 = tl.load(w1p_ptr + wrow * LH + jb[None, :], mask=wm, other=0)  # [BLOCK_F, BLOCK_K / 2]
-            s1 = tl.load(w1s_ptr + wrow * LS + sb[None, :], mask=sm, other=127)  # [BLOCK_F, BLOCK_K / 32]
-            b3 = tl.load(w3p_ptr + wrow * LH + jb[None, :], mask=wm, other=0)
-            s3 = tl.load(w3s_ptr + wrow * LS + sb[None, :], mask=sm, other=127)
-            if DOT_SCALED:
-                acc1 = tl.dot_scaled(b1, s1, "e2m1", x, None, FMT, acc1)
-                acc3 = tl.dot_scaled(b3, s3, "e2m1", x, None, FMT, acc3)
-            else:
-                q1 = s1.to(tl.int32)  # defined on both branches (a compiled kernel's names must be)
-                q3 = s3.to(tl.int32)
-                if BITS:  # every scale of the step's rows in [2, 252]: no bf16 result subnormal or infinite
-                    odd = (q1 < 2) | (q1 > 252) | (q3 < 2) | (q3 > 252)
-                    edge = tl.reduce(tl.reduce(odd.to(tl.int32), 1, _MAX), 0, _MAX)
+                c = l0 + tl.arange(0, BLOCK_K)  # columns of the step
+                jb = l0 // 2 + tl.arange(0, BLOCK_K // 2)  # their bytes
+                sb = l0 // 32 + tl.arange(0, BLOCK_K // 32)  # their scales
+                if EVEN_K:
+                    xm = rm[None, :]
+                    wm = fm[:, None]
+                    sm = fm[:, None]
                 else:
-                    edge = 1
-                if edge == 0:
-                    # the bf16 bits of value * 2^(s - 127) by integer operations (the module docstring)
-                    b = b1.to(tl.int32)
-                    cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))  # codes of columns 2j, 2j+1
-                    m = cd & 7
-                    base = tl.reshape(tl.broadcast_to(((q1 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
-                                      (BLOCK_F, BLOCK_K))
-                    v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
-                    w1 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
-                    b = b3.to(tl.int32)
-                    cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))
-                    m = cd & 7
-                    base = tl.reshape(tl.broadcast_to(((q3 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
-                                      (BLOCK_F, BLOCK_K))
-                    v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
-                    w3 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
+                    xm = (c < L)[:, None] & rm[None, :]
+                    wm = fm[:, None] & (jb < LH)[None, :]
+                    sm = fm[:, None] & (sb < LS)[None, :]
+                x = tl.load(z_ptr + tok[None, :] * L + c[:, None], mask=xm, other=0.0)  # [BLOCK_K, BLOCK_T]
+                b1 = tl.load(w1p_ptr + wrow * LH + jb[None, :], mask=wm, other=0)  # [BLOCK_F, BLOCK_K / 2]
+                s1 = tl.load(w1s_ptr + wrow * LS + sb[None, :], mask=sm, other=127)  # [BLOCK_F, BLOCK_K / 32]
+                b3 = tl.load(w3p_ptr + wrow * LH + jb[None, :], mask=wm, other=0)
+                s3 = tl.load(w3s_ptr + wrow * LS + sb[None, :], mask=sm, other=127)
+                if DOT_SCALED:
+                    acc1 = tl.dot_scaled(b1, s1, "e2m1", x, None, FMT, acc1)
+                    acc3 = tl.dot_scaled(b3, s3, "e2m1", x, None, FMT, acc3)
                 else:
-                    # E8M0 2^(s - 127) from its bits (byte 0 the subnormal 2^-127, 255 NaN), per 16 bytes of codes
-                    s = s1.to(tl.int32)
-                    sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
-                    sc = tl.where(s == 255, float("nan"), sc)
-                    sc1 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
-                                     (BLOCK_F, BLOCK_K // 2))
-                    s = s3.to(tl.int32)
-                    sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
-                    sc = tl.where(s == 255, float("nan"), sc)
-                    sc3 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
-                                     (BLOCK_F, BLOCK_K // 2))
-                    # E2M1 code (sign, 2 exponent bits, 1 mantissa bit) moved into an fp16's sign, the low exponent bits
-                    # and the top mantissa bit: that fp16 is the value times 2^-14 (code 1, 0.5, lands on the subnormal
-                    # 2^-15), exact; times 2^14 and the scale in fp32, as k3.ops.mx.mxfp4_dequantize
-                    b = b1.to(tl.int32)
-                    lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                          * 16384.0 * sc1)
-                    hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-                          .to(tl.float32) * 16384.0 * sc1)
-                    w1 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))  # columns 2j, 2j+1
-                    b = b3.to(tl.int32)
-                    lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                          * 16384.0 * sc3)
-                    hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-                          .to(tl.float32) * 16384.0 * sc3)
-                    w3 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
-                if IEEE:
-                    acc1 = tl.dot(w1.to(tl.float32), x.to(tl.float32), acc1, input_precision="ieee")
-                    acc3 = tl.dot(w3.to(tl.float32), x.to(tl.float32), acc3, input_precision="ieee")
-                else:  # the weights in the tokens' dtype (exact for bf16, as the reference decodes them)
-                    acc1 = tl.dot(w1, x, acc1)
-                    acc3 = tl.dot(w3, x, acc3)
+                    q1 = s1.to(tl.int32)  # defined on both branches (a compiled kernel's names must be)
+                    q3 = s3.to(tl.int32)
+                    if BITS:  # every scale of the step's rows in [2, 252]: no bf16 result subnormal or infinite
+                        odd = (q1 < 2) | (q1 > 252) | (q3 < 2) | (q3 > 252)
+                        edge = tl.reduce(tl.reduce(odd.to(tl.int32), 1, _MAX), 0, _MAX)
+                    else:
+                        edge = 1
+                    if edge == 0:
+                        # the bf16 bits of value * 2^(s - 127) by integer operations (the module docstring)
+                        b = b1.to(tl.int32)
+                        cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))  # codes of columns 2j, 2j+1
+                        m = cd & 7
+                        base = tl.reshape(tl.broadcast_to(((q1 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
+                                          (BLOCK_F, BLOCK_K))
+                        v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
+                        w1 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
+                        b = b3.to(tl.int32)
+                        cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))
+                        m = cd & 7
+                        base = tl.reshape(tl.broadcast_to(((q3 - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
+                                          (BLOCK_F, BLOCK_K))
+                        v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
+                        w3 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
+                    else:
+                        # E8M0 2^(s - 127) from its bits (byte 0 the subnormal 2^-127, 255 NaN), per 16 bytes of codes
+                        s = s1.to(tl.int32)
+                        sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
+                        sc = tl.where(s == 255, float("nan"), sc)
+                        sc1 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
+                                         (BLOCK_F, BLOCK_K // 2))
+                        s = s3.to(tl.int32)
+                        sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
+                        sc = tl.where(s == 255, float("nan"), sc)
+                        sc3 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
+                                         (BLOCK_F, BLOCK_K // 2))
+                        # E2M1 code (sign, 2 exponent bits, 1 mantissa bit) moved into an fp16's sign, the low
+                        # exponent bits and the top mantissa bit: that fp16 is the value times 2^-14 (code 1, 0.5,
+                        # lands on the subnormal 2^-15), exact; times 2^14 and the scale in fp32, as
+                        # k3.ops.mx.mxfp4_dequantize
+                        b = b1.to(tl.int32)
+                        lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+                              .to(tl.float32) * 16384.0 * sc1)
+                        hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                              .to(tl.float32) * 16384.0 * sc1)
+                        w1 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))  # columns 2j, 2j+1
+                        b = b3.to(tl.int32)
+                        lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+                              .to(tl.float32) * 16384.0 * sc3)
+                        hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                              .to(tl.float32) * 16384.0 * sc3)
+                        w3 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
+                    if IEEE:
+                        acc1 = tl.dot(w1.to(tl.float32), x.to(tl.float32), acc1, input_precision="ieee")
+                        acc3 = tl.dot(w3.to(tl.float32), x.to(tl.float32), acc3, input_precision="ieee")
+                    else:  # the weights in the tokens' dtype (exact for bf16, as the reference decodes them)
+                        acc1 = tl.dot(w1, x, acc1)
+                        acc3 = tl.dot(w3, x, acc3)
         # SiTU-GLU in fp32 from exponentials of non-positive numbers, as k3.ops.mx_moe's token-centric kernel
         x1 = acc1 / beta1
         x2 = acc3 / beta2
@@ -195,11 +240,11 @@ def _gate_up_kernel(z_ptr, order_ptr, tile_ptr, w1p_ptr, w1s_ptr, w3p_ptr, w3s_p
 
 def _down_kernel(h_ptr, tile_ptr, w2p_ptr, w2s_ptr, y_ptr, L, F, FH, FS, tiles_log2, BLOCK_T: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_SCALED: tl.constexpr,
-                 FMT: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr):
+                 FMT: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr):
     """Program (tile t, block b of L rows): y[rows of t, b] = w2[e] h for the tile's hidden rows (in expert order)
     and its expert e, w2's rows decoded once for all of them; fp32 throughout. BLOCK_F names the rows of W per
     program (here rows of L, so that both kernels share the autotuning configs); FH = F/2, FS = F/32; EVEN_K:
-    BLOCK_K divides F; BITS as in the gate/up kernel."""
+    BLOCK_K divides F; BITS and NIBBLES as in the gate/up kernel."""
     t = tl.program_id(0)
     e = tl.load(tile_ptr + 3 * t).to(tl.int64)
     if e >= 0:
@@ -213,52 +258,77 @@ def _down_kernel(h_ptr, tile_ptr, w2p_ptr, w2s_ptr, y_ptr, L, F, FH, FS, tiles_l
         wrow = (e * L + lr.to(tl.int64))[:, None]
         acc = tl.full([BLOCK_F, BLOCK_T], 0.0, tl.float32)
         for f0 in range(0, F, BLOCK_K):
-            c = f0 + tl.arange(0, BLOCK_K)
-            jb = f0 // 2 + tl.arange(0, BLOCK_K // 2)
-            sb = f0 // 32 + tl.arange(0, BLOCK_K // 32)
-            if EVEN_K:
-                xm = rm[None, :]
-                wm = lm[:, None]
-                sm = lm[:, None]
+            if NIBBLES:  # as in the gate/up kernel
+                for g in tl.static_range(BLOCK_K // 32):
+                    c0 = f0 + g * 32
+                    jn = c0 // 2 + tl.arange(0, 16)
+                    cn = c0 + 2 * tl.arange(0, 16)
+                    sn1 = c0 // 32 + tl.full([1], 0, tl.int32)
+                    wm = lm[:, None] & (jn < FH)[None, :]
+                    sm = lm[:, None] & (sn1 < FS)[None, :]
+                    xm = rm[None, :] & (cn < F)[:, None]
+                    xe = tl.load(h_ptr + r64[None, :] * F + cn[:, None], mask=xm, other=0.0)
+                    xo = tl.load(h_ptr + r64[None, :] * F + (cn + 1)[:, None], mask=xm, other=0.0)
+                    bn = tl.load(w2p_ptr + wrow * FH + jn[None, :], mask=wm, other=0).to(tl.int32)
+                    sn = tl.load(w2s_ptr + wrow * FS + sn1[None, :], mask=sm, other=127).to(tl.int32)
+                    lo = (((bn & 8) << 12) | ((bn & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+                    hi = (((bn & 128) << 8) | ((bn & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                    sc = tl.where(sn == 0, 4194304, sn << 23).to(tl.float32, bitcast=True)
+                    sc = tl.where(sn == 255, float("nan"), sc) * 16384.0
+                    if IEEE:
+                        part = tl.dot(lo.to(tl.float32), xe.to(tl.float32), input_precision="ieee")
+                        part = tl.dot(hi.to(tl.float32), xo.to(tl.float32), part, input_precision="ieee")
+                    else:
+                        part = tl.dot(lo.to(xe.dtype), xe)
+                        part = tl.dot(hi.to(xo.dtype), xo, part)
+                    acc += part * sc
             else:
-                xm = (c < F)[:, None] & rm[None, :]
-                wm = lm[:, None] & (jb < FH)[None, :]
-                sm = lm[:, None] & (sb < FS)[None, :]
-            x = tl.load(h_ptr + r64[None, :] * F + c[:, None], mask=xm, other=0.0)
-            b2 = tl.load(w2p_ptr + wrow * FH + jb[None, :], mask=wm, other=0)
-            s2 = tl.load(w2s_ptr + wrow * FS + sb[None, :], mask=sm, other=127)
-            if DOT_SCALED:
-                acc = tl.dot_scaled(b2, s2, "e2m1", x, None, FMT, acc)
-            else:
-                q = s2.to(tl.int32)
-                if BITS:
-                    edge = tl.reduce(tl.reduce(((q < 2) | (q > 252)).to(tl.int32), 1, _MAX), 0, _MAX)
+                c = f0 + tl.arange(0, BLOCK_K)
+                jb = f0 // 2 + tl.arange(0, BLOCK_K // 2)
+                sb = f0 // 32 + tl.arange(0, BLOCK_K // 32)
+                if EVEN_K:
+                    xm = rm[None, :]
+                    wm = lm[:, None]
+                    sm = lm[:, None]
                 else:
-                    edge = 1
-                if edge == 0:
-                    b = b2.to(tl.int32)
-                    cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))
-                    m = cd & 7
-                    base = tl.reshape(tl.broadcast_to(((q - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
-                                      (BLOCK_F, BLOCK_K))
-                    v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
-                    w2 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
+                    xm = (c < F)[:, None] & rm[None, :]
+                    wm = lm[:, None] & (jb < FH)[None, :]
+                    sm = lm[:, None] & (sb < FS)[None, :]
+                x = tl.load(h_ptr + r64[None, :] * F + c[:, None], mask=xm, other=0.0)
+                b2 = tl.load(w2p_ptr + wrow * FH + jb[None, :], mask=wm, other=0)
+                s2 = tl.load(w2s_ptr + wrow * FS + sb[None, :], mask=sm, other=127)
+                if DOT_SCALED:
+                    acc = tl.dot_scaled(b2, s2, "e2m1", x, None, FMT, acc)
                 else:
-                    s = s2.to(tl.int32)
-                    sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
-                    sc = tl.where(s == 255, float("nan"), sc)
-                    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
-                                    (BLOCK_F, BLOCK_K // 2))
-                    b = b2.to(tl.int32)
-                    lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                          * 16384.0 * sc)
-                    hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-                          .to(tl.float32) * 16384.0 * sc)
-                    w2 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
-                if IEEE:
-                    acc = tl.dot(w2.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w2, x, acc)
+                    q = s2.to(tl.int32)
+                    if BITS:
+                        edge = tl.reduce(tl.reduce(((q < 2) | (q > 252)).to(tl.int32), 1, _MAX), 0, _MAX)
+                    else:
+                        edge = 1
+                    if edge == 0:
+                        b = b2.to(tl.int32)
+                        cd = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_F, BLOCK_K))
+                        m = cd & 7
+                        base = tl.reshape(tl.broadcast_to(((q - 1) << 7)[:, :, None], (BLOCK_F, BLOCK_K // 32, 32)),
+                                          (BLOCK_F, BLOCK_K))
+                        v = tl.where(m == 0, 0, (base + (m << 6) - ((m == 1).to(tl.int32) << 6)) | ((cd & 8) << 12))
+                        w2 = v.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x.dtype)
+                    else:
+                        s = s2.to(tl.int32)
+                        sc = tl.where(s == 0, 4194304, s << 23).to(tl.float32, bitcast=True)
+                        sc = tl.where(s == 255, float("nan"), sc)
+                        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_F, BLOCK_K // 32, 16)),
+                                        (BLOCK_F, BLOCK_K // 2))
+                        b = b2.to(tl.int32)
+                        lo = ((((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+                              .to(tl.float32) * 16384.0 * sc)
+                        hi = ((((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+                              .to(tl.float32) * 16384.0 * sc)
+                        w2 = tl.reshape(tl.join(lo.to(x.dtype), hi.to(x.dtype)), (BLOCK_F, BLOCK_K))
+                    if IEEE:
+                        acc = tl.dot(w2.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(w2, x, acc)
         tl.store(y_ptr + r64[None, :] * L + lr[:, None], acc, mask=lm[:, None] & rm[None, :])
 
 
@@ -276,7 +346,7 @@ def _kernels(interpret: bool, tune: bool):
     down = triton.heuristics({"EVEN_K": lambda a: a["F"] % a["BLOCK_K"] == 0})(triton.jit(_down_kernel))
     if not tune:
         return gate_up, down
-    key = ["L", "F", "tiles_log2", "BLOCK_T", "DOT_SCALED", "BITS"]
+    key = ["L", "F", "tiles_log2", "BLOCK_T", "DOT_SCALED", "BITS", "NIBBLES"]
     names = ("BLOCK_F", "BLOCK_K")
     return (_triton.autotuned(gate_up, _TUNE_GATE_UP, names, key),
             _triton.autotuned(down, _TUNE_DOWN, names, key))
@@ -320,9 +390,9 @@ def grouped_experts(z: Tensor, weights: Tensor, indices: Tensor, w, beta1: float
                     activations: str | None, decode: str = "auto", block_t: int | None = None,
                     autotune: bool | None = None) -> Tensor:
     """The routed experts on the grouped kernels (the caller, k3.ops.mx_moe.mx_moe_packed_grouped, has checked
-    the inputs). `decode`: "dot_scaled", "registers", "bits" (bf16 tokens) or "auto" (registers: measured faster
-    than dot_scaled at 1, 16 and 64 release-shaped tokens on an H100); `block_t`: rows per tile (None:
-    :func:`block_tokens`); `autotune`: None tunes when compiled."""
+    the inputs). `decode`: "dot_scaled", "registers", "bits" (bf16 tokens), "nibbles" or "auto" (registers:
+    measured faster than dot_scaled at 1, 16 and 64 release-shaped tokens on an H100); `block_t`: rows per tile
+    (None: :func:`block_tokens`); `autotune`: None tunes when compiled."""
     if decode not in DECODES:
         raise ValueError(f"decode={decode!r} is invalid: use one of {DECODES}")
     N, L = z.shape
@@ -354,7 +424,7 @@ def grouped_experts(z: Tensor, weights: Tensor, indices: Tensor, w, beta1: float
     # interpreter, whose tl.dot on bf16 operands is wrong (triton 3.9); bf16 products are exact in fp32, so only the
     # order of the fp32 sums differs from the compiled bf16 dot
     flags = dict(BLOCK_T=block_t, DOT_SCALED=decode == "dot_scaled", FMT="fp16" if dt == torch.float16 else "bf16",
-                 IEEE=dt == torch.float32 or interpret, BITS=decode == "bits")
+                 IEEE=dt == torch.float32 or interpret, BITS=decode == "bits", NIBBLES=decode == "nibbles")
     tiles_log2 = (T - 1).bit_length()
     if tune:
         fixed = {}

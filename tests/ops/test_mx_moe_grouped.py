@@ -107,7 +107,19 @@ def test_grouped_kernels_several_partial_tiles_per_expert_fp32(interpret):
     _close(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("decode", ["dot_scaled", "registers", "bits"])
+@pytest.mark.parametrize("N, block_t", [(1, None), (40, 16)])
+def test_nibbles_decode_equals_the_reference_fp32(interpret, N, block_t):
+    # per 32-column scale block, the low nibbles against the even columns and the high ones against the odd, the
+    # block's sums scaled once: 40 tokens top-3 with 16-row tiles (several per expert, the last partial) and L = 160,
+    # whose last step along L (64 columns in the interpreter) holds one block and one past the end
+    z, weights, indices, packed = _case(E=7, F=32, L=160, N=N, k=3, seed=30 + N, used=[0, 1, 3, 4])
+    for activations in (None, "mxfp8"):
+        want = mx_moe_packed(z, weights, indices, packed, B1, B2, activations)
+        _close(_grouped(z, weights, indices, packed, B1, B2, activations, decode="nibbles", block_t=block_t), want,
+               1e-5)
+
+
+@pytest.mark.parametrize("decode", ["dot_scaled", "registers", "bits", "nibbles"])
 def test_grouped_kernels_bf16(interpret, decode):
     # without the MXFP8 rounding, as tests/ops/test_mx_moe.py explains: bf16 and fp32 GEMM outputs near an MXFP8
     # rounding boundary move by a whole step; the MXFP8 path is checked in fp32 above
@@ -144,6 +156,8 @@ def test_bits_decode_takes_the_registers_decode_where_a_scale_is_out_of_its_rang
     assert bool(torch.isfinite(want).all())
     _close(got, want, 2e-2)
     assert torch.equal(got, _grouped(z, weights, indices, packed, B1, B2, None, decode="registers"))
+    # the nibbles decode scales each block's sums instead of the weights: the same saturation, the same tiny values
+    _close(_grouped(z, weights, indices, packed, B1, B2, None, decode="nibbles"), want, 2e-2)
 
 
 def test_no_tokens_and_bad_options(interpret):
@@ -206,8 +220,11 @@ def test_grouped_kernels_on_gpu(N):
     _close(_grouped(z, weights, indices, packed, B1, B2, None), want, 1e-5)
     zb = z.to(torch.bfloat16)
     ref = mx_moe_packed(zb, weights, indices, packed, B1, B2, None)
-    for decode in ("dot_scaled", "registers", "bits"):
+    for decode in ("dot_scaled", "registers", "bits", "nibbles"):
         _close(_grouped(zb, weights, indices, packed, B1, B2, None, decode=decode), ref, 2e-2)
+    for activations in (None, "mxfp8"):  # fp32 tokens: IEEE dots
+        want = mx_moe_packed(z, weights, indices, packed, B1, B2, activations)
+        _close(_grouped(z, weights, indices, packed, B1, B2, activations, decode="nibbles"), want, 1e-5)
     # untuned (one config for both), the bit-built weights are the registers decode's: the same output
     regs, bits = (_grouped(zb, weights, indices, packed, B1, B2, None, decode=d, autotune=False)
                   for d in ("registers", "bits"))
@@ -227,6 +244,7 @@ def test_bits_decode_with_out_of_range_scales_on_gpu():
     _close(got, ref, 2e-2)
     assert torch.equal(got, _grouped(zb, weights, indices, packed, B1, B2, None, decode="registers",
                                                   autotune=False))
+    _close(_grouped(zb, weights, indices, packed, B1, B2, None, decode="nibbles", autotune=False), ref, 2e-2)
 
 
 @pytest.mark.gpu
