@@ -1,6 +1,16 @@
+import os
+
 import pytest
+import torch
 
 from k3.config import K3Config
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # a worker of `pytest -n N` (pytest-xdist): its share of the cores, in this process and in the processes its
+    # tests start (torchrun, CLI runs), so that N workers do not each spin a thread per core
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 
 @pytest.fixture
