@@ -6,8 +6,13 @@ work thrown away), and where the crossover lies depends on the model, the hardwa
 accepted. So the engine measures instead of guessing. Decode batches are grouped by size into power-of-two buckets
 (1, 2, 3-4, 5-8, ...); in each bucket `SpecSwitch`:
 
-1. probes: the bucket's first decode-only steps alternate speculative and plain, until each has `probe_steps`
-   measured steps after one unmeasured warm-up step each (first steps include allocation and compilation);
+1. probes: the bucket's first decode-only steps alternate pairs of speculative and plain steps, measuring the
+   second step of each pair, until each arm has `probe_steps` measured steps. The first step of an arm after the
+   other catches up and is not counted: speculation first drafts over the positions plain steps committed, and a
+   plain step first replays the positions speculation left pending (fused replay), eagerly (9-10 ms against 1.1 ms
+   per plain step at batch 1 on an H100: measured, it made a random model's speculation, 0.28x plain, look twice
+   as fast). The very first steps (allocation, compilation) are such first steps too, and so is the decided arm's
+   first step after a re-probe;
 2. then runs the arm with the higher median rate (tokens emitted per second of step time, over each arm's last
    `window` measurements), and at the next multiple of `reprobe_every` steps of the bucket runs one step of the
    other arm, so that a change of content (acceptance) or load is noticed; while the decision holds from one
@@ -15,8 +20,8 @@ accepted. So the engine measures instead of guessing. Decode batches are grouped
    to `reprobe_every`. A re-probe costs more than a step of its arm usually does (speculating after plain steps
    first drafts over every position they committed, eagerly: ~13 ms against 1.1 ms per plain step at batch 1 on
    an H100), so a fixed one step in 32 cost a decided-plain bucket about a third of its speed. For the same reason
-   a re-probe runs two steps of the other arm and measures only the second: the first catches the draft up, and
-   measured it would make speculation look slower than it runs, so a bucket once decided plain would stay so.
+   as the probes' pairs a re-probe runs two steps of the other arm and measures only the second: measured, the
+   draft's catch-up would make speculation look slower than it runs, so a bucket once decided plain would stay so.
 
 Only steps that decode and nothing else are measured (a step with a prefill chunk has a time that is not the
 decode's); every step follows the bucket's current decision. Both arms emit exactly the tokens decoding without
@@ -40,7 +45,6 @@ def bucket_of(batch: int) -> int:
 @dataclass
 class _Arm:
     rates: deque = field(default_factory=deque)  # tokens per second of the last measured steps
-    warmed: bool = False  # the unmeasured warm-up step has run
     measured: int = 0
 
     def rate(self) -> float | None:
@@ -56,8 +60,10 @@ class _Bucket:
     next_probe: int | None = None  # the step of the next re-probe (after probing)
     interval: int = 0  # steps from the last re-probe to the next
     probed_choice: bool | None = None  # the decision at the last re-probe
-    probe_left: int = 0  # steps of the current re-probe still to run
-    skip: int = 0  # measurements of the current re-probe not to count (its first step's)
+    pair_arm: bool = True  # the arm of the current pair of steps (a probe's or a re-probe's)
+    pair_left: int = 0  # steps of the current pair still to run after the one decided
+    last: bool | None = None  # the arm of the last step decided
+    skip: bool = False  # the next measurement (of arm `last`) is a catch-up: not counted
 
 
 class SpecSwitch:
@@ -67,7 +73,7 @@ class SpecSwitch:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if reprobe_every < 2:
-            raise ValueError(f"reprobe_every={reprobe_every} must be >= 2 (one step in it runs the other arm)")
+            raise ValueError(f"reprobe_every={reprobe_every} must be >= 2 (a re-probe runs two steps)")
         if reprobe_max < reprobe_every:
             raise ValueError(f"reprobe_max={reprobe_max} must be >= reprobe_every={reprobe_every} (equal: a fixed "
                              "interval)")
@@ -79,16 +85,21 @@ class SpecSwitch:
         return self._buckets.setdefault(bucket_of(batch), _Bucket())
 
     def decide(self, batch: int) -> bool:
-        """Whether this step's decode batch of `batch` requests speculates; counts as one of the bucket's steps."""
+        """Whether this step's decode batch of `batch` requests speculates; counts as one of the bucket's steps. A
+        step of the other arm than the last step's (or the bucket's first) catches up and is not measured."""
         b = self._bucket(batch)
         b.steps += 1
-        if b.choice is None:  # probing: the arm with fewer measurements (spec first), warm-up steps included
-            done_spec = b.spec.measured + b.spec.warmed
-            done_plain = b.plain.measured + b.plain.warmed
-            return done_spec <= done_plain
-        if b.probe_left:  # the re-probe's second step: the one it measures
-            b.probe_left -= 1
-            return not b.choice
+        arm = self._decide(b)
+        if arm != b.last:
+            b.last, b.skip = arm, True
+        return arm
+
+    def _decide(self, b: _Bucket) -> bool:
+        if b.pair_left:  # a pair's second step: the one it measures
+            b.pair_left -= 1
+            return b.pair_arm
+        if b.choice is None:  # probing: a pair of the arm with fewer measurements (spec first)
+            return self._pair(b, b.spec.measured <= b.plain.measured)
         if b.next_probe is None:  # just decided: the next multiple of reprobe_every (this step if it is one)
             b.next_probe = -(-b.steps // self.reprobe_every) * self.reprobe_every
         if b.steps < b.next_probe:
@@ -97,20 +108,22 @@ class SpecSwitch:
         b.interval = min(2 * b.interval, self.reprobe_max) if held else self.reprobe_every
         b.probed_choice = b.choice
         b.next_probe = b.steps + b.interval
-        b.probe_left, b.skip = 1, 1
-        return not b.choice
+        return self._pair(b, not b.choice)
+
+    @staticmethod
+    def _pair(b: _Bucket, arm: bool) -> bool:
+        """Start a pair of steps of `arm` (True: speculative): the first catches up, the second is measured."""
+        b.pair_arm, b.pair_left = arm, 1
+        return arm
 
     def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's measurement: `tokens` emitted in `seconds` of step time, speculating or not."""
         b = self._bucket(batch)
         arm = b.spec if speculative else b.plain
-        if not arm.warmed:
-            arm.warmed = True
+        if b.skip and speculative == b.last:  # the first step after the other arm's (or the first ever): a catch-up
+            b.skip = False
             return
         if seconds <= 0 or tokens < 0:
-            return
-        if b.skip and speculative != b.choice:  # a re-probe's first step (the catch-up): not its arm's rate
-            b.skip -= 1
             return
         arm.rates.append(tokens / seconds)
         if len(arm.rates) > self.window:
