@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from helpers import one_torch_thread
 from k3.ops.registry import Backends
 from k3.serve import runner as runner_mod
+from k3.serve.cache.views import inputs_of
 from k3.serve.cuda_graphs import DecodeGraphs
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.runner import ForwardBatch, ModelRunner
@@ -436,6 +437,36 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
     m, mo = eng.metrics, off.metrics
     assert (m.spec_verifications, m.draft_tokens_accepted) == (mo.spec_verifications, mo.draft_tokens_accepted)
     assert off.runner.graphs.verify_steps > 0 and not off.runner.graphs.fused_replay
+
+
+def test_static_buffer_verifications_make_no_per_layer_views_of_pending_inputs(monkeypatch, graph_ops):
+    # a static-buffer verification copies a request's pending inputs in one piece (Pending.flat); the per-layer
+    # views (Pending.inputs, ~0.4 ms of host time per request at k3-mini) are made only where an eager forward or a
+    # replay reads them (here: the plain steps near max_tokens flush), not at every hold
+    made, holds = [], []
+    monkeypatch.setattr(runner_mod, "inputs_of", lambda *a: made.append(a[1]) or inputs_of(*a))
+    hold = ModelRunner.hold
+    monkeypatch.setattr(ModelRunner, "hold", lambda self, rid, *a: holds.append(rid) or hold(self, rid, *a))
+    eng = _engine(fx.OracleDraft(wrong_every=3), spec="off", k=3, graphs=True)
+    prompts = fx._prompts(3, 5)
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (fx.LONGEST, 9, 14)]
+    results, held = drive(eng, [list(zip(prompts, params))], states=False)
+    fx._check(results, params)
+    layers = len(eng.runner.layout.kda)
+    assert eng.runner.graphs.fused_pending_steps > 0 and len(made) % layers == 0
+    assert len(made) // layers < len(holds) // 2, (len(made), len(holds))
+    # read, they are the views of `flat` per layer
+    seq = eng.add_request(list(prompts[0]), SamplingParams(max_tokens=fx.LONGEST, temperature=0))
+    while not eng.runner.pending_tokens(seq.request_id):
+        eng.step()
+    p = eng.runner.pending[seq.request_id]
+    cfg = eng.runner.model.config
+    for g, got in enumerate(p.inputs):
+        want = inputs_of(p.flat, g, cfg.kda_num_heads, cfg.kda_head_dim)
+        fields = lambda i: (*i.pre_conv, i.q, i.k, i.v, i.z, i.beta_logits)  # noqa: E731
+        assert all(a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                   for a, b in zip(fields(got), fields(want)))
+    assert made[-layers:] == list(range(layers))
 
 
 def test_more_pending_positions_than_a_short_window_verify_eagerly_fused(monkeypatch, graph_ops):
