@@ -14,8 +14,8 @@ accepted. So the engine measures instead of guessing. Decode batches are grouped
    as fast). The very first steps (allocation, compilation) are such first steps too, and so is the decided arm's
    first step after a re-probe;
 2. then runs the arm with the higher median rate (tokens emitted per second of step time, over each arm's last
-   `window` measurements), and at the next multiple of `reprobe_every` steps of the bucket runs one step of the
-   other arm, so that a change of content (acceptance) or load is noticed; while the decision holds from one
+   `window` measurements), and at the next multiple of `reprobe_every` steps of the bucket runs a pair of steps of
+   the other arm, so that a change of content (acceptance) or load is noticed; while the decision holds from one
    re-probe to the next the interval doubles, up to `reprobe_max` steps, and a decision that changes sets it back
    to `reprobe_every`. A re-probe costs more than a step of its arm usually does (speculating after plain steps
    first drafts over every position they committed, eagerly: ~13 ms against 1.1 ms per plain step at batch 1 on
