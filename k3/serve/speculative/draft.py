@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from k3.model.cache import MLACache
+from k3.ops.mla_decode import default_num_splits
 from k3.ops.registry import notice
 from k3.serve.sampling import SamplingParams, sample_rows
 from k3.serve.sequence import Sequence
@@ -358,24 +359,51 @@ class _RaggedCache:
 
 
 class _StaticRaggedCache(_RaggedCache):
-    """`_RaggedCache` over buffers of a fixed shape (c [Rb, Lb, R], k_rope [Rb, Lb, dr], lengths [Rb]): the static
-    inputs of a captured chain. `fill` copies the contexts in (before a replay; rows past them get length 0 and
-    compute on zeros); `start` begins a chain (inside the graph: each attend advances a copy of the lengths), and the
-    attention runs without reading the lengths back (they are valid by construction). NoPE layers only: the RoPE
-    ablation's positions come from the host."""
+    """`_RaggedCache` over buffers of a fixed shape (one tensor kv [Rb, Lb, R + dr] whose views are c [Rb, Lb, R] and
+    k_rope [Rb, Lb, dr], lengths [Rb]): the static inputs of a captured chain. `fill` copies the contexts in (before a
+    replay; rows past them get length 0 and compute on zeros); `start` begins a chain (inside the graph: each attend
+    advances a copy of the lengths), and the attention runs without reading the lengths back (they are valid by
+    construction). NoPE layers only: the RoPE ablation's positions come from the host.
+
+    Where the layer's decode attention runs on the paged kernel (`LatentAttention.paged_kernel_used`: on a GPU with
+    the fast backends, as the engine's captured decode steps), the buffers are its page pool: row b is one page of
+    Lb tokens, and query t of row b (at position lengths[b] + t) reads its first lengths[b] + t + 1 tokens, so a
+    drafting step's attention is the paged kernel's few launches instead of the absorbed form's ~25 (masks, fp32
+    copies of the buffers and of w_kc/w_vc, einsums, softmax) per step. `steps`: the query counts T a step may have
+    (the tables of its query rows, [Rb * T, 1], made here, before any capture)."""
 
     check = False  # the buffers' lengths are valid by construction: nothing read back
 
     def __init__(self, rows: int, length: int, like_c: Tensor, like_kr: Tensor,
-                 shared: "_StaticRaggedCache | None" = None):
+                 shared: "_StaticRaggedCache | None" = None, steps: tuple[int, ...] = (1,)):
         super().__init__([], 0)
+        dev = like_c.device
         if shared is not None:  # another chain's buffers of the same shape (replays never overlap)
-            self.c, self.k_rope, self.filled, self._rows = shared.c, shared.k_rope, shared.filled, shared._rows
-            return
-        self.c = like_c.new_zeros(rows, length, like_c.shape[-1])
-        self.k_rope = like_kr.new_zeros(rows, length, like_kr.shape[-1])
-        self.filled = torch.zeros(rows, dtype=torch.long, device=like_c.device)
-        self._rows = torch.arange(rows, device=like_c.device)
+            self.kv, self.c, self.k_rope, self.filled, self._rows = (shared.kv, shared.c, shared.k_rope, shared.filled,
+                                                                     shared._rows)
+        else:
+            R = like_c.shape[-1]
+            self.kv = like_c.new_zeros(rows, length, R + like_kr.shape[-1])
+            self.c, self.k_rope = self.kv[..., :R], self.kv[..., R:]
+            self.filled = torch.zeros(rows, dtype=torch.long, device=dev)
+            self._rows = torch.arange(rows, device=dev)
+        T = max(steps)
+        self._steps = torch.arange(T, device=dev)
+        self._tables = {t: self._rows.repeat_interleave(t)[:, None] for t in set(steps)}
+        self._splits: dict[tuple[int, int], int] = {}  # (query rows, heads) -> the paged kernel's fixed split count
+
+    def attend(self, attn, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        T = q.shape[1]
+        if T not in self._tables or not attn.paged_kernel_used():
+            return super().attend(attn, q, c, k_rope)
+        pos = self.lengths[:, None] + self._steps[:T]  # [B, T]
+        self.kv[self._rows[:, None].expand(-1, T), pos] = torch.cat([c, k_rope], dim=-1).to(self.kv.dtype)
+        self.lengths = self.lengths + T
+        key = (pos.numel(), q.shape[2])
+        if key not in self._splits:  # fixed per shape (from the buffer's length), as a captured step needs
+            self._splits[key] = default_num_splits(key[0], key[1], self.kv.shape[1], self.kv.device)
+        # query t of row b sees its row's tokens up to its own position
+        return attn.paged(q, self.kv, self._tables[T], (pos + 1).flatten(), self._splits[key])
 
     def fill(self, caches: list[MLACache]) -> None:
         lens = [cc.length for cc in caches]
@@ -412,7 +440,7 @@ class _Chain:
         self.h = like_h.new_zeros(rows, max(first, 1), like_h.shape[-1])
         self.ids = torch.zeros(rows, first, dtype=torch.long, device=like_h.device)
         self.counts = torch.zeros(rows, dtype=torch.long, device=like_h.device)
-        self.cache = _StaticRaggedCache(rows, length, like_c, like_kr, shared)
+        self.cache = _StaticRaggedCache(rows, length, like_c, like_kr, shared, steps=(1, first) if first else (1,))
         self.graph = None
         self.tokens: Tensor | None = None
         if not eager:

@@ -142,17 +142,38 @@ def test_greedy_drafts_chained_on_the_device_equal_host_choices(kind):
     assert draft.propose(seqs, ks[:1])[0].tokens == want[0]
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["absorbed", "paged"])
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
-def test_greedy_chains_on_static_buffers_equal_the_eager_drafts(kind):
+def test_greedy_chains_on_static_buffers_equal_the_eager_drafts(kind, paged, monkeypatch):
     # The greedy drafting steps after the first run on a chain of static buffers (what a CUDA graph captures;
     # here uncaptured, "eager"): contexts copied into [rows bucket, length bucket] buffers, padding rows of length 0,
     # lengths never read back. The drafts equal the eager ones, alone and batched (3 requests in a bucket of 4),
     # across two proposals (the buffers refilled), and in a larger context bucket once the window passes 64 rows.
     # An EAGLE-3 draft's whole-proposal chain takes its observed block features ((n + 1) D wide) in its first step.
+    # `paged`: the paged decode attention on (op mla_decode, as the fast backends take it): the chain's attention
+    # reads its buffers as the paged decode kernel's page pool (on a CPU the kernel's reference: the same gathers and
+    # masks its tests hold the kernel to), against the eager drafts' absorbed form; every chained drafting step then
+    # takes the paged form, the first step's several queries per row included.
+    from k3.model.common import set_backends
+    from k3.model.gated_mla import GatedMLA
+    from k3.ops.registry import Backends
+
     model = _model()
+    queries = []
+    if paged:
+        model.set_backends(Backends(per_op={"mla_decode": "triton"}))
+        real = GatedMLA.paged
+
+        def counted(self, q, *a, **kw):
+            queries.append(q.shape[1])
+            return real(self, q, *a, **kw)
+
+        monkeypatch.setattr(GatedMLA, "paged", counted)
     for window, lengths, ks in [(40, [7, 30, 12], [3, 4, 2]), (100, [90, 5], [3, 3])]:
         eager, chained = _draft(kind, model, window), _draft(kind, model, window, chain_graphs="eager")
         assert eager.chains is None and chained.chains is not None
+        for d in (eager, chained):  # an EAGLE-3 layer takes the target's backends, as load_draft sets them
+            set_backends(d.layer, model.backends)
         width = _width(eager)
         for group in (lengths[:1], lengths):
             got = {}
@@ -184,6 +205,7 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts(kind):
         for (r, n, _, _), chain in made.items():  # chains of one (rows, length) share their context buffers
             assert all(other.cache.c is chain.cache.c for (r2, n2, _, _), other in made.items() if (r2, n2) == (r, n))
         assert any(sum((r2, n2) == (r, n) for r2, n2, _, _ in made) > 1 for r, n, _, _ in made)
+    assert (1 in queries and max(queries) == 5) if paged else not queries  # 5: a first step of k + 1 = 5
     with pytest.raises(ValueError, match="chain_graphs"):
         MTPDraft(model, chain_graphs="yes")
     assert MTPDraft(model, chain_graphs=True).chains is None  # capture is for CUDA: a CPU model drafts eagerly
@@ -290,3 +312,37 @@ def test_the_engine_warm_up_tunes_the_draft_on_a_gpu_only(monkeypatch):
     assert eng.warm_up() == {"graphs": 0, "draft_counts": []} and not calls
     monkeypatch.setattr(eng.runner, "device", torch.device("cuda"))
     assert eng.warm_up() == {"graphs": 0, "draft_counts": [1, 2]} and calls == [None]
+
+
+def test_greedy_chains_on_the_paged_kernel_interpreted_equal_the_eager_drafts(monkeypatch):
+    # The chain's paged attention on the Triton kernel itself (Triton's interpreter on the CPU): its buffers as a
+    # page pool of one page per row (PAGE_TOKENS = the length bucket), the first step's 4 queries per row with their
+    # own lengths (a causal window), then single queries; the drafts equal the eager absorbed form's, one request
+    # and two.
+    pytest.importorskip("triton")
+    from k3.model.gated_mla import GatedMLA
+    from k3.ops import mla_decode
+    from k3.ops.registry import Backends
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = []
+    real = mla_decode.mla_decode_paged_triton
+    monkeypatch.setattr(mla_decode, "mla_decode_paged_triton",
+                        lambda *a, **kw: kernel.append(a[2].shape) or real(*a, **kw))
+    model = _model()
+    model.set_backends(Backends(per_op={"mla_decode": "triton"}))
+    assert GatedMLA.paged_kernel_used(model.mtp[0].block.self_attn)
+    for group in ([9], [9, 21]):
+        got = {}
+        for name, draft in (("eager", _draft("mtp", model)), ("chained", _draft("mtp", model, chain_graphs="eager"))):
+            seqs = _seqs(group, 0.0, seed=2)
+            _observe(draft, seqs, model.config.hidden_size)
+            got[name] = [p.tokens for p in draft.propose(seqs, [3] * len(group))]
+            for s in seqs:
+                s.prompt_ids.extend([5, 6])
+                draft.observe(s, s.num_computed, torch.randn(2, model.config.hidden_size,
+                                                             generator=torch.Generator().manual_seed(3)))
+                s.num_computed += 2
+            got[name] += [p.tokens for p in draft.propose(seqs, [3] * len(group))]
+        assert got["chained"] == got["eager"]
+    assert kernel and {tuple(shape)[:2] for shape in kernel} <= {(1, 64), (2, 64)}
