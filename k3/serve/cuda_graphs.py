@@ -78,7 +78,7 @@ from k3.ops.mla_decode import default_num_splits, paged_kernel_used
 from k3.ops.moe import grouped_used
 from k3.ops.registry import Target, notice, opaque_under_compile, runs_on
 from k3.model.cache import KDAInputs
-from k3.serve.cache.views import StaticMLAView, flat_inputs, inputs_of, kept_width
+from k3.serve.cache.views import KeptInputsView, StaticMLAView, flat_inputs, inputs_of, kept_width
 from k3.serve.pool_forward import run_on_pool, verify_on_pool, verify_replay_on_pool
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
@@ -288,9 +288,9 @@ class DecodeGraphs:
                    pending_lengths: list[int] | None = None):
         """A speculative verification (k3.serve.runner.ModelRunner.execute) over static buffers: every request runs
         its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
-        [B, T, width], each KDA layer's projected inputs [B, T, ...] as KDAInputs, all of them side by side
-        [B, T, layers * width] (k3.serve.cache.views.flat_inputs; the KDAInputs are views of it)), copies; or None
-        when it cannot run here (as `run`): verify eagerly.
+        [B, T, width], each KDA layer's view of its projected inputs [B, T, ...] (KeptInputsView: views of the next,
+        made when read), all of them side by side [B, T, layers * width] (k3.serve.cache.views.flat_inputs)),
+        copies; or None when it cannot run here (as `run`): verify eagerly.
 
         With fused_replay, `pending` (per request its pending positions' kept inputs side by side [n, layers * width],
         as this step outputs them, or None: one copy per request into the buffers) and `pending_lengths` (B counts,
@@ -313,8 +313,8 @@ class DecodeGraphs:
         self.fused_pending_steps += pending is not None and any(pending_lengths)
         cfg = self.model.config
         flat = flat[:B].clone()  # one copy for every layer's kept inputs
-        inputs = [inputs_of(flat, g, cfg.kda_num_heads, cfg.kda_head_dim) for g in range(len(self.layout.kda))]
-        return logits[:B].clone(), hidden[:B].clone(), inputs, flat
+        views = [KeptInputsView(flat, g, cfg.kda_num_heads, cfg.kda_head_dim) for g in range(len(self.layout.kda))]
+        return logits[:B].clone(), hidden[:B].clone(), views, flat
 
     @torch.no_grad()
     def warm_up(self) -> int:

@@ -420,12 +420,7 @@ class ModelRunner:
             if out is not None:  # a graph replay: the same forward over static buffers
                 if fused:
                     self._replayed(ids, entries)
-                logits, hidden, inputs, flat = out
-                views = []
-                for i in inputs:
-                    view = KDAVerifyView(None, None)
-                    view.inputs = i
-                    views.append(view)
+                logits, hidden, views, flat = out
                 return Verified(logits, hidden, views, kda_pages, flat)
         if self.fused_replay:
             entries = [None if ids is None else self.pending.get(rid) for rid in (ids or [None] * len(tokens))]

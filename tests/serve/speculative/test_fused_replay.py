@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from helpers import one_torch_thread
 from k3.ops.registry import Backends
 from k3.serve import runner as runner_mod
+from k3.serve.cache import views as views_mod
 from k3.serve.cache.views import inputs_of
 from k3.serve.cuda_graphs import DecodeGraphs
 from k3.serve.engine import EngineConfig, LLMEngine
@@ -443,8 +444,15 @@ def test_static_buffer_verifications_make_no_per_layer_views_of_pending_inputs(m
     # a static-buffer verification copies a request's pending inputs in one piece (Pending.flat); the per-layer
     # views (Pending.inputs, ~0.4 ms of host time per request at k3-mini) are made only where an eager forward or a
     # replay reads them (here: the plain steps near max_tokens flush), not at every hold
-    made, holds = [], []
+    # Nor does the verification make its own layers' views of its kept inputs (KeptInputsView.inputs) where its
+    # accepted positions are held as slices of `flat`: only a commit that replays up to a hash-block boundary reads
+    # them.
+    made, holds, verified, read = [], [], [], []
     monkeypatch.setattr(runner_mod, "inputs_of", lambda *a: made.append(a[1]) or inputs_of(*a))
+    monkeypatch.setattr(views_mod, "inputs_of", lambda *a: read.append(a[1]) or inputs_of(*a))
+    replay = ModelRunner.replay
+    monkeypatch.setattr(ModelRunner, "replay", lambda self, v, rows, *a: verified.append(len(rows)) or
+                        replay(self, v, rows, *a))
     hold = ModelRunner.hold
     monkeypatch.setattr(ModelRunner, "hold", lambda self, rid, *a: holds.append(rid) or hold(self, rid, *a))
     eng = _engine(fx.OracleDraft(wrong_every=3), spec="off", k=3, graphs=True)
@@ -455,6 +463,9 @@ def test_static_buffer_verifications_make_no_per_layer_views_of_pending_inputs(m
     layers = len(eng.runner.layout.kda)
     assert eng.runner.graphs.fused_pending_steps > 0 and len(made) % layers == 0
     assert len(made) // layers < len(holds) // 2, (len(made), len(holds))
+    steps = eng.runner.graphs.verify_steps
+    # only the replays up to a boundary read a verification's views (each layer once); none of the others
+    assert len(read) == layers * sum(1 for n in verified if n) and len(read) < layers * steps // 2, (len(read), steps)
     # read, they are the views of `flat` per layer
     seq = eng.add_request(list(prompts[0]), SamplingParams(max_tokens=fx.LONGEST, temperature=0))
     while not eng.runner.pending_tokens(seq.request_id):
