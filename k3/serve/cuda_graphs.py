@@ -80,6 +80,7 @@ from k3.ops.registry import Target, notice, opaque_under_compile, runs_on
 from k3.model.cache import KDAInputs
 from k3.serve.cache.views import KeptInputsView, StaticMLAView, flat_inputs, inputs_of, kept_width
 from k3.serve.pool_forward import run_on_pool, verify_on_pool, verify_replay_on_pool
+from k3.tensors import to_device_async
 
 MAX_PREFILL_GRAPH_TOKENS = 4096  # prefill steps on static buffers: at most this many tokens (bucket x length)
 # ... and contexts up to this long: every query row of such a step reads its request's whole latent cache, which
@@ -161,9 +162,13 @@ class _Bucket:
     def __init__(self, size: int, tokens: int, n_kda: int, n_mla: int, max_pages: int, scratch: int,
                  num_splits: int, device):
         self.size, self.tokens, self.num_splits = size, tokens, num_splits
-        self.ids = torch.zeros(size, tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.kda_pages = torch.full((size, n_kda), scratch, dtype=torch.long, device=device)
+        # the token ids, start positions and KDA pages are views of one buffer (`head`), so a step's inputs go to
+        # the device in one transfer (DecodeGraphs._load)
+        self.head = torch.full((size * (tokens + 1 + n_kda),), scratch, dtype=torch.long, device=device)
+        ids, positions, pages = self.head.split([size * tokens, size, size * n_kda])
+        self.ids, self.positions, self.kda_pages = ids.view(size, tokens), positions, pages.view(size, n_kda)
+        self.ids.zero_()
+        self.positions.zero_()
         self.tables = torch.full((size, n_mla, max_pages), scratch, dtype=torch.long, device=device)
         # a fused verification's (DecodeGraphs.fused_replay): per KDA layer the pending inputs [size, tokens, ...]
         # and each row's count of them [size] (0: nothing pending, or a padding row); set by DecodeGraphs._bucket
@@ -399,25 +404,29 @@ class DecodeGraphs:
                 for g in range(len(self.layout.mla))]
 
     def _load(self, b: _Bucket, tokens, starts, slots, width: int) -> None:
-        """Copy a step's inputs into b's buffers; rows past the batch become padding on the scratch page."""
+        """Copy a step's inputs into b's buffers; rows past the batch become padding on the scratch page. One host
+        tensor through pinned memory (no wait for the device), then two copies on the device: b.head (ids, start
+        positions, KDA pages) and the first `width` pages of every block table."""
         pad, scr = b.size - len(tokens), self.scratch
         n_kda, n_mla = b.kda_pages.shape[1], b.tables.shape[1]
-        b.ids.copy_(torch.tensor([list(t) for t in tokens] + [[0] * b.tokens] * pad, dtype=torch.long))
-        b.positions.copy_(torch.tensor(list(starts) + [0] * pad, dtype=torch.long))
+        host = [t for seq in tokens for t in seq] + [0] * (b.tokens * pad) + list(starts) + [0] * pad
         if n_kda:
-            b.kda_pages.copy_(torch.tensor([list(s.kda_pages) for s in slots] + [[scr] * n_kda] * pad,
-                                           dtype=torch.long))
+            host += [p for s in slots for p in s.kda_pages] + [scr] * (n_kda * pad)
         if n_mla:
-            rows = [[list(t) + [scr] * (width - len(t)) for t in s.mla_tables] for s in slots]
-            rows += [[[scr] * width] * n_mla] * pad
-            b.tables[:, :, :width].copy_(torch.tensor(rows, dtype=torch.long))
+            host += [p for s in slots for t in s.mla_tables for p in (*t, *[scr] * (width - len(t)))]
+            host += [scr] * (width * n_mla * pad)
+        got = to_device_async(torch.tensor(host, dtype=torch.long), self.device)
+        n = b.head.numel()
+        b.head.copy_(got[:n])
+        if n_mla:
+            b.tables[:, :, :width].copy_(got[n:].view(b.size, n_mla, width))
 
     def _load_pending(self, b: _Bucket, B: int, pending: list | None, lengths: list[int] | None) -> None:
         """Copy a fused verification's pending inputs (per request, every layer's side by side: one copy each) and
         counts into b's buffers (no reallocation): rows past the batch, and every row when nothing is pending, get
         count 0, so whatever their inputs hold is never read."""
         counts = ([0] * B if pending is None else list(lengths)) + [0] * (b.size - B)
-        b.pending_lengths.copy_(torch.tensor(counts, dtype=torch.int32))
+        b.pending_lengths.copy_(to_device_async(torch.tensor(counts, dtype=torch.int32), self.device))  # no wait
         for i, r in enumerate(pending or ()):
             if r is not None and r.shape[0]:
                 b.pending_flat[i, :r.shape[0]].copy_(r)
