@@ -290,7 +290,7 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run_verify(self, tokens: list[list[int]], starts: list[int], slots, pending: list | None = None,
-                   pending_lengths: list[int] | None = None):
+                   pending_lengths: list[int] | None = None, drafts: torch.Tensor | None = None):
         """A speculative verification (k3.serve.runner.ModelRunner.execute) over static buffers: every request runs
         its T positions (T in verify_lengths) without advancing its KDA states -> (logits [B, T, V] fp32, hidden
         [B, T, width], each KDA layer's view of its projected inputs [B, T, ...] (KeptInputsView: views of the next,
@@ -300,7 +300,9 @@ class DecodeGraphs:
         With fused_replay, `pending` (per request its pending positions' kept inputs side by side [n, layers * width],
         as this step outputs them, or None: one copy per request into the buffers) and `pending_lengths` (B counts,
         0 for none) are replayed in front of the windows, the states after them written into the requests' pages;
-        None: nothing pending. Returns None (run eagerly) when a count exceeds T, the pending buffers' length."""
+        None: nothing pending. Returns None (run eagerly) when a count exceeds T, the pending buffers' length.
+        `drafts`: the tokens after each request's first [B, T - 1] on the device (`tokens` holds placeholders there),
+        copied into the buffers on the device."""
         if pending is not None and not self.fused_replay:
             raise ValueError("pending positions given to a verification step without fused replay "
                              "(DecodeGraphs.fused_replay is off)")
@@ -310,7 +312,7 @@ class DecodeGraphs:
                                  f"{len(tokens)} of each")
             if tokens and max(pending_lengths) > len(tokens[0]):
                 return None  # more pending positions than the buffers hold (T of them)
-        got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths))
+        got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths), drafts=drafts)
         if got is None:
             return None
         B, (logits, hidden, flat) = got
@@ -340,10 +342,10 @@ class DecodeGraphs:
         return len(self._static)
 
     # --- internals -----------------------------------------------------------------------------------------------
-    def _run_static(self, tokens, starts, slots, verify: bool, pending=(None, None)):
+    def _run_static(self, tokens, starts, slots, verify: bool, pending=(None, None), drafts=None):
         """The step of `run` (verify=False) or `run_verify` over the buffers of its bucket, replayed when captured ->
         (B, the step's outputs over the whole bucket), or None when it cannot run here. `pending`: a fused
-        verification's (inputs per request, counts), as `run_verify`'s."""
+        verification's (inputs per request, counts), `drafts` its tokens on the device, as `run_verify`'s."""
         if self.disabled is not None:
             return None
         B = len(tokens)
@@ -362,6 +364,8 @@ class DecodeGraphs:
         if bucket is None:
             return None
         self._load(bucket, tokens, starts, slots, width)
+        if drafts is not None:
+            bucket.ids[:B, 1:].copy_(drafts)
         if bucket.pending is not None:
             self._load_pending(bucket, len(tokens), *pending)
         if bucket.graph is not None:

@@ -78,7 +78,8 @@ class ForwardBatch:
     `images` (one entry per request, None for most; never a verification's): image rows of the request's new tokens,
     a list of (offset among its new tokens, rows [n, D]) that replace the embeddings of new tokens offset .. offset
     + n - 1. `ids` (one per request): the requests' ids, which the runner's pending accepted positions are kept
-    under (fused replay: required while any are pending)."""
+    under (fused replay: required while any are pending). `drafts` (a forward of verifications only): their tokens
+    after the first [B, T - 1] on the device (drafts not read back: `tokens` holds placeholders there)."""
     tokens: list[list[int]]
     starts: list[int]
     slots: list[SeqSlots]
@@ -88,12 +89,16 @@ class ForwardBatch:
     features: tuple[int, ...] = ()
     images: list[list[tuple[int, Tensor]] | None] | None = None
     ids: list[str] | None = None
+    drafts: Tensor | None = None
 
     def joined(self, verify: "ForwardBatch") -> "ForwardBatch":
         """This forward of plain requests with the verifications of `verify` (a forward of verifications only) after
         them: one mixed forward."""
         if self.n_verify or verify.n_verify != len(verify.tokens):
             raise ValueError("join a forward of plain requests and one of verifications only")
+        if verify.drafts is not None:
+            raise ValueError("a mixed forward takes its verifications' drafts as host tokens (ForwardBatch.drafts is "
+                             "for a forward of verifications only)")
         if (self.ids is None) != (verify.ids is None):
             raise ValueError("join forwards that both name their requests (ForwardBatch.ids), or neither")
         scores = None if self.scores is None else self.scores + [None] * len(verify.tokens)
@@ -202,6 +207,9 @@ class ModelRunner:
         B, nv = len(batch.tokens), batch.n_verify
         if not 0 <= nv <= B:
             raise ValueError(f"n_verify={nv} for a forward of {B} requests")
+        if batch.drafts is not None and (nv != B or tuple(batch.drafts.shape) != (B, len(batch.tokens[0]) - 1)):
+            raise ValueError(f"ForwardBatch.drafts of shape {tuple(batch.drafts.shape)}: a forward of verifications "
+                             f"only takes [B, T - 1] (here B={B}, n_verify={nv})")
         images = batch.images if batch.images is not None and any(batch.images) else None
         if images is not None:
             if len(images) != B or any(images[B - nv:]):
@@ -228,7 +236,7 @@ class ModelRunner:
                              batch.features, images)
         if nv == B:
             return ForwardResult(None, verified=self._verify(batch.tokens, batch.starts, batch.slots,
-                                                             batch.features, batch.ids))
+                                                             batch.features, batch.ids, batch.drafts))
         res, verified = self._run_mixed(batch.tokens, batch.starts, batch.slots, nv, batch.scores, batch.keep_hidden,
                                         batch.features, images)
         res.verified = verified
@@ -396,7 +404,7 @@ class ModelRunner:
         return ForwardResult(logits, scored, rows)
 
     def _verify(self, tokens: list[list[int]], starts: list[int], slots: list[SeqSlots],
-                features: tuple[int, ...], ids: list[str] | None = None) -> Verified:
+                features: tuple[int, ...], ids: list[str] | None = None, drafts: Tensor | None = None) -> Verified:
         """Run each request's T tokens (its last sampled token and T - 1 drafts, the same T for all) from its own
         position as the rows of one batch: a graph replay when `graphs` verifies T positions (and the batch fits),
         else eagerly. The MLA views write every position's latent rows into the pages (rows past the accepted
@@ -416,7 +424,7 @@ class ModelRunner:
             if self.pending and not fused:  # these graphs verify from committed states: the unfused replay first
                 self.flush(ids)
             rows = [None if e is None else e.flat for e in entries] if fused and any(lengths) else None
-            out = g.run_verify(tokens, starts, slots, rows, lengths if fused else None)
+            out = g.run_verify(tokens, starts, slots, rows, lengths if fused else None, drafts)
             if out is not None:  # a graph replay: the same forward over static buffers
                 if fused:
                     self._replayed(ids, entries)
@@ -428,14 +436,22 @@ class ModelRunner:
             P = max(lengths)
             pending = [self._stacked(entries, gi, P) for gi in range(len(self.layout.kda))]
             logits, hidden, views = verify_replay_on_pool(self.model, self.layout, self.pool,
-                                                          torch.tensor(tokens, device=self.device), kda_pages,
+                                                          self._ids(tokens, drafts), kda_pages,
                                                           self._mla_views(slots, starts), pending, lengths, features)
             self._replayed(ids, entries)
             return Verified(logits, hidden, views, kda_pages)
         logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool,
-                                               torch.tensor(tokens, device=self.device), kda_pages,
+                                               self._ids(tokens, drafts), kda_pages,
                                                self._mla_views(slots, starts), features)
         return Verified(logits, hidden, views, kda_pages)
+
+    def _ids(self, tokens: list[list[int]], drafts: Tensor | None) -> Tensor:
+        """A verification's token ids [B, T] on the device: `tokens`, with the drafts after the first from `drafts`
+        [B, T - 1] where they are on the device."""
+        ids = torch.tensor(tokens, device=self.device)
+        if drafts is not None:
+            ids[:, 1:] = drafts
+        return ids
 
     def _replayed(self, ids: list[str] | None, entries: list[Pending | None]) -> None:
         """Forget the pending positions a fused verification replayed and wrote: the states are at its window's

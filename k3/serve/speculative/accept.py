@@ -114,13 +114,23 @@ def _speculative_sampling(logits: list[torch.Tensor], drafts: list[list[int]], q
     return [drafts[i][:m] + [last[i]] for i, m in enumerate(accepted)]
 
 
-def greedy_targets(logits: torch.Tensor, rows: list[int]) -> dict[int, list[int]]:
+def greedy_targets(logits: torch.Tensor, rows: list[int],
+                   drafts: dict[int, torch.Tensor] | None = None) -> dict[int, list[int]]:
     """The argmax tokens [T] of the verification rows `rows` of logits [B, T, V], read back at once: {row: tokens}.
     Every row greedy (the usual batch): the argmax of the whole tensor, with no index sent to the device and no
-    gather of the rows."""
+    gather of the rows. `drafts` ({row: its draft tokens on the device [k]}, greedy rows of one k): read back in the
+    same transfer, after that row's targets (its list is T + k long)."""
+    drafts = drafts or {}
     if not rows:
+        if drafts:
+            raise ValueError("drafts to read back for rows that are not greedy")
         return {}
-    if rows == list(range(logits.shape[0])):
-        return dict(enumerate(logits.argmax(-1).tolist()))
-    got = logits[torch.tensor(rows, device=logits.device)].argmax(-1).tolist()
-    return dict(zip(rows, got))
+    if set(drafts) - set(rows) or len({d.shape[0] for d in drafts.values()}) > 1:
+        raise ValueError("greedy_targets reads back drafts of greedy rows only, all of one length")
+    every = rows == list(range(logits.shape[0]))
+    top = logits.argmax(-1) if every else logits[torch.tensor(rows, device=logits.device)].argmax(-1)
+    if drafts:
+        k = next(iter(drafts.values())).shape[0]
+        pad = top.new_zeros(k)
+        top = torch.cat([top, torch.stack([drafts.get(r, pad) for r in rows]).to(top.dtype)], dim=1)
+    return dict(zip(rows, top.tolist()))

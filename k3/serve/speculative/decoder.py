@@ -91,6 +91,8 @@ class SpeculativeDecoder:
         self.runner, self.scheduler, self.post, self.cfg, self.release = runner, scheduler, post, cfg, release
         # AttnRes blocks whose outputs the draft reads beside the hidden state (an EAGLE-3 draft's)
         self.features: tuple[int, ...] = tuple(getattr(draft, "features", ()))
+        # whether the draft can leave greedy drafts on the device (MTPDraft.propose's on_device: its captured chains)
+        self.device_drafts = getattr(draft, "chains", None) is not None
         self.stage_times: StageTimes | None = None
 
     def _stage(self, name: str):
@@ -126,20 +128,34 @@ class SpeculativeDecoder:
         lengths = [s.end - s.start for f in first_forwards for s in f if not s.single]
         return bool(lengths) and (self.runner.graphs is None or len(set(lengths)) > 1)
 
-    def propose(self, work: list[Work]) -> list[Proposal]:
-        """The draft's proposals for the speculating works, checked against the number each asked for."""
-        props = self.draft.propose([w.seq for w in work], [w.draft for w in work])
+    def propose(self, work: list[Work], on_device: bool = False) -> list[Proposal]:
+        """The draft's proposals for the speculating works, checked against the number each asked for. `on_device`
+        (a verification of its own follows): greedy drafts of a captured chain may stay on the device
+        (`Proposal.on_device`), where the draft offers that (`device_drafts`)."""
+        seqs, ks = [w.seq for w in work], [w.draft for w in work]
+        props = self.draft.propose(seqs, ks, on_device=True) if on_device and self.device_drafts else \
+            self.draft.propose(seqs, ks)
         for w, p in zip(work, props):
-            if len(p.tokens) != w.draft:
-                raise RuntimeError(f"the draft proposed {len(p.tokens)} tokens for {w.seq.request_id}, "
+            if len(p) != w.draft:
+                raise RuntimeError(f"the draft proposed {len(p)} tokens for {w.seq.request_id}, "
                                    f"{w.draft} were asked for")
         return props
 
     def rows(self, work: list[Work], props: list[Proposal]) -> ForwardBatch:
-        """The verification rows of `work` as a forward (each request's last token and its drafts)."""
-        return ForwardBatch([w.seq.token_range(w.start, w.end) + p.tokens for w, p in zip(work, props)],
+        """The verification rows of `work` as a forward (each request's last token and its drafts). Drafts on the
+        device go as `ForwardBatch.drafts` (placeholders in the tokens) when every request of the forward has
+        them; mixed with host drafts (not a case the draft makes), they are read back."""
+        dev = [p.on_device for p in props if p.tokens is None]
+        drafts = torch.stack(dev) if dev and len(dev) == len(props) else None
+        if dev and drafts is None:
+            for p in props:
+                if p.tokens is None:
+                    p.tokens = p.on_device.tolist()
+        return ForwardBatch([w.seq.token_range(w.start, w.end) + (p.tokens if drafts is None else [0] * len(p))
+                             for w, p in zip(work, props)],
                             [w.start for w in work], [self.scheduler.slots(w.seq) for w in work],
-                            n_verify=len(work), features=self.features, ids=[w.seq.request_id for w in work])
+                            n_verify=len(work), features=self.features, ids=[w.seq.request_id for w in work],
+                            drafts=drafts)
 
     def verify(self, work: list[Work]) -> list[RequestOutput]:
         """Draft, verify, accept and commit the speculative decode steps of this step. Requests with the same
@@ -147,7 +163,7 @@ class SpeculativeDecoder:
         if self.stage_times is not None:
             self.stage_times.cycles += 1
         with self._stage("draft"):
-            props = self.propose(work)
+            props = self.propose(work, on_device=True)
         groups: dict[int, list[int]] = {}
         for i, w in enumerate(work):
             groups.setdefault(w.draft, []).append(i)
@@ -180,7 +196,11 @@ class SpeculativeDecoder:
                 v: Verified) -> tuple[list[RequestOutput], list[int]]:
         """The acceptance of each row and the tokens emitted: (outputs, tokens emitted per request)."""
         outs, emitted = [], []
-        greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0])
+        greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0],
+                                {i: p.on_device for i, p in enumerate(props) if p.tokens is None})
+        for i, p in enumerate(props):  # drafts left on the device: read back with the targets (one read-back)
+            if p.tokens is None:
+                greedy[i], p.tokens = greedy[i][:len(p) + 1], greedy[i][-len(p):] if len(p) else []
         m = self.post.metrics
         # a mixed forward's rows are padded to its longest verification: each request's first k + 1 rows
         n = [len(p.tokens) + 1 for p in props]

@@ -52,9 +52,16 @@ from k3.tensors import to_device_async
 @dataclass
 class Proposal:
     """k draft tokens for one request and the distributions they were drawn from ([k, V] fp32), or None when they
-    were chosen deterministically (greedy drafts: q is one-hot)."""
-    tokens: list[int]
+    were chosen deterministically (greedy drafts: q is one-hot). `on_device` (a proposal asked for with
+    ``on_device=True``: greedy drafts on a captured chain): the tokens [k] on the device, not read back; `tokens` is
+    None until the verification's read-back fills it in (`SpeculativeDecoder`), so drafting never waits for the
+    device."""
+    tokens: list[int] | None
     q: Tensor | None = None
+    on_device: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens) if self.tokens is not None else self.on_device.shape[0]
 
 
 class Draft(Protocol):
@@ -131,13 +138,14 @@ class MTPDraft:
         return self.model.config.hidden_size
 
     @torch.no_grad()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], ks: list[int], on_device: bool = False) -> list[Proposal]:
         """Every drafting step of all requests as one batched forward: the first runs each request's newly observed
         positions (a different number each, right-padded), the later ones one new position per request, each
         against its own context (rows of different lengths, `_RaggedCache`). Equal to `propose_sequential`, which
-        a single request takes (its context grows in place, nothing is copied)."""
+        a single request takes (its context grows in place, nothing is copied). `on_device`: a whole proposal on
+        one captured chain leaves its tokens on the device (`Proposal.on_device`; the others are read back)."""
         if self.chains is not None and seqs and all(s.params.temperature == 0 for s in seqs):
-            out = self.chains.propose(seqs, ks)  # the whole proposal on one captured graph, where it fits one
+            out = self.chains.propose(seqs, ks, on_device)  # the whole proposal on one captured graph, where it fits
             if out is not None:
                 return out
         if len(seqs) == 1:
@@ -549,14 +557,16 @@ class _Chains:
                 return None
         return self.made[key]
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal] | None:
-        return _propose_on_chain(self, seqs, ks)
+    def propose(self, seqs: list[Sequence], ks: list[int], on_device: bool = False) -> list[Proposal] | None:
+        return _propose_on_chain(self, seqs, ks, on_device)
 
 
-def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int]) -> list[Proposal] | None:
+def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int],
+                      on_device: bool = False) -> list[Proposal] | None:
     """A whole greedy proposal (first step and chain) on one captured graph: every request has at most k + 1
     observed positions pending (the steady state: the accepted drafts and the bonus token) and a context that stays
-    within the window; else None (drafted as before)."""
+    within the window; else None (drafted as before). `on_device`: the tokens stay on the device (rows of one
+    [R, k] tensor), nothing is read back."""
     draft = chains.draft
     k = max(ks)
     peeks = [draft._pending(s) for s in seqs]
@@ -574,10 +584,13 @@ def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int]) ->
     if chain is None:  # the capture failed: the pending positions are taken, so draft eagerly from them here
         return None if not prep else _eager_from(draft, seqs, ks, prep)
     starts = [cc.length for cc in contexts]
-    tokens = chain.run_first([p[1] for p in prep], [p[2] for p in prep], contexts).tolist()
+    out = chain.run_first([p[1] for p in prep], [p[2] for p in prep], contexts)
     for i, (cc, p) in enumerate(zip(contexts, prep)):
         cc.append(*chain.new_rows(i, starts[i], p[1].shape[0]))
         cc.keep_last(draft.window)
+    if on_device:
+        return [Proposal(None, on_device=out[i, :k_i]) for i, k_i in enumerate(ks)]
+    tokens = out.tolist()
     return [Proposal(tokens[i][:k_i]) for i, k_i in enumerate(ks)]
 
 

@@ -242,7 +242,8 @@ def test_a_fused_verification_equals_replay_then_verification(monkeypatch):
     checked = []
     orig = ModelRunner._verify
 
-    def both(runner, tokens, starts, slots, features, ids=None):
+    def both(runner, tokens, starts, slots, features, ids=None, drafts=None):
+        assert drafts is None  # the oracle's drafts are host tokens
         lengths = [runner.pending_tokens(i) for i in ids]
         if not any(lengths):
             return orig(runner, tokens, starts, slots, features, ids)
@@ -490,8 +491,8 @@ def test_more_pending_positions_than_a_short_window_verify_eagerly_fused(monkeyp
     seen = []
     orig = type(g).run_verify
 
-    def run_verify(graphs, tokens, starts, slots, pending=None, lengths=None):
-        out = orig(graphs, tokens, starts, slots, pending, lengths)
+    def run_verify(graphs, tokens, starts, slots, pending=None, lengths=None, drafts=None):
+        out = orig(graphs, tokens, starts, slots, pending, lengths, drafts)
         seen.append((len(tokens[0]), max(lengths or [0]), out is None))
         return out
 

@@ -63,6 +63,10 @@ def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does(d
             # the oracle accepts a prefix of each verification (every third draft wrong): replays of every length
             eng = _engine(graphs, fx.OracleDraft(wrong_every=3) if draft == "oracle" else None)
             seen = []  # what the draft observes: (request, first position, hidden states)
+            on_device = []  # per verification forward: whether its drafts came on the device (ForwardBatch.drafts)
+            execute = eng.runner.execute
+            eng.runner.execute = lambda batch, execute=execute, on_device=on_device: (
+                on_device.append(batch.drafts is not None) if batch.n_verify else None, execute(batch))[1]
             observe = eng.draft.observe
             eng.draft.observe = lambda seq, start, h, observe=observe, seen=seen: (
                 seen.append((seq.prompt_ids[0], start, h.clone())), observe(seq, start, h))[1]
@@ -79,6 +83,11 @@ def test_plain_steps_on_static_buffers_feed_the_draft_as_the_eager_runner_does(d
                 assert g.verify_steps > 0 and g.steps > g.verify_steps  # verifications and plain decode steps
                 if draft == "mtp":  # the MTP draft's greedy steps after the first ran on chains of static buffers
                     assert eng.draft.chains is not None and eng.draft.chains.made
+                    # and whole proposals on one chain left their tokens on the device for the verification, which
+                    # read them back with its targets: the same drafts and acceptance as the host's (below)
+                    assert any(on_device) and not all(on_device)
+            if draft == "oracle" or not graphs:
+                assert not any(on_device)
         assert runs[True][0] > 0
         assert runs[True] == runs[False]  # the same drafts were proposed and accepted
         # the same hidden states observed at the same positions (the static step's fixed-split paged attention sums in
@@ -192,5 +201,40 @@ def test_speculation_on_static_buffers_with_every_fused_decode_kernel(interprete
         eng.spec_switch = AlternatingSwitch()
         fx._check(fx._run(eng, [list(zip(prompts, params))]), params)
         assert eng.metrics.spec_verifications > 0 and eng.runner.graphs.steps > 0
+    finally:
+        model.set_backends(None)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+def test_a_verification_of_drafts_on_the_device_equals_one_of_host_tokens(graphs):
+    # ForwardBatch.drafts (a proposal's tokens left on the device): the verification, eager or on static buffers,
+    # runs the same ids as one whose tokens hold the drafts (the same logits, bit for bit); a mixed forward or a
+    # misshapen tensor is refused by name
+    from k3.serve.runner import ForwardBatch
+
+    model = fx._model()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    try:
+        eng = _engine(graphs)
+        eng.spec_switch = None
+        eng.speculative.switch = None
+        seq = eng.add_request(list(fx._prompts(1, 5)[0]), SamplingParams(max_tokens=8, temperature=0))
+        eng.step()  # the prefill: its first token sampled, not yet run through the model
+        start, slots = seq.num_computed, eng.scheduler.slots(seq)
+        last = seq.token_range(start, start + 1)
+
+        def verify(tokens, drafts=None):
+            return eng.runner.execute(ForwardBatch([tokens], [start], [slots], n_verify=1, ids=[seq.request_id],
+                                                   drafts=drafts)).verified.logits
+
+        want = verify(last + [5, 6, 7])
+        assert torch.equal(verify(last + [0, 0, 0], torch.tensor([[5, 6, 7]])), want)
+        assert not graphs or eng.runner.graphs.verify_steps == 2  # both on the static buffers
+        with pytest.raises(ValueError, match=r"ForwardBatch.drafts of shape \(1, 2\)"):
+            verify(last + [0, 0, 0], torch.tensor([[5, 6]]))
+        plain = ForwardBatch([last], [start], [slots], ids=[seq.request_id])
+        with pytest.raises(ValueError, match="mixed forward"):
+            plain.joined(ForwardBatch([last + [0]], [start], [slots], n_verify=1, ids=[seq.request_id],
+                                      drafts=torch.tensor([[5]])))
     finally:
         model.set_backends(None)

@@ -139,6 +139,17 @@ def test_greedy_acceptance_with_targets_read_back_for_the_batch():
             assert len(want) == n + 1
     with pytest.raises(ValueError, match="target tokens"):
         accept(logits[0], [1, 2, 3], None, params, target=[1, 2])
+    # drafts left on the device read back in the same transfer, after their row's targets (rows without: zeros)
+    drafts = {0: torch.tensor([7, 8, 9]), 2: torch.tensor([1, 2, 3])}
+    both = greedy_targets(logits, [0, 1, 2], drafts)
+    assert both == {0: argmax[0] + [7, 8, 9], 1: argmax[1] + [0, 0, 0], 2: argmax[2] + [1, 2, 3]}
+    assert greedy_targets(logits, [2, 0], drafts) == {2: argmax[2] + [1, 2, 3], 0: argmax[0] + [7, 8, 9]}
+    with pytest.raises(ValueError, match="greedy rows only"):
+        greedy_targets(logits, [0], drafts)
+    with pytest.raises(ValueError, match="all of one length"):
+        greedy_targets(logits, [0, 2], {0: torch.tensor([7, 8]), 2: torch.tensor([1, 2, 3])})
+    with pytest.raises(ValueError, match="not greedy"):
+        greedy_targets(logits, [], drafts)
 
 
 def test_a_verification_decided_together_equals_each_request_alone():

@@ -72,14 +72,14 @@ def _run_recorded(eng, prompts, params):
     proposed = []
     inner = eng.draft.propose
 
-    def record(seqs, ks):
-        out = inner(seqs, ks)
-        proposed.extend(tuple(p.tokens) for p in out)
+    def record(seqs, ks, **kw):
+        out = inner(seqs, ks, **kw)
+        proposed.extend(out)  # drafts left on the device get their tokens at the verification's read-back
         return out
 
     eng.draft.propose = record
     out = _run(eng, prompts, params)
-    return out, (proposed, eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
+    return out, ([tuple(p.tokens) for p in proposed], eng.metrics.draft_tokens_accepted, eng.metrics.spec_verifications)
 
 
 def test_eagle3_draft_from_its_directory_matches_plain_decoding(tmp_path):
