@@ -446,8 +446,9 @@ class _Chain:
         # first > 0: the chain begins with the first drafting step over up to `first` observed positions per row
         # (hidden states h [rows, first, D] and next tokens ids [rows, first], right-padded, counts [rows])
         self.h = like_h.new_zeros(rows, max(first, 1), like_h.shape[-1])
-        self.ids = torch.zeros(rows, first, dtype=torch.long, device=like_h.device)
-        self.counts = torch.zeros(rows, dtype=torch.long, device=like_h.device)
+        # the next tokens [rows, first] and the counts [rows]: columns of one buffer, filled by one copy
+        self.ids_counts = torch.zeros(rows, first + 1, dtype=torch.long, device=like_h.device)
+        self.ids, self.counts = self.ids_counts[:, :first], self.ids_counts[:, first]
         self.cache = _StaticRaggedCache(rows, length, like_c, like_kr, shared, steps=(1, first) if first else (1,))
         self.graph = None
         self.tokens: Tensor | None = None
@@ -480,9 +481,7 @@ class _Chain:
         for i, t in enumerate(ids):
             host[i, :t.shape[0]] = t
             host[i, -1] = t.shape[0]
-        host = to_device_async(host, self.ids.device)  # one transfer
-        self.ids.copy_(host[:, :-1])
-        self.counts.copy_(host[:, -1])
+        self.ids_counts.copy_(to_device_async(host, self.ids.device))  # one transfer, one copy
         self.cache.fill(contexts)
         if self.graph is None:
             return self._body()[:R]
