@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from k3.model.cache import MLACache
+from k3.ops.mla_append import mla_append_any
 from k3.ops.mla_decode import default_num_splits
 from k3.ops.registry import notice
 from k3.serve.sampling import SamplingParams, sample_rows
@@ -376,9 +377,10 @@ class _StaticRaggedCache(_RaggedCache):
     Where the layer's decode attention runs on the paged kernel (`LatentAttention.paged_kernel_used`: on a GPU with
     the fast backends, as the engine's captured decode steps), the buffers are its page pool: row b is one page of
     Lb tokens, and query t of row b (at position lengths[b] + t) reads its first lengths[b] + t + 1 tokens, so a
-    drafting step's attention is the paged kernel's few launches instead of the absorbed form's ~25 (masks, fp32
-    copies of the buffers and of w_kc/w_vc, einsums, softmax) per step. `steps`: the query counts T a step may have
-    (the tables of its query rows, [Rb * T, 1], made here, before any capture)."""
+    drafting step's attention is the decode steps' few launches (the rows written and the lengths made by op
+    mla_append, the paged kernel, the value absorption) instead of the absorbed form's ~25 (masks, fp32 copies of
+    the buffers and of w_kc/w_vc, einsums, softmax) and the indexed writes' ~5. `steps`: the query counts T a step
+    may have (the tables of its query rows, [Rb * T, 1], made here, before any capture)."""
 
     check = False  # the buffers' lengths are valid by construction: nothing read back
 
@@ -395,8 +397,6 @@ class _StaticRaggedCache(_RaggedCache):
             self.c, self.k_rope = self.kv[..., :R], self.kv[..., R:]
             self.filled = torch.zeros(rows, dtype=torch.long, device=dev)
             self._rows = torch.arange(rows, device=dev)
-        T = max(steps)
-        self._steps = torch.arange(T, device=dev)
         self._tables = {t: self._rows.repeat_interleave(t)[:, None] for t in set(steps)}
         self._splits: dict[tuple[int, int], int] = {}  # (query rows, heads) -> the paged kernel's fixed split count
 
@@ -404,14 +404,14 @@ class _StaticRaggedCache(_RaggedCache):
         T = q.shape[1]
         if T not in self._tables or not attn.paged_kernel_used():
             return super().attend(attn, q, c, k_rope)
-        pos = self.lengths[:, None] + self._steps[:T]  # [B, T]
-        self.kv[self._rows[:, None].expand(-1, T), pos] = torch.cat([c, k_rope], dim=-1).to(self.kv.dtype)
+        # the new rows written at each row's length, and query t of row b's length (its own position + 1: causal),
+        # as the decode steps write theirs (op mla_append: one kernel where the registry picks it)
+        seen = mla_append_any(self.kv, self._tables[1], self.lengths, c, k_rope, attn.backends)
         self.lengths = self.lengths + T
-        key = (pos.numel(), q.shape[2])
+        key = (seen.numel(), q.shape[2])
         if key not in self._splits:  # fixed per shape (from the buffer's length), as a captured step needs
             self._splits[key] = default_num_splits(key[0], key[1], self.kv.shape[1], self.kv.device)
-        # query t of row b sees its row's tokens up to its own position
-        return attn.paged(q, self.kv, self._tables[T], (pos + 1).flatten(), self._splits[key])
+        return attn.paged(q, self.kv, self._tables[T], seen, self._splits[key])
 
     def fill(self, caches: list[MLACache]) -> None:
         lens = [cc.length for cc in caches]
