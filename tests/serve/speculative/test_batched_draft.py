@@ -243,6 +243,51 @@ def test_gpu_captured_greedy_chains_equal_the_eager_drafts(kind):
     assert chained.chains.made and all(c.graph is not None for c in chained.chains.made.values())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_whole_proposal_on_device_does_not_wait_for_the_device():
+    # the steady state's whole proposal on one captured chain, asked for on the device (what the speculative decoder
+    # does before a verification of its own): no synchronization with the device (torch's sync debug mode), and the
+    # tokens, read back afterwards, are those the host-read proposal gives from the same state
+    import copy
+    import warnings
+
+    from k3.ops.registry import Backends
+
+    model = _model().cuda().to(torch.bfloat16)
+    model.set_backends(Backends(default="fast"))
+    draft = _draft("mtp", model, chain_graphs=True)
+    width = _width(draft)
+    seqs = _seqs([7, 30, 12], 0.0, seed=2)
+    g = torch.Generator().manual_seed(1)
+    for s in seqs:
+        draft.observe(s, 0, torch.randn(s.num_computed, width, generator=g).cuda().to(torch.bfloat16))
+    draft.propose(seqs, [3] * 3)
+
+    def advance():
+        for s in seqs:
+            s.prompt_ids.append(1)
+            s.num_computed += 1
+            draft.observe(s, s.num_computed - 1, torch.randn(1, width, generator=g).cuda().to(torch.bfloat16))
+
+    advance()
+    draft.propose(seqs, [3] * 3)  # the whole-proposal chain captured
+    advance()
+    ctx = copy.deepcopy(draft._ctx)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = draft.propose(seqs, [3] * 3, on_device=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert all(p.tokens is None and p.on_device.shape == (3,) for p in got)
+    draft._ctx = ctx  # the same state again, read back on the host
+    assert [p.on_device.tolist() for p in got] == [p.tokens for p in draft.propose(seqs, [3] * 3)]
+
+
 def test_a_failed_chain_capture_drafts_eagerly_with_the_same_drafts(monkeypatch):
     # a capture that fails (on a GPU: an op that reads back under capture) says so once and drafts eagerly from the
     # positions the chain had taken, with the same drafts; later proposals stay eager

@@ -238,3 +238,42 @@ def test_a_verification_of_drafts_on_the_device_equals_one_of_host_tokens(graphs
                                       drafts=torch.tensor([[5]])))
     finally:
         model.set_backends(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_captured_verification_of_drafts_on_the_device_does_not_wait_for_the_device():
+    # the verification a whole proposal's drafts go into (ForwardBatch.drafts) as a graph replay: its inputs reach the
+    # buffers through pinned memory and device copies, so nothing in it synchronizes with the device (torch's sync
+    # debug mode); its logits equal the verification of the same tokens from the host
+    import copy
+    import warnings
+
+    from k3.serve.runner import ForwardBatch
+
+    model = copy.deepcopy(fx._model()).cuda().set_dtype(torch.bfloat16).set_backends(Backends(per_op=GRAPH_OPS))
+    eng = LLMEngine(model, None, EngineConfig(
+        cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp", num_draft_tokens=3,
+        cuda_graphs=True, scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+    eng.eos_id = None
+    seq = eng.add_request(list(fx._prompts(1, 5)[0]), SamplingParams(max_tokens=8, temperature=0))
+    eng.step()
+    start, slots = seq.num_computed, eng.scheduler.slots(seq)
+    last = seq.token_range(start, start + 1)
+
+    def verify(tokens, drafts=None):
+        return eng.runner.execute(ForwardBatch([tokens], [start], [slots], n_verify=1, ids=[seq.request_id],
+                                               drafts=drafts)).verified.logits
+
+    want = verify(last + [5, 6, 7]).clone()  # the bucket captured
+    drafts = torch.tensor([[5, 6, 7]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = verify(last + [0, 0, 0], drafts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert eng.runner.graphs.replays >= 2 and torch.equal(got, want)
