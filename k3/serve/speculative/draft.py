@@ -80,6 +80,12 @@ class Draft(Protocol):
     def forget(self, seq: Sequence) -> None:
         """Drop what is kept for seq."""
 
+    # Optional, as MTPDraft offers them: `warm_up()`, run by LLMEngine.warm_up on a GPU (the draft's kernels tuned
+    # before a request waits for them); `chains` (not None: captured greedy chains) with `propose(seqs, ks,
+    # on_device=True)`, whose greedy proposals may leave their tokens on the device (Proposal.on_device) for the
+    # verification to read back with its targets (SpeculativeDecoder.device_drafts). A draft without them drafts
+    # on the host and is not warmed up.
+
 
 @dataclass
 class _Context:
