@@ -13,7 +13,7 @@ from k3.ops.gate_norm import gate_norm
 from k3.ops.kda_backend import kda as kda_mix
 from k3.ops.kda_backend import short_conv
 from k3.ops.kda_decode import KDAStore, kda_decode
-from k3.ops.kda_replay import kda_replay_any
+from k3.ops.kda_replay import kda_replay_any, kda_replay_layers_any
 from k3.ops.kda_verify_step import kda_verify_step_any
 from k3.ops.registry import Backends, dispatch
 
@@ -158,3 +158,18 @@ class KimiDeltaAttention(nn.Module):
                                 self.A_log, self.dt_bias, self.lower_bound, self.o_norm.weight, self.o_norm.eps, store,
                                 backends=self.backends)
         return self.o_proj(r.y), KDAInputs(pre, r.q, r.k, r.v, z, beta_logits)
+
+
+def replay_layers(layers: list[KimiDeltaAttention], k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
+                  beta_logits: torch.Tensor, pre_conv: torch.Tensor, state: torch.Tensor, conv: torch.Tensor,
+                  lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`KimiDeltaAttention.replay` of G layers at once (one kernel launch where op kda_replay runs its kernel): layer
+    g's kept inputs are k[g], v[g], z[g], beta_logits[g] ([N, L, ...] each) and pre_conv[g] [N, L, 3, P], its
+    committed states state[g * N:(g + 1) * N] and conv tails likewise (layer-major); each under its own gate
+    parameters. Returns the states and conv tails after each request's first lengths[n] positions, layer-major."""
+    if len({layer.lower_bound for layer in layers}) != 1:
+        raise ValueError("replay_layers: the layers' kda_gate_lower_bound differ")
+    A_log = torch.stack([layer.A_log for layer in layers])
+    dt_bias = torch.stack([layer.dt_bias.reshape(-1) for layer in layers])
+    return kda_replay_layers_any(k, v, z, beta_logits, pre_conv, A_log, dt_bias, layers[0].lower_bound, state, conv,
+                                 lengths, backends=layers[0].backends)

@@ -13,7 +13,11 @@ its [K, BV] slice of the state in registers, loops over the row's accepted posit
 device) doing per position the key's L2 normalization, the decay gate from z, A_log and dt_bias, sigmoid(beta),
 the decay, the delta-rule read and write, and writes the slice back once: the state is read once and written
 once, whatever the number of accepted tokens (no outputs are computed: the verification already produced them).
-The conv tail is a gather of W - 1 inputs per channel, done in PyTorch. The report goes further and fuses the
+The conv tail is a gather of W - 1 inputs per channel, done in PyTorch. `kda_replay_layers_triton` runs G layers
+in one launch (a program per (layer, row, head, value block), each layer under its own A_log and dt_bias), reading
+the inputs through their strides: views of a verification's kept inputs of every layer side by side (the serving
+engine's replay after a static-buffer verification and its flush of pending positions: one launch and one conv-tail
+gather for all KDA layers instead of a dozen operations per layer). The report goes further and fuses the
 replay into the next draft window's verification (short conv, norms, gate, recurrence and output norm in one
 loop): op ``kda_verify_replay`` (k3.ops.kda_verify_replay) runs both recurrences in one kernel (the conv and the
 output norm still outside it; used by the engine with ``--fused-replay``). This kernel is validated on an H200
@@ -76,34 +80,40 @@ def _conv_tail(conv: Tensor, pre_conv: Tensor, n: Tensor) -> Tensor:
 
 
 # --- the fused replay kernel ---------------------------------------------------------------------------------------
-def _replay_kernel(k_ptr, v_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, s_ptr, out_ptr, len_ptr, lower_bound,
-                   L, H, K: tl.constexpr, V, K_PAD: tl.constexpr, BV: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Program (row n, head h, value block j): S[n, h, :, j] through the row's first len[n] positions."""
-    n = tl.program_id(0).to(tl.int64)
+def _replay_kernel(k_ptr, v_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, s_ptr, out_ptr, len_ptr, lower_bound, N, H,
+                   s_kg, s_kn, s_kt, s_vg, s_vn, s_vt, s_zg, s_zn, s_zt, s_bg, s_bn, s_bt, s_ag, s_dg,
+                   K: tl.constexpr, V, K_PAD: tl.constexpr, BV: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Program (row r = layer g * N + request n, head h, value block j): S[r, h, :, j] through request n's first
+    len[n] positions of layer g's inputs (k, z [G, N, L, H, K], v [G, N, L, H, V], beta [G, N, L, H], any strides
+    over layers, requests and positions; a position's heads and their entries contiguous) under layer g's A_log
+    [G, H] and dt_bias [G, H * K] (rows `s_ag`, `s_dg` apart)."""
+    r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    g = r // N
+    n = r % N
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     cm = cols < V
     kk = tl.arange(0, K_PAD)
     km = kk < K
     m2 = km[:, None] & cm[None, :]
-    soff = ((n * H + h) * K + kk)[:, None] * V + cols[None, :]
+    soff = ((r * H + h) * K + kk)[:, None] * V + cols[None, :]
     S = tl.load(s_ptr + soff, mask=m2, other=0.0)
-    A = tl.exp(tl.load(a_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + h * K + kk, mask=km, other=0.0).to(tl.float32)
+    A = tl.exp(tl.load(a_ptr + g * s_ag + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + g * s_dg + h * K + kk, mask=km, other=0.0).to(tl.float32)
     length = tl.load(len_ptr + n)
     for t in range(0, length):
-        base = (n * L + t) * H + h
-        kt = tl.load(k_ptr + base * K + kk, mask=km, other=0.0).to(tl.float32)
+        kt = tl.load(k_ptr + g * s_kg + n * s_kn + t * s_kt + h * K + kk, mask=km, other=0.0).to(tl.float32)
         kt = kt * tl.rsqrt(tl.reduce(kt * kt, 0, _SUM) + 1e-6)
         if ROUND_BF16:  # the reference's l2norm returns the input's dtype
             kt = kt.to(tl.bfloat16).to(tl.float32)
-        x = A * (tl.load(z_ptr + base * K + kk, mask=km, other=0.0).to(tl.float32) + dtb)
+        x = A * (tl.load(z_ptr + g * s_zg + n * s_zn + t * s_zt + h * K + kk, mask=km, other=0.0).to(tl.float32)
+                 + dtb)
         sig = tl.where(x >= 0, 1.0 / (1.0 + tl.exp(-tl.abs(x))), tl.exp(-tl.abs(x)) / (1.0 + tl.exp(-tl.abs(x))))
-        g = lower_bound * sig
-        bl = tl.load(b_ptr + base).to(tl.float32)
+        gt = lower_bound * sig
+        bl = tl.load(b_ptr + g * s_bg + n * s_bn + t * s_bt + h).to(tl.float32)
         beta = tl.where(bl >= 0, 1.0 / (1.0 + tl.exp(-tl.abs(bl))), tl.exp(-tl.abs(bl)) / (1.0 + tl.exp(-tl.abs(bl))))
-        vt = tl.load(v_ptr + base * V + cols, mask=cm, other=0.0).to(tl.float32)
-        S = S * tl.exp(g)[:, None]
+        vt = tl.load(v_ptr + g * s_vg + n * s_vn + t * s_vt + h * V + cols, mask=cm, other=0.0).to(tl.float32)
+        S = S * tl.exp(gt)[:, None]
         kS = tl.reduce(kt[:, None] * S, 0, _SUM)  # [BV]
         S = S + kt[:, None] * (beta * (vt - kS))[None, :]
     tl.store(out_ptr + soff, S, mask=m2)
@@ -117,29 +127,67 @@ def _kernel(interpret: bool):
     return triton.jit(_replay_kernel)
 
 
+def _heads_packed(x: Tensor) -> Tensor:
+    """x [..., H, D] with its last two dims packed (entry stride 1, head stride D), as the kernel reads a position;
+    a copy only where they are not."""
+    return x if x.stride(-1) == 1 and (x.shape[-2] == 1 or x.stride(-2) == x.shape[-1]) else x.contiguous()
+
+
 def kda_replay_triton(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, pre_conv: Tensor,
                       A_log: Tensor, dt_bias: Tensor, lower_bound: float, state: Tensor, conv: Tensor,
                       lengths: list[int]) -> tuple[Tensor, Tensor]:
     """`kda_replay` with the recurrence in one fused Triton kernel (the module docstring); the same arguments and
-    results. `q` is not read: the replay needs only the state."""
-    N, L, H, K = k.shape
+    results. `q` is not read: the replay needs only the state. The inputs are read through their strides (views
+    of a verification's kept inputs need no copy)."""
+    return kda_replay_layers_triton(k[None], v[None], z[None], beta_logits[None], pre_conv[None], A_log[None],
+                                    dt_bias.reshape(1, -1), lower_bound, state, conv, lengths)
+
+
+def kda_replay_layers_triton(k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, pre_conv: Tensor,
+                             A_log: Tensor, dt_bias: Tensor, lower_bound: float, state: Tensor, conv: Tensor,
+                             lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """The replay of G KDA layers at once, one kernel launch for all of them (`kda_replay_layers`): k, z [G, N, L,
+    H, K], v [G, N, L, H, V], beta_logits [G, N, L, H], pre_conv [G, N, L, 3, P] (any strides over layers, requests
+    and positions: views of a verification's kept inputs); layer g's A_log [G, H] and dt_bias [G, H * K]; state
+    [G * N, H, K, V] fp32 and conv [G * N, 3, P, W-1] fp32 (layer-major); lengths: N host ints in [1, L], the same
+    for every layer. Returns (state [G * N, H, K, V] fp32, conv tails [G * N, 3, P, W-1] fp32)."""
+    G, N, L, H, K = k.shape
     V = v.shape[-1]
     _check_lengths(lengths, N, L)
     if k.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the replay kernel takes fp32 or bf16 inputs, got {k.dtype}")
+    if state.shape != (G * N, H, K, V) or A_log.shape != (G, H) or dt_bias.shape != (G, H * K):
+        raise ValueError(f"kda_replay_layers: state {tuple(state.shape)}, A_log {tuple(A_log.shape)} and dt_bias "
+                         f"{tuple(dt_bias.shape)} for G={G} layers of N={N} requests, H={H}, K={K}, V={V}: need "
+                         f"[{G * N}, {H}, {K}, {V}], [{G}, {H}] and [{G}, {H * K}]")
     ok, why = _triton.runnable()
     if not ok:
         raise RuntimeError(f"the KDA replay kernel cannot run: {why}")
     dev = k.device
     n = to_device_async(torch.tensor(lengths, dtype=torch.int32), dev)  # without waiting for the device
-    out = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    out = torch.empty(G * N, H, K, V, device=dev, dtype=torch.float32)
+    k, v, z = _heads_packed(k), _heads_packed(v), _heads_packed(z)
+    beta = beta_logits if beta_logits.stride(-1) == 1 else beta_logits.contiguous()
+    A = A_log if A_log.stride(-1) == 1 else A_log.contiguous()
+    dtb = dt_bias if dt_bias.stride(-1) == 1 else dt_bias.contiguous()
     bv = min(32, 1 << (V - 1).bit_length())
     with torch.cuda.device(dev.index if k.is_cuda else -1):  # the tensors' GPU; -1: no-op
-        _kernel(_triton.interpret())[(N, H, -(-V // bv))](
-            k.contiguous(), v.contiguous(), z.contiguous(), beta_logits.contiguous(), A_log.contiguous(),
-            dt_bias.reshape(H, K).contiguous(), state.float().contiguous(), out, n, float(lower_bound), L, H, K=K,
-            V=V, K_PAD=1 << (K - 1).bit_length(), BV=bv, ROUND_BF16=k.dtype == torch.bfloat16, num_warps=4)
-    return out, _conv_tail(conv, pre_conv, n.long())
+        _kernel(_triton.interpret())[(G * N, H, -(-V // bv))](
+            k, v, z, beta, A, dtb, state.float().contiguous(), out, n, float(lower_bound), N, H,
+            *k.stride()[:3], *v.stride()[:3], *z.stride()[:3], *beta.stride()[:3], A.stride(0), dtb.stride(0),
+            K=K, V=V, K_PAD=1 << (K - 1).bit_length(), BV=bv, ROUND_BF16=k.dtype == torch.bfloat16, num_warps=4)
+    return out, _conv_tail(conv, pre_conv.flatten(0, 1), n.long().repeat(G))
+
+
+def kda_replay_layers(k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, pre_conv: Tensor, A_log: Tensor,
+                      dt_bias: Tensor, lower_bound: float, state: Tensor, conv: Tensor,
+                      lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """`kda_replay` of G layers (the shapes of `kda_replay_layers_triton`), layer by layer: its reference."""
+    G, N = k.shape[:2]
+    # q only shapes the outputs, which a replay does not compute: k stands in for it
+    got = [kda_replay(k[g], k[g], v[g], z[g], beta_logits[g], pre_conv[g], A_log[g], dt_bias[g], lower_bound,
+                      state[g * N:(g + 1) * N], conv[g * N:(g + 1) * N], lengths) for g in range(G)]
+    return torch.cat([s for s, _ in got]), torch.cat([c for _, c in got])
 
 
 register(Op(
@@ -147,6 +195,14 @@ register(Op(
     fast=(Fast("triton", kda_replay_triton, _triton.available, validated=True, cpu=True),),
     tolerance="state 1e-5 of its largest entry (fp32 sums of the K-term reads in another order; sigmoid from "
               "exponentials); the conv tail is the same gather, bit for bit"))
+
+
+def kda_replay_layers_any(*args, backends: Backends | None = None) -> tuple[Tensor, Tensor]:
+    """`kda_replay_layers` where op ``kda_replay`` runs its reference, `kda_replay_layers_triton` where it runs the
+    kernel: G layers in one launch."""
+    if dispatch("kda_replay", args[0], backends).name == "triton":
+        return kda_replay_layers_triton(*args)
+    return kda_replay_layers(*args)
 
 
 def kda_replay_any(*args, backends: Backends | None = None) -> tuple[Tensor, Tensor]:

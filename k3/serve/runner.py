@@ -47,9 +47,10 @@ from torch import Tensor
 
 from k3.model.batch import BatchInfo
 from k3.model.cache import K3Cache, KDAInputs
+from k3.model.kda import replay_layers
 from k3.serve.cache.pool import CachePool
 from k3.serve.cache.views import (KDAMixedView, KDAVerifyView, LayerLayout, PagedMLAView, SeqSlots, flat_inputs,
-                                  inputs_of, layer_views)
+                                  inputs_of, layer_views, replay_inputs_of)
 from k3.serve.cuda_graphs import DecodeGraphs
 from k3.serve.pool_forward import run_on_pool, verify_on_pool, verify_replay_on_pool
 from k3.tensors import to_device_async
@@ -177,6 +178,10 @@ class ReplayedPositions:
             pos = (starts[:, None] + torch.arange(L, device=device)[None]).clamp(max=T - 1)
             self.rows, self.idx = r, (r[:, None], pos)
 
+    def take(self, x: Tensor) -> Tensor:
+        """The picked rows' positions of one verification tensor x [B, T, ...] -> [R, L, ...]."""
+        return x[self.idx].unsqueeze(0) if self.view else x[self.idx]
+
     def __call__(self, inp: KDAInputs) -> KDAInputs:
         take = (lambda x: x[self.idx].unsqueeze(0)) if self.view else (lambda x: x[self.idx])
         return KDAInputs(tuple(take(x) for x in inp.pre_conv), take(inp.q), take(inp.k), take(inp.v), take(inp.z),
@@ -251,7 +256,22 @@ class ModelRunner:
         if not rows:
             return
         pick = ReplayedPositions(rows, offsets, lengths, v.logits.shape[1], self.device)
+        if v.flat is not None:  # a static-buffer verification's kept inputs: every layer in one replay
+            self._replay_layers(v.kda_pages[:, pick.rows], pick.take(v.flat), lengths)
+            return
         self._replay_into(v.kda_pages[:, pick.rows], lambda g: pick(v.kda_views[g].inputs), lengths)
+
+    def _replay_layers(self, pages: Tensor, flat: Tensor, lengths: list[int]) -> None:
+        """Every KDA layer's replay at once (k3.model.kda.replay_layers: one kernel launch on a GPU): the states in
+        pages [n_kda, R] read in one gather, the first lengths[i] positions of row i of `flat` [R, L, layers * width]
+        (every layer's kept inputs side by side) replayed, the states written back in one scatter. The same states
+        as `_replay_into` layer by layer."""
+        cfg = self.model.config
+        ids = pages.flatten()  # layer-major, as replay_layers takes the states
+        state, conv = self.pool.read_kda(ids)
+        layers = [self.model.model.layers[li].self_attn for li in self.layout.kda]
+        self.pool.write_kda(ids, *replay_layers(layers, *replay_inputs_of(flat, len(layers), cfg.kda_num_heads,
+                                                                          cfg.kda_head_dim), state, conv, lengths))
 
     def _replay_into(self, pages: Tensor, inputs, lengths: list[int]) -> None:
         """Each KDA layer g: read the states in pages[g] ([n_kda, R]), replay the first lengths[i] positions of
@@ -306,7 +326,13 @@ class ModelRunner:
         pages = to_device_async(torch.tensor([[p.pages[g] for p in entries] for g in range(len(self.layout.kda))],
                                              dtype=torch.long), self.device)
         lengths = [p.n for p in entries]
-        self._replay_into(pages, lambda g: self._stacked(entries, g, max(lengths)), lengths)
+        P = max(lengths)
+        if len(entries) == 1:  # every layer's pending inputs, as they are kept: a view
+            flat = entries[0].flat[None]
+        else:  # side by side, each request's padded to the longest (the padding never read: lengths)
+            flat = entries[0].flat.new_zeros(len(entries), P, entries[0].flat.shape[-1])
+            torch._foreach_copy_([flat[i, :p.n] for i, p in enumerate(entries)], [p.flat for p in entries])
+        self._replay_layers(pages, flat, lengths)
         for rid, _ in got:
             del self.pending[rid]
 

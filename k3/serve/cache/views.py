@@ -231,6 +231,18 @@ def inputs_of(flat: Tensor, g: int, num_heads: int, head_dim: int) -> KDAInputs:
     return KDAInputs(tuple(part[:3]), *(x.unflatten(-1, (H, K)) for x in part[3:]), beta)
 
 
+def replay_inputs_of(flat: Tensor, layers: int, num_heads: int,
+                     head_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Every KDA layer's kept inputs that a replay reads, as views of `flat` [N, L, layers * width] (`flat_inputs`),
+    layer first: (k, v, z [G, N, L, H, K], beta logits [G, N, L, H], pre-conv q/k/v [G, N, L, 3, H * K]); nothing
+    copied (k3.model.kda.replay_layers reads them through their strides)."""
+    H, K = num_heads, head_dim
+    C = H * K
+    x = flat.unflatten(-1, (layers, kept_width(H, K))).movedim(-2, 0)  # [G, N, L, width]
+    k, v, z = (x[..., (3 + i) * C:(4 + i) * C].unflatten(-1, (H, K)) for i in (1, 2, 3))
+    return k, v, z, x[..., 7 * C:7 * C + H], x[..., :3 * C].unflatten(-1, (3, C))
+
+
 def append_paged(pool: CachePool, tables: Tensor, pos: Tensor, c: Tensor, k_rope: Tensor,
                  backends: Backends | None = None):
     """Write each request's T new latent rows (c [B, T, R], k_rope [B, T, Dr]; request b's first at position

@@ -442,12 +442,11 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
 
 
 def test_static_buffer_verifications_make_no_per_layer_views_of_pending_inputs(monkeypatch, graph_ops):
-    # a static-buffer verification copies a request's pending inputs in one piece (Pending.flat); the per-layer
-    # views (Pending.inputs, ~0.4 ms of host time per request at k3-mini) are made only where an eager forward or a
-    # replay reads them (here: the plain steps near max_tokens flush), not at every hold
-    # Nor does the verification make its own layers' views of its kept inputs (KeptInputsView.inputs) where its
-    # accepted positions are held as slices of `flat`: only a commit that replays up to a hash-block boundary reads
-    # them.
+    # a static-buffer verification copies a request's pending inputs in one piece (Pending.flat), and a replay up to
+    # a hash-block boundary (or a flush) replays every layer from the flat inputs at once: neither the pending
+    # positions' per-layer views (Pending.inputs, ~0.4 ms of host time per request at k3-mini) nor the verification's
+    # own (KeptInputsView.inputs) are made at every hold; Pending.inputs is made where an eager forward reads it (here
+    # the windows near max_tokens shorter than the pending positions)
     made, holds, verified, read = [], [], [], []
     monkeypatch.setattr(runner_mod, "inputs_of", lambda *a: made.append(a[1]) or inputs_of(*a))
     monkeypatch.setattr(views_mod, "inputs_of", lambda *a: read.append(a[1]) or inputs_of(*a))
@@ -462,11 +461,8 @@ def test_static_buffer_verifications_make_no_per_layer_views_of_pending_inputs(m
     results, held = drive(eng, [list(zip(prompts, params))], states=False)
     fx._check(results, params)
     layers = len(eng.runner.layout.kda)
-    assert eng.runner.graphs.fused_pending_steps > 0 and len(made) % layers == 0
-    assert len(made) // layers < len(holds) // 2, (len(made), len(holds))
-    steps = eng.runner.graphs.verify_steps
-    # only the replays up to a boundary read a verification's views (each layer once); none of the others
-    assert len(read) == layers * sum(1 for n in verified if n) and len(read) < layers * steps // 2, (len(read), steps)
+    assert eng.runner.graphs.fused_pending_steps > 0 and any(verified) and len(made) % layers == 0
+    assert len(made) // layers < len(holds) // 2 and not read, (made, len(holds), read)
     # read, they are the views of `flat` per layer
     seq = eng.add_request(list(prompts[0]), SamplingParams(max_tokens=fx.LONGEST, temperature=0))
     while not eng.runner.pending_tokens(seq.request_id):

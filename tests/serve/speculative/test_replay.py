@@ -132,8 +132,21 @@ def test_replay_kernel_equals_the_reference(interpret, shape, dtype):
     assert torch.equal(conv, want_conv)
 
 
-def test_replay_kernel_in_the_engine_keeps_greedy_output(interpret):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+def test_replay_kernel_in_the_engine_keeps_greedy_output(interpret, graphs, monkeypatch):
+    # "static": verifications on static buffers (cuda_graphs="eager"), replayed after acceptance, every layer in one
+    # launch of the kernel from the flat kept inputs (ModelRunner._replay_layers); the paged attention on its
+    # reference (interpreted, its kernel would be most of the time; it has tests of its own)
+    import k3.ops.mla_decode
     from k3.ops.registry import Backends
+
+    import k3.ops.kda_replay
+
+    monkeypatch.setattr(k3.ops.mla_decode, "_use_triton", lambda kv: False)
+    launches = []  # the replays of every layer at once: their inputs' shapes [G, N, L, H, K]
+    real = k3.ops.kda_replay.kda_replay_layers_triton
+    monkeypatch.setattr(k3.ops.kda_replay, "kda_replay_layers_triton",
+                        lambda *a: launches.append(tuple(a[0].shape)) or real(*a))
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.sampling import SamplingParams
 
@@ -144,16 +157,20 @@ def test_replay_kernel_in_the_engine_keeps_greedy_output(interpret):
     model = K3ForCausalLM(cfg).init_weights(seed=3).eval()
     prompt = torch.randint(1, 256, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []
-    for spec, backends in (("off", None), ("mtp", Backends(per_op={"kda_replay": "triton"}))):
+    per_op = {"kda_replay": "triton"} | ({"mla_decode": "triton", "moe": "grouped"} if graphs else {})
+    for spec, backends in (("off", None), ("mtp", Backends(per_op=per_op))):
         model.set_backends(backends)
         eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16,
-                                                  speculative=spec, num_draft_tokens=2))
+                                                  speculative=spec, num_draft_tokens=2, fused_replay=False,
+                                                  cuda_graphs="eager" if graphs and spec != "off" else False))
         eng.eos_id = None
         seq = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=0))
         while eng.has_work():
             eng.step()
         outs.append(seq.output_ids)
     assert eng.metrics.spec_verifications > 0 and outs[0] == outs[1]
+    n_kda = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
+    assert not graphs or (eng.runner.graphs.verify_steps > 0 and launches and {s[0] for s in launches} == {n_kda})
 
 
 @pytest.mark.gpu
@@ -247,3 +264,57 @@ def test_flat_inputs_put_every_layers_kept_inputs_side_by_side_and_views_give_th
         assert got.q.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view, not a copy
     row = flat[1, 1:]  # a request's held positions: the views of a slice are the slices of the views
     assert torch.equal(inputs_of(row, 2, H, K).z, layers[2].z[1, 1:])
+
+
+def _layers_case(G=3, N=2, L=4, H=2, K=16, W=4, dtype=torch.float32, device="cpu", seed=0):
+    """G layers' kept inputs side by side (flat [N, L, G * width]) with their gate parameters and committed states."""
+    from k3.serve.cache.views import kept_width
+
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(N, L, G * kept_width(H, K), generator=g).to(device, dtype)
+    A_log, dt_bias = (torch.randn(G, H, generator=g) * 0.5).to(device), torch.randn(G, H * K, generator=g).to(device)
+    state = torch.randn(G * N, H, K, K, generator=g).to(device)
+    conv = torch.randn(G * N, 3, H * K, W - 1, generator=g).to(device)
+    return flat, A_log, dt_bias, state, conv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_of_every_layer_at_once_equals_each_layer_alone(interpret, dtype):
+    # kda_replay_layers_triton: G layers in one launch, reading each layer's inputs through the strides of views of the
+    # flat kept inputs (k3.serve.cache.views.replay_inputs_of: nothing copied), each under its own A_log and dt_bias;
+    # equal to the reference layer by layer (kda_replay_layers) and to the one-layer kernel on each layer's inputs
+    from k3.ops.kda_replay import kda_replay_layers, kda_replay_layers_triton
+    from k3.serve.cache.views import inputs_of, replay_inputs_of
+
+    G, N, L, H, K = 3, 2, 4, 2, 16
+    flat, A_log, dt_bias, state, conv = _layers_case(G, N, L, H, K, dtype=dtype)
+    k, v, z, beta, pre = replay_inputs_of(flat, G, H, K)
+    assert k.shape == (G, N, L, H, K) and pre.shape == (G, N, L, 3, H * K)
+    assert k.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # views
+    lengths = [3, 1]
+    want_state, want_conv = kda_replay_layers(k, v, z, beta, pre, A_log, dt_bias, -5.0, state, conv, lengths)
+    got_state, got_conv = kda_replay_layers_triton(k, v, z, beta, pre, A_log, dt_bias, -5.0, state, conv, lengths)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (got_state - want_state).abs().max() <= tol * want_state.abs().max()
+    assert torch.equal(got_conv, want_conv)
+    for g in range(G):  # each layer alone, from its own views (inputs_of), as the per-layer path replays it
+        i = inputs_of(flat, g, H, K)
+        s, c = kda_replay_triton(i.q, i.k, i.v, i.z, i.beta_logits, torch.stack(i.pre_conv, 2), A_log[g], dt_bias[g],
+                                 -5.0, state[g * N:(g + 1) * N], conv[g * N:(g + 1) * N], lengths)
+        assert torch.equal(s, got_state[g * N:(g + 1) * N]) and torch.equal(c, got_conv[g * N:(g + 1) * N])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_replay_of_every_layer_at_once_equals_the_reference(dtype):
+    from k3.ops.kda_replay import kda_replay_layers, kda_replay_layers_triton
+    from k3.serve.cache.views import replay_inputs_of
+
+    G, N, L, H, K = 9, 4, 4, 8, 128
+    flat, A_log, dt_bias, state, conv = _layers_case(G, N, L, H, K, dtype=dtype, device="cuda")
+    args = (*replay_inputs_of(flat, G, H, K), A_log, dt_bias, -5.0, state, conv, [1, 2, 3, 4])
+    want_state, want_conv = kda_replay_layers(*args)
+    got_state, got_conv = kda_replay_layers_triton(*args)
+    assert (got_state - want_state).abs().max() <= 1e-5 * want_state.abs().max()
+    assert torch.equal(got_conv, want_conv)

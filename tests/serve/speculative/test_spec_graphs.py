@@ -277,3 +277,48 @@ def test_gpu_a_captured_verification_of_drafts_on_the_device_does_not_wait_for_t
         torch.cuda.set_sync_debug_mode("default")
     assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert eng.runner.graphs.replays >= 2 and torch.equal(got, want)
+
+
+def test_every_layers_replay_at_once_writes_the_states_of_the_layer_by_layer_replay(monkeypatch):
+    # the replay of a static-buffer verification's accepted positions (ModelRunner.replay with Verified.flat: every
+    # KDA layer from the flat kept inputs at once, k3.model.kda.replay_layers) writes the same states and conv tails
+    # into the pages as the per-layer replay (_replay_into over each layer's views) from the same pool; and the
+    # unfused engine it runs in decodes as plain decoding does
+    from k3.serve.runner import ModelRunner, ReplayedPositions
+
+    model = fx._model()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    checked = []
+    real = ModelRunner.replay
+
+    def both(runner, v, rows, offsets, lengths):
+        if v.flat is None or not rows:
+            return real(runner, v, rows, offsets, lengths)
+        before = runner.pool.pages.clone()
+        pick = ReplayedPositions(rows, offsets, lengths, v.logits.shape[1], runner.device)
+        runner._replay_into(v.kda_pages[:, pick.rows], lambda g: pick(v.kda_views[g].inputs), lengths)
+        want = runner.pool.pages.clone()
+        runner.pool.pages.copy_(before)
+        real(runner, v, rows, offsets, lengths)
+        ids = v.kda_pages[:, pick.rows].flatten()
+        for a, b, name in zip(runner.pool.read_kda(ids), _read(runner, want, ids), ("states", "conv tails")):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+        assert torch.equal(runner.pool.pages[:, runner.pool.kda_page_bytes:], want[:, runner.pool.kda_page_bytes:])
+        checked.append(len(rows))
+
+    def _read(runner, pages, ids):
+        now = runner.pool.pages.clone()
+        runner.pool.pages.copy_(pages)
+        got = [t.clone() for t in runner.pool.read_kda(ids)]
+        runner.pool.pages.copy_(now)
+        return got
+
+    monkeypatch.setattr(ModelRunner, "replay", both)
+    try:
+        eng = _engine(True, fx.OracleDraft(wrong_every=3), fused=False)
+        prompts = fx._prompts(7, 3)
+        params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
+        fx._check(fx._run(eng, [list(zip(prompts, params))]), params)
+        assert checked and max(checked) > 1  # one request's replay (views) and several (gathers) both ran
+    finally:
+        model.set_backends(None)
