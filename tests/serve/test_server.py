@@ -389,9 +389,13 @@ def test_64_concurrent_streaming_clients(server, client):
     _wait_idle(engine)
 
 
-def test_client_disconnect_frees_the_request(server, http):
+def test_client_disconnect_frees_the_request(server, http, monkeypatch):
     engine = server.engine
     before = _wait_idle(engine)
+    # steps of 10 ms at least, so the 200 tokens take seconds: on a loaded machine the tiny model could otherwise
+    # finish them before this client has read two chunks, and there would be nothing left to abort
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), step())[1])
     body = {"model": MODEL, "prompt": "A long story", "max_tokens": 200, "temperature": 0, "stream": True}
     rid, got = None, 0
     with http.stream("POST", "/v1/completions", json=body) as r:
