@@ -36,6 +36,9 @@ With `--stage-kernels N`, one more generation under torch.profiler gives `stage_
 kernels that ran in it per cycle (count, ms, the N costliest; counted by their time inside the stage's range, so a
 CUDA graph replay's kernels and Triton's count too; on a CPU the operators' host time instead); `--uncaptured`
 profiles an engine running the same static-buffer steps without capture, for the same kernels launched one by one.
+With `--host-profile N`, one more generation per engine under cProfile gives `host_profile`: the N serving
+functions with the most cumulative host time, as calls and ms per engine step (a read-back's wait for the device
+included), to find the host's share of a step.
 `auto_switch` is the switch's decision per batch bucket, `auto_switch_rates` each arm's median tokens/s over the
 decode-only steps it measured there.
 """
@@ -49,6 +52,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -212,6 +216,40 @@ def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
     return st.per_cycle_ms()
 
 
+def host_profile(engine, prompts, max_tokens: int, top: int) -> dict:
+    """One more generation under cProfile: the host's time per engine step in each of the `top` functions of the
+    serving code (k3 and this file) with the most cumulative time, and the step count. On a GPU whose steps wait
+    for the device only at their read-backs, a function's time is its host work plus any wait inside it (the
+    read-backs: `tolist`, `item`), so the list shows where the host spends a step and where it waits."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    steps = [0]
+    step = engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    try:
+        prof.enable()
+        run(engine, prompts, max_tokens)
+        prof.disable()
+    finally:
+        del engine.step  # the class's again
+    st = pstats.Stats(prof).stats
+    rows = []
+    for (path, line, name), (_, calls, _, cum, _) in st.items():
+        if "/k3/" in path or path.endswith("spec_decode.py"):
+            where = path[path.rfind("/k3/") + 1:] if "/k3/" in path else Path(path).name
+            rows.append((f"{where}:{line}({name})", calls, cum))
+    rows.sort(key=lambda r: -r[2])
+    n = max(steps[0], 1)
+    return {"steps": steps[0], "top": [[f, round(c / n, 2), round(t * 1e3 / n, 4)] for f, c, t in rows[:top]]}
+
+
 def stage_kernels(events, cycles: int, top: int) -> dict[str, dict]:
     """Per stage of the speculative cycle (the ``spec.<stage>`` ranges StageTimes marks), from a profile's `events`:
     the device's work in it, or, when the profile holds no device work at all (CPU), the operators' own host time.
@@ -315,6 +353,9 @@ def main() -> None:
                     help="with --stage-kernels: profile an engine that runs the same static-buffer steps without "
                          "capturing them (cuda_graphs='eager'): the verification's and the other graph steps' kernels "
                          "launched one by one, against the captured engine's replays")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="one more generation per engine under cProfile: `host_profile`, the N serving functions with "
+                         "the most cumulative host time, as calls and ms per engine step (read-backs included)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -387,6 +428,10 @@ def main() -> None:
                 for stage, k in res[mode]["stage_kernels"].items():
                     _log(f"batch {B} {mode} {stage}: {k['count']} {k['kind']}, {k['ms']} ms per cycle; top: "
                          + "; ".join(f"{n} x{c} {ms} ms" for n, c, ms in k["top"]))
+            if args.host_profile:
+                res[mode]["host_profile"] = host_profile(eng, prompts[:B], args.max_tokens, args.host_profile)
+                _log(f"batch {B} {mode}: host ms per step: "
+                     + "; ".join(f"{f} {ms}" for f, _, ms in res[mode]["host_profile"]["top"][:12]))
             _log(f"batch {B} {mode}: {rate:.1f} tok/s, accepted length {res[mode]['mean_accepted_length']}")
             del eng
             free_dropped_engines()  # its cache pool freed before the next engine allocates one
@@ -405,6 +450,7 @@ def main() -> None:
                       if args.stage_times else {}),
                    **({"stage_kernels": {m: res[m]["stage_kernels"] for m in res if "stage_kernels" in res[m]}}
                       if args.stage_kernels else {}),
+                   **({"host_profile": {m: res[m]["host_profile"] for m in res}} if args.host_profile else {}),
                    auto_switch=res["auto"].get("switch"), auto_switch_rates=res["auto"].get("switch_rates"),
                    **({"auto_steps": res["auto"]["steps"]} if "steps" in res["auto"] else {}),
                    **({"replay_tok_s": res["replay"]["tokens_per_s"],

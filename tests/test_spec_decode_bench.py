@@ -200,3 +200,24 @@ def test_a_run_traces_an_auto_engines_steps_by_the_switchs_arm():
     trace = []
     bench.run(off, [list(range(3, 30))], 5, trace)
     assert {t[1] for t in trace} == {"plain"}
+
+
+def test_host_profile_lists_the_serving_functions_by_host_time_per_step():
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=512)
+    model = K3ForCausalLM(cfg).init_weights(seed=0).eval()
+    eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=8.0, speculative="mtp",
+                                              scheduler=SchedulerConfig(max_num_seqs=2)))
+    eng.eos_id = None
+    want, _ = bench.run(eng, [list(range(3, 30))], 8)
+    got = bench.host_profile(eng, [list(range(3, 30))], 8, top=5)
+    assert "step" not in vars(eng)  # the engine's own step again
+    assert got["steps"] >= 2 and len(got["top"]) == 5
+    names = [f for f, _, _ in got["top"]]
+    assert any(f.startswith("k3/serve/engine.py:") and f.endswith("(step)") for f in names)
+    assert all(f.startswith("k3/") or f.startswith("spec_decode.py") for f in names)
+    ms = [m for _, _, m in got["top"]]
+    assert ms == sorted(ms, reverse=True) and ms[0] > 0
+    assert bench.run(eng, [list(range(3, 30))], 8)[0] == want  # the engine decodes as before
