@@ -52,7 +52,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -217,8 +216,8 @@ def stage_times(engine, prompts, max_tokens: int, device) -> dict[str, float]:
 
 
 def host_profile(engine, prompts, max_tokens: int, top: int) -> dict:
-    """One more generation under cProfile: the host's time per engine step in each of the `top` functions of the
-    serving code (k3 and this file) with the most cumulative time, and the step count. On a GPU whose steps wait
+    """One more generation under cProfile: the host's time per engine step in each of the `top` functions of k3 with
+    the most cumulative time, and the step count. On a GPU whose steps wait
     for the device only at their read-backs, a function's time is its host work plus any wait inside it (the
     read-backs: `tolist`, `item`), so the list shows where the host spends a step and where it waits."""
     import cProfile
@@ -242,9 +241,8 @@ def host_profile(engine, prompts, max_tokens: int, top: int) -> dict:
     st = pstats.Stats(prof).stats
     rows = []
     for (path, line, name), (_, calls, _, cum, _) in st.items():
-        if "/k3/" in path or path.endswith("spec_decode.py"):
-            where = path[path.rfind("/k3/") + 1:] if "/k3/" in path else Path(path).name
-            rows.append((f"{where}:{line}({name})", calls, cum))
+        if "/k3/" in path:
+            rows.append((f"{path[path.rfind('/k3/') + 1:]}:{line}({name})", calls, cum))
     rows.sort(key=lambda r: -r[2])
     n = max(steps[0], 1)
     return {"steps": steps[0], "top": [[f, round(c / n, 2), round(t * 1e3 / n, 4)] for f, c, t in rows[:top]]}
