@@ -401,7 +401,9 @@ class DecodeGraphs:
         else:
             logits, hidden, views = verify_on_pool(self.model, self.layout, self.pool, b.ids, b.kda_pages.t(),
                                                    self._mla_views(b), self.features)
-        return logits, hidden, flat_inputs([v.inputs for v in views])
+        # no KDA layer (the all-MLA ablation): nothing kept, an empty [size, T, 0]
+        flat = flat_inputs([v.inputs for v in views]) if views else logits.new_zeros(*logits.shape[:2], 0)
+        return logits, hidden, flat
 
     def _mla_views(self, b: _Bucket) -> list[StaticMLAView]:
         return [StaticMLAView(self.pool, b.tables[:, g], b.positions, b.num_splits)

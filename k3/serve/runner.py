@@ -253,7 +253,7 @@ class ModelRunner:
         lengths[i] - 1 of the verification (KDA rollback by replay, report §5.4.2): from the state now in each
         request's pages (the committed one, or the one a previous `replay` of the same verification left), through
         the kept projected inputs (each KDA layer's `replay`), written back once."""
-        if not rows:
+        if not rows or not self.layout.kda:  # nothing accepted, or no KDA state to advance (all-MLA)
             return
         pick = ReplayedPositions(rows, offsets, lengths, v.logits.shape[1], self.device)
         if v.flat is not None:  # a static-buffer verification's kept inputs: every layer in one replay

@@ -322,3 +322,24 @@ def test_every_layers_replay_at_once_writes_the_states_of_the_layer_by_layer_rep
         assert checked and max(checked) > 1  # one request's replay (views) and several (gathers) both ran
     finally:
         model.set_backends(None)
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["default", "replay-after"])
+def test_a_model_without_kda_layers_speculates_on_static_buffers(fused):
+    # the all-MLA ablation: its static-buffer verification keeps no KDA inputs (an empty [B, T, 0]; flat_inputs of
+    # no layer failed), and a commit has no state to replay; greedy output equals plain decoding
+    from helpers import randomize_
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=512, eos_token_id=0, kda_layers=[],
+                                               full_attn_layers=list(range(1, 6)))
+    model = randomize_(K3ForCausalLM(cfg), seed=4).eval()
+    model.set_backends(Backends(per_op=GRAPH_OPS))
+    outs = []
+    for spec in ("off", "mtp"):
+        eng = LLMEngine(model, None, EngineConfig(cache_memory_mb=8.0, speculative=spec, num_draft_tokens=3,
+                                                  fused_replay=fused, cuda_graphs="eager" if spec == "mtp" else False))
+        eng.eos_id = None
+        outs.append(eng.generate([list(range(3, 40))], SamplingParams(max_tokens=12, temperature=0))[0].output_ids)
+    assert eng.runner.graphs.verify_steps > 0 and outs[0] == outs[1]
