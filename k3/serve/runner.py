@@ -182,6 +182,12 @@ class ReplayedPositions:
         """The picked rows' positions of one verification tensor x [B, T, ...] -> [R, L, ...]."""
         return x[self.idx].unsqueeze(0) if self.view else x[self.idx]
 
+    def kept(self, v: Verified) -> Tensor:
+        """The picked positions of every KDA layer's kept inputs of verification v, side by side ([R, L, layers *
+        width], `flat_inputs`' layout): a view of a static-buffer verification's `flat`, else one copy of the
+        per-layer inputs of an eager (or mixed) one."""
+        return self.take(v.flat) if v.flat is not None else flat_inputs([self(w.inputs) for w in v.kda_views])
+
     def __call__(self, inp: KDAInputs) -> KDAInputs:
         take = (lambda x: x[self.idx].unsqueeze(0)) if self.view else (lambda x: x[self.idx])
         return KDAInputs(tuple(take(x) for x in inp.pre_conv), take(inp.q), take(inp.k), take(inp.v), take(inp.z),
@@ -252,34 +258,23 @@ class ModelRunner:
         """Advance the running states of verified requests `rows` by their positions offsets[i] .. offsets[i] +
         lengths[i] - 1 of the verification (KDA rollback by replay, report §5.4.2): from the state now in each
         request's pages (the committed one, or the one a previous `replay` of the same verification left), through
-        the kept projected inputs (each KDA layer's `replay`), written back once."""
+        the kept projected inputs, every KDA layer in one replay (`_replay_layers`), written back once."""
         if not rows or not self.layout.kda:  # nothing accepted, or no KDA state to advance (all-MLA)
             return
         pick = ReplayedPositions(rows, offsets, lengths, v.logits.shape[1], self.device)
-        if v.flat is not None:  # a static-buffer verification's kept inputs: every layer in one replay
-            self._replay_layers(v.kda_pages[:, pick.rows], pick.take(v.flat), lengths)
-            return
-        self._replay_into(v.kda_pages[:, pick.rows], lambda g: pick(v.kda_views[g].inputs), lengths)
+        self._replay_layers(v.kda_pages[:, pick.rows], pick.kept(v), lengths)
 
     def _replay_layers(self, pages: Tensor, flat: Tensor, lengths: list[int]) -> None:
         """Every KDA layer's replay at once (k3.model.kda.replay_layers: one kernel launch on a GPU): the states in
         pages [n_kda, R] read in one gather, the first lengths[i] positions of row i of `flat` [R, L, layers * width]
         (every layer's kept inputs side by side) replayed, the states written back in one scatter. The same states
-        as `_replay_into` layer by layer."""
+        as each layer's `KimiDeltaAttention.replay` of its own inputs."""
         cfg = self.model.config
         ids = pages.flatten()  # layer-major, as replay_layers takes the states
         state, conv = self.pool.read_kda(ids)
         layers = [self.model.model.layers[li].self_attn for li in self.layout.kda]
         self.pool.write_kda(ids, *replay_layers(layers, *replay_inputs_of(flat, len(layers), cfg.kda_num_heads,
                                                                           cfg.kda_head_dim), state, conv, lengths))
-
-    def _replay_into(self, pages: Tensor, inputs, lengths: list[int]) -> None:
-        """Each KDA layer g: read the states in pages[g] ([n_kda, R]), replay the first lengths[i] positions of
-        inputs(g) (a KDAInputs of [R, L, ...]) and write the states back once."""
-        layers = self.model.model.layers
-        for g, li in enumerate(self.layout.kda):
-            state, conv = self.pool.read_kda(pages[g])
-            self.pool.write_kda(pages[g], *layers[li].self_attn.replay(inputs(g), state, conv, lengths))
 
     # --- fused replay: pending accepted positions ----------------------------------------------------------------
     def hold(self, request_id: str, pages: list[int], v: Verified, row: int, offset: int, n: int) -> None:
@@ -294,13 +289,8 @@ class ModelRunner:
         T = v.logits.shape[1]
         if not (n >= 1 and 0 <= offset and offset + n <= T):
             raise ValueError(f"pending positions {offset} .. {offset + n - 1} lie outside the verification's {T}")
-        sl = slice(offset, offset + n)
-        if v.flat is not None:  # a static-buffer verification's: a slice of it
-            flat = v.flat[row, sl]
-        else:  # an eager or mixed verification's per-layer inputs, put side by side once
-            flat = flat_inputs([KDAInputs(tuple(x[row:row + 1, sl] for x in i.pre_conv), i.q[row:row + 1, sl],
-                                          i.k[row:row + 1, sl], i.v[row:row + 1, sl], i.z[row:row + 1, sl],
-                                          i.beta_logits[row:row + 1, sl]) for i in (w.inputs for w in v.kda_views)])[0]
+        # a static-buffer verification's: a slice of it; an eager or mixed one's per-layer inputs, side by side once
+        flat = ReplayedPositions([row], [offset], [n], T, self.device).kept(v)[0]
         cfg = self.model.config
         if len(pages) != len(self.layout.kda):
             raise ValueError(f"{len(pages)} KDA pages for {len(self.layout.kda)} KDA layers")

@@ -279,11 +279,13 @@ def test_gpu_a_captured_verification_of_drafts_on_the_device_does_not_wait_for_t
     assert eng.runner.graphs.replays >= 2 and torch.equal(got, want)
 
 
-def test_every_layers_replay_at_once_writes_the_states_of_the_layer_by_layer_replay(monkeypatch):
-    # the replay of a static-buffer verification's accepted positions (ModelRunner.replay with Verified.flat: every
-    # KDA layer from the flat kept inputs at once, k3.model.kda.replay_layers) writes the same states and conv tails
-    # into the pages as the per-layer replay (_replay_into over each layer's views) from the same pool; and the
-    # unfused engine it runs in decodes as plain decoding does
+@pytest.mark.parametrize("graphs", [True, False], ids=["static", "eager"])
+def test_every_layers_replay_at_once_writes_the_states_of_the_layer_by_layer_replay(monkeypatch, graphs):
+    # the replay of a verification's accepted positions (ModelRunner.replay: every KDA layer's kept inputs side by
+    # side, a view of a static-buffer verification's Verified.flat or one copy of an eager one's per-layer inputs,
+    # replayed at once by k3.model.kda.replay_layers) writes the same states and conv tails into the pages as each
+    # layer's own KimiDeltaAttention.replay of its inputs from the same pool; and the unfused engine it runs in
+    # decodes as plain decoding does
     from k3.serve.runner import ModelRunner, ReplayedPositions
 
     model = fx._model()
@@ -292,19 +294,23 @@ def test_every_layers_replay_at_once_writes_the_states_of_the_layer_by_layer_rep
     real = ModelRunner.replay
 
     def both(runner, v, rows, offsets, lengths):
-        if v.flat is None or not rows:
+        if not rows:
             return real(runner, v, rows, offsets, lengths)
         before = runner.pool.pages.clone()
         pick = ReplayedPositions(rows, offsets, lengths, v.logits.shape[1], runner.device)
-        runner._replay_into(v.kda_pages[:, pick.rows], lambda g: pick(v.kda_views[g].inputs), lengths)
+        pages = v.kda_pages[:, pick.rows]
+        for g, li in enumerate(runner.layout.kda):  # the reference: layer by layer
+            state, conv = runner.pool.read_kda(pages[g])
+            layer = runner.model.model.layers[li].self_attn
+            runner.pool.write_kda(pages[g], *layer.replay(pick(v.kda_views[g].inputs), state, conv, lengths))
         want = runner.pool.pages.clone()
         runner.pool.pages.copy_(before)
         real(runner, v, rows, offsets, lengths)
-        ids = v.kda_pages[:, pick.rows].flatten()
+        ids = pages.flatten()
         for a, b, name in zip(runner.pool.read_kda(ids), _read(runner, want, ids), ("states", "conv tails")):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
         assert torch.equal(runner.pool.pages[:, runner.pool.kda_page_bytes:], want[:, runner.pool.kda_page_bytes:])
-        checked.append(len(rows))
+        checked.append((v.flat is not None, len(rows)))
 
     def _read(runner, pages, ids):
         now = runner.pool.pages.clone()
@@ -315,11 +321,12 @@ def test_every_layers_replay_at_once_writes_the_states_of_the_layer_by_layer_rep
 
     monkeypatch.setattr(ModelRunner, "replay", both)
     try:
-        eng = _engine(True, fx.OracleDraft(wrong_every=3), fused=False)
+        eng = _engine(graphs, fx.OracleDraft(wrong_every=3), fused=False)
         prompts = fx._prompts(7, 3)
         params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
         fx._check(fx._run(eng, [list(zip(prompts, params))]), params)
-        assert checked and max(checked) > 1  # one request's replay (views) and several (gathers) both ran
+        # one request's replay (views) and several (gathers) both ran, from the verifications' kind of inputs
+        assert {n > 1 for _, n in checked} == {False, True} and {f for f, _ in checked} == {graphs}, checked
     finally:
         model.set_backends(None)
 
