@@ -39,9 +39,14 @@ class LatentAttention(Protocol):
         """Attention against latent rows (c_all [B, L, R], kr_all [B, L, dr]) with an explicit visibility mask
         [B, T, L]: for contexts that are not a causal prefix (the EAGLE-3 training-time test)."""
 
-    def paged(self, q: Tensor, pages: Tensor, tables: Tensor, lengths: Tensor, num_splits: int | None) -> Tensor:
+    def paged(self, q: Tensor, pages: Tensor, tables: Tensor, lengths: Tensor, num_splits: int | None,
+              gate: Tensor | None = None) -> Tensor:
         """Attention straight from a page pool (k3.ops.mla_decode): every query row (B * T, request-major) reads
-        the pages of its block table up to its length; `num_splits` fixed (a CUDA-graph step) or None."""
+        the pages of its block table up to its length; `num_splits` fixed (a CUDA-graph step) or None. `gate`
+        [B, T, H * dv]: the output gate applied too (as `gated`)."""
+
+    def gated(self, gate: Tensor, o: Tensor) -> Tensor:
+        """The output gate sigmoid(gate) * o of an attention output o [B, T, H, dv] (gate [B, T, H * dv])."""
 
     def paged_kernel_used(self) -> bool:
         """Whether `paged` runs on the paged kernel (else on the reference, which reads lengths back)."""
@@ -91,6 +96,11 @@ class MLALayerCache(Protocol):
     def token_positions(self, c: Tensor) -> Tensor:
         """The positions [B, T] the new rows c [B, T, R] will take (in a packed row, each request's own): what the
         RoPE ablation rotates by, before `attend` stores the rows. K3 (NoPE) never asks."""
+
+    # Optional: `attend_gated(attn, q, c, k_rope, gate) -> Tensor`, `attend` with Gated MLA's output gate (gate
+    # [B, T, H * dv]) applied to its result: sigmoid(gate) * o, [B, T, H, dv]. A cache whose attention ends in the
+    # paged decode's value absorption (the serving engine's) offers it, so that the gate runs inside that kernel
+    # (op mla_combine_absorb_v_gate); the layer gates `attend`'s result itself where a cache has no such method.
 
 
 class KDACache:

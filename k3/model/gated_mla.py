@@ -69,6 +69,9 @@ class GatedMLA(nn.Module):
         if self.rope_theta is not None:
             q, k_rope = self._rotate(q, k_rope, self._positions(c, cache, batch))
         if cache is not None:
+            attend_gated = getattr(cache, "attend_gated", None) if gate is not None else None
+            if attend_gated is not None:  # the output gate inside the attention's last kernel where it can be
+                return self.o_proj(attend_gated(self, q, c, k_rope, gate).reshape(B, T, -1))
             return self._gated_out(x, gate, cache.attend(self, q, c, k_rope))
         context = batch.context if batch is not None else None
         if context is not None:  # this segment's queries over the latent gathered from the earlier segments
@@ -147,17 +150,26 @@ class GatedMLA(nn.Module):
         return o.to(q.dtype)
 
     def paged(self, q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-              num_splits: int | None = None) -> torch.Tensor:
+              num_splits: int | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """`gate` [B, T, H * dv]: the output gate applied too (`gated`), in the absorption's kernel where the
+        registry picks op mla_combine_absorb_v_gate."""
         B, T = q.shape[:2]
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.dn, self.dv)
         q_nope, q_rope = q.reshape(B * T, self.num_heads, -1).split([self.dn, self.dr], dim=-1)
         # opaque to a compiled decode step (the engine's --compile-decode): Inductor cannot re-emit the Triton kernel
         o = opaque(mla_decode_absorbed)(q_nope, q_rope, pages, tables, lengths, w_kc, w_vc, self.scale,
-                                        num_splits=num_splits, backends=self.backends)
+                                        num_splits=num_splits, backends=self.backends,
+                                        gate=None if gate is None else gate.reshape(B * T, -1))
         return o.view(B, T, self.num_heads, self.dv)
 
     def paged_kernel_used(self) -> bool:
         return paged_kernel_used(self.kv_b_proj.weight.device, self.backends)
+
+    def gated(self, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The output gate sigmoid(gate) * o of the attention o [B, T, H, dv], gate [B, T, H * dv] (op mla_gate):
+        what an `attend_gated` returns where its form does not apply the gate itself."""
+        B, T = gate.shape[:2]
+        return mla_gate_any(gate, o.reshape(B, T, -1), o.dtype, backends=self.backends).view(o.shape)
 
     def _gated_out(self, x: torch.Tensor, gate: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
         """Output gate and projection: o_proj(sigmoid(gate) * o), gate = g_proj x, o of any shape [B, T, ...];

@@ -63,7 +63,7 @@ from torch import Tensor
 
 from k3.ops import _triton
 from k3.ops.mla import mla_absorbed
-from k3.ops.mla_out import mla_absorb_v_any
+from k3.ops.mla_out import mla_absorb_v_any, mla_gate_any
 from k3.ops.registry import REFERENCE, Backends, Fast, Op, Target, dispatch, register, runs_on
 
 __all__ = [
@@ -487,7 +487,7 @@ def mla_decode_paged(q_lat: Tensor, q_rope: Tensor, kv: Tensor, block_table: Ten
 
 def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table: Tensor, kv_len: Tensor,
                         w_kc: Tensor, w_vc: Tensor, scale: float, num_splits: int | None = None,
-                        backends: Backends | None = None) -> Tensor:
+                        backends: Backends | None = None, gate: Tensor | None = None) -> Tensor:
     """:func:`k3.ops.mla.mla_absorbed` for one query per request (Tq = 1, at position kv_len - 1) against the
     paged cache: absorbs ``w_kc`` into the query and ``w_vc`` into the output around :func:`mla_decode_paged`.
 
@@ -496,9 +496,12 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
         kv, block_table, kv_len, scale, num_splits: as in :func:`mla_decode_paged`.
         w_kc: [H, Dn, R], w_vc: [H, Dv, R] (see :func:`k3.ops.mla.split_kv_b`).
         backends: picks the value absorption's implementation (op ``mla_absorb_v``, k3.ops.mla_out).
+        gate: [B, H * Dv] or None: Gated MLA's output gate applied to o (``sigmoid(gate) * o``, op ``mla_gate``
+            on o rounded to ``q_nope.dtype``), inside the absorption's kernel where the registry picks op
+            ``mla_combine_absorb_v_gate``.
 
     Returns:
-        o: [B, H, Dv] in ``q_nope.dtype`` (everything up to the cast in fp32).
+        o: [B, H, Dv] in ``q_nope.dtype`` (everything up to the cast in fp32), gated with ``gate``.
     """
     if not isinstance(q_nope, Tensor) or q_nope.ndim != 3:
         raise ValueError(f"q_nope must be a 3-D tensor [B, H, Dn], got {getattr(q_nope, 'shape', q_nope)}")
@@ -513,6 +516,9 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
     for name, t in (("w_kc", w_kc), ("w_vc", w_vc)):
         if not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
+    if gate is not None and (not isinstance(gate, Tensor) or gate.shape != (q_nope.shape[0], H * w_vc.shape[1])):
+        raise ValueError(f"gate must have shape [B={q_nope.shape[0]}, H * Dv={H * w_vc.shape[1]}], got "
+                         f"{getattr(gate, 'shape', gate)}")
     if q_nope.is_cuda and q_nope.dtype in (torch.bfloat16, torch.float16) and w_kc.dtype == q_nope.dtype:
         # one batched GEMM accumulating and writing fp32 (aten bmm.dtype, CUDA): the products of two bf16 values are
         # exact in fp32, so this is the fp32 einsum below up to summation order, without its casts (an fp32 copy of
@@ -520,14 +526,22 @@ def mla_decode_absorbed(q_nope: Tensor, q_rope: Tensor, kv: Tensor, block_table:
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_kc, out_dtype=torch.float32).transpose(0, 1)
     else:
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_kc.float())
+    if gate is not None and _use_triton(kv):
+        gated = dispatch("mla_combine_absorb_v_gate", q_lat, backends)
+        if gated.name != REFERENCE:  # the split partials combined, absorbed and gated in one kernel
+            part, lse = mla_decode_paged_triton(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits,
+                                                partials=True)
+            return gated.fn(part, lse, w_vc, gate, q_nope.dtype)
     fused = dispatch("mla_combine_absorb_v", q_lat, backends) if _use_triton(kv) else None
     if fused is not None and fused.name != REFERENCE:
         # the split partials combined inside the absorption's kernel: one kernel fewer per layer and step
         part, lse = mla_decode_paged_triton(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits,
                                             partials=True)
-        return fused.fn(part, lse, w_vc, q_nope.dtype)
-    o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits)
-    return mla_absorb_v_any(o_lat, w_vc, q_nope.dtype, backends)
+        o = fused.fn(part, lse, w_vc, q_nope.dtype)
+    else:
+        o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, kv_len, scale, R, num_splits)
+        o = mla_absorb_v_any(o_lat, w_vc, q_nope.dtype, backends)
+    return o if gate is None else mla_gate_any(gate, o.reshape(gate.shape), q_nope.dtype, backends).view(o.shape)
 
 
 def paged_available(target: Target) -> tuple[bool, str]:

@@ -22,11 +22,15 @@ of their log-sum-exps) runs before the absorption:
 * `mla_combine_absorb_v_triton` (op ``mla_combine_absorb_v``): the absorption's kernel takes the split partials
   [B, S, H, R] and their lse [B, S, H] instead, and each program combines the partials of the block of latent
   columns it is about to multiply, with the combine kernel's fp32 operations per column: one kernel fewer per MLA
-  layer and step (k3.ops.mla_decode.mla_decode_absorbed asks the registry for it).
+  layer and step (k3.ops.mla_decode.mla_decode_absorbed asks the registry for it);
+* `mla_combine_absorb_v_gate_triton` (op ``mla_combine_absorb_v_gate``): the same kernel applying the output gate
+  to the columns it writes (the absorbed value rounded once, then the gate's fp32 product rounded again, as the
+  two kernels do): one more kernel fewer, where a serving step hands the gate to the attention
+  (`MLALayerCache.attend_gated`).
 
 None has a backward: the model calls them in forwards without gradients only (k3.model.gated_mla), through the
-registry (ops ``mla_absorb_v``, ``mla_gate`` and ``mla_combine_absorb_v``), whose references are the lines above
-written out.
+registry (ops ``mla_absorb_v``, ``mla_gate``, ``mla_combine_absorb_v`` and ``mla_combine_absorb_v_gate``), whose
+references are the lines above written out.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from k3.ops import _triton
 from k3.ops.registry import Backends, Fast, Op, dispatch, register
 
 __all__ = ["combine_splits", "mla_absorb_v", "mla_absorb_v_any", "mla_absorb_v_triton", "mla_combine_absorb_v",
-           "mla_combine_absorb_v_triton", "mla_gate", "mla_gate_any", "mla_gate_triton"]
+           "mla_combine_absorb_v_gate", "mla_combine_absorb_v_gate_triton", "mla_combine_absorb_v_triton", "mla_gate",
+           "mla_gate_any", "mla_gate_triton"]
 
 tl = None  # triton.language and the combine functions, bound on first use (k3.ops._triton.bind)
 _SUM = None
@@ -83,10 +88,13 @@ def mla_gate(gate: Tensor, o: Tensor, out_dtype: torch.dtype) -> Tensor:
 
 # --- kernels -------------------------------------------------------------------------------------------------------
 def _absorb_kernel(o_ptr, w_ptr, y_ptr, H, R, DV, s_ob, s_oh, s_wh, s_wv, s_yb, s_yh, lse_ptr, S, s_os, s_lb, s_ls,
-                   s_lh, BV: tl.constexpr, BR: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr):
+                   s_lh, g_ptr, s_gb, BV: tl.constexpr, BR: tl.constexpr, COMBINE: tl.constexpr,
+                   BLOCK_S: tl.constexpr, GATE: tl.constexpr):
     """Program (row b, head h, block of BV value columns). COMBINE: o_ptr holds the paged decode's S split partials
     [B, S, H, R] (split stride s_os) and lse_ptr their base-2 log-sum-exps [B, S, H]; the latent output is their
-    combine, as k3.ops.mla_decode's combine kernel computes it, made here for each block of R it multiplies."""
+    combine, as k3.ops.mla_decode's combine kernel computes it, made here for each block of R it multiplies. GATE:
+    the output gate too (g_ptr [B, H * DV], row stride s_gb): the absorbed value rounded to y's dtype, then
+    sigmoid(gate) times it in fp32, rounded again, as the gate kernel computes it from the rounded output."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -113,6 +121,11 @@ def _absorb_kernel(o_ptr, w_ptr, y_ptr, H, R, DV, s_ob, s_oh, s_wh, s_wv, s_yb, 
         w = tl.load(w_ptr + h * s_wh + vs[:, None] * s_wv + rs[None, :], mask=vm[:, None] & rm[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.reduce(w * o[None, :], 1, _SUM)
+    if GATE:
+        g = tl.load(g_ptr + b * s_gb + h * DV + vs, mask=vm, other=0.0).to(tl.float32)
+        e = tl.exp(-tl.abs(g))
+        sig = tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        acc = sig * acc.to(y_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + b * s_yb + h * s_yh + vs, acc.to(y_ptr.dtype.element_ty), mask=vm)
 
 
@@ -150,9 +163,10 @@ def mla_absorb_v_triton(o_lat: Tensor, w_vc: Tensor, out_dtype: torch.dtype) -> 
     return _absorb(o_lat.unsqueeze(1), None, w_vc, out_dtype)
 
 
-def _absorb(part: Tensor, lse: Tensor | None, w_vc: Tensor, out_dtype: torch.dtype) -> Tensor:
+def _absorb(part: Tensor, lse: Tensor | None, w_vc: Tensor, out_dtype: torch.dtype,
+            gate: Tensor | None = None) -> Tensor:
     """The absorption kernel over part [B, S, H, R] fp32: S = 1 and no lse, the latent output itself; else split
-    partials combined by their lse [B, S, H]."""
+    partials combined by their lse [B, S, H]. `gate` [B, H * Dv]: the output gate applied too."""
     B, S, H, R = part.shape
     Dv = w_vc.shape[1]
     if part.stride(3) != 1:
@@ -166,12 +180,15 @@ def _absorb(part: Tensor, lse: Tensor | None, w_vc: Tensor, out_dtype: torch.dty
     # a [splits, columns] tile of partials per step when combining (as the decode's own combine holds at most)
     br = min(128, 1 << max(R - 1, 1).bit_length(), max(16, 8192 // block_s) if combine else 128)
     ls = lse.stride() if combine else (0, 0, 0)
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
     if B:
         with torch.cuda.device(part.device.index if part.is_cuda else -1):
             _kernels(_triton.interpret())[0][(B, H, -(-Dv // bv))](
                 part, w_vc, y, H, R, Dv, part.stride(0), part.stride(2), w_vc.stride(0), w_vc.stride(1),
-                y.stride(0), y.stride(1), lse if combine else part, S, part.stride(1), *ls, BV=bv, BR=br,
-                COMBINE=combine, BLOCK_S=block_s, num_warps=4)
+                y.stride(0), y.stride(1), lse if combine else part, S, part.stride(1), *ls,
+                part if gate is None else gate, 0 if gate is None else gate.stride(0), BV=bv, BR=br,
+                COMBINE=combine, BLOCK_S=block_s, GATE=gate is not None, num_warps=4)
     return y
 
 
@@ -217,6 +234,33 @@ def mla_combine_absorb_v_triton(part: Tensor, lse: Tensor | None, w_vc: Tensor, 
     return _absorb(part, lse, w_vc, out_dtype)
 
 
+def _check_gated(part: Tensor, lse: Tensor | None, w_vc: Tensor, gate: Tensor, dtype: torch.dtype) -> None:
+    _check_partials(part, lse, w_vc, dtype)
+    B, _, H, _ = part.shape
+    C = H * w_vc.shape[1]
+    if not isinstance(gate, Tensor) or gate.shape != (B, C) or not gate.dtype.is_floating_point:
+        raise ValueError(f"gate must be a floating tensor [B={B}, H * Dv={C}], got "
+                         f"{tuple(gate.shape) if isinstance(gate, Tensor) else type(gate).__name__}")
+
+
+def mla_combine_absorb_v_gate(part: Tensor, lse: Tensor | None, w_vc: Tensor, gate: Tensor,
+                              out_dtype: torch.dtype) -> Tensor:
+    """The definition (op ``mla_combine_absorb_v_gate``): `mla_combine_absorb_v`, then the output gate (`mla_gate`)
+    with gate [B, H * Dv] (a row-strided slice of the stacked projections' output): y [B, H, Dv] in `out_dtype`."""
+    _check_gated(part, lse, w_vc, gate, out_dtype)
+    o = mla_combine_absorb_v(part, lse, w_vc, out_dtype)
+    return mla_gate(gate, o.reshape(gate.shape), out_dtype).view(o.shape)
+
+
+def mla_combine_absorb_v_gate_triton(part: Tensor, lse: Tensor | None, w_vc: Tensor, gate: Tensor,
+                                     out_dtype: torch.dtype) -> Tensor:
+    """`mla_combine_absorb_v_gate` as one kernel: the absorption's programs apply the gate to the columns they
+    write (the module docstring). Forward only."""
+    _check_gated(part, lse, w_vc, gate, out_dtype)
+    _runnable("value absorption", part, w_vc, gate)
+    return _absorb(part, lse, w_vc, out_dtype, gate)
+
+
 def mla_gate_triton(gate: Tensor, o: Tensor, out_dtype: torch.dtype) -> Tensor:
     """`mla_gate` as one Triton kernel (the module docstring). Forward only."""
     _check_gate(gate, o)
@@ -251,6 +295,15 @@ register(Op(
     tolerance="the latent output combined as the decode's combine kernel combines it (the same fp32 operations per "
               "column), then absorbed as mla_absorb_v: fp32 1e-5 of the largest entry, bf16 one bf16 step (two in "
               "the interpreter, which truncates)"))
+
+register(Op(
+    "mla_combine_absorb_v_gate", reference=mla_combine_absorb_v_gate,
+    # not validated: its GPU test (tests/ops/test_mla_out.py, marked gpu) has not run on a GPU yet; `auto` keeps the
+    # combine-absorption kernel and the gate kernel there until it has
+    fast=(Fast("triton", mla_combine_absorb_v_gate_triton, _triton.available, validated=False, cpu=True),),
+    tolerance="the combine-absorption kernel's output rounded to the activations' dtype, then the gate kernel's "
+              "fp32 sigmoid product rounded once: equal to the two kernels run one after the other (the same "
+              "operations), fp32 1e-5 / bf16 two bf16 steps of the largest entry against the reference"))
 
 register(Op(
     "mla_gate", reference=mla_gate,

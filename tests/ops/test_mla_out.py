@@ -13,7 +13,8 @@ import torch
 from helpers import count_fast_calls, rel_err
 from k3.ops.mla import split_kv_b
 from k3.ops.mla_out import (combine_splits, mla_absorb_v, mla_absorb_v_triton, mla_combine_absorb_v,
-                            mla_combine_absorb_v_triton, mla_gate, mla_gate_any, mla_gate_triton)
+                            mla_combine_absorb_v_gate, mla_combine_absorb_v_gate_triton, mla_combine_absorb_v_triton,
+                            mla_gate, mla_gate_any, mla_gate_triton)
 
 
 @pytest.fixture
@@ -98,6 +99,29 @@ def test_interpreted_combined_absorption_matches_the_definition(interpret, dtype
     assert combine_splits(part, lse).shape == (3, 4, 200)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("S", [1, 3])
+def test_interpreted_gated_absorption_is_the_absorption_then_the_gate(interpret, dtype, tol, S):
+    # op mla_combine_absorb_v_gate: the combine-absorption kernel's output rounded, then the gate kernel's product,
+    # in one kernel: bit for bit the two kernels one after the other (the gate a row-strided slice), and the
+    # reference within its tolerance
+    part, lse = _partials(3, S, 4, 200)
+    _, w_vc = _absorb_inputs(3, 4, 16, 40, 200, dtype)
+    lse = None if S == 1 else lse
+    gate, _ = _gate_inputs((3, 4 * 40), dtype)
+    assert gate.stride(0) != gate.shape[1]
+    got = mla_combine_absorb_v_gate_triton(part, lse, w_vc, gate, dtype)
+    two = mla_gate_triton(gate, mla_combine_absorb_v_triton(part, lse, w_vc, dtype).reshape(3, -1), dtype)
+    assert got.shape == (3, 4, 40) and got.dtype == dtype
+    assert torch.equal(got.reshape(3, -1), two)
+    want = mla_combine_absorb_v_gate(part, lse, w_vc, gate, dtype)
+    assert rel_err(got.float(), want.float()) <= tol
+    # not vacuous: the ungated output is far
+    assert rel_err(mla_combine_absorb_v_triton(part, lse, w_vc, dtype).float(), want.float()) > 1e-2
+    with pytest.raises(ValueError, match=r"gate must be a floating tensor \[B=3, H \* Dv=160\]"):
+        mla_combine_absorb_v_gate_triton(part, lse, w_vc, gate[:, :100], dtype)
+
+
 def test_combined_absorption_bad_inputs_are_named(interpret):
     part, lse = _partials(2, 3, 4, 32)
     _, w_vc = _absorb_inputs(2, 4, 16, 8, 32, torch.float32)
@@ -165,6 +189,38 @@ def test_the_engine_with_the_kernels_keeps_greedy_output(interpret, monkeypatch)
     assert "mla_absorb_v" in calls and "mla_gate" in calls and outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("graphs", [False, "eager"], ids=["eager-runner", "static-buffers"])
+def test_the_gate_inside_the_absorption_keeps_greedy_output(interpret, monkeypatch, graphs):
+    # a served tiny model (fp32) speculating with its MTP layer, the gate applied inside the combine-absorption
+    # kernel (op mla_combine_absorb_v_gate) by the pool's views (eager runner, static-buffer steps) and the draft's
+    # chains: the greedy tokens of the two kernels one after the other, and the kernel was called
+    from k3.config import K3Config
+    from k3.model.model import K3ForCausalLM
+    from k3.ops.registry import Backends
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    calls = count_fast_calls(monkeypatch, "mla_combine_absorb_v_gate")
+    cfg = K3Config.from_preset("tiny").replace(vocab_size=256)
+    m = K3ForCausalLM(cfg).init_weights(seed=2).eval()
+    prompt = torch.randint(1, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    base = {"mla_decode": "triton", "moe": "grouped", "mla_combine_absorb_v": "triton"}
+    outs = []
+    for extra in ({}, {"mla_combine_absorb_v_gate": "triton"}):
+        m.set_backends(Backends(per_op={**base, **extra}))
+        eng = LLMEngine(m, None, EngineConfig(cache_memory_mb=4.0, page_tokens=32, hash_block_tokens=16,
+                                              speculative="mtp", num_draft_tokens=2, cuda_graphs=graphs))
+        eng.eos_id = None
+        seq = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0))
+        while eng.has_work():
+            eng.step()
+        outs.append(seq.output_ids)
+        if not extra:
+            assert not calls
+    m.set_backends(None)
+    assert calls and outs[0] == outs[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B", [1, 16, 64])
@@ -183,3 +239,13 @@ def test_gpu_kernels_match_the_definitions(B, H, R):
                                mla_combine_absorb_v(part, lse, w_vc, dtype).float()) <= tol
             gate, o = _gate_inputs((B, H * 128), dtype, device="cuda")
             assert rel_err(mla_gate_triton(gate, o, dtype).float(), mla_gate(gate, o, dtype).float()) <= max(tol, 1e-6)
+            # the gate inside the combine-absorption kernel (op mla_combine_absorb_v_gate): the two kernels' values
+            for S in (1, 16):
+                part, lse = _partials(B, S, H, R, device="cuda")
+                lse = None if S == 1 else lse
+                got = mla_combine_absorb_v_gate_triton(part, lse, w_vc, gate, dtype)
+                two = mla_gate_triton(gate, mla_combine_absorb_v_triton(part, lse, w_vc, dtype).reshape(B, -1), dtype)
+                near = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+                assert rel_err(got.reshape(B, -1).float(), two.float()) <= near
+                assert rel_err(got.float(), mla_combine_absorb_v_gate(part, lse, w_vc, gate, dtype).float()) <= \
+                    max(tol, 2 ** -6 if dtype == torch.bfloat16 else 1e-5)

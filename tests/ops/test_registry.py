@@ -50,11 +50,14 @@ def test_every_op_registers_its_facts():
         "attn_res_norm": ["triton"], "mla_absorb_v": ["triton"], "mla_gate": ["triton"],
         "moe_gemv": ["triton"], "moe_combine_norm": ["triton"], "mla_append": ["triton"], "rms_norm_pair": ["triton"],
         "kda_decode_decay_proj": ["triton"], "moe_route_round": ["triton"], "moe_out": ["triton"],
-        "mla_combine_absorb_v": ["triton"], "moe_combine_norm_out": ["triton"]}
+        "mla_combine_absorb_v": ["triton"], "moe_combine_norm_out": ["triton"],
+        "mla_combine_absorb_v_gate": ["triton"]}
     fast = {name: op for name, op in ops().items() if op.fast}
-    # kda_chunk (KDA context parallelism's chunks on fla) has GPU tests not yet run on a GPU; mx_moe's first path (the
-    # token-centric kernels) stays unvalidated, its second (grouped) is validated; vision_attn's two paths both are
-    assert {name for name, op in fast.items() if not op.fast[0].validated} == {"muon", "mx_moe", "kda_chunk"}
+    # kda_chunk (KDA context parallelism's chunks on fla) and mla_combine_absorb_v_gate have GPU tests not yet run on a
+    # GPU; mx_moe's first path (the token-centric kernels) stays unvalidated, its second (grouped) is validated;
+    # vision_attn's two paths both are
+    assert {name for name, op in fast.items() if not op.fast[0].validated} == {"muon", "mx_moe", "kda_chunk",
+                                                                              "mla_combine_absorb_v_gate"}
     assert [(f.name, f.validated) for f in ops()["vision_attn"].fast] == [("varlen", True), ("flex", True)]
     assert {name for name, op in fast.items() if op.fast[0].cpu} == {"moe", "mla_decode", "muon", "linear_ce", "mx_moe",
                                                                     "mxfp4_fake_quant", "mxfp8_fake_quant",
@@ -65,7 +68,8 @@ def test_every_op_registers_its_facts():
                                                                     "mla_append", "rms_norm_pair",
                                                                     "kda_decode_decay_proj", "moe_route_round",
                                                                     "moe_out", "mla_combine_absorb_v",
-                                                                    "moe_combine_norm_out"}
+                                                                    "moe_combine_norm_out",
+                                                                    "mla_combine_absorb_v_gate"}
     assert all(len(op.tolerance) > 20 and callable(op.reference) for op in ops().values())
     option_fields = {f.name for f in dataclasses.fields(Backends)} - {"default", "per_op"}
     assert {o for op in ops().values() for o in op.options} == option_fields  # every option belongs to an op

@@ -275,15 +275,25 @@ class PagedMLAView:
         T = c.shape[1]
         return torch.tensor(self.starts, device=c.device)[:, None] + torch.arange(T, device=c.device)
 
+    def attend_gated(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor, gate: Tensor) -> Tensor:
+        """`attend` with the output gate (k3.model.cache.MLALayerCache): inside the paged decode's last kernel for
+        single-token steps, after the attention otherwise."""
+        if self.lengths is None and q.shape[1] == 1 and attn.paged_kernel_used():
+            return self._paged(attn, q, c, k_rope, gate)
+        return attn.gated(gate, self.attend(attn, q, c, k_rope))
+
+    def _paged(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor, gate: Tensor | None = None):
+        # single-token steps attend straight from the pool: no gathered copy of the cache
+        starts = torch.tensor(self.starts, device=self.device)
+        return attn.paged(q, *append_paged(self.pool, self._table_tensor(), starts, c, k_rope,
+                                           getattr(attn, "backends", None)), None, gate=gate)
+
     def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
         if self.lengths is not None:
             return torch.cat([attn.absorbed(q[:, a:b], c_i, kr_i, q_start=p_i)
                               for a, b, c_i, kr_i, p_i in self._append_packed(c, k_rope)], dim=1)
         if q.shape[1] == 1 and attn.paged_kernel_used():
-            # single-token steps attend straight from the pool: no gathered copy of the cache
-            return attn.paged(q, *append_paged(self.pool, self._table_tensor(),
-                                               torch.tensor(self.starts, device=self.device), c, k_rope,
-                                               getattr(attn, "backends", None)), None)
+            return self._paged(attn, q, c, k_rope)
         self._write(c, k_rope)
         B, T = c.shape[:2]
         if B == 1 and self.starts[0] == 0:
@@ -346,8 +356,13 @@ class StaticMLAView:
         return self.positions[:, None] + torch.arange(c.shape[1], device=c.device)
 
     def attend(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        return self.attend_gated(attn, q, c, k_rope, None)
+
+    def attend_gated(self, attn: LatentAttention, q: Tensor, c: Tensor, k_rope: Tensor, gate: Tensor | None) -> Tensor:
+        """`attend` with the output gate applied in the paged decode's last kernel (k3.model.cache.MLALayerCache;
+        None: ungated)."""
         if not attn.paged_kernel_used():
             raise RuntimeError("a static-buffer decode step needs the paged MLA decode (op mla_decode on 'triton' "
                                "under the model's Backends)")
         return attn.paged(q, *append_paged(self.pool, self.tables, self.positions, c, k_rope,
-                                        getattr(attn, "backends", None)), self.num_splits)
+                                           getattr(attn, "backends", None)), self.num_splits, gate=gate)

@@ -407,9 +407,15 @@ class _StaticRaggedCache(_RaggedCache):
         self._splits: dict[tuple[int, int], int] = {}  # (query rows, heads) -> the paged kernel's fixed split count
 
     def attend(self, attn, q: Tensor, c: Tensor, k_rope: Tensor) -> Tensor:
+        return self.attend_gated(attn, q, c, k_rope, None)
+
+    def attend_gated(self, attn, q: Tensor, c: Tensor, k_rope: Tensor, gate: Tensor | None) -> Tensor:
+        """`attend` with the output gate (k3.model.cache.MLALayerCache; None: ungated): inside the paged decode's
+        last kernel where the chain attends through it."""
         T = q.shape[1]
         if T not in self._tables or not attn.paged_kernel_used():
-            return super().attend(attn, q, c, k_rope)
+            o = super().attend(attn, q, c, k_rope)
+            return o if gate is None else attn.gated(gate, o)
         # the new rows written at each row's length, and query t of row b's length (its own position + 1: causal),
         # as the decode steps write theirs (op mla_append: one kernel where the registry picks it)
         seen = mla_append_any(self.kv, self._tables[1], self.lengths, c, k_rope, attn.backends)
@@ -417,7 +423,7 @@ class _StaticRaggedCache(_RaggedCache):
         key = (seen.numel(), q.shape[2])
         if key not in self._splits:  # fixed per shape (from the buffer's length), as a captured step needs
             self._splits[key] = default_num_splits(key[0], key[1], self.kv.shape[1], self.kv.device)
-        return attn.paged(q, self.kv, self._tables[T], seen, self._splits[key])
+        return attn.paged(q, self.kv, self._tables[T], seen, self._splits[key], gate=gate)
 
     def fill(self, caches: list[MLACache]) -> None:
         lens = [cc.length for cc in caches]
