@@ -86,10 +86,11 @@ class Eagle3Layer(nn.Module):
         return self.fc(features)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, fused: bool, batch: BatchInfo | None = None,
-                cache=None) -> torch.Tensor:
+                cache=None, queries: torch.Tensor | None = None) -> torch.Tensor:
         """One drafting step over T positions: `hidden` [B, T, (n + 1) D] target features (`fused` True: the first
         step) or [B, T, D] the draft's previous outputs (`fused` False); next_embeds [B, T, D] the embeddings of the
-        tokens that follow. Returns the draft's output-site hidden states [B, T, D] (read by the target's head)."""
+        tokens that follow. Returns the draft's output-site hidden states [B, T, D] (read by the target's head).
+        `queries`: the block's site queries (`MTPLayer.site_queries`), computed already."""
         g = self.fuse(hidden) if fused else hidden
-        out, _ = self.mtp(g, next_embeds, batch=batch, cache=cache)
+        out, _ = self.mtp(g, next_embeds, batch=batch, cache=cache, queries=queries)
         return out

@@ -76,6 +76,32 @@ def test_site_queries_taken_at_once_equal_each_site_computing_its_own(tiny_cfg, 
     assert dtype == torch.float32 or model.model._site_queries() is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mtp_layers_site_queries_at_once_equal_each_site_computing_its_own(tiny_cfg, dtype):
+    # MTPLayer.site_queries: the block's two sites and the output site in one pass, bit for bit each site's own; a
+    # forward without gradients takes them (or the ones its caller passes: a draft's chain computes them once), and
+    # its output equals the forward with gradients, where each site computes its own
+    from k3.model.attn_res import site_query
+
+    tiny_cfg = tiny_cfg.replace(num_nextn_predict_layers=1)
+    mtp = make(tiny_cfg, seed=5).to(dtype).mtp[0]
+    qs = mtp.site_queries()
+    b = mtp.block
+    want = [site_query(b.self_attention_res_norm, b.self_attention_res_proj),
+            site_query(b.mlp_res_norm, b.mlp_res_proj), site_query(mtp.output_attn_res_norm, mtp.output_attn_res_proj)]
+    assert qs.shape == (3, tiny_cfg.hidden_size) and qs.dtype == torch.float32
+    assert all(torch.equal(a, w) for a, w in zip(qs, want))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, tiny_cfg.hidden_size, generator=g).to(dtype)
+    embeds = torch.randn(2, 5, tiny_cfg.hidden_size, generator=g).to(dtype)
+    with torch.no_grad():
+        at_once, _ = mtp(hidden, embeds)
+        given, _ = mtp(hidden, embeds, queries=qs)
+    each, _ = mtp(hidden, embeds)  # with gradients: each site its own
+    assert torch.equal(at_once, given) and torch.equal(at_once, each.detach())
+    assert make(tiny_cfg.replace(residual="plain")).mtp[0].site_queries() is None
+
+
 @torch.no_grad()
 def test_two_phase_attn_res_equals_direct(tiny_cfg):
     cfg = tiny_cfg.replace(num_hidden_layers=9, kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8, 9],

@@ -277,27 +277,37 @@ class MTPDraft:
                 return out
         return self._greedy_chain(h, k, cache)
 
-    def _greedy_chain(self, h: Tensor, k: int, cache) -> Tensor:
+    def _greedy_chain(self, h: Tensor, k: int, cache, queries: Tensor | None = None) -> Tensor:
         """k greedy drafting steps of every row from the last outputs h [R, 1, D]: each step's argmax token feeds the
         next step's embedding on the device, with no read-back between steps (the host reads the [R, k] tokens
-        once). The same tokens as choosing each on the host."""
+        once). The same tokens as choosing each on the host. `queries`: the layer's site queries (`site_queries`),
+        computed here once for all the steps when None."""
         emb = self.model.model.embed_tokens
+        if queries is None and k > 1:
+            queries = self.site_queries()
         out = []
         for j in range(k):
             tok = self.model.head(h)[:, -1].argmax(-1)  # [R]
             out.append(tok)
             if j + 1 < k:
-                h = self._step(h, emb(tok[:, None]), False, cache)
+                h = self._step(h, emb(tok[:, None]), False, cache, queries)
         return torch.stack(out, 1)
 
     def attention(self):
         """The draft layer's attention (Gated MLA): its latent rows are the contexts."""
         return self.layer.block.self_attn
 
-    def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
+    def site_queries(self) -> Tensor | None:
+        """The draft layer's AttnRes site queries in one pass (k3.model.mtp.MTPLayer.site_queries): what the steps of
+        one chain share, computed once for all of them."""
+        return self.layer.site_queries()
+
+    def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache,
+              queries: Tensor | None = None) -> Tensor:
         """One drafting step: the layer's output [1, T, D] from its input (the target's at the first step, else the
-        previous output) and the next tokens' embeddings."""
-        return self.layer(hidden, embeds, cache=cache)[0]
+        previous output) and the next tokens' embeddings. `queries`: `site_queries()`, computed already (else the
+        layer computes them)."""
+        return self.layer(hidden, embeds, cache=cache, queries=queries)[0]
 
 
 class Eagle3Draft(MTPDraft):
@@ -321,8 +331,12 @@ class Eagle3Draft(MTPDraft):
     def _first_width(self) -> int:
         return self.layer.feature_width  # the fused blocks' outputs and the hidden state
 
-    def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache) -> Tensor:
-        return self.layer(hidden, embeds, fused=first, cache=cache)
+    def site_queries(self) -> Tensor | None:
+        return self.layer.mtp.site_queries()
+
+    def _step(self, hidden: Tensor, embeds: Tensor, first: bool, cache: MLACache,
+              queries: Tensor | None = None) -> Tensor:
+        return self.layer(hidden, embeds, fused=first, cache=cache, queries=queries)
 
 
 class _RaggedCache:
@@ -478,11 +492,12 @@ class _Chain:
     def _body(self) -> Tensor:
         self.cache.start()
         h = self.h
+        queries = self.draft.site_queries()  # once for every drafting step of the chain
         if self.first:
-            h = self.draft._step(h, self.draft.model.model.embed_tokens(self.ids), True, self.cache)
+            h = self.draft._step(h, self.draft.model.model.embed_tokens(self.ids), True, self.cache, queries)
             self.cache.commit(self.counts)
             h = h[self.cache._rows, (self.counts - 1).clamp(min=0)][:, None]
-        return self.draft._greedy_chain(h, self.k, self.cache)
+        return self.draft._greedy_chain(h, self.k, self.cache, queries)
 
     def run_first(self, hidden: list[Tensor], ids: list[Tensor], contexts: list[MLACache]) -> Tensor:
         """The first step over each row's observed positions (hidden[i] [n_i, D], ids[i] [n_i]), then the chain:

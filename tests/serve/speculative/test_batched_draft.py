@@ -172,6 +172,11 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts(kind, paged, mon
     for window, lengths, ks in [(40, [7, 30, 12], [3, 4, 2]), (100, [90, 5], [3, 3])]:
         eager, chained = _draft(kind, model, window), _draft(kind, model, window, chain_graphs="eager")
         assert eager.chains is None and chained.chains is not None
+        # a chain computes the layer's AttnRes site queries once and every drafting step of it takes them
+        made_q, given = [], []
+        chained.site_queries = lambda d=chained, q=made_q: q.append(type(d).site_queries(d)) or q[-1]
+        chained._step = lambda *a, d=chained, g=given, **kw: (g.append(a[4] if len(a) > 4 else None),
+                                                              type(d)._step(d, *a, **kw))[1]
         for d in (eager, chained):  # an EAGLE-3 layer takes the target's backends, as load_draft sets them
             set_backends(d.layer, model.backends)
         width = _width(eager)
@@ -193,6 +198,7 @@ def test_greedy_chains_on_static_buffers_equal_the_eager_drafts(kind, paged, mon
                 for s in seqs:
                     draft.forget(s)
             assert got["chained"] == got["eager"]
+        assert made_q and sum(any(x is q for q in made_q) for x in given) > len(made_q)
         # both forms ran: the chain after an eager first step (first proposals: whole prompts observed), and the
         # whole proposal on one chain (second proposals: one new position each, at most k + 1 pending)
         k = max(ks)
