@@ -355,10 +355,11 @@ class ModelRunner:
 
     # --- the forwards -----------------------------------------------------------------------------------------------
     def _kda_pages(self, slots: list[SeqSlots]) -> Tensor:
-        """The requests' KDA running-state pages, [n_kda, B] on the device."""
+        """The requests' KDA running-state pages, [n_kda, B] on the device, through pinned memory: a copy from
+        pageable memory would wait for the device (on a GPU, a verification's host work for the draft's kernels)."""
         n = len(self.layout.kda)
-        return torch.tensor([[s.kda_pages[g] for s in slots] for g in range(n)], device=self.device,
-                            dtype=torch.long).reshape(n, len(slots))
+        host = torch.tensor([[s.kda_pages[g] for s in slots] for g in range(n)], dtype=torch.long)
+        return to_device_async(host.reshape(n, len(slots)), self.device)
 
     def _mla_views(self, slots: list[SeqSlots], starts: list[int], lengths: list[int] | None = None) -> list:
         """A PagedMLAView (packed when `lengths` is given) for each MLA layer."""
