@@ -140,6 +140,35 @@ class MTPDraft:
             self._step(hidden, emb(ids), True, MLACache(prefill_form=False))
         return counts
 
+    def first_tokens(self) -> int:
+        """The most positions one batched first drafting step runs at once (rows times the longest row's count): the
+        largest count `warm_up` runs (on a GPU some of the layer's kernels are tuned per log2 bucket of tokens, so a
+        first step past it would wait for a tuning: at batch 64 after 128-token prompts, 451 ms inside a timed
+        generation on an H100); a batch with more runs its first step in groups of rows within it."""
+        return 1 << (self.window - 1).bit_length()
+
+    def _first_step(self, prep: list, n: list[int]) -> list[Tensor]:
+        """One first drafting step of the requests of `prep` (`_first_inputs` each; n[r] observed positions),
+        right-padded to the longest against their own contexts: their new rows appended to those contexts (kept to
+        the last `window`); returns each row's output at its last observed position ([1, D] each)."""
+        emb = self.model.model.embed_tokens
+        N, first = max(n), prep[0][1]
+        hid = first.new_zeros(len(prep), N, first.shape[-1])
+        ids = torch.zeros(len(prep), N, dtype=torch.long)
+        for r, p in enumerate(prep):  # right-padded: a row's padding positions come after its own
+            ids[r, :n[r]] = p[2]
+        torch._foreach_copy_([hid[r, :n[r]] for r in range(len(prep))], [p[1] for p in prep])
+        ids = to_device_async(ids, first.device)
+        cache = _RaggedCache([p[0].cache for p in prep], N)
+        h = self._step(hid, emb(ids), True, cache)
+        for r, p in enumerate(prep):  # the committed positions' rows join the request's own context
+            ctx = p[0].cache
+            L = ctx.length  # where row r's new positions start in the ragged rows
+            ctx.append(cache.c[r:r + 1, L:L + n[r]], cache.k_rope[r:r + 1, L:L + n[r]])  # copied in
+            ctx.keep_last(self.window)
+        at = to_device_async(torch.tensor(n) - 1, h.device)
+        return list(h[torch.arange(len(prep), device=h.device), at].split(1))
+
     def _first_width(self) -> int:
         """The width of an observed position's input to the first step (the target's hidden state)."""
         return self.model.config.hidden_size
@@ -164,25 +193,14 @@ class MTPDraft:
         if rows:
             emb = self.model.model.embed_tokens
             n = [prep[i][1].shape[0] for i in rows]
-            N, K = max(n), max(ks[i] for i in rows)
-            first = prep[rows[0]][1]
-            hid = first.new_zeros(len(rows), N, first.shape[-1])
-            ids = torch.zeros(len(rows), N, dtype=torch.long)
-            for r, i in enumerate(rows):  # right-padded: a row's padding positions come after its own
-                ids[r, :n[r]] = prep[i][2]
-            torch._foreach_copy_([hid[r, :n[r]] for r in range(len(rows))], [prep[i][1] for i in rows])
-            ids = to_device_async(ids, first.device)
-            cache = _RaggedCache([prep[i][0].cache for i in rows], N)
-            h = self._step(hid, emb(ids), True, cache)
-            for r, i in enumerate(rows):  # the committed positions' rows join the request's own context
-                ctx = prep[i][0].cache
-                L = ctx.length  # where row r's new positions start in the ragged rows
-                ctx.append(cache.c[r:r + 1, L:L + n[r]], cache.k_rope[r:r + 1, L:L + n[r]])  # copied in
-                ctx.keep_last(self.window)
+            K = max(ks[i] for i in rows)
+            last = []  # each row's output at its last observed position [1, D]
+            for group in _first_groups(n, self.first_tokens()):
+                last += self._first_step([prep[rows[r]] for r in group], [n[r] for r in group])
             contexts = [prep[i][0].cache for i in rows]
-            if K > 1:  # the guesses run against the contexts as now kept (the last `window` rows each)
-                cache = _RaggedCache(contexts, K - 1)
-            h = h[torch.arange(len(rows), device=h.device), torch.tensor(n, device=h.device) - 1][:, None]
+            # the guesses run against the contexts as now kept (the last `window` rows each)
+            cache = _RaggedCache(contexts, K - 1) if K > 1 else None
+            h = torch.cat(last)[:, None]
             if all(seqs[i].params.temperature == 0 for i in rows):  # greedy: chained on the device, one read-back
                 chosen = self._chain(h, K, contexts, cache).tolist()
                 for r, i in enumerate(rows):
@@ -618,6 +636,19 @@ def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int],
         return [Proposal(None, on_device=out[i, :k_i]) for i, k_i in enumerate(ks)]
     tokens = out.tolist()
     return [Proposal(tokens[i][:k_i]) for i, k_i in enumerate(ks)]
+
+
+def _first_groups(n: list[int], most: int) -> list[list[int]]:
+    """Consecutive groups of the rows with n[r] positions each, such that a group's rows times its longest row stay
+    within `most` (a row longer than that alone in its group): the rows of each batched first drafting step."""
+    groups, cur, longest = [], [], 0
+    for r, m in enumerate(n):
+        if cur and (len(cur) + 1) * max(longest, m) > most:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(r)
+        longest = max(longest, m)
+    return groups + [cur] if cur else groups
 
 
 def _eager_from(draft: "MTPDraft", seqs: list[Sequence], ks: list[int], prep) -> list[Proposal]:

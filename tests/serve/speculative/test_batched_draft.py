@@ -73,7 +73,12 @@ def test_batched_proposals_equal_the_sequential_reference(kind, temperature):
         draft = _draft(kind, model)
         seqs = _seqs(lengths, temperature)
         _observe(draft, seqs, width)
+        groups = []  # the batched first step's rows, in groups of at most first_tokens() positions (64 here)
+        draft._first_step = lambda prep, n, d=draft: (groups.append(len(n) * max(n)),
+                                                      type(d)._first_step(d, prep, n))[1]
         props = (draft.propose if mode == "batched" else draft.propose_sequential)(seqs, ks)
+        if mode == "batched":
+            assert draft.first_tokens() == 64 and len(groups) > 1 and max(groups) <= 64
         # a second round after one more committed position each: the contexts were left alike
         for s in seqs:
             s.prompt_ids.append(1)
@@ -93,6 +98,16 @@ def test_batched_proposals_equal_the_sequential_reference(kind, temperature):
             assert a.q is None and b.q is None
         else:
             torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)
+
+
+def test_first_step_groups_keep_rows_times_the_longest_within_the_bound():
+    from k3.serve.speculative.draft import _first_groups
+
+    assert _first_groups([7, 30, 1, 40, 12], 64) == [[0, 1], [2], [3], [4]]
+    assert _first_groups([4] * 64, 64) == [list(range(16)), list(range(16, 32)), list(range(32, 48)),
+                                           list(range(48, 64))]
+    assert _first_groups([100, 3], 64) == [[0], [1]]  # a row longer than the bound runs alone
+    assert _first_groups([5, 5, 5], 4096) == [[0, 1, 2]] and _first_groups([], 64) == []
 
 
 def test_a_request_with_nothing_observed_gets_placeholder_drafts_beside_batched_ones():
