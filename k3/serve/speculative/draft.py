@@ -407,8 +407,8 @@ class _RaggedCache:
 
 class _StaticRaggedCache(_RaggedCache):
     """`_RaggedCache` over buffers of a fixed shape (one tensor kv [Rb, Lb, R + dr] whose views are c [Rb, Lb, R] and
-    k_rope [Rb, Lb, dr], lengths [Rb]): the static inputs of a captured chain. `fill` copies the contexts in (before a
-    replay; rows past them get length 0 and compute on zeros); `start` begins a chain (inside the graph: each attend
+    k_rope [Rb, Lb, dr], lengths [Rb]): the static inputs of a captured chain. `copy_in` copies the contexts in and the
+    chain sets their lengths `filled` (before a replay; rows past them get length 0 and compute on zeros); `start` begins a chain (inside the graph: each attend
     advances a copy of the lengths), and the attention runs without reading the lengths back (they are valid by
     construction). NoPE layers only: the RoPE ablation's positions come from the host.
 
@@ -423,18 +423,19 @@ class _StaticRaggedCache(_RaggedCache):
     check = False  # the buffers' lengths are valid by construction: nothing read back
 
     def __init__(self, rows: int, length: int, like_c: Tensor, like_kr: Tensor,
-                 shared: "_StaticRaggedCache | None" = None, steps: tuple[int, ...] = (1,)):
+                 shared: "_StaticRaggedCache | None" = None, steps: tuple[int, ...] = (1,),
+                 filled: Tensor | None = None):
         super().__init__([], 0)
         dev = like_c.device
         if shared is not None:  # another chain's buffers of the same shape (replays never overlap)
-            self.kv, self.c, self.k_rope, self.filled, self._rows = (shared.kv, shared.c, shared.k_rope, shared.filled,
-                                                                     shared._rows)
+            self.kv, self.c, self.k_rope, self._rows = shared.kv, shared.c, shared.k_rope, shared._rows
         else:
             R = like_c.shape[-1]
             self.kv = like_c.new_zeros(rows, length, R + like_kr.shape[-1])
             self.c, self.k_rope = self.kv[..., :R], self.kv[..., R:]
-            self.filled = torch.zeros(rows, dtype=torch.long, device=dev)
             self._rows = torch.arange(rows, device=dev)
+        # the contexts' lengths [rows] (device): `filled`, a view of the chain's input buffer, or a tensor of its own
+        self.filled = filled if filled is not None else torch.zeros(rows, dtype=torch.long, device=dev)
         self._tables = {t: self._rows.repeat_interleave(t)[:, None] for t in set(steps)}
         self._splits: dict[tuple[int, int], int] = {}  # (query rows, heads) -> the paged kernel's fixed split count
 
@@ -457,15 +458,15 @@ class _StaticRaggedCache(_RaggedCache):
             self._splits[key] = default_num_splits(key[0], key[1], self.kv.shape[1], self.kv.device)
         return attn.paged(q, self.kv, self._tables[T], seen, self._splits[key], gate=gate)
 
-    def fill(self, caches: list[MLACache]) -> None:
+    def copy_in(self, caches: list[MLACache]) -> list[int]:
+        """The contexts' rows copied into the buffers (row i from caches[i]); returns their lengths, for `filled`
+        (which the caller sets: the chain, with its other inputs in one transfer)."""
         lens = [cc.length for cc in caches]
         held = [i for i, n in enumerate(lens) if n]
         if held:  # one multi-tensor copy (a launch or two on CUDA), not two per request
             torch._foreach_copy_([self.c[i, :lens[i]] for i in held] + [self.k_rope[i, :lens[i]] for i in held],
                                  [caches[i].c[0] for i in held] + [caches[i].k_rope[0] for i in held])
-        host = torch.zeros(self.filled.shape[0], dtype=torch.long)
-        host[:len(lens)] = torch.tensor(lens, dtype=torch.long)
-        self.filled.copy_(to_device_async(host, self.filled.device))
+        return lens
 
     def start(self) -> None:
         self.lengths = self.filled.clone()
@@ -490,10 +491,12 @@ class _Chain:
         # first > 0: the chain begins with the first drafting step over up to `first` observed positions per row
         # (hidden states h [rows, first, D] and next tokens ids [rows, first], right-padded, counts [rows])
         self.h = like_h.new_zeros(rows, max(first, 1), like_h.shape[-1])
-        # the next tokens [rows, first] and the counts [rows]: columns of one buffer, filled by one copy
-        self.ids_counts = torch.zeros(rows, first + 1, dtype=torch.long, device=like_h.device)
-        self.ids, self.counts = self.ids_counts[:, :first], self.ids_counts[:, first]
-        self.cache = _StaticRaggedCache(rows, length, like_c, like_kr, shared, steps=(1, first) if first else (1,))
+        # the next tokens [rows, first], the counts [rows] and the contexts' lengths [rows]: columns of one buffer,
+        # set by one host-to-device copy per run
+        self.inputs = torch.zeros(rows, first + 2, dtype=torch.long, device=like_h.device)
+        self.ids, self.counts = self.inputs[:, :first], self.inputs[:, first]
+        self.cache = _StaticRaggedCache(rows, length, like_c, like_kr, shared, steps=(1, first) if first else (1,),
+                                        filled=self.inputs[:, first + 1])
         self.graph = None
         self.tokens: Tensor | None = None
         if not eager:
@@ -522,16 +525,21 @@ class _Chain:
         tokens [R, k]; the new rows of row i stay in the buffers at its context's length (`new_rows`)."""
         R = len(hidden)
         torch._foreach_copy_([self.h[i, :x.shape[0]] for i, x in enumerate(hidden)], hidden)
-        host = torch.zeros(self.rows, self.ids.shape[1] + 1, dtype=torch.long)  # the ids, then the counts
+        host = torch.zeros(self.rows, self.first + 2, dtype=torch.long)  # the ids, the counts, the lengths
         for i, t in enumerate(ids):
             host[i, :t.shape[0]] = t
-            host[i, -1] = t.shape[0]
-        self.ids_counts.copy_(to_device_async(host, self.ids.device))  # one transfer, one copy
-        self.cache.fill(contexts)
+            host[i, -2] = t.shape[0]
+        self._load(host, contexts)
         if self.graph is None:
             return self._body()[:R]
         self.graph.replay()
         return self.tokens[:R].clone()
+
+    def _load(self, host: Tensor, contexts: list[MLACache]) -> None:
+        """The contexts copied into the buffers, their lengths put in the last column of `host` (the chain's inputs
+        [rows, first + 2] on the host), and `host` copied to the device: one transfer, one copy."""
+        host[:len(contexts), -1] = torch.tensor(self.cache.copy_in(contexts), dtype=torch.long)
+        self.inputs.copy_(to_device_async(host, self.inputs.device))
 
     def new_rows(self, i: int, start: int, n: int) -> tuple[Tensor, Tensor]:
         """Row i's n new latent rows from `start` (its context's length before the step), as [1, n, .] views of the
@@ -541,7 +549,7 @@ class _Chain:
     def run(self, h: Tensor, contexts: list[MLACache]) -> Tensor:
         R = h.shape[0]
         self.h[:R].copy_(h)
-        self.cache.fill(contexts)
+        self._load(torch.zeros(self.rows, 2, dtype=torch.long), contexts)
         if self.graph is None:
             return self._body()[:R]
         self.graph.replay()
