@@ -162,10 +162,10 @@ class MLACache:
         """Keep rows c [B, T, kv_lora_rank] and k_rope [B, T, qk_rope_head_dim] after the cached ones (copied: the
         cache never holds the caller's tensors)."""
         L, T = self.length, c.shape[1]
-        if self._owner and self._fits(c, k_rope, L + T) and L >= self._protected:
-            end = self._off + L
-            self._cbuf[:, end:end + T].copy_(c)
-            self._kbuf[:, end:end + T].copy_(k_rope)
+        room = self._room(c, k_rope)
+        if room is not None:
+            room[0].copy_(c)
+            room[1].copy_(k_rope)
         else:  # new backing tensors, the held rows and the new ones copied in
             need = L + T
             cap = need + max(need // 4, 16)
@@ -178,6 +178,32 @@ class MLACache:
             kbuf[:, L:need].copy_(k_rope)
             self._cbuf, self._kbuf, self._off, self._protected, self._owner = cbuf, kbuf, 0, 0, True
         self._view(L + T)
+
+    @staticmethod
+    def append_each(caches: list["MLACache"], rows: list[tuple[Tensor, Tensor]]) -> None:
+        """`caches[i].append(*rows[i])` for each i (distinct caches): the appends that fit their backing tensors as
+        one multi-tensor copy (a launch or two on a GPU, where appending one by one takes two per cache: a draft's
+        contexts after each proposal), the others as `append`."""
+        dst, src = [], []
+        for cc, (c, k_rope) in zip(caches, rows, strict=True):
+            room = cc._room(c, k_rope)
+            if room is None:
+                cc.append(c, k_rope)
+                continue
+            dst += room
+            src += [c, k_rope]
+            cc._view(cc.length + c.shape[1])
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def _room(self, c: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Where rows c / k_rope go when they fit after the held ones in backing tensors this cache may write
+        (views of them), else None (`append` moves the rows to new ones)."""
+        L, T = self.length, c.shape[1]
+        if not (self._owner and self._fits(c, k_rope, L + T) and L >= self._protected):
+            return None
+        end = self._off + L
+        return self._cbuf[:, end:end + T], self._kbuf[:, end:end + T]
 
     def _fits(self, c: Tensor, k_rope: Tensor, length: int) -> bool:
         b, kb = self._cbuf, self._kbuf

@@ -66,6 +66,13 @@ def test_random_operations_equal_the_concatenating_cache():
                 n = rng.randrange(1, cache.length + 2)
                 cache.keep_last(n)
                 plain.keep_last(n)
+            elif op < 0.93:  # every cache at once (MLACache.append_each), rows of its own length each
+                rows = [(torch.randn(B, T, R, generator=g), torch.randn(B, T, DR, generator=g))
+                        for T in (rng.choice([1, 2, 9, 40]) for _ in pairs)]
+                MLACache.append_each([cc for cc, _ in pairs], rows)
+                for (_, pp), (c, kr) in zip(pairs, rows):
+                    pp.append(c, kr)
+                    c.fill_(0.0)
             elif len(pairs) < 4:
                 pairs.append((cache.fork(), plain.fork()))
             for j, (cc, pp) in enumerate(pairs):  # every cache, forks and their origins alike, still its own rows

@@ -240,7 +240,8 @@ class MTPDraft:
         C = seq.num_computed
         if ctx is None or not ctx.pending or ctx.next_pos != C:
             return None
-        hidden = torch.cat(ctx.pending)[-self.window:]
+        # one observation (the steady state: a verification's accepted positions) is taken as it is, no copy
+        hidden = (ctx.pending[0] if len(ctx.pending) == 1 else torch.cat(ctx.pending))[-self.window:]
         first = C - hidden.shape[0]  # MTP position t reads the target's hidden at t and token t + 1
         ctx.pending, ctx.pending_start = [], None
         return ctx, hidden, torch.tensor(seq.token_range(first + 1, C + 1), dtype=torch.long)
@@ -637,8 +638,9 @@ def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int],
         return None if not prep else _eager_from(draft, seqs, ks, prep)
     starts = [cc.length for cc in contexts]
     out = chain.run_first([p[1] for p in prep], [p[2] for p in prep], contexts)
-    for i, (cc, p) in enumerate(zip(contexts, prep)):
-        cc.append(*chain.new_rows(i, starts[i], p[1].shape[0]))
+    # the committed positions' rows back into each context: one multi-tensor copy for all of them
+    MLACache.append_each(contexts, [chain.new_rows(i, starts[i], p[1].shape[0]) for i, p in enumerate(prep)])
+    for cc in contexts:
         cc.keep_last(draft.window)
     if on_device:
         return [Proposal(None, on_device=out[i, :k_i]) for i, k_i in enumerate(ks)]
