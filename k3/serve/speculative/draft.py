@@ -409,9 +409,10 @@ class _RaggedCache:
 class _StaticRaggedCache(_RaggedCache):
     """`_RaggedCache` over buffers of a fixed shape (one tensor kv [Rb, Lb, R + dr] whose views are c [Rb, Lb, R] and
     k_rope [Rb, Lb, dr], lengths [Rb]): the static inputs of a captured chain. `copy_in` copies the contexts in and the
-    chain sets their lengths `filled` (before a replay; rows past them get length 0 and compute on zeros); `start` begins a chain (inside the graph: each attend
-    advances a copy of the lengths), and the attention runs without reading the lengths back (they are valid by
-    construction). NoPE layers only: the RoPE ablation's positions come from the host.
+    chain sets their lengths `filled` (before a replay; rows past them get length 0 and compute on zeros); `start`
+    begins a chain (inside the graph: each attend advances a copy of the lengths), and the attention runs without
+    reading the lengths back (they are valid by construction). NoPE layers only: the RoPE ablation's positions come
+    from the host.
 
     Where the layer's decode attention runs on the paged kernel (`LatentAttention.paged_kernel_used`: on a GPU with
     the fast backends, as the engine's captured decode steps), the buffers are its page pool: row b is one page of
