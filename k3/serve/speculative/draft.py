@@ -161,11 +161,14 @@ class MTPDraft:
         ids = to_device_async(ids, first.device)
         cache = _RaggedCache([p[0].cache for p in prep], N)
         h = self._step(hid, emb(ids), True, cache)
-        for r, p in enumerate(prep):  # the committed positions' rows join the request's own context
-            ctx = p[0].cache
-            L = ctx.length  # where row r's new positions start in the ragged rows
-            ctx.append(cache.c[r:r + 1, L:L + n[r]], cache.k_rope[r:r + 1, L:L + n[r]])  # copied in
-            ctx.keep_last(self.window)
+        # the committed positions' rows join each request's own context (copied in, one multi-tensor copy); row r's
+        # new positions start at its context's length in the ragged rows
+        contexts = [p[0].cache for p in prep]
+        MLACache.append_each(contexts, [(cache.c[r:r + 1, cc.length:cc.length + n[r]],
+                                         cache.k_rope[r:r + 1, cc.length:cc.length + n[r]])
+                                        for r, cc in enumerate(contexts)])
+        for cc in contexts:
+            cc.keep_last(self.window)
         at = to_device_async(torch.tensor(n) - 1, h.device)
         return list(h[torch.arange(len(prep), device=h.device), at].split(1))
 
