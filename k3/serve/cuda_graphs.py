@@ -428,14 +428,14 @@ class DecodeGraphs:
             b.tables[:, :, :width].copy_(got[n:].view(b.size, n_mla, width))
 
     def _load_pending(self, b: _Bucket, B: int, pending: list | None, lengths: list[int] | None) -> None:
-        """Copy a fused verification's pending inputs (per request, every layer's side by side: one copy each) and
-        counts into b's buffers (no reallocation): rows past the batch, and every row when nothing is pending, get
-        count 0, so whatever their inputs hold is never read."""
+        """Copy a fused verification's pending inputs (per request, every layer's side by side; all requests' in one
+        multi-tensor copy) and counts into b's buffers (no reallocation): rows past the batch, and every row when
+        nothing is pending, get count 0, so whatever their inputs hold is never read."""
         counts = ([0] * B if pending is None else list(lengths)) + [0] * (b.size - B)
         b.pending_lengths.copy_(to_device_async(torch.tensor(counts, dtype=torch.int32), self.device))  # no wait
-        for i, r in enumerate(pending or ()):
-            if r is not None and r.shape[0]:
-                b.pending_flat[i, :r.shape[0]].copy_(r)
+        held = [(i, r) for i, r in enumerate(pending or ()) if r is not None and r.shape[0]]
+        if held:  # one multi-tensor copy (a launch or two on a GPU), not one per request
+            torch._foreach_copy_([b.pending_flat[i, :r.shape[0]] for i, r in held], [r for _, r in held])
 
     def _pending_buffers(self, b: _Bucket) -> None:
         """b's fused-verification buffers: per KDA layer KDAInputs of [size, tokens, ...] in the model's dtype (the
