@@ -2,6 +2,7 @@
 
     python benchmarks/hybrid_decode_cost.py                                   # computed; measured: tiny on a CPU
     python benchmarks/hybrid_decode_cost.py --backend fast --json hybrid.json --plot hybrid.png      # on one GPU
+    python benchmarks/hybrid_decode_cost.py --no-measure --contexts 8192 --speculation 1 2 3 4 7   # speculation's cap
 
 The report and the seeds credit the 3:1 KDA:MLA hybrid with making 1M-token context affordable (a fixed KDA state
 against a growing MLA cache) and quote decoding 6.3x faster than full attention at 1M. This benchmark puts a number
@@ -27,6 +28,15 @@ H200's device-to-device copy in GPU.md). The floor model assumes:
 
 "ratio" is the full-attention arm's floor over the hybrid's at the same context and batch; "cache ratio" the same for
 the cache traffic alone, the limit of "ratio" as the batch grows and the weights are shared by more sequences.
+
+With --speculation K..., the same weight model for MTP speculation (report §5.4.2): the speed-up over plain decoding
+when both run at the floor, with K drafts all accepted, at batch 1, 16 and 64 (`speculation_floor_speedup`). A
+cycle reads the verification's weights (K + 1 positions per sequence: the experts of B(K + 1) tokens), the first
+drafting step's (the MTP layer and the output head, the experts of the positions committed since the last proposal)
+and K - 1 more drafting steps' (one position per sequence), and emits K + 1 tokens per sequence; a plain step reads
+one token's weights per sequence and emits one. At batch 1 the verification touches about K + 1 times the routed
+experts a plain step does, which caps what speculation can gain once decoding is bound by weight traffic; at larger
+batches the experts are shared anyway and the cap rises.
 
 Measured (--measure-preset on --device): decode ms/step of --batch sequences at each --measure-contexts length that
 fits in the device's free memory, through the serving engine's own step: an `LLMEngine` (its page pool, block
@@ -62,7 +72,7 @@ from typing import NamedTuple
 import torch
 
 from k3.config import K3Config, layer_lists
-from k3.info import ModelInfo, model_info, sequence_cache_bytes
+from k3.info import ModelInfo, build_meta_model, model_info, sequence_cache_bytes
 
 CONTEXTS = [8192, 32768, 131072, 524288, 1048576]
 CPU_CONTEXTS = [256, 512, 1024, 2048, 4096]
@@ -98,7 +108,7 @@ def routed_bytes_per_param(cfg: K3Config) -> float:
     return MXFP4_BYTES if q.get("format") == "mxfp4-pack-quantized" else 2.0
 
 
-def touched_expert_fraction(cfg: K3Config, batch: int) -> float:
+def touched_expert_fraction(cfg: K3Config, batch: float) -> float:
     """Expected share of the routed experts that `batch` tokens routed uniformly at random (top-k of n) touch."""
     n, k = cfg.num_experts, cfg.num_experts_per_token
     if not n:
@@ -113,6 +123,47 @@ def weight_bytes_per_step(cfg: K3Config, info: ModelInfo, batch: int = 1) -> flo
     routed_active = info.breakdown.get("routed experts", (0, 0))[1]
     other = info.active - routed_active
     return 2.0 * other + routed_total * touched_expert_fraction(cfg, batch) * routed_bytes_per_param(cfg)
+
+
+def _mtp_split(cfg: K3Config) -> tuple[int, int]:
+    """(routed-expert parameters, other parameters and the output head) of the first MTP layer: what one MTP
+    drafting step reads."""
+    return _mtp_split_of(json.dumps(cfg.to_dict(), sort_keys=True))
+
+
+@lru_cache(maxsize=None)
+def _mtp_split_of(cfg_json: str) -> tuple[int, int]:
+    model = build_meta_model(K3Config.from_dict(json.loads(cfg_json)))
+    if not len(model.mtp):
+        raise ValueError("the config has no MTP layer (num_nextn_predict_layers 0): nothing drafts")
+    routed = other = 0
+    for name, p in model.mtp[0].named_parameters():
+        if ".block_sparse_moe.experts." in name:
+            routed += p.numel()
+        else:
+            other += p.numel()
+    return routed, other + model.lm_head.weight.numel()
+
+
+def draft_bytes_per_step(cfg: K3Config, rows: float = 1) -> float:
+    """Weight bytes one MTP drafting step over `rows` positions reads: the MTP layer's weights and the output head in
+    bf16, the routed experts the rows touch (as `weight_bytes_per_step`)."""
+    routed, other = _mtp_split(cfg)
+    return 2.0 * other + routed * touched_expert_fraction(cfg, rows) * routed_bytes_per_param(cfg)
+
+
+def speculation_floor_speedup(cfg: K3Config, info: ModelInfo, batch: int, drafts: int, accepted: float) -> float:
+    """The speed-up of MTP speculation over plain decoding at `batch` sequences when both run at the weight-bandwidth
+    floor: each cycle reads the drafting steps' weights (the first over the `accepted` positions committed since the
+    last proposal, the other `drafts` - 1 over one position per sequence) and the verification's (drafts + 1 positions
+    per sequence) and emits `accepted` tokens per sequence, where a plain step reads its weights for one. The routed
+    experts of each step are those its positions touch routed uniformly at random (`touched_expert_fraction`); a
+    trained router that sends neighbouring tokens to the same experts reads fewer."""
+    if drafts < 1 or not 1 <= accepted <= drafts + 1:
+        raise ValueError(f"drafts {drafts}, accepted {accepted}: need drafts >= 1 and 1 <= accepted <= drafts + 1")
+    cycle = weight_bytes_per_step(cfg, info, batch * (drafts + 1)) + draft_bytes_per_step(cfg, batch * accepted) \
+        + (drafts - 1) * draft_bytes_per_step(cfg, batch)
+    return accepted * weight_bytes_per_step(cfg, info, batch) / cycle
 
 
 def cache_traffic_per_step(info: ModelInfo, context: int) -> int:
@@ -137,6 +188,21 @@ def computed_rows(presets: list[str], contexts: list[int], arms: list[str], batc
                              "floor_ms": (w + traffic) / (bw_tbs * 1e12) * 1e3})
     _ratios(rows, "floor_ms", "ratio")
     _ratios(rows, "cache_traffic_bytes", "cache_ratio")
+    return rows
+
+
+def speculation_rows(presets: list[str], batches: list[int], drafts: list[int]) -> list[dict]:
+    """`speculation_floor_speedup` of each preset with an MTP layer (its own layer pattern) at each batch and number of
+    drafts, every draft accepted (the most a cycle emits)."""
+    rows = []
+    for preset in presets:
+        cfg, info = _preset_info(preset, HYBRID, 2)
+        if not cfg.num_nextn_predict_layers:
+            continue
+        for batch in batches:
+            rows.append({"preset": preset, "batch": batch,
+                         "floor_speedup": {k: round(speculation_floor_speedup(cfg, info, batch, k, k + 1), 3)
+                                           for k in drafts}})
     return rows
 
 
@@ -390,6 +456,18 @@ def format_computed(rows: list[dict], bw_tbs: float) -> str:
     return "\n".join(out)
 
 
+def format_speculation(rows: list[dict]) -> str:
+    if not rows:
+        return "speculation: no preset of --presets has an MTP layer"
+    ks = list(rows[0]["floor_speedup"])
+    out = ["speculation at the weight-bandwidth floor (MTP drafts, every draft accepted): speed-up over plain decoding",
+           "", "| model | batch | " + " | ".join(f"{k} drafts" for k in ks) + " |", "|---|---|" + "---|" * len(ks)]
+    for r in rows:
+        out.append(f"| {r['preset']} | {r['batch']} | " + " | ".join(f"{v:.2f}x" for v in r["floor_speedup"].values())
+                   + " |")
+    return "\n".join(out)
+
+
 def format_measured(rows: list[dict]) -> str:
     if not rows:
         return "measured: nothing"
@@ -471,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--batch", type=_positive, default=1, help="sequences per decode step")
     ap.add_argument("--bw-tbs", type=float, default=COPY_BW_TBS, help="HBM bandwidth of the floor, TB/s")
+    ap.add_argument("--speculation", nargs="+", type=_positive, default=None, metavar="DRAFTS",
+                    help="also the computed speed-up of MTP speculation at the floor with these numbers of drafts, at "
+                         "batch 1, 16 and 64 and --batch (`speculation_floor_speedup`)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-measure", action="store_true", help="the computed part only")
     ap.add_argument("--measure-preset", default=None, choices=list(PRESETS),
@@ -503,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
 
     computed = computed_rows(args.presets, args.contexts, args.arms, args.batch, args.bw_tbs)
     print(format_computed(computed, args.bw_tbs), flush=True)
+    speculation = []
+    if args.speculation:
+        speculation = speculation_rows(args.presets, sorted({1, 16, 64, args.batch}), args.speculation)
+        print("\n" + format_speculation(speculation), flush=True)
     measured = []
     if not args.no_measure:
         preset = args.measure_preset or ("k3-mini" if device.type == "cuda" else "tiny")
@@ -513,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + format_measured(measured), flush=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"argv": sys.argv[1:], "bw_tbs": args.bw_tbs, "computed": computed,
-                                                 "measured": measured}, indent=1) + "\n")
+                                                 "speculation": speculation, "measured": measured}, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         plot(computed, measured, args.plot)

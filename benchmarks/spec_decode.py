@@ -26,9 +26,13 @@ must: greedy speculation is lossless; where bf16 near-ties make the arms differ,
 request's first differing position and the plain run's top-2 logit margin there, from a teacher-forced forward of
 the prompt and the plain output before it), and the KDA state bytes one verified request-step moves with replay
 (the committed state read and written once, the projected inputs of the T verified positions kept) against
-per-position snapshots (T states written, one read back at the rollback). With `--stage-times`, `stage_ms` breaks a
-speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms per cycle, from one
-more generation that waits for the device at every stage boundary, so its total is a little above the timed run's).
+per-position snapshots (T states written, one read back at the rollback). `floor_speedup` (MTP drafts) is the
+speed-up the spec arm would have if both it and off ran at the weight-bandwidth floor with the accepted length
+measured (benchmarks/hybrid_decode_cost.py, `speculation_floor_speedup`: the cycle reads the drafting steps' and the
+verification's weights, a plain step one token's): the ceiling that weight traffic alone sets. With `--stage-times`,
+`stage_ms` breaks a speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms
+per cycle, from one more generation that waits for the device at every stage boundary, so its total is a little
+above the timed run's).
 The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 commands read it).
 `auto_steps`: the auto engine's timed generation step by step, by the switch's arm (steps, mean and largest ms) and
 its slowest steps.
@@ -57,6 +61,8 @@ import torch
 from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hybrid_decode_cost import speculation_floor_speedup  # noqa: E402
 
 
 def _log(msg: str) -> None:
@@ -363,6 +369,7 @@ def main() -> None:
     from k3.checkpoint import from_pretrained
     from k3.cli import _resolve_ckpt
     from k3.data.tokenizer import load_any_tokenizer
+    from k3.info import model_info
     from k3.ops.registry import backends_from_env
     from k3.serve.engine import EngineConfig, LLMEngine, free_dropped_engines
     from k3.serve.scheduler import SchedulerConfig
@@ -454,6 +461,9 @@ def main() -> None:
                    **({"replay_tok_s": res["replay"]["tokens_per_s"],
                        "replay_speedup": round(res["replay"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3)}
                       if "replay" in res else {}),
+                   floor_speedup=None if args.draft else round(speculation_floor_speedup(
+                       model.config, model_info(model.config), B, args.num_draft_tokens,
+                       min(max(T, 1.0), args.num_draft_tokens + 1)), 3),
                    kda_bytes_per_request_step=state_bytes(model.config, args.num_draft_tokens + 1),
                    verified_positions=args.num_draft_tokens + 1, accepted_positions=T)
         rows.append(row)

@@ -170,3 +170,62 @@ def test_command_line_help_and_bad_flags(capsys):
         with pytest.raises(SystemExit):
             hdc.main(bad + ["--no-measure"])
         assert msg in capsys.readouterr().err
+
+
+def test_draft_bytes_are_the_mtp_layers_and_the_output_head():
+    cfg = K3Config.from_preset("k3-mini")
+    info = model_info(cfg)
+    routed, other = hdc._mtp_split(cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    # every MTP parameter once (the breakdown also counts the router's correction bias, a buffer of one per expert)
+    assert routed + other - head + cfg.num_experts == info.breakdown["MTP"][0]
+    E, I, R = cfg.num_experts, cfg.moe_intermediate_size, cfg.routed_expert_hidden_size
+    assert routed == E * 3 * I * R
+    k = cfg.num_experts_per_token
+    assert hdc.draft_bytes_per_step(cfg, 1) == pytest.approx(2 * other + 2 * routed * k / E)
+    # more rows touch more experts, never more than all of them
+    assert hdc.draft_bytes_per_step(cfg, 1) < hdc.draft_bytes_per_step(cfg, 4) < 2 * (routed + other)
+
+
+def test_speculation_floor_speedup_is_tokens_per_weight_byte_against_plain():
+    """The cycle of k3-mini at batch 1 with 3 drafts all accepted, by hand: the verification reads the trunk with
+    the experts 4 uniformly routed tokens touch, the first drafting step the MTP layer with 4 rows' experts, the two
+    others one row's; 4 tokens against one per plain step."""
+    cfg = K3Config.from_preset("k3-mini")
+    info = model_info(cfg)
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    routed_total, routed_active = info.breakdown["routed experts"]
+    mtp_routed, mtp_other = hdc._mtp_split(cfg)
+
+    def touched(n):
+        return 1 - (1 - k / E) ** n
+
+    def trunk(n):
+        return 2 * (info.active - routed_active) + 2 * routed_total * touched(n)
+
+    def draft(n):
+        return 2 * mtp_other + 2 * mtp_routed * touched(n)
+
+    want = 4 * trunk(1) / (trunk(4) + draft(4) + 2 * draft(1))
+    got = hdc.speculation_floor_speedup(cfg, info, 1, 3, 4)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert 1.4 < got < 1.6  # at batch 1 weight traffic alone keeps 3 drafts well below 2x
+    # fewer accepted tokens, less speed-up; a bigger batch shares the weights among more sequences
+    fewer = hdc.speculation_floor_speedup(cfg, info, 1, 3, 2.5)
+    wider = hdc.speculation_floor_speedup(cfg, info, 16, 3, 4)
+    assert fewer < got < wider
+    for drafts, accepted in [(0, 1), (3, 0.5), (3, 5)]:
+        with pytest.raises(ValueError, match="drafts"):
+            hdc.speculation_floor_speedup(cfg, info, 1, drafts, accepted)
+    no_mtp = cfg.replace(num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="no MTP layer"):
+        hdc.draft_bytes_per_step(no_mtp, 1)
+
+
+def test_speculation_table_lists_presets_with_an_mtp_layer(capsys):
+    assert hdc.main(["--presets", "tiny", "k3", "--contexts", "256", "--no-measure", "--speculation", "1", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | 1 |" in out and "| tiny | 64 |" in out and "| k3 | 1 |" not in out  # k3 has no MTP layer
+    rows = hdc.speculation_rows(["tiny"], [1, 64], [1, 3])
+    assert [r["batch"] for r in rows] == [1, 64]
+    assert rows[0]["floor_speedup"][1] < rows[0]["floor_speedup"][3]
