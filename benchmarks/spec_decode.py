@@ -34,6 +34,9 @@ verification's weights, a plain step one token's): the ceiling that weight traff
 per cycle, from one more generation that waits for the device at every stage boundary, so its total is a little
 above the timed run's).
 The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 commands read it).
+`ahead`: per speculating arm, its timed generation's proposals drafted ahead and taken (EngineConfig.draft_ahead;
+--no-draft-ahead turns it off). `--right-draft` makes the draft always right on any weights (synthetic:
+`make_draft_right_`), for the cycle at full acceptance without a trained model.
 `auto_steps`: the auto engine's timed generation step by step, by the switch's arm (steps, mean and largest ms) and
 its slowest steps.
 With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
@@ -122,6 +125,35 @@ def heldout_prompts(tok, n: int, length: int, files: list[str] | None = None) ->
     where = ", ".join(files) if files else "the held-out standard library"
     raise SystemExit(f"{where}: {docs} documents give only {len(out)} windows of {length} tokens, {n} are needed; "
                      "lower --prompt-tokens or give more text with --prompts")
+
+
+def make_draft_right_(model) -> int:
+    """Synthetic (--right-draft): every layer's output projections zeroed, so that the residual stream carries the
+    token's embedding alone and the target's next token is a function of its current token; the MTP layer made to
+    read the next token's embedding alone (eh_proj = [I, 0], enorm 1), so that its draft is the target's next token
+    after that one: every draft accepted (to rounding), on any weights. The kernels and their shapes are the model's
+    own, so a cycle costs what it costs with a trained draft that is always right. Returns the tensors zeroed."""
+    if not len(model.mtp):
+        raise ValueError("--right-draft needs a model with an MTP layer")
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2", "routed_expert_up_proj.weight")):
+                p.zero_()
+                n += 1
+        D = model.config.hidden_size
+        for mtp in model.mtp:
+            mtp.eh_proj.weight.zero_()
+            mtp.eh_proj.weight[:, :D] = torch.eye(D, dtype=mtp.eh_proj.weight.dtype)
+            mtp.enorm.weight.fill_(1.0)
+    return n
+
+
+def ahead_counts(engine) -> dict[str, int]:
+    """The draft's proposals drafted ahead and taken so far (EngineConfig.draft_ahead; zeros without chains)."""
+    spec = engine.speculative
+    chains = getattr(spec.draft, "chains", None) if spec is not None else None
+    return dict(chains.counts) if chains is not None else {"ahead": 0, "taken": 0}
 
 
 def graphs_made(engine) -> int:
@@ -360,6 +392,13 @@ def main() -> None:
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="one more generation per engine under cProfile: `host_profile`, the N serving functions with "
                          "the most cumulative host time, as calls and ms per engine step (read-backs included)")
+    ap.add_argument("--right-draft", action="store_true",
+                    help="synthetic: zero every layer's output projections and make the MTP layer read the next "
+                         "token alone, so that every draft is accepted (`make_draft_right_`): the cycle at full "
+                         "acceptance on any weights (the outputs are a token-to-token map, the kernels the model's)")
+    ap.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
+                    help="the speculating engines draft each proposal after its acceptance "
+                         "(EngineConfig.draft_ahead=False)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -379,6 +418,8 @@ def main() -> None:
     # the implementations as the environment pins them (K3_<OP>_BACKEND=..., as the k3 commands read it)
     model = from_pretrained(ckpt, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
                             packed_experts="auto", backends=backends_from_env(os.environ)).eval()
+    if args.right_draft:
+        _log(f"--right-draft: {make_draft_right_(model)} output projections zeroed, the MTP layer reads the next token")
     tok = load_any_tokenizer(ckpt)
     prompts = heldout_prompts(tok, max(args.batch), args.prompt_tokens, args.prompts)
     rows = []
@@ -390,7 +431,7 @@ def main() -> None:
             cfg = EngineConfig(cache_memory_mb=args.cache_mb, max_model_len=args.prompt_tokens + args.max_tokens + 64,
                                speculative=spec, draft=args.draft if spec == "eagle3" else None,
                                num_draft_tokens=args.num_draft_tokens, speculative_auto=mode == "auto",
-                               fused_replay=False if mode == "replay" else None,
+                               fused_replay=False if mode == "replay" else None, draft_ahead=args.draft_ahead,
                                scheduler=SchedulerConfig(max_num_seqs=max(B, 1), max_step_tokens=max(8192, 8 * B)))
             eng = LLMEngine(model, tok, cfg)
             eng.eos_id = None  # every request generates max_tokens tokens
@@ -399,14 +440,15 @@ def main() -> None:
             eng.warm_up()
             run(eng, prompts[:B], args.max_tokens)
             m0 = (eng.metrics.spec_verifications, eng.metrics.draft_tokens_accepted)
-            g0 = graphs_made(eng)
+            g0, a0 = graphs_made(eng), ahead_counts(eng)
             trace = [] if mode == "auto" else None  # where an auto generation's time goes, step by step
             outs, rate = run(eng, prompts[:B], args.max_tokens, trace)
             v = eng.metrics.spec_verifications - m0[0]
             acc = eng.metrics.draft_tokens_accepted - m0[1]
             res[mode] = dict(tokens_per_s=round(rate, 1), outputs=outs,
                              mean_accepted_length=round((acc + v) / v, 3) if v else None, verifications=v,
-                             graphs_made_while_timed=graphs_made(eng) - g0, graphs_off=graphs_off(eng))
+                             graphs_made_while_timed=graphs_made(eng) - g0, graphs_off=graphs_off(eng),
+                             ahead={k: n - a0[k] for k, n in ahead_counts(eng).items()})
             if dev.type == "cuda" and res[mode]["graphs_off"]:
                 _log(f"batch {B} {mode}: ran WITHOUT CUDA graphs: {res[mode]['graphs_off']}")
             if mode == "auto" and eng.spec_switch is not None:
@@ -451,6 +493,7 @@ def main() -> None:
                                for m in modes[1:] if res[m]["outputs"] != res["off"]["outputs"]},
                    graphs_made_while_timed={m: res[m]["graphs_made_while_timed"] for m in res},
                    graphs_off={m: res[m]["graphs_off"] for m in res},
+                   ahead={m: res[m]["ahead"] for m in modes[1:]},
                    **({"stage_ms": {m: res[m]["stage_ms"] for m in res if "stage_ms" in res[m]}}
                       if args.stage_times else {}),
                    **({"stage_kernels": {m: res[m]["stage_kernels"] for m in res if "stage_kernels" in res[m]}}

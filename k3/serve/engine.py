@@ -101,6 +101,11 @@ class EngineConfig:
     # with the replay after acceptance, BENCHMARKS.md), off without (and for a model without KDA layers: nothing to
     # replay); True needs speculation; False: the replay after.
     fused_replay: bool | None = None
+    # With speculation on a draft's captured chains (MTP, EAGLE-3; greedy requests): after a verification whose
+    # requests accepted every draft last time, their next proposal is drafted before the acceptance is read back, as
+    # if every draft were accepted again, and taken where they were (k3.serve.speculative.decoder: on a GPU the
+    # drafting runs while the host accepts and commits); False: every proposal after its acceptance.
+    draft_ahead: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -113,7 +118,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
-        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections"):
+        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections", "draft_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use True or False")
         if self.fused_replay is not None and not isinstance(self.fused_replay, bool):

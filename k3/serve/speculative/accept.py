@@ -120,17 +120,40 @@ def greedy_targets(logits: torch.Tensor, rows: list[int],
     Every row greedy (the usual batch): the argmax of the whole tensor, with no index sent to the device and no
     gather of the rows. `drafts` ({row: its draft tokens on the device [k]}, greedy rows of one k): read back in the
     same transfer, after that row's targets (its list is T + k long)."""
-    drafts = drafts or {}
-    if not rows:
+    return GreedyReadBack(logits, rows, drafts).result()
+
+
+class GreedyReadBack:
+    """`greedy_targets` begun: the argmax (with the drafts after it, as there) computed and its copy to the host
+    enqueued at construction, read at `result`, which waits for that copy alone: on a GPU, work enqueued after it
+    (a drafting step run ahead) keeps the device busy while the host goes on. `top`: the targets on the device,
+    [len(rows), T (+ k)] (None without rows)."""
+
+    def __init__(self, logits: torch.Tensor, rows: list[int], drafts: dict[int, torch.Tensor] | None = None):
+        drafts = drafts or {}
+        self.rows, self.top, self._host, self._done = rows, None, None, None
+        if not rows:
+            if drafts:
+                raise ValueError("drafts to read back for rows that are not greedy")
+            return
+        if set(drafts) - set(rows) or len({d.shape[0] for d in drafts.values()}) > 1:
+            raise ValueError("greedy_targets reads back drafts of greedy rows only, all of one length")
+        every = rows == list(range(logits.shape[0]))
+        top = logits.argmax(-1) if every else logits[torch.tensor(rows, device=logits.device)].argmax(-1)
         if drafts:
-            raise ValueError("drafts to read back for rows that are not greedy")
-        return {}
-    if set(drafts) - set(rows) or len({d.shape[0] for d in drafts.values()}) > 1:
-        raise ValueError("greedy_targets reads back drafts of greedy rows only, all of one length")
-    every = rows == list(range(logits.shape[0]))
-    top = logits.argmax(-1) if every else logits[torch.tensor(rows, device=logits.device)].argmax(-1)
-    if drafts:
-        k = next(iter(drafts.values())).shape[0]
-        pad = top.new_zeros(k)
-        top = torch.cat([top, torch.stack([drafts.get(r, pad) for r in rows]).to(top.dtype)], dim=1)
-    return dict(zip(rows, top.tolist()))
+            k = next(iter(drafts.values())).shape[0]
+            pad = top.new_zeros(k)
+            top = torch.cat([top, torch.stack([drafts.get(r, pad) for r in rows]).to(top.dtype)], dim=1)
+        self.top = top
+        if top.is_cuda:  # into pinned memory, asynchronously, with an event to wait for
+            self._host = torch.empty(top.shape, dtype=top.dtype, pin_memory=True)
+            self._host.copy_(top, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = top
+
+    def result(self) -> dict[int, list[int]]:
+        if self._done is not None:
+            self._done.synchronize()
+        return {} if self._host is None else dict(zip(self.rows, self._host.tolist()))

@@ -12,6 +12,11 @@ With fused replay (EngineConfig.fused_replay) `commit` replays only up to the la
 accepted positions (so the checkpoint taken there is of a committed state) and leaves the rest pending with the
 runner (ModelRunner.hold), to be replayed in the same pass as the request's next verification (or before any other
 forward over it); `forget` drops them.
+With drafting ahead (EngineConfig.draft_ahead) a verification of one number of drafts whose requests all accepted every
+draft last time has their next proposal drafted right after it (`Draft.propose_ahead`, from its hidden states and
+targets on the device, as if every draft were accepted again), before its acceptance is read back: the read-back waits
+for the verification alone (`GreedyReadBack`), so on a GPU the host accepts, emits and commits while the draft runs,
+and the next `propose` takes the proposal for the requests that were accepted whole (else drafts as before).
 `switch` (a k3.serve.speculative.switch.SpecSwitch, with EngineConfig.speculative_auto) turns speculation off per
 decode batch size where it measures slower.
 
@@ -32,7 +37,7 @@ from k3.serve.postprocess import Postprocessor, RequestOutput, logprob_entries, 
 from k3.serve.runner import ForwardBatch, ModelRunner, Verified
 from k3.serve.scheduler import Scheduler, Work
 from k3.serve.sequence import Sequence, Status
-from k3.serve.speculative.accept import accept_batch, greedy_targets
+from k3.serve.speculative.accept import GreedyReadBack, accept_batch
 from k3.serve.speculative.draft import Draft, Proposal
 from k3.serve.speculative.switch import SpecSwitch
 
@@ -94,6 +99,10 @@ class SpeculativeDecoder:
         # whether the draft can leave greedy drafts on the device (MTPDraft.propose's on_device: its captured chains)
         self.device_drafts = getattr(draft, "chains", None) is not None
         self.stage_times: StageTimes | None = None
+        # drafting ahead (`_draft_ahead`): whether a request's last verification accepted every draft, and the
+        # policy (False: ahead after any verification, for tests)
+        self._full: dict[str, bool] = {}
+        self.ahead_after_full = True
 
     def _stage(self, name: str):
         return nullcontext() if self.stage_times is None else self.stage_times.stage(name)
@@ -107,6 +116,7 @@ class SpeculativeDecoder:
         accepted positions (fused replay) are dropped: its running pages are freed, never read as committed again."""
         self.draft.forget(seq)
         self.runner.drop(seq.request_id)
+        self._full.pop(seq.request_id, None)
 
     # --- the step ------------------------------------------------------------------------------------------------
     def decide(self, decode_batch: int) -> bool:
@@ -172,15 +182,44 @@ class SpeculativeDecoder:
             ws, ps = [work[i] for i in idx], [props[i] for i in idx]
             with self._stage("verify"):
                 v = self.runner.execute(self.rows(ws, ps)).verified
-            outputs += self.accept(ws, ps, v)
+            targets = self._targets(ws, ps, v)
+            if len(groups) == 1:  # one group (the steady state): its next proposal drafted now, where it may be
+                with self._stage("draft"):
+                    self._draft_ahead(ws, v, targets)
+            outputs += self.accept(ws, ps, v, targets)
         return outputs
 
-    def accept(self, work: list[Work], props: list[Proposal], v: Verified) -> list[RequestOutput]:
+    @staticmethod
+    def _targets(work: list[Work], props: list[Proposal], v: Verified) -> GreedyReadBack:
+        """The greedy rows' targets (and drafts left on the device), their read-back begun."""
+        return GreedyReadBack(v.logits, [i for i, w in enumerate(work) if w.seq.params.temperature == 0],
+                              {i: p.on_device for i, p in enumerate(props) if p.tokens is None})
+
+    def _draft_ahead(self, work: list[Work], v: Verified, targets: GreedyReadBack) -> None:
+        """Draft the next proposal of `work` now, before the acceptance is read back, as if every draft were accepted
+        (`Draft.propose_ahead`: the verified positions' hidden states and targets are what the draft observes then):
+        on a GPU it runs while the host accepts, emits and commits. Only for greedy requests whose previous
+        verification accepted every draft (`ahead_after_full`; the next proposal takes it only where this one is
+        accepted whole too), where the draft offers it and `EngineConfig.draft_ahead` is on."""
+        if not (self.cfg.draft_ahead and self.device_drafts) or targets.top is None or \
+                len(targets.rows) != len(work):
+            return
+        if self.ahead_after_full and not all(self._full.get(w.seq.request_id) for w in work):
+            return
+        k, R = work[0].draft, len(work)
+        self.draft.propose_ahead([w.seq for w in work], [w.start for w in work], k, v.hidden[:R, :k + 1],
+                                 targets.top[:, :k + 1])
+
+    def accept(self, work: list[Work], props: list[Proposal], v: Verified,
+               targets: GreedyReadBack | None = None) -> list[RequestOutput]:
         """Accept each verified request's drafts (row i of the verification `v`), emit the tokens, commit the
-        accepted positions' KDA states by replay and truncate the MLA cache to them."""
+        accepted positions' KDA states by replay and truncate the MLA cache to them. `targets`: the greedy rows'
+        read-back, begun already (else begun here)."""
         seqs = [w.seq for w in work]
         with self._stage("accept"):
-            outs, emitted = self._accept(seqs, work, props, v)
+            outs, emitted = self._accept(seqs, work, props, v, targets or self._targets(work, props, v))
+        for w, n in zip(work, emitted):  # every draft accepted (tokens emitted: the drafts and the bonus)
+            self._full[w.seq.request_id] = n == w.draft + 1
         with self._stage("commit"):
             self.commit(work, v, emitted)
         with self._stage("observe"):
@@ -193,11 +232,10 @@ class SpeculativeDecoder:
         return outs
 
     def _accept(self, seqs: list[Sequence], work: list[Work], props: list[Proposal],
-                v: Verified) -> tuple[list[RequestOutput], list[int]]:
+                v: Verified, targets: GreedyReadBack) -> tuple[list[RequestOutput], list[int]]:
         """The acceptance of each row and the tokens emitted: (outputs, tokens emitted per request)."""
         outs, emitted = [], []
-        greedy = greedy_targets(v.logits, [i for i, s in enumerate(seqs) if s.params.temperature == 0],
-                                {i: p.on_device for i, p in enumerate(props) if p.tokens is None})
+        greedy = targets.result()
         for i, p in enumerate(props):  # drafts left on the device: read back with the targets (one read-back)
             if p.tokens is None:
                 greedy[i], p.tokens = greedy[i][:len(p) + 1], greedy[i][-len(p):] if len(p) else []

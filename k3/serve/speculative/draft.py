@@ -183,8 +183,11 @@ class MTPDraft:
         against its own context (rows of different lengths, `_RaggedCache`). Equal to `propose_sequential`, which
         a single request takes (its context grows in place, nothing is copied). `on_device`: a whole proposal on
         one captured chain leaves its tokens on the device (`Proposal.on_device`; the others are read back)."""
+        ahead = self.chains.pop_ahead() if self.chains is not None else None  # good for this proposal only
         if self.chains is not None and seqs and all(s.params.temperature == 0 for s in seqs):
-            out = self.chains.propose(seqs, ks, on_device)  # the whole proposal on one captured graph, where it fits
+            # the proposal drafted ahead where it holds, else the whole proposal on one captured graph where it fits
+            out = (ahead.take(self, seqs, ks, on_device) if ahead is not None else None) or \
+                self.chains.propose(seqs, ks, on_device)
             if out is not None:
                 return out
         if len(seqs) == 1:
@@ -228,6 +231,16 @@ class MTPDraft:
             else:
                 out.append(Proposal(tokens[i], None if qs[i][0] is None else torch.stack(qs[i])))
         return out
+
+    @torch.no_grad()
+    def propose_ahead(self, seqs: list[Sequence], starts: list[int], k: int, hidden: Tensor, targets: Tensor) -> bool:
+        """The next greedy proposal of k drafts for `seqs`, drafted now on a captured chain as if each request's
+        verification from position starts[i] accepted all its k drafts: its first step over those k + 1 positions
+        (hidden [R, k + 1, width], the verification's hidden states; targets [R, k + 1], its greedy tokens on the
+        device), nothing read back. The next `propose` takes it for the requests that then observed exactly those
+        positions (every draft accepted) where nothing ran on the chains in between; any other proposal drops it.
+        Returns whether it ran (False: no chains, or the batch does not fit one)."""
+        return self.chains is not None and self.chains.ahead(seqs, starts, k, hidden, targets)
 
     @torch.no_grad()
     def propose_sequential(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -491,8 +504,10 @@ class _Chain:
     device: the tests); else captured as one CUDA graph after two warm-up runs on a side stream."""
 
     def __init__(self, draft: "MTPDraft", rows: int, length: int, k: int, like_h: Tensor, like_c: Tensor,
-                 like_kr: Tensor, eager: bool, pool=None, first: int = 0, shared: _StaticRaggedCache | None = None):
+                 like_kr: Tensor, eager: bool, pool=None, first: int = 0, shared: _StaticRaggedCache | None = None,
+                 owner: "_Chains | None" = None):
         self.draft, self.rows, self.length, self.k, self.first = draft, rows, length, k, first
+        self.owner = owner  # its _Chains, told of every run (which overwrites the buffers it shares)
         # first > 0: the chain begins with the first drafting step over up to `first` observed positions per row
         # (hidden states h [rows, first, D] and next tokens ids [rows, first], right-padded, counts [rows])
         self.h = like_h.new_zeros(rows, max(first, 1), like_h.shape[-1])
@@ -535,6 +550,23 @@ class _Chain:
             host[i, :t.shape[0]] = t
             host[i, -2] = t.shape[0]
         self._load(host, contexts)
+        return self._replay(R)
+
+    def run_ahead(self, hidden: Tensor, ids: Tensor, contexts: list[MLACache]) -> Tensor:
+        """`run_first` with every row's observed positions on the device, all of one count: hidden [R, n, D], ids
+        [R, n] (n <= first); nothing read back."""
+        R, n = ids.shape
+        self.h[:R, :n].copy_(hidden)
+        host = torch.zeros(self.rows, self.first + 2, dtype=torch.long)  # the counts and the lengths
+        host[:R, -2] = n
+        self._load(host, contexts)
+        self.ids[:R, :n].copy_(ids)
+        return self._replay(R)
+
+    def _replay(self, R: int) -> Tensor:
+        """The chain over its loaded inputs (run eagerly without a graph): the first R rows' tokens [R, k]."""
+        if self.owner is not None:
+            self.owner.runs += 1
         if self.graph is None:
             return self._body()[:R]
         self.graph.replay()
@@ -555,10 +587,7 @@ class _Chain:
         R = h.shape[0]
         self.h[:R].copy_(h)
         self._load(torch.zeros(self.rows, 2, dtype=torch.long), contexts)
-        if self.graph is None:
-            return self._body()[:R]
-        self.graph.replay()
-        return self.tokens[:R].clone()
+        return self._replay(R)
 
 
 class _Chains:
@@ -578,6 +607,43 @@ class _Chains:
         self.pool = None if eager else torch.cuda.graph_pool_handle()
         attn = draft.attention()
         self.nope = getattr(attn, "rope_theta", None) is None
+        self.runs = 0  # chains run or captured: each overwrites the buffers a proposal drafted ahead left its rows in
+        self._ahead: _Ahead | None = None
+        self.counts = {"ahead": 0, "taken": 0}  # proposals drafted ahead, and taken
+
+    def shape(self, lengths: list[int], counts: list[int], k: int) -> tuple[int, int] | None:
+        """The (rows, length) bucket of a whole proposal of k drafts (first step and chain) for contexts of
+        `lengths` rows with counts[i] observed positions pending, or None where it drafts as before: more positions
+        than k + 1, a context past the window, more rows than MAX_ROWS or buffers past MAX_BUFFER_ROWS."""
+        if k < 1 or not self.nope or len(lengths) > self.MAX_ROWS or any(
+                n > k + 1 or L + n > self.draft.window for L, n in zip(lengths, counts)):
+            return None
+        rows, length = self._bucket(len(lengths)), self._bucket(max(lengths) + 2 * k, 64)
+        return None if rows * length > self.MAX_BUFFER_ROWS else (rows, length)
+
+    def ahead(self, seqs: list[Sequence], starts: list[int], k: int, hidden: Tensor, targets: Tensor) -> bool:
+        """MTPDraft.propose_ahead on the chain of the proposal's bucket: its tokens and the buffer rows of its first
+        step kept (`_Ahead`) for the next `pop_ahead`."""
+        self._ahead = None
+        ctxs = [self.draft._ctx.get(s.request_id) for s in seqs]
+        if any(c is None or c.cache.c is None for c in ctxs):
+            return False
+        contexts = [c.cache for c in ctxs]
+        fit = self.shape([cc.length for cc in contexts], [k + 1] * len(seqs), k)
+        chain = None if fit is None else self.get(*fit, k, hidden, contexts[0], first=k + 1)
+        if chain is None:
+            return False
+        tokens = chain.run_ahead(hidden, targets, contexts)
+        self._ahead = _Ahead(chain, tokens, self.runs, k, {
+            s.request_id: (i, c, start, c.cache.length, c.cache.start, hidden[i].data_ptr())
+            for i, (s, c, start) in enumerate(zip(seqs, ctxs, starts))})
+        self.counts["ahead"] += 1
+        return True
+
+    def pop_ahead(self) -> "_Ahead | None":
+        """The proposal drafted ahead, if nothing ran on the chains since (then forgotten here either way)."""
+        a, self._ahead = self._ahead, None
+        return a if a is not None and a.runs == self.runs else None
 
     @staticmethod
     def _bucket(n: int, least: int = 1) -> int:
@@ -603,9 +669,10 @@ class _Chains:
                 return None
             # chains of one (rows, length) share their context buffers (the largest part of their memory)
             shared = next((c.cache for (r, n, _, _), c in self.made.items() if (r, n) == (rows, length)), None)
+            self.runs += 1  # a capture runs the chain on the shared buffers
             try:
                 self.made[key] = _Chain(self.draft, rows, length, k, like_h, like.c, like.k_rope, self.eager,
-                                        self.pool, first=first, shared=shared)
+                                        self.pool, first=first, shared=shared, owner=self)
             except Exception as e:  # e.g. an op that reads back from the device under capture: draft eagerly
                 if self.eager:
                     raise
@@ -627,14 +694,12 @@ def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int],
     draft = chains.draft
     k = max(ks)
     peeks = [draft._pending(s) for s in seqs]
-    if k < 1 or not chains.nope or len(seqs) > chains.MAX_ROWS or any(
-            p is None or p[1] > k + 1 or p[0].cache.c is None or p[0].cache.length + p[1] > draft.window
-            for p in peeks):
+    if any(p is None or p[0].cache.c is None for p in peeks):
         return None
-    rows = chains._bucket(len(seqs))
-    length = chains._bucket(max(p[0].cache.length for p in peeks) + 2 * k, 64)
-    if rows * length > chains.MAX_BUFFER_ROWS:
+    fit = chains.shape([p[0].cache.length for p in peeks], [p[1] for p in peeks], k)
+    if fit is None:
         return None
+    rows, length = fit
     prep = [draft._first_inputs(s) for s in seqs]  # takes the pending positions
     contexts = [p[0].cache for p in prep]
     chain = chains.get(rows, length, k, prep[0][1], contexts[0], first=k + 1)
@@ -650,6 +715,45 @@ def _propose_on_chain(chains: "_Chains", seqs: list[Sequence], ks: list[int],
         return [Proposal(None, on_device=out[i, :k_i]) for i, k_i in enumerate(ks)]
     tokens = out.tolist()
     return [Proposal(tokens[i][:k_i]) for i, k_i in enumerate(ks)]
+
+
+class _Ahead:
+    """A proposal drafted ahead (`_Chains.ahead`): the chain it ran on, its tokens [R, k] on the device, the chains'
+    run count after it, and per request (row, its _Context, the verification's start, the context's length and
+    start then, the data pointer of its row of hidden states)."""
+
+    def __init__(self, chain: _Chain, tokens: Tensor, runs: int, k: int, rows: dict[str, tuple]):
+        self.chain, self.tokens, self.runs, self.k, self.rows = chain, tokens, runs, k, rows
+
+    def take(self, draft: "MTPDraft", seqs: list[Sequence], ks: list[int], on_device: bool) -> list[Proposal] | None:
+        """The proposal for `seqs` (k_i <= k drafts each: a greedy chain's first k_i tokens are those of a shorter
+        chain), where every request then observed exactly the k + 1 positions it was drafted from: its verification
+        accepted every draft (its observation is that row of the verification's hidden states, its tokens the
+        targets), and its context is as it was. Their rows join the contexts and the pending positions are taken,
+        as the proposal would; else None, and nothing is touched."""
+        n = self.k + 1
+        for s, k in zip(seqs, ks):
+            e = self.rows.get(s.request_id)
+            if e is None or k > self.k:
+                return None
+            _, ctx, start, length, cstart, ptr = e
+            if draft._ctx.get(s.request_id) is not ctx or ctx.pending_start != start or len(ctx.pending) != 1 \
+                    or ctx.pending[0].shape[0] != n or ctx.pending[0].data_ptr() != ptr \
+                    or s.num_computed != start + n or ctx.next_pos != start + n \
+                    or (ctx.cache.length, ctx.cache.start) != (length, cstart):
+                return None
+        entries = [self.rows[s.request_id] for s in seqs]
+        contexts = [e[1].cache for e in entries]
+        MLACache.append_each(contexts, [self.chain.new_rows(e[0], e[3], n) for e in entries])
+        for e in entries:
+            e[1].pending, e[1].pending_start = [], None
+            e[1].cache.keep_last(draft.window)
+        draft.chains.counts["taken"] += 1
+        rows = [e[0] for e in entries]
+        if on_device:
+            return [Proposal(None, on_device=self.tokens[r, :k]) for r, k in zip(rows, ks)]
+        tokens = self.tokens.tolist()
+        return [Proposal(tokens[r][:k]) for r, k in zip(rows, ks)]
 
 
 def _first_groups(n: list[int], most: int) -> list[list[int]]:

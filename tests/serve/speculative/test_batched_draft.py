@@ -320,12 +320,12 @@ def test_a_failed_chain_capture_drafts_eagerly_with_the_same_drafts(monkeypatch)
 
     real = draft_mod._Chain
 
-    def broken(draft, rows, length, k, h, c, kr, eager, pool, first=0, shared=None):
+    def broken(draft, rows, length, k, h, c, kr, eager, pool, first=0, shared=None, owner=None):
         # the chain after an eager first step is made (uncaptured); the whole-proposal chain's capture fails, after
         # the proposal took the pending positions
         if first:
             raise RuntimeError("operation not permitted when stream is capturing")
-        return real(draft, rows, length, k, h, c, kr, True, pool, first=0, shared=shared)
+        return real(draft, rows, length, k, h, c, kr, True, pool, first=0, shared=shared, owner=owner)
 
     monkeypatch.setattr(draft_mod, "_Chain", broken)
     notices = []
@@ -412,3 +412,71 @@ def test_greedy_chains_on_the_paged_kernel_interpreted_equal_the_eager_drafts(mo
             got[name] += [p.tokens for p in draft.propose(seqs, [3] * len(group))]
         assert got["chained"] == got["eager"]
     assert kernel and {tuple(shape)[:2] for shape in kernel} <= {(1, 64), (2, 64)}
+
+
+def _verified(draft, seqs, k, cycle, width, accept=None):
+    """A verification of k + 1 positions per request (random hidden states and greedy targets) whose drafts were all
+    accepted (or, per request, its first accept[i] positions): the targets committed, the positions observed."""
+    g = torch.Generator().manual_seed(10 + cycle)
+    hidden = torch.randn(len(seqs), k + 1, width, generator=g)
+    targets = torch.randint(1, VOCAB, (len(seqs), k + 1), generator=g)
+    starts = [s.num_computed for s in seqs]
+    return hidden, targets, starts, lambda: [_commit(draft, s, starts[i], hidden[i], targets[i],
+                                                     (accept or {}).get(i, k + 1)) for i, s in enumerate(seqs)]
+
+
+def _commit(draft, seq, start, hidden, targets, n):
+    seq.prompt_ids[start + 1:] = targets[:n].tolist()
+    draft.observe(seq, start, hidden[:n])
+    seq.num_computed = start + n
+
+
+def _state(draft, seqs):
+    return [(draft._ctx[s.request_id].cache.length, draft._ctx[s.request_id].cache.start,
+             draft._ctx[s.request_id].cache.c.clone(), draft._ctx[s.request_id].cache.k_rope.clone()) for s in seqs]
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize("case", ["all accepted", "one rejected", "chain ran between", "fewer drafts"])
+def test_a_proposal_drafted_ahead_equals_the_proposal_after_acceptance(kind, case):
+    """MTPDraft.propose_ahead drafts the next proposal before the verification's acceptance, as if all its drafts are
+    accepted; the next propose takes it only where they were (else drafts as always): the proposals and the contexts
+    after them equal those of a draft that never drafted ahead, bit for bit, over several cycles, and the proposal
+    drafted ahead is taken exactly where it holds."""
+    model = _model()
+    runs = {}
+    for mode in ("ahead", "after"):
+        draft = _draft(kind, model, window=200, chain_graphs="eager")
+        width = _width(draft)
+        seqs = _seqs([7, 30, 12], 0.0)
+        _observe(draft, seqs, width)
+        out = [[p.tokens for p in draft.propose(seqs, [3] * 3)]]
+        other = _seqs([9], 0.0, seed=7)  # another batch, drafted on the chains too
+        other[0].request_id = "other"
+        _observe(draft, other, width)
+        draft.propose(other, [3])
+        for cycle in range(3):
+            hidden, targets, starts, commit = _verified(draft, seqs, 3, cycle, width,
+                                                        {1: 2} if case == "one rejected" and cycle == 1 else None)
+            if mode == "ahead":
+                assert draft.propose_ahead(seqs, starts, 3, hidden, targets)
+            commit()
+            if case == "chain ran between" and cycle == 1:  # the other batch's chain ran in between
+                _commit(draft, other[0], other[0].num_computed, torch.randn(1, width), torch.tensor([5]), 1)
+                with torch.no_grad():
+                    assert draft.chains.propose(other, [3]) is not None
+            ks = [3, 2, 1] if case == "fewer drafts" else [3] * 3
+            out.append([p.tokens for p in draft.propose(seqs, ks)])
+            out.append(_state(draft, seqs))
+        runs[mode] = (out, draft.chains.counts)
+    (ahead, counts), (after, plain) = runs["ahead"], runs["after"]
+    assert plain == {"ahead": 0, "taken": 0}
+    assert counts["ahead"] == 3
+    assert counts["taken"] == (2 if case in ("one rejected", "chain ran between") else 3)
+    assert len(ahead) == len(after)
+    for a, b in zip(ahead, after):
+        if a and isinstance(a[0], tuple):  # the contexts: (length, start, c, k_rope) per request
+            for x, y in zip(a, b):
+                assert x[:2] == y[:2] and torch.equal(x[2], y[2]) and torch.equal(x[3], y[3])
+        else:
+            assert a == b
