@@ -63,6 +63,12 @@ def reference(right: bool, prompt: tuple, max_tokens: int, stop: tuple):
     return s.output_ids, s.text, s.finish_reason
 
 
+def _stop_string(right: bool, prompt, max_tokens: int) -> list[str]:
+    """A short piece of the request's reference text (a stop string it will meet), or none."""
+    text = reference(right, tuple(prompt), max_tokens, ())[1]
+    return [text[len(text) // 2: len(text) // 2 + 2]] if len(text) >= 4 else []
+
+
 def _check(right, results, params):
     for (s, ids, text), p in zip(results, params):
         assert s.status == Status.FINISHED
@@ -106,22 +112,6 @@ def test_random_request_mixes_drafted_ahead_match_plain_decoding(data):
                   chunk=data.draw(st.sampled_from([16, 24, 40])), step_tokens=data.draw(st.sampled_from([32, 96])))
     # a wrong draft never accepts every draft: it drafts ahead only when told to after every verification
     eng.speculative.ahead_after_full = right and data.draw(st.booleans())
-    base = fx._prompts(data.draw(st.integers(0, 3)), 1)[0] * 2
-    waves, params = [], []
-    for _ in range(data.draw(st.integers(1, 3))):
-        wave = []
-        for _ in range(data.draw(st.integers(1, 4))):
-            n = data.draw(st.integers(5, 110))
-            if data.draw(st.booleans()):  # a prefix of one shared base: prefix-cache hits
-                prompt = base[:n] + data.draw(st.lists(st.integers(1, fx.VOCAB - 1), max_size=5))
-            else:  # a prompt of its own: small pools preempt
-                prompt = data.draw(st.lists(st.integers(1, fx.VOCAB - 1), min_size=n, max_size=n))
-            max_tokens = data.draw(st.integers(1, 16))
-            text = reference(right, tuple(prompt), max_tokens, ())[1]
-            stop = [text[len(text) // 2: len(text) // 2 + 2]] if data.draw(st.booleans()) and len(text) >= 4 else []
-            p = SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)
-            wave.append((prompt, p))
-            params.append(p)
-        waves.append(wave)
+    waves, params = fx.random_waves(data, functools.partial(_stop_string, right))
     _check(right, fx._run(eng, waves), params)
     eng.cache.prefix.check_invariants()

@@ -529,22 +529,7 @@ def test_random_requests_with_fused_replay_match_plain_decoding(data):
                   step_tokens=data.draw(st.sampled_from([32, 96])), hb=data.draw(st.sampled_from([8, 16])))
     if data.draw(st.booleans()):
         eng.spec_switch = EveryThirdPlain()
-    base = fx._prompts(data.draw(st.integers(0, 3)), 1)[0] * 2
-    waves, params = [], []
-    for _ in range(data.draw(st.integers(1, 2))):
-        wave = []
-        for _ in range(data.draw(st.integers(1, 3))):
-            n = data.draw(st.integers(5, 80))
-            if data.draw(st.booleans()):  # a prefix of one shared base: prefix-cache hits
-                prompt = base[:n] + data.draw(st.lists(st.integers(1, fx.VOCAB - 1), max_size=4))
-            else:
-                prompt = data.draw(st.lists(st.integers(1, fx.VOCAB - 1), min_size=n, max_size=n))
-            max_tokens = data.draw(st.integers(1, 16))
-            stop = fx._stop_string(prompt, max_tokens) if data.draw(st.booleans()) else []
-            p = SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)
-            wave.append((prompt, p))
-            params.append(p)
-        waves.append(wave)
+    waves, params = fx.random_waves(data, fx._stop_string, waves=2, per_wave=3, longest=80, extra=4)
     results, _ = drive(eng, waves)
     fx._check(results, params)
     eng.cache.prefix.check_invariants()

@@ -136,6 +136,32 @@ def _prompts(seed: int, n: int):
     return [base[: 20 + 13 * i] + torch.randint(1, VOCAB, (i % 3,), generator=g).tolist() for i in range(n)]
 
 
+def random_waves(data, stop_string, waves: int = 3, per_wave: int = 4, longest: int = 110, extra: int = 5,
+                 logprobs: bool = False):
+    """Waves of greedy requests drawn by hypothesis `data`: up to `per_wave` each, prompts of 5..`longest` tokens, half
+    of them prefixes of one shared base plus up to `extra` tokens (prefix-cache hits), the others of their own (small
+    pools preempt), max_tokens 1..16, half with a stop string from stop_string(prompt, max_tokens), logprobs None or 1
+    where `logprobs`. Returns (waves of (prompt, params), every request's params in order)."""
+    base = _prompts(data.draw(st.integers(0, 3)), 1)[0] * 2
+    out, params = [], []
+    for _ in range(data.draw(st.integers(1, waves))):
+        wave = []
+        for _ in range(data.draw(st.integers(1, per_wave))):
+            n = data.draw(st.integers(5, longest))
+            if data.draw(st.booleans()):
+                prompt = base[:n] + data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=extra))
+            else:
+                prompt = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=n, max_size=n))
+            max_tokens = data.draw(st.integers(1, 16))
+            stop = stop_string(prompt, max_tokens) if data.draw(st.booleans()) else []
+            p = SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop,
+                               logprobs=data.draw(st.sampled_from([None, 1])) if logprobs else None)
+            wave.append((prompt, p))
+            params.append(p)
+        out.append(wave)
+    return out, params
+
+
 def _mixed(batch) -> bool:
     """A mixed forward (ModelRunner.execute's packed forward of plain requests and verifications): some of the
     batch's requests are verifications, not all."""
@@ -194,23 +220,7 @@ def test_random_request_mixes_match_plain_decoding(data):
     eng = _engine(draft[kind], spec="mtp" if kind == "mtp" else "off", k=data.draw(st.sampled_from([1, 2, 3, 5])),
                   mb=data.draw(st.sampled_from([0.5, 0.8, 4.0])), chunk=data.draw(st.sampled_from([16, 24, 40])),
                   step_tokens=data.draw(st.sampled_from([32, 96])))
-    base = _prompts(data.draw(st.integers(0, 3)), 1)[0] * 2
-    waves, params = [], []
-    for _ in range(data.draw(st.integers(1, 3))):
-        wave = []
-        for _ in range(data.draw(st.integers(1, 4))):
-            n = data.draw(st.integers(5, 110))
-            if data.draw(st.booleans()):  # a prefix of one shared base: prefix-cache hits
-                prompt = base[:n] + data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=5))
-            else:  # a prompt of its own: small pools preempt
-                prompt = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=n, max_size=n))
-            max_tokens = data.draw(st.integers(1, 16))
-            stop = _stop_string(prompt, max_tokens) if data.draw(st.booleans()) else []
-            p = SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop,
-                               logprobs=data.draw(st.sampled_from([None, 1])))
-            wave.append((prompt, p))
-            params.append(p)
-        waves.append(wave)
+    waves, params = random_waves(data, _stop_string, logprobs=True)
     _check(_run(eng, waves), params)
     eng.cache.prefix.check_invariants()
 
