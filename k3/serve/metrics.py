@@ -40,6 +40,10 @@ COUNTERS = (
     ("k3_spec_verifications_total", "spec_verifications", "Speculative decode steps of a request (drafts verified)."),
     ("k3_spec_draft_tokens_total", "draft_tokens_proposed", "Draft tokens proposed for verification."),
     ("k3_spec_draft_tokens_accepted_total", "draft_tokens_accepted", "Draft tokens the target accepted."),
+    ("k3_spec_drafted_ahead_total", "spec_drafted_ahead",
+     "Requests' proposals drafted before their previous verification was read back (EngineConfig.draft_ahead)."),
+    ("k3_spec_drafted_ahead_taken_total", "spec_drafted_ahead_taken",
+     "Proposals drafted ahead that were taken (the verification before them accepted every draft)."),
     ("k3_written_back_tokens_total", "written_back_tokens", "Prefix tokens written back to host memory."),
     ("k3_prefetched_tokens_total", "prefetched_tokens", "Prefix tokens fetched from host memory into the cache."),
     ("k3_images_encoded_total", "images_encoded", "Images run through the vision encoder at prefill."),
@@ -93,6 +97,9 @@ class EngineMetrics:
         self.spec_verifications = 0
         self.draft_tokens_proposed = 0
         self.draft_tokens_accepted = 0
+        # proposals drafted ahead of their acceptance's read-back, per request, and those taken
+        self.spec_drafted_ahead = 0
+        self.spec_drafted_ahead_taken = 0
         # host write-back (prefixes copied to host memory) and prefetch (copied back into the pool)
         self.written_back_tokens = 0
         self.written_back_bytes = 0

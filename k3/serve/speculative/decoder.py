@@ -149,6 +149,7 @@ class SpeculativeDecoder:
             if len(p) != w.draft:
                 raise RuntimeError(f"the draft proposed {len(p)} tokens for {w.seq.request_id}, "
                                    f"{w.draft} were asked for")
+        self.post.metrics.spec_drafted_ahead_taken += sum(p.ahead for p in props)
         return props
 
     def rows(self, work: list[Work], props: list[Proposal]) -> ForwardBatch:
@@ -207,8 +208,9 @@ class SpeculativeDecoder:
         if self.ahead_after_full and not all(self._full.get(w.seq.request_id) for w in work):
             return
         k, R = work[0].draft, len(work)
-        self.draft.propose_ahead([w.seq for w in work], [w.start for w in work], k, v.hidden[:R, :k + 1],
-                                 targets.top[:, :k + 1])
+        if self.draft.propose_ahead([w.seq for w in work], [w.start for w in work], k, v.hidden[:R, :k + 1],
+                                    targets.top[:, :k + 1]):
+            self.post.metrics.spec_drafted_ahead += R
 
     def accept(self, work: list[Work], props: list[Proposal], v: Verified,
                targets: GreedyReadBack | None = None) -> list[RequestOutput]:

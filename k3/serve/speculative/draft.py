@@ -56,10 +56,11 @@ class Proposal:
     were chosen deterministically (greedy drafts: q is one-hot). `on_device` (a proposal asked for with
     ``on_device=True``: greedy drafts on a captured chain): the tokens [k] on the device, not read back; `tokens` is
     None until the verification's read-back fills it in (`SpeculativeDecoder`), so drafting never waits for the
-    device."""
+    device. `ahead`: drafted before the previous verification's acceptance was read back (MTPDraft.propose_ahead)."""
     tokens: list[int] | None
     q: Tensor | None = None
     on_device: Tensor | None = None
+    ahead: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens) if self.tokens is not None else self.on_device.shape[0]
@@ -751,9 +752,9 @@ class _Ahead:
         draft.chains.counts["taken"] += 1
         rows = [e[0] for e in entries]
         if on_device:
-            return [Proposal(None, on_device=self.tokens[r, :k]) for r, k in zip(rows, ks)]
+            return [Proposal(None, on_device=self.tokens[r, :k], ahead=True) for r, k in zip(rows, ks)]
         tokens = self.tokens.tolist()
-        return [Proposal(tokens[r][:k]) for r, k in zip(rows, ks)]
+        return [Proposal(tokens[r][:k], ahead=True) for r, k in zip(rows, ks)]
 
 
 def _first_groups(n: list[int], most: int) -> list[list[int]]:

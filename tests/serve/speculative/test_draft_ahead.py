@@ -20,6 +20,7 @@ from helpers import load_benchmark
 
 from k3.ops.registry import Backends
 from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.metrics import render_metrics
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 from k3.serve.sequence import Status
@@ -87,6 +88,13 @@ def test_proposals_drafted_ahead_are_taken_when_every_draft_is_accepted():
         m, counts = eng.metrics, sd.ahead_counts(eng)
         assert m.draft_tokens_accepted == m.draft_tokens_proposed > 0  # the draft is always right
         got[ahead] = (m.spec_verifications, dict(counts))
+        if ahead:  # the metrics count requests, the draft's counts batches of them
+            assert m.spec_drafted_ahead >= counts["ahead"] and m.spec_drafted_ahead_taken >= counts["taken"]
+            assert 0 < m.spec_drafted_ahead_taken <= m.spec_drafted_ahead
+            text = render_metrics(eng)
+            assert f"k3_spec_drafted_ahead_taken_total {m.spec_drafted_ahead_taken}" in text
+    text = render_metrics(eng)  # the engine without drafting ahead: zeros
+    assert "k3_spec_drafted_ahead_total 0" in text and "k3_spec_drafted_ahead_taken_total 0" in text
     (verifications, counts), (plain_verifications, plain) = got[True], got[False]
     assert plain == {"ahead": 0, "taken": 0} and verifications == plain_verifications
     # after the first verification of a batch every one drafts ahead, and every proposal but the first is taken
