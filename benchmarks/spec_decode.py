@@ -35,7 +35,8 @@ per cycle, from one more generation that waits for the device at every stage bou
 above the timed run's).
 The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 commands read it).
 `ahead`: per speculating arm, its timed generation's proposals drafted ahead and taken (EngineConfig.draft_ahead;
---no-draft-ahead turns it off). `--right-draft` makes the draft always right on any weights (synthetic:
+`--draft-after` adds the arm `after`, the same speculation with every proposal drafted after its acceptance;
+`--no-auto` leaves the auto arm out). `--right-draft` makes the draft always right on any weights (synthetic:
 `make_draft_right_`), for the cycle at full acceptance without a trained model.
 `auto_steps`: the auto engine's timed generation step by step, by the switch's arm (steps, mean and largest ms) and
 its slowest steps.
@@ -396,9 +397,11 @@ def main() -> None:
                     help="synthetic: zero every layer's output projections and make the MTP layer read the next "
                          "token alone, so that every draft is accepted (`make_draft_right_`): the cycle at full "
                          "acceptance on any weights (the outputs are a token-to-token map, the kernels the model's)")
-    ap.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
-                    help="the speculating engines draft each proposal after its acceptance "
-                         "(EngineConfig.draft_ahead=False)")
+    ap.add_argument("--draft-after", action="store_true",
+                    help="one more engine, `after`: speculation on every step with each proposal drafted after its "
+                         "acceptance (EngineConfig.draft_ahead=False) instead of ahead of it where the last "
+                         "verification accepted every draft (the default)")
+    ap.add_argument("--no-auto", action="store_true", help="leave out the --speculative-auto engine")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -425,13 +428,14 @@ def main() -> None:
     rows = []
     for B in args.batch:
         res = {}
-        modes = ("off", "spec", "auto") + (("replay",) if args.replay_after else ())
+        modes = ("off", "spec") + (() if args.no_auto else ("auto",)) + (("replay",) if args.replay_after else ()) \
+            + (("after",) if args.draft_after else ())
         for mode in modes:
             spec = "off" if mode == "off" else ("eagle3" if args.draft else "mtp")
             cfg = EngineConfig(cache_memory_mb=args.cache_mb, max_model_len=args.prompt_tokens + args.max_tokens + 64,
                                speculative=spec, draft=args.draft if spec == "eagle3" else None,
                                num_draft_tokens=args.num_draft_tokens, speculative_auto=mode == "auto",
-                               fused_replay=False if mode == "replay" else None, draft_ahead=args.draft_ahead,
+                               fused_replay=False if mode == "replay" else None, draft_ahead=mode != "after",
                                scheduler=SchedulerConfig(max_num_seqs=max(B, 1), max_step_tokens=max(8192, 8 * B)))
             eng = LLMEngine(model, tok, cfg)
             eng.eos_id = None  # every request generates max_tokens tokens
@@ -483,10 +487,10 @@ def main() -> None:
             del eng
             free_dropped_engines()  # its cache pool freed before the next engine allocates one
         T = res["spec"]["mean_accepted_length"] or 1.0
-        row = dict(batch=B, off_tok_s=res["off"]["tokens_per_s"], spec_tok_s=res["spec"]["tokens_per_s"],
-                   auto_tok_s=res["auto"]["tokens_per_s"],
-                   spec_speedup=round(res["spec"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3),
-                   auto_speedup=round(res["auto"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3),
+        auto = res.get("auto", {})
+        row = dict(batch=B, off_tok_s=res["off"]["tokens_per_s"],
+                   **{f"{m}_tok_s": res[m]["tokens_per_s"] for m in modes[1:]},
+                   **{f"{m}_speedup": round(res[m]["tokens_per_s"] / res["off"]["tokens_per_s"], 3) for m in modes[1:]},
                    mean_accepted_length=res["spec"]["mean_accepted_length"],
                    outputs_equal=all(res[m]["outputs"] == res["off"]["outputs"] for m in modes),
                    divergence={m: divergence(model, prompts[:B], res["off"]["outputs"], res[m]["outputs"])
@@ -499,11 +503,8 @@ def main() -> None:
                    **({"stage_kernels": {m: res[m]["stage_kernels"] for m in res if "stage_kernels" in res[m]}}
                       if args.stage_kernels else {}),
                    **({"host_profile": {m: res[m]["host_profile"] for m in res}} if args.host_profile else {}),
-                   auto_switch=res["auto"].get("switch"), auto_switch_rates=res["auto"].get("switch_rates"),
-                   **({"auto_steps": res["auto"]["steps"]} if "steps" in res["auto"] else {}),
-                   **({"replay_tok_s": res["replay"]["tokens_per_s"],
-                       "replay_speedup": round(res["replay"]["tokens_per_s"] / res["off"]["tokens_per_s"], 3)}
-                      if "replay" in res else {}),
+                   auto_switch=auto.get("switch"), auto_switch_rates=auto.get("switch_rates"),
+                   **({"auto_steps": auto["steps"]} if "steps" in auto else {}),
                    floor_speedup=None if args.draft else round(speculation_floor_speedup(
                        model.config, model_info(model.config), B, args.num_draft_tokens,
                        min(max(T, 1.0), args.num_draft_tokens + 1)), 3),
