@@ -3,6 +3,9 @@ requests in one forward per step over contexts of different lengths) equals the 
 (`propose_sequential`): the same tokens, and distributions within 1e-5, greedy and sampled, with different numbers
 of drafts per request; and a request's context is left as the reference leaves it."""
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
@@ -414,12 +417,13 @@ def test_greedy_chains_on_the_paged_kernel_interpreted_equal_the_eager_drafts(mo
     assert kernel and {tuple(shape)[:2] for shape in kernel} <= {(1, 64), (2, 64)}
 
 
-def _verified(draft, seqs, k, cycle, width, accept=None):
-    """A verification of k + 1 positions per request (random hidden states and greedy targets) whose drafts were all
-    accepted (or, per request, its first accept[i] positions): the targets committed, the positions observed."""
+def _verified(draft, seqs, k, cycle, width, accept=None, device="cpu", dtype=torch.float32):
+    """A verification of k + 1 positions per request (random hidden states and greedy targets, on `device`): (hidden,
+    targets, starts, commit), commit() its drafts all accepted (or, per request, its first accept[i] positions): the
+    targets committed, the positions observed."""
     g = torch.Generator().manual_seed(10 + cycle)
-    hidden = torch.randn(len(seqs), k + 1, width, generator=g)
-    targets = torch.randint(1, VOCAB, (len(seqs), k + 1), generator=g)
+    hidden = torch.randn(len(seqs), k + 1, width, generator=g).to(device, dtype)
+    targets = torch.randint(1, VOCAB, (len(seqs), k + 1), generator=g).to(device)
     starts = [s.num_computed for s in seqs]
     return hidden, targets, starts, lambda: [_commit(draft, s, starts[i], hidden[i], targets[i],
                                                      (accept or {}).get(i, k + 1)) for i, s in enumerate(seqs)]
@@ -476,6 +480,65 @@ def test_a_proposal_drafted_ahead_equals_the_proposal_after_acceptance(kind, cas
     assert len(ahead) == len(after)
     for a, b in zip(ahead, after):
         if a and isinstance(a[0], tuple):  # the contexts: (length, start, c, k_rope) per request
+            for x, y in zip(a, b):
+                assert x[:2] == y[:2] and torch.equal(x[2], y[2]) and torch.equal(x[3], y[3])
+        else:
+            assert a == b
+
+
+@contextlib.contextmanager
+def _no_sync(check: bool):
+    """Fails if the block synchronizes with the device (torch's sync debug mode), where `check`."""
+    if not check:
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_gpu_a_proposal_drafted_ahead_on_captured_chains_equals_the_proposal_after_acceptance(kind):
+    # as the CPU test, on captured chains (bf16, the fast backends): the proposals and contexts bit for bit those of
+    # drafting after acceptance, and drafting ahead and taking it never wait for the device
+    from k3.ops.registry import Backends
+
+    model = _model().cuda().to(torch.bfloat16)
+    model.set_backends(Backends(default="fast"))
+    runs = {}
+    for mode in ("ahead", "after"):
+        draft = _draft(kind, model, window=200, chain_graphs=True)
+        width = _width(draft)
+        seqs = _seqs([7, 30, 12], 0.0)
+        g = torch.Generator().manual_seed(1)
+        for s in seqs:
+            draft.observe(s, 0, torch.randn(s.num_computed, width, generator=g).cuda().to(torch.bfloat16))
+        out = [[p.tokens for p in draft.propose(seqs, [3] * 3)]]
+        for cycle in range(3):
+            hidden, targets, starts, commit = _verified(draft, seqs, 3, cycle, width, device="cuda",
+                                                        dtype=torch.bfloat16)
+            watch = mode == "ahead" and cycle  # the first one captures its chain; the others run on it
+            if mode == "ahead":
+                with _no_sync(watch):
+                    assert draft.propose_ahead(seqs, starts, 3, hidden, targets)
+            commit()  # the acceptance's read-back
+            with _no_sync(watch):
+                props = draft.propose(seqs, [3] * 3, on_device=True)
+            out.append([p.on_device.tolist() for p in props])
+            out.append(_state(draft, seqs))
+        runs[mode] = (out, draft.chains.counts)
+    (ahead, counts), (after, _) = runs["ahead"], runs["after"]
+    assert counts == {"ahead": 3, "taken": 3}
+    for a, b in zip(ahead, after):
+        if a and isinstance(a[0], tuple):
             for x, y in zip(a, b):
                 assert x[:2] == y[:2] and torch.equal(x[2], y[2]) and torch.equal(x[3], y[3])
         else:
