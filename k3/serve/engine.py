@@ -101,10 +101,11 @@ class EngineConfig:
     # with the replay after acceptance, BENCHMARKS.md), off without (and for a model without KDA layers: nothing to
     # replay); True needs speculation; False: the replay after.
     fused_replay: bool | None = None
-    # With speculation on a draft's captured chains (MTP, EAGLE-3; greedy requests): after a verification whose
-    # requests accepted every draft last time, their next proposal is drafted before the acceptance is read back, as
-    # if every draft were accepted again, and taken where they were (k3.serve.speculative.decoder: on a GPU the
-    # drafting runs while the host accepts and commits); False: every proposal after its acceptance.
+    # With speculation on a draft's captured chains (MTP, EAGLE-3; greedy requests): after a verification at least
+    # half of whose requests accepted every draft last time, their next proposal is drafted before the acceptance is
+    # read back, as if every draft were accepted again, and taken for those where it was (the others drafted then;
+    # k3.serve.speculative.decoder: on a GPU the drafting runs while the host accepts and commits); False: every
+    # proposal after its acceptance.
     draft_ahead: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

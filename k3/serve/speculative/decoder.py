@@ -12,11 +12,11 @@ With fused replay (EngineConfig.fused_replay) `commit` replays only up to the la
 accepted positions (so the checkpoint taken there is of a committed state) and leaves the rest pending with the
 runner (ModelRunner.hold), to be replayed in the same pass as the request's next verification (or before any other
 forward over it); `forget` drops them.
-With drafting ahead (EngineConfig.draft_ahead) a verification of one number of drafts whose requests all accepted every
-draft last time has their next proposal drafted right after it (`Draft.propose_ahead`, from its hidden states and
+With drafting ahead (EngineConfig.draft_ahead) a verification of one number of drafts most of whose requests accepted
+every draft last time has their next proposal drafted right after it (`Draft.propose_ahead`, from its hidden states and
 targets on the device, as if every draft were accepted again), before its acceptance is read back: the read-back waits
 for the verification alone (`GreedyReadBack`), so on a GPU the host accepts, emits and commits while the draft runs,
-and the next `propose` takes the proposal for the requests that were accepted whole (else drafts as before).
+and the next `propose` takes the proposal for the requests that were accepted whole (and drafts the others).
 `switch` (a k3.serve.speculative.switch.SpecSwitch, with EngineConfig.speculative_auto) turns speculation off per
 decode batch size where it measures slower.
 
@@ -199,13 +199,14 @@ class SpeculativeDecoder:
     def _draft_ahead(self, work: list[Work], v: Verified, targets: GreedyReadBack) -> None:
         """Draft the next proposal of `work` now, before the acceptance is read back, as if every draft were accepted
         (`Draft.propose_ahead`: the verified positions' hidden states and targets are what the draft observes then):
-        on a GPU it runs while the host accepts, emits and commits. Only for greedy requests whose previous
-        verification accepted every draft (`ahead_after_full`; the next proposal takes it only where this one is
-        accepted whole too), where the draft offers it and `EngineConfig.draft_ahead` is on."""
+        on a GPU it runs while the host accepts, emits and commits. Only for greedy requests, at least half of which
+        had every draft of their previous verification accepted (`ahead_after_full`; the next proposal takes it for
+        the requests accepted whole this time, and drafts the others then), where the draft offers it and
+        `EngineConfig.draft_ahead` is on."""
         if not (self.cfg.draft_ahead and self.device_drafts) or targets.top is None or \
                 len(targets.rows) != len(work):
             return
-        if self.ahead_after_full and not all(self._full.get(w.seq.request_id) for w in work):
+        if self.ahead_after_full and 2 * sum(bool(self._full.get(w.seq.request_id)) for w in work) < len(work):
             return
         k, R = work[0].draft, len(work)
         if self.draft.propose_ahead([w.seq for w in work], [w.start for w in work], k, v.hidden[:R, :k + 1],

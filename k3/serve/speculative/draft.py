@@ -186,9 +186,13 @@ class MTPDraft:
         one captured chain leaves its tokens on the device (`Proposal.on_device`; the others are read back)."""
         ahead = self.chains.pop_ahead() if self.chains is not None else None  # good for this proposal only
         if self.chains is not None and seqs and all(s.params.temperature == 0 for s in seqs):
-            # the proposal drafted ahead where it holds, else the whole proposal on one captured graph where it fits
-            out = (ahead.take(self, seqs, ks, on_device) if ahead is not None else None) or \
-                self.chains.propose(seqs, ks, on_device)
+            got = ahead.take(self, seqs, ks, on_device) if ahead is not None else {}
+            if got:  # drafted ahead where it holds, the other requests' proposals drafted now
+                rest = [i for i in range(len(seqs)) if i not in got]
+                if rest:
+                    got.update(zip(rest, self.propose([seqs[i] for i in rest], [ks[i] for i in rest], on_device)))
+                return [got[i] for i in range(len(seqs))]
+            out = self.chains.propose(seqs, ks, on_device)  # the whole proposal on one captured graph, where it fits
             if out is not None:
                 return out
         if len(seqs) == 1:
@@ -239,7 +243,8 @@ class MTPDraft:
         verification from position starts[i] accepted all its k drafts: its first step over those k + 1 positions
         (hidden [R, k + 1, width], the verification's hidden states; targets [R, k + 1], its greedy tokens on the
         device), nothing read back. The next `propose` takes it for the requests that then observed exactly those
-        positions (every draft accepted) where nothing ran on the chains in between; any other proposal drops it.
+        positions (every draft accepted) where nothing ran on the chains in between, and drafts the others as
+        always; any later proposal drops it.
         Returns whether it ran (False: no chains, or the batch does not fit one)."""
         return self.chains is not None and self.chains.ahead(seqs, starts, k, hidden, targets)
 
@@ -610,7 +615,7 @@ class _Chains:
         self.nope = getattr(attn, "rope_theta", None) is None
         self.runs = 0  # chains run or captured: each overwrites the buffers a proposal drafted ahead left its rows in
         self._ahead: _Ahead | None = None
-        self.counts = {"ahead": 0, "taken": 0}  # proposals drafted ahead, and taken
+        self.counts = {"ahead": 0, "taken": 0}  # requests' proposals drafted ahead, and taken
 
     def shape(self, lengths: list[int], counts: list[int], k: int) -> tuple[int, int] | None:
         """The (rows, length) bucket of a whole proposal of k drafts (first step and chain) for contexts of
@@ -638,7 +643,7 @@ class _Chains:
         self._ahead = _Ahead(chain, tokens, self.runs, k, {
             s.request_id: (i, c, start, c.cache.length, c.cache.start, hidden[i].data_ptr())
             for i, (s, c, start) in enumerate(zip(seqs, ctxs, starts))})
-        self.counts["ahead"] += 1
+        self.counts["ahead"] += len(seqs)
         return True
 
     def pop_ahead(self) -> "_Ahead | None":
@@ -726,35 +731,37 @@ class _Ahead:
     def __init__(self, chain: _Chain, tokens: Tensor, runs: int, k: int, rows: dict[str, tuple]):
         self.chain, self.tokens, self.runs, self.k, self.rows = chain, tokens, runs, k, rows
 
-    def take(self, draft: "MTPDraft", seqs: list[Sequence], ks: list[int], on_device: bool) -> list[Proposal] | None:
-        """The proposal for `seqs` (k_i <= k drafts each: a greedy chain's first k_i tokens are those of a shorter
-        chain), where every request then observed exactly the k + 1 positions it was drafted from: its verification
-        accepted every draft (its observation is that row of the verification's hidden states, its tokens the
-        targets), and its context is as it was. Their rows join the contexts and the pending positions are taken,
-        as the proposal would; else None, and nothing is touched."""
+    def take(self, draft: "MTPDraft", seqs: list[Sequence], ks: list[int], on_device: bool) -> dict[int, Proposal]:
+        """The proposals of the requests of `seqs` whose verification accepted every draft: {index in seqs: its
+        Proposal of ks[i] <= k drafts (a greedy chain's first k_i tokens are those of a shorter chain)}. A request
+        qualifies where it then observed exactly the k + 1 positions it was drafted from (its observation is that row
+        of the verification's hidden states, its tokens the targets) and its context is as it was; their rows join
+        their contexts and their pending positions are taken, as their proposal would; the others are not touched."""
         n = self.k + 1
-        for s, k in zip(seqs, ks):
+        got = []
+        for i, (s, k) in enumerate(zip(seqs, ks)):
             e = self.rows.get(s.request_id)
             if e is None or k > self.k:
-                return None
+                continue
             _, ctx, start, length, cstart, ptr = e
-            if draft._ctx.get(s.request_id) is not ctx or ctx.pending_start != start or len(ctx.pending) != 1 \
-                    or ctx.pending[0].shape[0] != n or ctx.pending[0].data_ptr() != ptr \
-                    or s.num_computed != start + n or ctx.next_pos != start + n \
-                    or (ctx.cache.length, ctx.cache.start) != (length, cstart):
-                return None
-        entries = [self.rows[s.request_id] for s in seqs]
+            if draft._ctx.get(s.request_id) is ctx and ctx.pending_start == start and len(ctx.pending) == 1 \
+                    and ctx.pending[0].shape[0] == n and ctx.pending[0].data_ptr() == ptr \
+                    and s.num_computed == start + n and ctx.next_pos == start + n \
+                    and (ctx.cache.length, ctx.cache.start) == (length, cstart):
+                got.append(i)
+        if not got:
+            return {}
+        entries = [self.rows[seqs[i].request_id] for i in got]
         contexts = [e[1].cache for e in entries]
         MLACache.append_each(contexts, [self.chain.new_rows(e[0], e[3], n) for e in entries])
         for e in entries:
             e[1].pending, e[1].pending_start = [], None
             e[1].cache.keep_last(draft.window)
-        draft.chains.counts["taken"] += 1
-        rows = [e[0] for e in entries]
+        draft.chains.counts["taken"] += len(got)
         if on_device:
-            return [Proposal(None, on_device=self.tokens[r, :k], ahead=True) for r, k in zip(rows, ks)]
+            return {i: Proposal(None, on_device=self.tokens[e[0], :ks[i]], ahead=True) for i, e in zip(got, entries)}
         tokens = self.tokens.tolist()
-        return [Proposal(tokens[r][:k], ahead=True) for r, k in zip(rows, ks)]
+        return {i: Proposal(tokens[e[0]][:ks[i]], ahead=True) for i, e in zip(got, entries)}
 
 
 def _first_groups(n: list[int], most: int) -> list[list[int]]:
