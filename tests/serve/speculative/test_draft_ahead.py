@@ -24,7 +24,6 @@ from k3.serve.metrics import render_metrics
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 from k3.serve.sequence import Status
-from k3.serve.speculative.switch import SpecSwitch
 
 _spec = importlib.util.spec_from_file_location("spec_engine_fixtures_a",
                                                Path(__file__).with_name("test_spec_engine.py"))
@@ -103,24 +102,11 @@ def test_proposals_drafted_ahead_are_taken_when_every_draft_is_accepted():
     assert counts["taken"] > 0 and counts["ahead"] - counts["taken"] <= 2
 
 
-class EveryThirdPlain(SpecSwitch):
-    """Runs every third decode step plain: the observations after it are not a verification's, so a proposal
-    drafted ahead before it is never taken."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def decide(self, batch):
-        self.n += 1
-        return self.n % 3 != 0
-
-
 def test_plain_steps_between_verifications_leave_proposals_drafted_ahead_untaken():
     prompts = fx._prompts(2, 3)
     params = [SamplingParams(max_tokens=fx.LONGEST, temperature=0)] * len(prompts)
     eng = _engine(True)
-    eng.spec_switch = EveryThirdPlain()
+    eng.spec_switch = fx.EveryThirdPlain()  # the proposals drafted ahead before a plain step are never taken
     _check(True, fx._run(eng, [list(zip(prompts, params))]), params)
     counts = sd.ahead_counts(eng)
     # drafted after every verification that followed a whole acceptance; taken only by a proposal right after it

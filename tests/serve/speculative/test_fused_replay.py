@@ -39,7 +39,6 @@ from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.runner import ForwardBatch, ModelRunner
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
-from k3.serve.speculative.switch import SpecSwitch
 
 _spec = importlib.util.spec_from_file_location("spec_engine_fixtures_f",
                                                Path(__file__).with_name("test_spec_engine.py"))
@@ -66,19 +65,6 @@ def graph_ops():
         yield model
     finally:
         model.set_backends(None)
-
-
-class EveryThirdPlain(SpecSwitch):
-    """Runs every third decode step plain, the others speculative: plain decode steps over requests with pending
-    positions, and verifications that follow verifications (with pending positions to fuse)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def decide(self, batch):
-        self.n += 1
-        return self.n % 3 != 0
 
 
 def _engine(draft=None, spec="off", k=3, mb=4.0, chunk=40, step_tokens=96, fused=True, hb=fx.HB, graphs=False):
@@ -335,7 +321,7 @@ def test_plain_steps_of_the_switch_and_near_max_tokens_replay_pending_first(grap
         request.getfixturevalue("graph_ops")
     watch = Watch(monkeypatch)
     eng = _engine(fx.OracleDraft(wrong_every=3), k=5, graphs=graphs)
-    eng.spec_switch = EveryThirdPlain()
+    eng.spec_switch = fx.EveryThirdPlain()
     prompts = fx._prompts(4, 4)
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (fx.LONGEST, 7, 8, 13)]
     results, held = drive(eng, [list(zip(prompts, params))])
@@ -422,7 +408,7 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
         return orig_load(graphs, b, B, pending, lengths)
 
     monkeypatch.setattr(DecodeGraphs, "_load_pending", load)
-    eng.spec_switch = EveryThirdPlain()
+    eng.spec_switch = fx.EveryThirdPlain()
     prompts = fx._prompts(5, 5)
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (fx.LONGEST, 9, 14, 19, 5)]
     results, held = drive(eng, [list(zip(prompts, params))])
@@ -433,7 +419,7 @@ def test_verifications_on_static_buffers_run_fused(kind, monkeypatch, graph_ops)
     # held positions come back as one piece per request (those held from an eager or mixed verification too)
     assert loads.count("rows") > loads.count("layers")
     off = _engine(_draft(kind), spec=spec, k=3, graphs=True, fused=False)
-    off.spec_switch = EveryThirdPlain()
+    off.spec_switch = fx.EveryThirdPlain()
     ref, _ = drive(off, [list(zip(prompts, params))], states=False)
     assert [s.output_ids for s, _, _ in results] == [s.output_ids for s, _, _ in ref]
     m, mo = eng.metrics, off.metrics
@@ -528,7 +514,7 @@ def test_random_requests_with_fused_replay_match_plain_decoding(data):
                   mb=data.draw(st.sampled_from([0.5, 4.0])), chunk=data.draw(st.sampled_from([16, 40])),
                   step_tokens=data.draw(st.sampled_from([32, 96])), hb=data.draw(st.sampled_from([8, 16])))
     if data.draw(st.booleans()):
-        eng.spec_switch = EveryThirdPlain()
+        eng.spec_switch = fx.EveryThirdPlain()
     waves, params = fx.random_waves(data, fx._stop_string, waves=2, per_wave=3, longest=80, extra=4)
     results, _ = drive(eng, waves)
     fx._check(results, params)

@@ -22,6 +22,7 @@ from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 from k3.serve.sequence import Status
 from k3.serve.speculative.draft import Proposal
+from k3.serve.speculative.switch import SpecSwitch
 
 HB, PAGE, VOCAB = 16, 48, 512
 LONGEST = 24  # the longest generation any test asks for
@@ -73,6 +74,20 @@ class OracleDraft:
 
     def forget(self, seq):
         self.observed.pop(seq.request_id, None)
+
+
+class EveryThirdPlain(SpecSwitch):
+    """Runs every third decode step plain, the others speculative: plain decode steps over requests that speculated
+    (with pending positions to replay, proposals drafted ahead to drop), and verifications that follow
+    verifications."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def decide(self, batch):
+        self.n += 1
+        return self.n % 3 != 0
 
 
 def _engine(draft=None, spec="off", k=3, mb=4.0, chunk=40, step_tokens=96, tokenizer=True, fused=False):
