@@ -298,9 +298,8 @@ register(Op(
 
 register(Op(
     "mla_combine_absorb_v_gate", reference=mla_combine_absorb_v_gate,
-    # not validated: its GPU test (tests/ops/test_mla_out.py, marked gpu) has not run on a GPU yet; `auto` keeps the
-    # combine-absorption kernel and the gate kernel there until it has
-    fast=(Fast("triton", mla_combine_absorb_v_gate_triton, _triton.available, validated=False, cpu=True),),
+    # validated: its GPU tests (tests/ops/test_mla_out.py, marked gpu) passed on an H100 (2026-12-08)
+    fast=(Fast("triton", mla_combine_absorb_v_gate_triton, _triton.available, validated=True, cpu=True),),
     tolerance="the combine-absorption kernel's output rounded to the activations' dtype, then the gate kernel's "
               "fp32 sigmoid product rounded once: equal to the two kernels run one after the other (the same "
               "operations), fp32 1e-5 / bf16 two bf16 steps of the largest entry against the reference"))
