@@ -51,9 +51,10 @@ verification graphs only.
 With fused replay (k3.serve.runner, EngineConfig.fused_replay; `fused_replay`, the runner's by default) the
 verification step runs k3.serve.pool_forward.verify_replay_on_pool instead: each request's pending accepted positions
 (a previous verification's, not yet in its KDA states) are replayed in the same pass as its window. Its bucket also
-holds, per KDA layer, the pending inputs [Bb, T, ...] (a KDAInputs: at most T pending positions per request, more
-run eagerly) and one count buffer pending_lengths [Bb] (0 for padding rows and rows with nothing pending), which the
-op reads on the device; the runner's inputs are copied into them before each replay. Inside the step every row
+holds, per KDA layer, the pending inputs [Bb, P, ...] (a KDAInputs; P the longest verification's positions, the most
+one can leave pending, so a shorter window after a long acceptance, as near max_tokens, stays on the buffers) and one
+count buffer pending_lengths [Bb] (0 for padding rows and rows with nothing pending), which the op reads on the
+device; the runner's inputs are copied into them before each replay. Inside the step every row
 writes its state after the pending positions back into its pages (a row with nothing pending its committed state,
 unchanged; a padding row only the scratch page).
 
@@ -170,10 +171,11 @@ class _Bucket:
         self.ids.zero_()
         self.positions.zero_()
         self.tables = torch.full((size, n_mla, max_pages), scratch, dtype=torch.long, device=device)
-        # a fused verification's (DecodeGraphs.fused_replay): per KDA layer the pending inputs [size, tokens, ...]
-        # and each row's count of them [size] (0: nothing pending, or a padding row); set by DecodeGraphs._bucket
+        # a fused verification's (DecodeGraphs.fused_replay): per KDA layer the pending inputs [size, P, ...] (P:
+        # DecodeGraphs.max_pending) and each row's count of them [size] (0: nothing pending, or a padding row); set by
+        # DecodeGraphs._bucket
         self.pending: list[KDAInputs] | None = None  # views of pending_flat
-        self.pending_flat: torch.Tensor | None = None  # [size, tokens, layers * width] (views.flat_inputs)
+        self.pending_flat: torch.Tensor | None = None  # [size, P, layers * width] (views.flat_inputs)
         self.pending_lengths: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         # the captured step's outputs: (logits [size, V], hidden or None) for a decode or prefill step (hidden, with
@@ -212,6 +214,9 @@ class DecodeGraphs:
         # speculative verifications of this many positions per request (last token + drafts) also run on static
         # buffers: `run_verify`
         self.verify_lengths = tuple(sorted(set(int(t) for t in verify_lengths if int(t) > 1)))
+        # the most pending positions a fused verification's buffers hold: the longest verification's (all of whose
+        # positions an acceptance can leave pending), whatever the length of the window that replays them
+        self.max_pending = max(self.verify_lengths, default=0)
         self.verify_steps = 0
         self.fused_replay = bool(getattr(runner, "fused_replay", False) if fused_replay is None else fused_replay)
         self.fused_pending_steps = 0  # fused verification steps in which some request had pending positions
@@ -300,7 +305,8 @@ class DecodeGraphs:
         With fused_replay, `pending` (per request its pending positions' kept inputs side by side [n, layers * width],
         as this step outputs them, or None: one copy per request into the buffers) and `pending_lengths` (B counts,
         0 for none) are replayed in front of the windows, the states after them written into the requests' pages;
-        None: nothing pending. Returns None (run eagerly) when a count exceeds T, the pending buffers' length.
+        None: nothing pending. Returns None (run eagerly) when a count exceeds the pending
+        buffers' length (`max_pending`).
         `drafts`: the tokens after each request's first [B, T - 1] on the device (`tokens` holds placeholders there),
         copied into the buffers on the device."""
         if pending is not None and not self.fused_replay:
@@ -310,8 +316,8 @@ class DecodeGraphs:
             if pending_lengths is None or len(pending_lengths) != len(tokens) or len(pending) != len(tokens):
                 raise ValueError(f"pending inputs of {len(pending)} requests and counts {pending_lengths}: need "
                                  f"{len(tokens)} of each")
-            if tokens and max(pending_lengths) > len(tokens[0]):
-                return None  # more pending positions than the buffers hold (T of them)
+            if tokens and max(pending_lengths) > self.max_pending:
+                return None  # more pending positions than the buffers hold
         got = self._run_static(tokens, starts, slots, verify=True, pending=(pending, pending_lengths), drafts=drafts)
         if got is None:
             return None
@@ -438,13 +444,15 @@ class DecodeGraphs:
             torch._foreach_copy_([b.pending_flat[i, :r.shape[0]] for i, r in held], [r for _, r in held])
 
     def _pending_buffers(self, b: _Bucket) -> None:
-        """b's fused-verification buffers: per KDA layer KDAInputs of [size, tokens, ...] in the model's dtype (the
-        kept inputs' shapes; views of one buffer, `pending_flat`) and the counts [size] int32, all zero."""
+        """b's fused-verification buffers: per KDA layer KDAInputs of [size, P, ...] (P: `max_pending`, at least the
+        bucket's own length) in the model's dtype (the kept inputs' shapes; views of one buffer, `pending_flat`) and the
+        counts [size] int32, all zero."""
         cfg, dev = self.model.config, self.device
         H, K = cfg.kda_num_heads, cfg.kda_head_dim
         dtype = next(self.model.parameters()).dtype
         n = len(self.layout.kda)
-        b.pending_flat = torch.zeros(b.size, b.tokens, n * kept_width(H, K), device=dev, dtype=dtype)
+        b.pending_flat = torch.zeros(b.size, max(self.max_pending, b.tokens), n * kept_width(H, K), device=dev,
+                                     dtype=dtype)
         b.pending = [inputs_of(b.pending_flat, g, H, K) for g in range(n)]  # views: one buffer for every layer
         b.pending_lengths = torch.zeros(b.size, dtype=torch.int32, device=dev)
 

@@ -184,13 +184,15 @@ def test_inputs_of_other_strides_go_side_by_side_in_one_copy():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [4, 2])
 @pytest.mark.parametrize("side_by_side", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_kernel_equals_the_reference(dtype, side_by_side):
-    """k3-mini's layer shape (8 heads of 128, conv 4): 16 requests with 0 .. 4 pending positions and a window of 4
-    (the last token and 3 drafts), counts as host ints and as a device tensor; the pending inputs as separate tensors
-    and as the serving engine keeps them (views of one tensor)."""
-    args, buf, rows = _case(N=16, Pn=4, T=4, H=8, K=128, W=4, dtype=dtype, device="cuda",
+def test_gpu_kernel_equals_the_reference(dtype, side_by_side, T):
+    """k3-mini's layer shape (8 heads of 128, conv 4): 16 requests with 0 .. 4 pending positions and a window of T
+    (4: the last token and 3 drafts; 2: one draft near max_tokens, after an acceptance of 4 positions, as the static
+    buffers of the short window hold them), counts as host ints and as a device tensor; the pending inputs as separate
+    tensors and as the serving engine keeps them (views of one tensor)."""
+    args, buf, rows = _case(N=16, Pn=4, T=T, H=8, K=128, W=4, dtype=dtype, device="cuda",
                             lengths=[i % 5 for i in range(16)], side_by_side=side_by_side)
     want, bw = _run(kda_verify_step, args, buf, rows)
     for lengths in (args[5], torch.tensor(args[5], dtype=torch.int32, device="cuda")):

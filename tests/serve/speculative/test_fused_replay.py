@@ -463,13 +463,15 @@ def test_static_buffer_verifications_make_no_per_layer_views_of_pending_inputs(m
     assert made[-layers:] == list(range(layers))
 
 
-def test_more_pending_positions_than_a_short_window_verify_eagerly_fused(monkeypatch, graph_ops):
+def test_a_short_window_after_a_long_acceptance_stays_on_the_static_buffers(monkeypatch, graph_ops):
     # drafts the oracle always gets right: 6 positions accepted per verification, pending, then max_tokens leaves
-    # room for one draft only: a window of 2, shorter than the pending count, which the static buffers ([Bb, T]) cannot
-    # hold: that verification runs eagerly, fused, the outputs and states as plain decoding's
+    # room for one draft only: a window of 2, shorter than the pending count; the buffers hold the longest
+    # verification's pending positions (max_pending), so that verification runs there too, fused, the outputs and
+    # states as plain decoding's (it used to run eagerly: a whole eager forward near the end of every request)
     watch = Watch(monkeypatch)
     eng = _engine(fx.OracleDraft(), k=5, graphs=True)
     g = eng.runner.graphs
+    assert g.max_pending == 6
     seen = []
     orig = type(g).run_verify
 
@@ -483,9 +485,11 @@ def test_more_pending_positions_than_a_short_window_verify_eagerly_fused(monkeyp
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (9, 10, 16)]
     results, held = drive(eng, [list(zip(prompts, params))])
     fx._check(results, params)
-    assert any(n > T and fell for T, n, fell in seen), seen  # such a window went eager
-    assert all(fell == (n > T) for T, n, fell in seen), seen  # and only such windows
-    assert watch.fused_with_pending > 0 and g.fused_pending_steps > 0 and watch.flush_graph == 0
+    assert any(n > T for T, n, _ in seen), seen  # such windows came
+    assert not any(fell for _, _, fell in seen), seen  # and none ran eagerly
+    assert watch.fused_with_pending == 0 and g.fused_pending_steps > 0 and watch.flush_graph == 0
+    # more pending positions than any verification leaves: refused (the runner verifies eagerly)
+    assert orig(g, [[1, 2]], [0], [None], [None], [7]) is None
 
 
 def test_graphs_built_without_fused_replay_replay_pending_first(monkeypatch, graph_ops):

@@ -143,7 +143,8 @@ def test_warm_up_sets_up_the_verification_buckets_too():
 
 
 def test_fused_verification_buckets_hold_pending_buffers_filled_in_place():
-    # with fused replay every verification bucket holds, per KDA layer, pending inputs [Bb, T, ...] and the counts
+    # with fused replay every verification bucket holds, per KDA layer, pending inputs [Bb, P, ...] (P the longest
+    # verification's positions, whatever the bucket's T: the most a verification leaves pending) and the counts
     # [Bb] int32 (decode and prefill buckets none); the steps copy into them: the same storage after a run in which
     # verifications replayed pending positions, and no bucket made past the warm-up
     model = fx._model()
@@ -159,13 +160,14 @@ def test_fused_verification_buckets_hold_pending_buffers_filled_in_place():
             if len(key) != 3:
                 assert b.pending is None and b.pending_lengths is None
                 continue
-            size, T, _ = key
+            size, P = key[0], g.max_pending
+            assert P == max(g.verify_lengths) == 4
             assert len(b.pending) == n_kda and b.pending_lengths.shape == (size,)
             assert b.pending_lengths.dtype == torch.int32
             for inp in b.pending:
-                assert inp.k.shape == (size, T, cfg.kda_num_heads, cfg.kda_head_dim)
-                assert inp.pre_conv[0].shape == (size, T, cfg.kda_num_heads * cfg.kda_head_dim)
-                assert inp.beta_logits.shape == (size, T, cfg.kda_num_heads)
+                assert inp.k.shape == (size, P, cfg.kda_num_heads, cfg.kda_head_dim)
+                assert inp.pre_conv[0].shape == (size, P, cfg.kda_num_heads * cfg.kda_head_dim)
+                assert inp.beta_logits.shape == (size, P, cfg.kda_num_heads)
             ptrs[key] = [b.pending_lengths.data_ptr()] + [x.data_ptr() for i in b.pending
                                                           for x in (*i.pre_conv, i.q, i.k, i.v, i.z, i.beta_logits)]
         prompts = fx._prompts(7, 3)
