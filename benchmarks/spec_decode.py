@@ -30,9 +30,9 @@ per-position snapshots (T states written, one read back at the rollback). `floor
 speed-up the spec arm would have if both it and off ran at the weight-bandwidth floor with the accepted length
 measured (benchmarks/hybrid_decode_cost.py, `speculation_floor_speedup`: the cycle reads the drafting steps' and the
 verification's weights, a plain step one token's): the ceiling that weight traffic alone sets. With `--stage-times`,
-`stage_ms` breaks a speculating engine's cycle down into its stages (draft, verify, accept, commit, observe; mean ms
-per cycle, from one more generation that waits for the device at every stage boundary, so its total is a little
-above the timed run's).
+`stage_ms` breaks a speculating engine's cycle down into its stages (draft, ahead, verify, accept, commit, observe;
+mean ms per cycle, from one more generation that waits for the device at every stage boundary, so its total is a
+little above the timed run's).
 The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 commands read it).
 `ahead`: per speculating arm, its timed generation's proposals drafted ahead and taken (EngineConfig.draft_ahead;
 `--draft-after` adds the arm `after`, the same speculation with every proposal drafted after its acceptance;
@@ -381,7 +381,7 @@ def main() -> None:
     ap.add_argument("--stage-times", action="store_true",
                     help="after each speculating engine's timed generation, one more with the cycle's stages timed "
                          "(waiting for the device at each stage boundary): `stage_ms` per arm, the mean ms per "
-                         "cycle of draft, verify, accept, commit and observe")
+                         "cycle of draft, ahead (drafting ahead), verify, accept, commit and observe")
     ap.add_argument("--stage-kernels", type=int, default=0, metavar="N",
                     help="one more generation per speculating engine under torch.profiler: per stage of the cycle, "
                          "its kernels' count and device ms per cycle and the N costliest (`stage_kernels`; on a CPU "

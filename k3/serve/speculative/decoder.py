@@ -44,21 +44,25 @@ from k3.serve.speculative.switch import SpecSwitch
 
 class StageTimes:
     """Wall time per stage of the speculative cycle, summed over the cycles (`verify` calls) it saw: `draft` (the
-    proposals), `verify` (the verification forwards), `accept` (acceptance, emitting, stop rules), `commit` (the
-    replay or holding of the accepted positions, the cache's bookkeeping) and `observe` (the draft told the committed
-    hidden states, the MLA cache truncated). Each stage waits for `device` before and after it, so the stages'
-    device work is counted in them and not in the next one; each is also a ``spec.<stage>`` range for torch.profiler
-    (benchmarks/spec_decode.py --stage-kernels lists the kernels of each)."""
+    proposals), `ahead` (the next proposal drafted ahead of the acceptance, EngineConfig.draft_ahead), `verify` (the
+    verification forwards), `accept` (acceptance, emitting, stop rules), `commit` (the replay or holding of the
+    accepted positions, the cache's bookkeeping) and `observe` (the draft told the committed hidden states, the MLA
+    cache truncated). Each stage waits for `device` before and after it, so the stages' device work is counted in them
+    and not in the next one; each is also a ``spec.<stage>`` range for torch.profiler (benchmarks/spec_decode.py
+    --stage-kernels lists the kernels of each). `sync=False` (host mode): no waits and no profiler ranges, so each
+    stage's time is the host's work in it plus any wait of its own (a read-back), and the device runs as it does
+    untimed (benchmarks/spec_host.py)."""
 
-    STAGES = ("draft", "verify", "accept", "commit", "observe")
+    STAGES = ("draft", "ahead", "verify", "accept", "commit", "observe")
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, sync: bool = True):
         self.device = torch.device(device)
+        self.sync = sync
         self.seconds = dict.fromkeys(self.STAGES, 0.0)
         self.cycles = 0
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @contextmanager
@@ -68,8 +72,9 @@ class StageTimes:
         self._sync()
         t0 = time.perf_counter()
         try:
-            # a profiler, when one runs, sees the stage's range; it ends after the device's work of the stage
-            with torch.profiler.record_function(f"spec.{name}"):
+            # a profiler, when one runs, sees the stage's range; it ends after the device's work of the stage (none
+            # in host mode: the range's own host cost, tens of microseconds, would count in the stage)
+            with torch.profiler.record_function(f"spec.{name}") if self.sync else nullcontext():
                 try:
                     yield
                 finally:
@@ -185,7 +190,7 @@ class SpeculativeDecoder:
                 v = self.runner.execute(self.rows(ws, ps)).verified
             targets = self._targets(ws, ps, v)
             if len(groups) == 1:  # one group (the steady state): its next proposal drafted now, where it may be
-                with self._stage("draft"):
+                with self._stage("ahead"):
                     self._draft_ahead(ws, v, targets)
             outputs += self.accept(ws, ps, v, targets)
         return outputs
