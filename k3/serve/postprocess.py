@@ -109,6 +109,59 @@ class Postprocessor:
         delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
         return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, [lp] if lp else [])
 
+    def emit_many(self, seq: Sequence, toks: list[int], lps: list[dict] | None = None) -> tuple[RequestOutput, int]:
+        """Take the tokens `toks` for seq in order (a speculative step's accepted tokens; lps[j] the logprob entry of
+        toks[j] where the request asks for logprobs), up to the one that ends the request: (their outputs merged as
+        `merge` merges `emit`'s, the number taken). The same as `emit` token by token, with the text decoded once
+        for all of them where the request has no stop strings (the other stop rules read ids and counts alone, and
+        the text after the last token is the one `emit` leaves); with stop strings, token by token (one may end
+        inside any of them)."""
+        p = seq.params
+        if p.stop or len(toks) < 2:
+            got = []
+            for j, t in enumerate(toks):
+                got.append(self.emit(seq, t, lps[j] if lps else None))
+                if got[-1].finished:
+                    break
+            return merge(got), len(got)
+        if p.logprobs is not None and (lps is None or len(lps) < len(toks) or not all(lps)):
+            raise ValueError(f"request {seq.request_id} asks for logprobs: emit_many needs every token's logprob "
+                             "entry")
+        new_ids, entries, reason, n = [], [], None, 0
+        for j, tok in enumerate(toks):
+            n += 1
+            now = time.monotonic()
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.metrics.ttft.append(now - seq.arrival)
+            elif seq.output_ids:
+                self.metrics.tpot.append(now - getattr(seq, "_last_token_at", now))
+            seq._last_token_at = now  # type: ignore[attr-defined]
+            self.metrics.generation_tokens += 1
+            lp = lps[j] if p.logprobs is not None else None
+            if lp:
+                entries.append(lp)
+            if (self.eos_id is not None and tok == self.eos_id) or tok in p.stop_token_ids:
+                reason = "stop"
+                break
+            seq.output_ids.append(tok)
+            if lp:
+                seq.logprobs.append(lp)
+            new_ids.append(tok)
+            if len(seq.output_ids) >= p.max_tokens:
+                reason = "length"
+                break
+        prev_text = seq.text
+        if self.tokenizer is not None:
+            full = self.decode(seq)
+            if reason is None:
+                full = full[: len(full) - _held_back(full, p.stop)]
+            seq.text = full if len(full) >= len(prev_text) or reason else prev_text
+        if reason is not None:
+            self.end(seq, reason)
+        delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
+        return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, entries), n
+
     def end(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.monotonic()
         if self.tokenizer is not None and reason != "stop":

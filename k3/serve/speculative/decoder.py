@@ -33,7 +33,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
 
-from k3.serve.postprocess import Postprocessor, RequestOutput, logprob_entries, merge
+from k3.serve.postprocess import Postprocessor, RequestOutput, logprob_entries
 from k3.serve.runner import ForwardBatch, ModelRunner, Verified
 from k3.serve.scheduler import Scheduler, Work
 from k3.serve.sequence import Sequence, Status
@@ -255,13 +255,9 @@ class SpeculativeDecoder:
                                 {i: t[:n[i]] for i, t in greedy.items()})
         lps = self._logprobs(seqs, accepted, v)
         for i, (s, w, toks) in enumerate(zip(seqs, work, accepted)):
-            got = []
-            for j, t in enumerate(toks):  # stop rules token by token: nothing after a stop is kept
-                got.append(self.post.emit(s, t, lps[i][j] if lps[i] else None))
-                if got[-1].finished:
-                    break
-            emitted.append(len(got))  # tokens emitted = verified positions committed (each one's input)
-            outs.append(merge(got))
+            out, n = self.post.emit_many(s, toks, lps[i])  # the stop rules in order: nothing after a stop is kept
+            emitted.append(n)  # tokens emitted = verified positions committed (each one's input)
+            outs.append(out)
             m.spec_verifications += 1
             m.draft_tokens_proposed += w.draft
             m.draft_tokens_accepted += len(toks) - 1
