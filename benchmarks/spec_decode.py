@@ -13,6 +13,7 @@ each batch size, three engines over the same loaded model, greedy:
     auto   the same with --speculative-auto: speculation per batch size where it measures faster
     replay (--replay-after) spec with the accepted positions replayed right after acceptance
            (EngineConfig.fused_replay=False; the default engines fuse the replay into the next verification)
+    vahead (--verify-ahead) spec with each proposal drafted ahead verified ahead too (EngineConfig.verify_ahead)
 
 each generates --max-tokens tokens for every request after the engine's warm-up as `k3 serve` runs it at startup
 (LLMEngine.warm_up: every graph bucket, the draft's first step at every power-of-two count of positions) and a
@@ -37,7 +38,9 @@ The implementations are the environment's (K3_<OP>_BACKEND=..., as the k3 comman
 `ahead`: per speculating arm, its timed generation's proposals drafted ahead and taken (EngineConfig.draft_ahead;
 `--draft-after` adds the arm `after`, the same speculation with every proposal drafted after its acceptance;
 `--no-auto` leaves the auto arm out). `--right-draft` makes the draft always right on any weights (synthetic:
-`make_draft_right_`), for the cycle at full acceptance without a trained model.
+`make_draft_right_`), for the cycle at full acceptance without a trained model. `verified`: per speculating arm, the
+requests' verifications launched ahead and used in its timed generation (EngineConfig.verify_ahead: `--verify-ahead`
+adds the arm `vahead`).
 `auto_steps`: the auto engine's timed generation step by step, by the switch's arm (steps, mean and largest ms) and
 its slowest steps.
 With `--stage-kernels N`, one more generation under torch.profiler gives `stage_kernels`: per stage, the device
@@ -155,6 +158,12 @@ def ahead_counts(engine) -> dict[str, int]:
     spec = engine.speculative
     chains = getattr(spec.draft, "chains", None) if spec is not None else None
     return dict(chains.counts) if chains is not None else {"ahead": 0, "taken": 0}
+
+
+def verified_counts(engine) -> dict[str, int]:
+    """The requests' verifications launched ahead and used so far (EngineConfig.verify_ahead)."""
+    m = engine.metrics
+    return {"launched": m.spec_verified_ahead, "used": m.spec_verified_ahead_used}
 
 
 def graphs_made(engine) -> int:
@@ -401,6 +410,9 @@ def main() -> None:
                     help="one more engine, `after`: speculation on every step with each proposal drafted after its "
                          "acceptance (EngineConfig.draft_ahead=False) instead of ahead of it where the last "
                          "verification accepted every draft (the default)")
+    ap.add_argument("--verify-ahead", action="store_true",
+                    help="one more engine, `vahead`: spec with the verification of each proposal drafted ahead "
+                         "launched before the acceptance before it is read back (EngineConfig.verify_ahead)")
     ap.add_argument("--no-auto", action="store_true", help="leave out the --speculative-auto engine")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-mb", type=float, default=8192)
@@ -429,13 +441,14 @@ def main() -> None:
     for B in args.batch:
         res = {}
         modes = ("off", "spec") + (() if args.no_auto else ("auto",)) + (("replay",) if args.replay_after else ()) \
-            + (("after",) if args.draft_after else ())
+            + (("after",) if args.draft_after else ()) + (("vahead",) if args.verify_ahead else ())
         for mode in modes:
             spec = "off" if mode == "off" else ("eagle3" if args.draft else "mtp")
             cfg = EngineConfig(cache_memory_mb=args.cache_mb, max_model_len=args.prompt_tokens + args.max_tokens + 64,
                                speculative=spec, draft=args.draft if spec == "eagle3" else None,
                                num_draft_tokens=args.num_draft_tokens, speculative_auto=mode == "auto",
                                fused_replay=False if mode == "replay" else None, draft_ahead=mode != "after",
+                               verify_ahead=mode == "vahead",
                                scheduler=SchedulerConfig(max_num_seqs=max(B, 1), max_step_tokens=max(8192, 8 * B)))
             eng = LLMEngine(model, tok, cfg)
             eng.eos_id = None  # every request generates max_tokens tokens
@@ -444,7 +457,7 @@ def main() -> None:
             eng.warm_up()
             run(eng, prompts[:B], args.max_tokens)
             m0 = (eng.metrics.spec_verifications, eng.metrics.draft_tokens_accepted)
-            g0, a0 = graphs_made(eng), ahead_counts(eng)
+            g0, a0, va0 = graphs_made(eng), ahead_counts(eng), verified_counts(eng)
             trace = [] if mode == "auto" else None  # where an auto generation's time goes, step by step
             outs, rate = run(eng, prompts[:B], args.max_tokens, trace)
             v = eng.metrics.spec_verifications - m0[0]
@@ -452,7 +465,8 @@ def main() -> None:
             res[mode] = dict(tokens_per_s=round(rate, 1), outputs=outs,
                              mean_accepted_length=round((acc + v) / v, 3) if v else None, verifications=v,
                              graphs_made_while_timed=graphs_made(eng) - g0, graphs_off=graphs_off(eng),
-                             ahead={k: n - a0[k] for k, n in ahead_counts(eng).items()})
+                             ahead={k: n - a0[k] for k, n in ahead_counts(eng).items()},
+                             verified={k: n - va0[k] for k, n in verified_counts(eng).items()})
             if dev.type == "cuda" and res[mode]["graphs_off"]:
                 _log(f"batch {B} {mode}: ran WITHOUT CUDA graphs: {res[mode]['graphs_off']}")
             if mode == "auto" and eng.spec_switch is not None:
@@ -498,6 +512,7 @@ def main() -> None:
                    graphs_made_while_timed={m: res[m]["graphs_made_while_timed"] for m in res},
                    graphs_off={m: res[m]["graphs_off"] for m in res},
                    ahead={m: res[m]["ahead"] for m in modes[1:]},
+                   verified={m: res[m]["verified"] for m in modes[1:]},
                    **({"stage_ms": {m: res[m]["stage_ms"] for m in res if "stage_ms" in res[m]}}
                       if args.stage_times else {}),
                    **({"stage_kernels": {m: res[m]["stage_kernels"] for m in res if "stage_kernels" in res[m]}}

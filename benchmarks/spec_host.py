@@ -19,13 +19,16 @@ SpeculativeDecoder.stage_times in host mode (no device waits), less the time ins
 static steps, eager forwards, the draft's steps) and inside the targets' read-back (on a GPU its wait for the
 device; nothing on a CPU).
 
-Printed per batch size and arm (`ahead`: drafting ahead, the default; `after`: EngineConfig.draft_ahead=False), as
-ms per cycle: each stage's host work, `engine` (the engine's step outside the speculative decoder: planning,
-prefill bookkeeping, metrics), `total`, and `after_read_back`: the host work between the targets' read-back and the
-next verification's launch (accept, commit, observe, engine, draft, verify), which drafting ahead overlaps with its
-drafting steps' device time; plus `model_ms` (the forwards' time here, a CPU's: not a GPU's), the tokens per cycle
-(all accepted: num_draft_tokens + 1) and `drafted_ahead` (the requests' proposals drafted ahead, and taken). Host
-times are this machine's CPU and Python; a GPU host's differ by its single-thread speed.
+Printed per batch size and arm (`ahead`: drafting ahead, the default; `after`: EngineConfig.draft_ahead=False;
+`vahead`: drafting and verifying ahead, EngineConfig.verify_ahead, whose launch moves the next verification's host
+work before the read-back, into the `ahead` stage), as ms per cycle: each stage's host work, `engine` (the engine's
+step outside the speculative decoder: planning, prefill bookkeeping, metrics), `total`, and `after_read_back`: the
+host work between the targets' read-back and the next verification's launch (accept, commit, observe, engine, draft,
+verify), which drafting ahead overlaps with its drafting steps' device time (and verifying ahead with the next
+verification's); plus `model_ms` (the forwards' time here, a CPU's: not a GPU's), the tokens per cycle (all
+accepted: num_draft_tokens + 1), `drafted_ahead` (the requests' proposals drafted ahead, and taken) and
+`verified_ahead` (their verifications launched ahead, and used). Host times are this machine's CPU and Python; a GPU
+host's differ by its single-thread speed.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from spec_decode import ahead_counts, make_draft_right_, run  # noqa: E402
+from spec_decode import ahead_counts, make_draft_right_, run, verified_counts  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.data.tokenizer import K3Tokenizer  # noqa: E402
@@ -112,12 +115,17 @@ class HostStages(StageTimes):
         self.left_out[name] += self.clock.seconds - before
 
 
-def measure(model, tok, batch: int, ahead: bool, max_tokens: int, prompt_tokens: int, k: int) -> dict:
+ARMS = ("ahead", "after", "vahead")
+
+
+def measure(model, tok, batch: int, arm: str, max_tokens: int, prompt_tokens: int, k: int) -> dict:
     """One engine's host time per cycle (module docstring) over a generation of `max_tokens` per request, after a
-    warm-up generation."""
+    warm-up generation; `arm` one of ARMS."""
+    if arm not in ARMS:
+        raise ValueError(f"arm={arm!r}: one of {', '.join(ARMS)}")
     cfg = EngineConfig(cache_memory_mb=256 + 16 * batch, max_model_len=prompt_tokens + max_tokens + 64,
-                       speculative="mtp", num_draft_tokens=k, speculative_auto=False, draft_ahead=ahead,
-                       cuda_graphs="eager",
+                       speculative="mtp", num_draft_tokens=k, speculative_auto=False, draft_ahead=arm != "after",
+                       verify_ahead=arm == "vahead", cuda_graphs="eager",
                        scheduler=SchedulerConfig(max_num_seqs=batch, max_step_tokens=max(8192, prompt_tokens * batch)))
     eng = LLMEngine(model, tok, cfg)
     if eng.runner.graphs is None:
@@ -146,7 +154,7 @@ def measure(model, tok, batch: int, ahead: bool, max_tokens: int, prompt_tokens:
         return call
 
     spec.verify, eng.step = timed(verify, in_verify), timed(step, steps)
-    before = ahead_counts(eng)
+    before, vbefore = ahead_counts(eng), verified_counts(eng)
     try:
         with clock.patched():
             out, _ = run(eng, prompts, max_tokens)
@@ -159,11 +167,12 @@ def measure(model, tok, batch: int, ahead: bool, max_tokens: int, prompt_tokens:
     total = sum(host.values())
     critical = sum(host[s] for s in ("accept", "commit", "observe", "engine", "draft", "verify"))
     tokens = sum(len(o) for o in out) / n
-    return {"batch": batch, "arm": "ahead" if ahead else "after", "cycles": st.cycles,
+    return {"batch": batch, "arm": arm, "cycles": st.cycles,
             "tokens_per_cycle": round(tokens / batch, 3),
             "host_ms": {s: round(v, 3) for s, v in host.items()},
             "total_ms": round(total, 3), "after_read_back_ms": round(critical, 3),
             "drafted_ahead": {k: v - before[k] for k, v in ahead_counts(eng).items()},
+            "verified_ahead": {k: v - vbefore[k] for k, v in verified_counts(eng).items()},
             "model_ms": round(steps[1] * 1e3 / n, 3)}
 
 
@@ -197,8 +206,8 @@ def main() -> None:
     tok = K3Tokenizer.byte_level()
     rows = []
     for B in args.batch:
-        for ahead in (True, False):
-            r = measure(model, tok, B, ahead, args.max_tokens, args.prompt_tokens, args.num_draft_tokens)
+        for arm in ARMS:
+            r = measure(model, tok, B, arm, args.max_tokens, args.prompt_tokens, args.num_draft_tokens)
             rows.append(r)
             print(json.dumps(r), flush=True)
     if args.json:

@@ -23,11 +23,11 @@ def model():
     return m
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_the_host_time_per_cycle_leaves_the_forwards_out(model, ahead, monkeypatch):
+@pytest.mark.parametrize("arm", ["ahead", "after", "vahead"])
+def test_the_host_time_per_cycle_leaves_the_forwards_out(model, arm, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    r = bench.measure(model, K3Tokenizer.byte_level(), 2, ahead, 16, 20, 3)
-    assert r["arm"] == ("ahead" if ahead else "after") and r["cycles"] > 0
+    r = bench.measure(model, K3Tokenizer.byte_level(), 2, arm, 24, 20, 3)
+    assert r["arm"] == arm and r["cycles"] > 0
     assert r["tokens_per_cycle"] == 4.0  # the right draft: every draft accepted
     host = r["host_ms"]
     assert set(host) == set(StageTimes.STAGES) | {"engine"}
@@ -36,13 +36,22 @@ def test_the_host_time_per_cycle_leaves_the_forwards_out(model, ahead, monkeypat
     assert r["after_read_back_ms"] == pytest.approx(r["total_ms"] - host["ahead"], abs=0.01)
     # the forwards (in Triton's interpreter here) take far longer than the host's work, and are left out of it
     assert r["model_ms"] > r["total_ms"]
-    # drafting ahead runs only in the ahead arm: the proposals of the cycles but the first and the last (near
-    # max_tokens, fewer drafts) taken from it
-    got = r["drafted_ahead"]
-    assert got == {"ahead": 0, "taken": 0} if not ahead else got["ahead"] >= got["taken"] >= 2 * (r["cycles"] - 2) > 0
+    # drafting ahead runs in the ahead arms: the proposals of the cycles but the first and the last (near
+    # max_tokens, fewer drafts) taken from it; verifying ahead in vahead, used where launched but near max_tokens
+    got, ver = r["drafted_ahead"], r["verified_ahead"]
+    if arm == "after":
+        assert got == {"ahead": 0, "taken": 0} and ver == {"launched": 0, "used": 0}
+    else:
+        assert got["ahead"] >= got["taken"] >= 2 * (r["cycles"] - 2) > 0
+        assert (ver["launched"] >= ver["used"] > 0) == (arm == "vahead")
     # the methods timed as left out are themselves again afterwards
     for owner, name in bench.LEFT_OUT:
         assert not getattr(vars(owner)[name], "__name__", "").startswith("call")
+
+
+def test_an_unknown_arm_is_refused(model):
+    with pytest.raises(ValueError, match="arm='sideways'"):
+        bench.measure(model, K3Tokenizer.byte_level(), 1, "sideways", 24, 20, 3)
 
 
 def test_host_mode_neither_waits_nor_marks_profiler_ranges():

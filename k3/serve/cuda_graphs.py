@@ -307,7 +307,8 @@ class DecodeGraphs:
         0 for none) are replayed in front of the windows, the states after them written into the requests' pages;
         None: nothing pending. Returns None (run eagerly) when a count exceeds the pending
         buffers' length (`max_pending`).
-        `drafts`: the tokens after each request's first [B, T - 1] on the device (`tokens` holds placeholders there),
+        `drafts`: the tokens after each request's first [B, T - 1] on the device (`tokens` holds placeholders there;
+        [B, T]: all of them),
         copied into the buffers on the device."""
         if pending is not None and not self.fused_replay:
             raise ValueError("pending positions given to a verification step without fused replay "
@@ -371,7 +372,7 @@ class DecodeGraphs:
             return None
         self._load(bucket, tokens, starts, slots, width)
         if drafts is not None:
-            bucket.ids[:B, 1:].copy_(drafts)
+            bucket.ids[:B, T - drafts.shape[1]:].copy_(drafts)
         if bucket.pending is not None:
             self._load_pending(bucket, len(tokens), *pending)
         if bucket.graph is not None:

@@ -107,6 +107,12 @@ class EngineConfig:
     # k3.serve.speculative.decoder: on a GPU the drafting runs while the host accepts and commits); False: every
     # proposal after its acceptance.
     draft_ahead: bool = True
+    # With drafting ahead and fused replay: the verification of a proposal drafted ahead is launched right after it
+    # too, before the acceptance is read back, with the accepted positions it assumes pending in it (their KDA states
+    # saved first); kept where every request accepted every draft and none finished, and its proposal is the next one;
+    # else the states are restored and it is dropped (k3.serve.speculative.decoder: on a GPU the device verifies the
+    # next window while the host accepts, emits, commits and plans). Off until measured on a GPU.
+    verify_ahead: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -119,7 +125,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: use True, False or 'eager'")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative={self.speculative!r} is invalid: use {' or '.join(SPECULATIVE)}")
-        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections", "draft_ahead"):
+        for name in ("speculative_auto", "mix_verify", "compile_decode", "stack_projections", "draft_ahead",
+                     "verify_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use True or False")
         if self.fused_replay is not None and not isinstance(self.fused_replay, bool):

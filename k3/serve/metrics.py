@@ -44,6 +44,10 @@ COUNTERS = (
      "Requests' proposals drafted before their previous verification was read back (EngineConfig.draft_ahead)."),
     ("k3_spec_drafted_ahead_taken_total", "spec_drafted_ahead_taken",
      "Proposals drafted ahead that were taken (the verification before them accepted every draft)."),
+    ("k3_spec_verified_ahead_total", "spec_verified_ahead",
+     "Requests' verifications launched before their previous verification was read back (EngineConfig.verify_ahead)."),
+    ("k3_spec_verified_ahead_used_total", "spec_verified_ahead_used",
+     "Verifications launched ahead that were used (kept by the acceptance before them, then their step's)."),
     ("k3_written_back_tokens_total", "written_back_tokens", "Prefix tokens written back to host memory."),
     ("k3_prefetched_tokens_total", "prefetched_tokens", "Prefix tokens fetched from host memory into the cache."),
     ("k3_images_encoded_total", "images_encoded", "Images run through the vision encoder at prefill."),
@@ -100,6 +104,9 @@ class EngineMetrics:
         # proposals drafted ahead of their acceptance's read-back, per request, and those taken
         self.spec_drafted_ahead = 0
         self.spec_drafted_ahead_taken = 0
+        # verifications launched ahead of the read-back before them, per request, and those used
+        self.spec_verified_ahead = 0
+        self.spec_verified_ahead_used = 0
         # host write-back (prefixes copied to host memory) and prefetch (copied back into the pool)
         self.written_back_tokens = 0
         self.written_back_bytes = 0

@@ -80,7 +80,9 @@ class ForwardBatch:
     a list of (offset among its new tokens, rows [n, D]) that replace the embeddings of new tokens offset .. offset
     + n - 1. `ids` (one per request): the requests' ids, which the runner's pending accepted positions are kept
     under (fused replay: required while any are pending). `drafts` (a forward of verifications only): their tokens
-    after the first [B, T - 1] on the device (drafts not read back: `tokens` holds placeholders there)."""
+    after the first [B, T - 1] on the device (drafts not read back: `tokens` holds placeholders there), or all T of
+    them [B, T] (a verification launched ahead: its first token, the previous verification's bonus, is on the device
+    too)."""
     tokens: list[list[int]]
     starts: list[int]
     slots: list[SeqSlots]
@@ -218,9 +220,10 @@ class ModelRunner:
         B, nv = len(batch.tokens), batch.n_verify
         if not 0 <= nv <= B:
             raise ValueError(f"n_verify={nv} for a forward of {B} requests")
-        if batch.drafts is not None and (nv != B or tuple(batch.drafts.shape) != (B, len(batch.tokens[0]) - 1)):
+        if batch.drafts is not None and (nv != B or tuple(batch.drafts.shape) not in (
+                (B, len(batch.tokens[0]) - 1), (B, len(batch.tokens[0])))):
             raise ValueError(f"ForwardBatch.drafts of shape {tuple(batch.drafts.shape)}: a forward of verifications "
-                             f"only takes [B, T - 1] (here B={B}, n_verify={nv})")
+                             f"only takes [B, T - 1] or [B, T] (here B={B}, n_verify={nv})")
         images = batch.images if batch.images is not None and any(batch.images) else None
         if images is not None:
             if len(images) != B or any(images[B - nv:]):
@@ -463,11 +466,11 @@ class ModelRunner:
         return Verified(logits, hidden, views, kda_pages)
 
     def _ids(self, tokens: list[list[int]], drafts: Tensor | None) -> Tensor:
-        """A verification's token ids [B, T] on the device: `tokens`, with the drafts after the first from `drafts`
-        [B, T - 1] where they are on the device."""
+        """A verification's token ids [B, T] on the device: `tokens`, with the last drafts.shape[1] of each row from
+        `drafts` ([B, T - 1]: the drafts after the first; [B, T]: all) where they are on the device."""
         ids = torch.tensor(tokens, device=self.device)
         if drafts is not None:
-            ids[:, 1:] = drafts
+            ids[:, ids.shape[1] - drafts.shape[1]:] = drafts
         return ids
 
     def _replayed(self, ids: list[str] | None, entries: list[Pending | None]) -> None:

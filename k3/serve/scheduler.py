@@ -136,6 +136,11 @@ class Scheduler:
         seq.num_computed = end
         self.cache.computed(seq, end)
 
+    def grow(self, seq: Sequence, end: int) -> bool:
+        """Room in the cache for a running request's tokens up to `end` ahead of a step that plans them (a
+        verification launched ahead, k3.serve.speculative.decoder); False: out of pages, nothing changed."""
+        return seq.status == Status.RUNNING and self.cache.grow(seq, end)
+
     def plan(self, speculate: Callable[[int], bool] | None = None) -> StepPlan:
         """The step (`StepPlan`). With speculative decode steps planned, `speculate(number of decode steps)` says
         whether this step speculates (k3.serve.speculative.switch); when not, they run as plain decode steps."""

@@ -17,6 +17,16 @@ every draft last time has their next proposal drafted right after it (`Draft.pro
 targets on the device, as if every draft were accepted again), before its acceptance is read back: the read-back waits
 for the verification alone (`GreedyReadBack`), so on a GPU the host accepts, emits and commits while the draft runs,
 and the next `propose` takes the proposal for the requests that were accepted whole (and drafts the others).
+With verifying ahead too (EngineConfig.verify_ahead) the verification of that proposal is launched right after it,
+before the read-back: its rows' pages grown to the next window, the accepted positions it assumes held as pending in
+it (fused replay: it replays them in front of its window and writes the states after them), the KDA states it
+overwrites saved first; its first token is the verification's bonus target and the others the drafts, all on the
+device. At the acceptance it is kept where every request accepted every draft and none finished (the positions are
+then committed without a replay: the launched verification's pass makes their states), else the saved states are
+written back and it is dropped (the commit as always). The next `verify` uses it where its proposal is the one the
+draft drafted ahead for every request of the step, in the same order and from the same positions; else it is dropped
+(its states are the committed ones then). On a GPU the device verifies the next window while the host accepts, emits,
+commits and plans.
 `switch` (a k3.serve.speculative.switch.SpecSwitch, with EngineConfig.speculative_auto) turns speculation off per
 decode batch size where it measures slower.
 
@@ -29,6 +39,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -90,6 +101,23 @@ class StageTimes:
         return out
 
 
+@dataclass
+class _Launched:
+    """A verification launched ahead (`SpeculativeDecoder._verify_ahead`): `v` (its Verified), launched after the
+    verification `after` for requests `ids` from positions `starts` with `k` drafts, the proposal drafted ahead that
+    it verifies (`source`), the KDA pages it writes [n_kda * R] and their saved states (state, conv); `ready` once
+    the acceptance of `after` kept it."""
+    v: Verified
+    after: Verified
+    ids: list[str]
+    starts: list[int]
+    k: int
+    source: object
+    pages: Tensor
+    saved: tuple[Tensor, Tensor]
+    ready: bool = False
+
+
 class SpeculativeDecoder:
     """`cfg`: the engine's EngineConfig (read at each step: `mix_verify`, `hash_block_tokens`; fused replay is the
     runner's `fused_replay`, which the engine resolves from the config's);
@@ -108,6 +136,8 @@ class SpeculativeDecoder:
         # policy (False: ahead after any verification, for tests)
         self._full: dict[str, bool] = {}
         self.ahead_after_full = True
+        # verifying ahead (`_verify_ahead`): the verification launched ahead (counted per request in the metrics)
+        self._launched: _Launched | None = None
 
     def _stage(self, name: str):
         return nullcontext() if self.stage_times is None else self.stage_times.stage(name)
@@ -122,6 +152,8 @@ class SpeculativeDecoder:
         self.draft.forget(seq)
         self.runner.drop(seq.request_id)
         self._full.pop(seq.request_id, None)
+        if self._launched is not None and self._launched.ready and seq.request_id in self._launched.ids:
+            self._launched = None  # its states are the committed ones (a ready one's acceptance kept them)
 
     # --- the step ------------------------------------------------------------------------------------------------
     def decide(self, decode_batch: int) -> bool:
@@ -183,17 +215,36 @@ class SpeculativeDecoder:
         groups: dict[int, list[int]] = {}
         for i, w in enumerate(work):
             groups.setdefault(w.draft, []).append(i)
+        launched, self._launched = self._launched, None
         outputs = []
         for idx in groups.values():
             ws, ps = [work[i] for i in idx], [props[i] for i in idx]
             with self._stage("verify"):
-                v = self.runner.execute(self.rows(ws, ps)).verified
+                v = self._launched_for(launched, ws, ps) if len(groups) == 1 else None
+                if v is None:
+                    v = self.runner.execute(self.rows(ws, ps)).verified
             targets = self._targets(ws, ps, v)
             if len(groups) == 1:  # one group (the steady state): its next proposal drafted now, where it may be
                 with self._stage("ahead"):
-                    self._draft_ahead(ws, v, targets)
+                    if self._draft_ahead(ws, v, targets):
+                        self._verify_ahead(ws, v, targets)
             outputs += self.accept(ws, ps, v, targets)
         return outputs
+
+    def _launched_for(self, launched: _Launched | None, work: list[Work], props: list[Proposal]) -> Verified | None:
+        """The verification launched ahead, where it is this step's: kept by its acceptance, for the same requests
+        in the same order from the same positions with as many drafts, and every proposal taken from the proposal
+        drafted ahead that it verifies (`_Chains.taken`); else None (it is dropped: its states are the committed
+        ones)."""
+        if launched is None or not launched.ready:
+            return None
+        chains = getattr(self.draft, "chains", None)
+        if chains is None or chains.taken is not launched.source or not all(p.ahead for p in props) \
+                or [w.seq.request_id for w in work] != launched.ids or [w.start for w in work] != launched.starts \
+                or any(w.draft != launched.k for w in work):
+            return None
+        self.post.metrics.spec_verified_ahead_used += len(work)
+        return launched.v
 
     @staticmethod
     def _targets(work: list[Work], props: list[Proposal], v: Verified) -> GreedyReadBack:
@@ -210,13 +261,47 @@ class SpeculativeDecoder:
         `EngineConfig.draft_ahead` is on."""
         if not (self.cfg.draft_ahead and self.device_drafts) or targets.top is None or \
                 len(targets.rows) != len(work):
-            return
+            return False
         if self.ahead_after_full and 2 * sum(bool(self._full.get(w.seq.request_id)) for w in work) < len(work):
-            return
+            return False
         k, R = work[0].draft, len(work)
         if self.draft.propose_ahead([w.seq for w in work], [w.start for w in work], k, v.hidden[:R, :k + 1],
                                     targets.top[:, :k + 1]):
             self.post.metrics.spec_drafted_ahead += R
+            return True
+        return False
+
+    def _verify_ahead(self, work: list[Work], v: Verified, targets: GreedyReadBack) -> None:
+        """Launch the verification of the proposal just drafted ahead (the module docstring), where
+        EngineConfig.verify_ahead is on with fused replay, for requests whose accepted positions end before the next
+        hash-block boundary (a checkpoint there must hold the state at it), that have room for a whole next window
+        under max_tokens, and whose pages can grow to it."""
+        chains = getattr(self.draft, "chains", None)
+        source = None if chains is None else chains.pending
+        if not (self.cfg.verify_ahead and self.runner.fused_replay) or source is None:
+            return
+        k, R, hb = work[0].draft, len(work), self.cfg.hash_block_tokens
+        if tuple(source.tokens.shape) != (R, k) or any(self.runner.pending_tokens(w.seq.request_id) for w in work):
+            return
+        for w in work:
+            s = w.seq
+            if (w.start + k + 1) // hb * hb > w.start or len(s.output_ids) + 2 * (k + 1) > s.params.max_tokens:
+                return
+        if not all(self.scheduler.grow(w.seq, w.start + 2 * (k + 1)) for w in work):
+            return
+        slots = [self.scheduler.slots(w.seq) for w in work]
+        pages = v.kda_pages[:, :R].flatten()
+        saved = self.runner.pool.read_kda(pages)  # what the launched verification overwrites
+        for i, (w, sl) in enumerate(zip(work, slots)):  # the positions it assumes accepted, pending in it
+            self.runner.hold(w.seq.request_id, sl.kda_pages, v, i, 0, k + 1)
+        ids = [w.seq.request_id for w in work]
+        # its tokens on the device: each row's bonus target, then the drafts
+        tokens = torch.cat([targets.top[:R, k:k + 1].to(source.tokens.dtype), source.tokens], 1)
+        batch = ForwardBatch([[0] * (k + 1) for _ in work], [w.start + k + 1 for w in work], slots, n_verify=R,
+                             features=self.features, ids=ids, drafts=tokens)
+        self._launched = _Launched(self.runner.execute(batch).verified, v, ids, [w.start + k + 1 for w in work], k,
+                                   source, pages, saved)
+        self.post.metrics.spec_verified_ahead += R
 
     def accept(self, work: list[Work], props: list[Proposal], v: Verified,
                targets: GreedyReadBack | None = None) -> list[RequestOutput]:
@@ -228,15 +313,28 @@ class SpeculativeDecoder:
             outs, emitted = self._accept(seqs, work, props, v, targets or self._targets(work, props, v))
         for w, n in zip(work, emitted):  # every draft accepted (tokens emitted: the drafts and the bonus)
             self._full[w.seq.request_id] = n == w.draft + 1
+        launched = self._launched if self._launched is not None and self._launched.after is v else None
         with self._stage("commit"):
-            self.commit(work, v, emitted)
+            if launched is not None and all(n == w.draft + 1 and w.seq.status != Status.FINISHED
+                                            for w, n in zip(work, emitted)):
+                # kept: its pass replays these positions (the states after them are its to write)
+                launched.ready = True
+                for w, n in zip(work, emitted):
+                    self.scheduler.computed(w.seq, w.start + n)
+            else:
+                if launched is not None:  # dropped: the states it overwrites as they were, the commit as always
+                    self._launched = None
+                    self.runner.pool.write_kda(launched.pages, *launched.saved)
+                self.commit(work, v, emitted)
         with self._stage("observe"):
             for i, s in enumerate(seqs):
                 if s.status == Status.FINISHED:
                     self.release(s)
                 else:
                     self.draft.observe(s, work[i].start, v.hidden[i, :emitted[i]])
-                    self.scheduler.cache.truncate(s, s.num_computed)
+                    # a kept launched verification's window stays in the pages (its rows are written there)
+                    end = s.num_computed + (launched.k + 1 if launched is not None and launched.ready else 0)
+                    self.scheduler.cache.truncate(s, end)
         return outs
 
     def _accept(self, seqs: list[Sequence], work: list[Work], props: list[Proposal],

@@ -615,6 +615,9 @@ class _Chains:
         self.nope = getattr(attn, "rope_theta", None) is None
         self.runs = 0  # chains run or captured: each overwrites the buffers a proposal drafted ahead left its rows in
         self._ahead: _Ahead | None = None
+        # the proposal drafted ahead from which the latest proposal took every request's (None otherwise: a part
+        # drafted then resets it): a verification launched ahead on its tokens is that proposal's only when it is
+        self.taken: _Ahead | None = None
         self.counts = {"ahead": 0, "taken": 0}  # requests' proposals drafted ahead, and taken
 
     def shape(self, lengths: list[int], counts: list[int], k: int) -> tuple[int, int] | None:
@@ -646,9 +649,14 @@ class _Chains:
         self.counts["ahead"] += len(seqs)
         return True
 
+    @property
+    def pending(self) -> "_Ahead | None":
+        """The proposal drafted ahead last (`ahead`), not yet popped: its tokens [R, k] on the device."""
+        return self._ahead
+
     def pop_ahead(self) -> "_Ahead | None":
         """The proposal drafted ahead, if nothing ran on the chains since (then forgotten here either way)."""
-        a, self._ahead = self._ahead, None
+        a, self._ahead, self.taken = self._ahead, None, None
         return a if a is not None and a.runs == self.runs else None
 
     @staticmethod
@@ -758,6 +766,7 @@ class _Ahead:
             e[1].pending, e[1].pending_start = [], None
             e[1].cache.keep_last(draft.window)
         draft.chains.counts["taken"] += len(got)
+        draft.chains.taken = self
         if on_device:
             return {i: Proposal(None, on_device=self.tokens[e[0], :ks[i]], ahead=True) for i, e in zip(got, entries)}
         tokens = self.tokens.tolist()

@@ -1,0 +1,133 @@
+"""Verifying ahead (EngineConfig.verify_ahead, k3.serve.speculative.decoder): the verification of a proposal drafted
+ahead is launched before the acceptance of the one before it is read back, with the accepted positions it assumes
+pending in it and the KDA states it overwrites saved; kept where every request accepted every draft and none finished,
+used by the next step where its proposal is that step's, else restored and dropped. Greedy outputs (tokens, text,
+finish reasons, streamed outputs) equal plain decoding's, and after every step each running request's KDA states
+(its pending positions replayed on a copy of the pool) are a plain run's at its num_computed (test_fused_replay's
+check, same tolerances): with a draft that is always right (launched and used), with a random one (launched after
+every verification and dropped: the restore), with plain steps of the switch in between, an abort, requests joining
+mid-stream, and random request mixes (stop strings, max_tokens inside a verification, prefix-cache hits, chunked
+prefill, preemption). Verifications and chains run on static buffers uncaptured (cuda_graphs="eager")."""
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from k3.serve.engine import EngineConfig
+from k3.serve.metrics import render_metrics
+from k3.serve.sampling import SamplingParams
+
+
+def _load(name: str, alias: str):
+    spec = importlib.util.spec_from_file_location(alias, Path(__file__).with_name(name))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+da = _load("test_draft_ahead.py", "draft_ahead_fixtures_v")  # the right-draft model, engines, references
+fr = _load("test_fused_replay.py", "fused_replay_fixtures_v")  # the per-step KDA state check
+fx = da.fx
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_state(right: bool, tokens: tuple):
+    return fr.states_after(da._model(right), tokens)
+
+
+def _engine(right: bool, **kw):
+    eng = da._engine(right, **kw)
+    eng.cfg.verify_ahead = True
+    return eng
+
+
+def _drive(eng, right: bool, waves):
+    return fr.drive(eng, waves, plain=functools.partial(_plain_state, right))
+
+
+def test_launched_verifications_are_used_when_every_draft_is_accepted():
+    prompts = fx._prompts(0, 3)
+    params = [SamplingParams(max_tokens=40, temperature=0)] * len(prompts)
+    eng = _engine(True)
+    results, _ = _drive(eng, True, [list(zip(prompts, params))])
+    da._check(True, results, params)
+    m = eng.metrics
+    assert m.draft_tokens_accepted == m.draft_tokens_proposed > 0  # the draft is always right
+    # launched where no hash-block boundary lies in the accepted window and a whole next window fits max_tokens,
+    # and then used (the same requests go on speculating)
+    assert 0 < m.spec_verified_ahead_used <= m.spec_verified_ahead
+    assert m.spec_verified_ahead - m.spec_verified_ahead_used <= len(prompts)
+    text = render_metrics(eng)
+    assert f"k3_spec_verified_ahead_used_total {m.spec_verified_ahead_used}" in text
+    assert not eng.runner.pending and eng.speculative._launched is None
+
+
+def test_a_wrong_draft_launches_and_restores():
+    # a random draft accepts almost nothing: with drafting ahead after every verification, a verification is
+    # launched after every one and dropped at its acceptance (the saved states written back), never used
+    prompts = fx._prompts(1, 3)
+    params = [SamplingParams(max_tokens=16, temperature=0)] * len(prompts)
+    eng = _engine(False)
+    eng.speculative.ahead_after_full = False
+    restored = []
+    pool = eng.runner.pool
+    orig = type(pool).write_kda
+    pool.write_kda = lambda ids, state, conv: (restored.append(len(ids)), orig(pool, ids, state, conv))[1]
+    results, _ = _drive(eng, False, [list(zip(prompts, params))])
+    da._check(False, results, params)
+    m = eng.metrics
+    assert m.spec_verified_ahead > 0 and m.spec_verified_ahead_used == 0 and restored
+
+
+def test_plain_steps_and_an_abort_between_drop_what_was_launched():
+    prompts = fx._prompts(2, 3)
+    params = [SamplingParams(max_tokens=40, temperature=0)] * len(prompts)
+    eng = _engine(True)
+    eng.spec_switch = fx.EveryThirdPlain()  # a plain step after a kept launch: dropped (its states committed)
+    seqs = [eng.add_request(list(p), q) for p, q in zip(prompts, params)]
+    check = functools.partial(fr.check_states, eng, plain=functools.partial(_plain_state, True))
+    for _ in range(6):
+        eng.step()
+        check()
+    eng.abort_request(seqs[1].request_id)  # whatever was launched with it is dropped
+    assert eng.speculative._launched is None or seqs[1].request_id not in eng.speculative._launched.ids
+    while eng.has_work():
+        eng.step()
+        check()
+    for s in (seqs[0], seqs[2]):
+        assert (s.output_ids, s.text, s.finish_reason) == da.reference(True, tuple(s.prompt_ids), 40, ())
+    assert eng.metrics.spec_verified_ahead > 0
+
+
+def test_verify_ahead_is_checked_and_off_by_default():
+    assert EngineConfig().verify_ahead is False
+    with pytest.raises(ValueError, match="verify_ahead"):
+        EngineConfig(verify_ahead=1).validate()
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no shrinking: each example runs engines
+@given(data=st.data())
+def test_random_request_mixes_verified_ahead_match_plain_decoding(data):
+    right = data.draw(st.booleans())
+    eng = _engine(right, k=data.draw(st.sampled_from([1, 2, 3])), mb=data.draw(st.sampled_from([0.5, 0.8, 4.0])),
+                  chunk=data.draw(st.sampled_from([16, 40])), step_tokens=data.draw(st.sampled_from([32, 96])))
+    eng.speculative.ahead_after_full = right and data.draw(st.booleans())
+    waves, params = fx.random_waves(data, functools.partial(da._stop_string, right))
+    results, _ = _drive(eng, right, waves)
+    da._check(right, results, params)
+    eng.cache.prefix.check_invariants()
+    assert not eng.runner.pending
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
