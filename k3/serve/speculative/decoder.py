@@ -105,8 +105,8 @@ class StageTimes:
 class _Launched:
     """A verification launched ahead (`SpeculativeDecoder._verify_ahead`): `v` (its Verified), launched after the
     verification `after` for requests `ids` from positions `starts` with `k` drafts, the proposal drafted ahead that
-    it verifies (`source`), the KDA pages it writes [n_kda * R] and their saved states (state, conv); `ready` once
-    the acceptance of `after` kept it."""
+    it verifies (`source`), the KDA pages it writes [n_kda * R] and their saved states (state, conv; dropped once
+    kept); `ready` once the acceptance of `after` kept it."""
     v: Verified
     after: Verified
     ids: list[str]
@@ -114,7 +114,7 @@ class _Launched:
     k: int
     source: object
     pages: Tensor
-    saved: tuple[Tensor, Tensor]
+    saved: tuple[Tensor, Tensor] | None
     ready: bool = False
 
 
@@ -318,7 +318,7 @@ class SpeculativeDecoder:
             if launched is not None and all(n == w.draft + 1 and w.seq.status != Status.FINISHED
                                             for w, n in zip(work, emitted)):
                 # kept: its pass replays these positions (the states after them are its to write)
-                launched.ready = True
+                launched.ready, launched.saved = True, None
                 for w, n in zip(work, emitted):
                     self.scheduler.computed(w.seq, w.start + n)
             else:

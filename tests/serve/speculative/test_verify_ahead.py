@@ -125,6 +125,53 @@ def test_random_request_mixes_verified_ahead_match_plain_decoding(data):
     assert not eng.runner.pending
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_verifications_launched_ahead_on_captured_graphs_equal_those_launched_after():
+    """On the GPU, captured graphs and chains, bf16, the draft always right: an engine that verifies ahead (the
+    launched verification's tokens all on the device: the bonus target and the drafts) gives the same greedy tokens,
+    bit for bit, as one that only drafts ahead (the same kernels on the same inputs: every launched verification's
+    pending positions are what the acceptance then commits), and uses what it launched; nothing in a launch waits for
+    the device."""
+    import copy
+    import warnings
+
+    from k3.serve.engine import LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+
+    model = copy.deepcopy(da._model(True)).cuda().set_dtype(torch.bfloat16)
+    prompts = fx._prompts(3, 3)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    runs, syncs = [], []
+    for ahead in (True, False):
+        eng = LLMEngine(model, None, EngineConfig(
+            cache_memory_mb=16.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, speculative="mtp",
+            cuda_graphs=True, verify_ahead=ahead,
+            scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)))
+        eng.eos_id = None
+        eng.warm_up()
+        if ahead:
+            spec, real = eng.speculative, eng.speculative._verify_ahead
+
+            def watched(*a):
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        real(*a)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                syncs.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+
+            spec._verify_ahead = watched
+        seqs = eng.generate([list(p) for p in prompts], params)
+        runs.append([s.output_ids for s in seqs])
+        assert eng.runner.graphs.disabled is None and eng.runner.graphs.replays > 0
+        if ahead:
+            assert eng.metrics.spec_verified_ahead_used > 0
+    assert runs[0] == runs[1] and not syncs
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     n = torch.get_num_threads()
