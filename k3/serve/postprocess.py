@@ -73,17 +73,10 @@ class Postprocessor:
         """Take the token `tok` for seq: its logprob entry `lp` (`logprob_entries`: given when the request asks for
         logprobs), timing metrics, stop rules, text."""
         p = seq.params
-        now = time.monotonic()
         if p.logprobs is not None and not lp:
             raise ValueError(f"request {seq.request_id} asks for logprobs: emit needs the token's logprob entry")
         lp = lp if p.logprobs is not None else {}
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            self.metrics.ttft.append(now - seq.arrival)
-        elif seq.output_ids:
-            self.metrics.tpot.append(now - getattr(seq, "_last_token_at", now))
-        seq._last_token_at = now  # type: ignore[attr-defined]
-        self.metrics.generation_tokens += 1
+        self._taken(seq)
         reason = None
         if (self.eos_id is not None and tok == self.eos_id) or tok in p.stop_token_ids:
             reason = "stop"
@@ -130,14 +123,7 @@ class Postprocessor:
         new_ids, entries, reason, n = [], [], None, 0
         for j, tok in enumerate(toks):
             n += 1
-            now = time.monotonic()
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-                self.metrics.ttft.append(now - seq.arrival)
-            elif seq.output_ids:
-                self.metrics.tpot.append(now - getattr(seq, "_last_token_at", now))
-            seq._last_token_at = now  # type: ignore[attr-defined]
-            self.metrics.generation_tokens += 1
+            self._taken(seq)
             lp = lps[j] if p.logprobs is not None else None
             if lp:
                 entries.append(lp)
@@ -161,6 +147,17 @@ class Postprocessor:
             self.end(seq, reason)
         delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
         return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, entries), n
+
+    def _taken(self, seq: Sequence) -> None:
+        """A token of seq taken now: its time to first token or time per output token, and the count."""
+        now = time.monotonic()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft.append(now - seq.arrival)
+        elif seq.output_ids:
+            self.metrics.tpot.append(now - getattr(seq, "_last_token_at", now))
+        seq._last_token_at = now  # type: ignore[attr-defined]
+        self.metrics.generation_tokens += 1
 
     def end(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.monotonic()
