@@ -279,6 +279,7 @@ def cmd_generate(args) -> int:
                                                     num_draft_tokens=args.num_draft_tokens,
                                                     speculative_auto=args.speculative_auto,
                                                     fused_replay=args.fused_replay,
+                                                    verify_ahead=args.verify_ahead,
                                                     draft=draft_dir(ckpt, args.speculative, args.draft)))
     except ValueError as e:  # e.g. --speculative mtp for a model without an MTP layer, a draft of another target
         raise SystemExit(f"k3 generate: {e}")

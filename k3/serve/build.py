@@ -12,13 +12,15 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
                  max_step_tokens: int | None = None, prefill_chunk: int | None = None, device: str = "auto",
                  max_model_len: int | None = None, backends=None, cuda_graphs: bool | str = True,
                  verify: bool = True, speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
-                 speculative_auto: bool = True, compile_decode: bool = False, fused_replay: bool | None = None):
+                 speculative_auto: bool = True, compile_decode: bool = False, fused_replay: bool | None = None,
+                 verify_ahead: bool = False):
     """Load a checkpoint, its tokenizer and chat template; returns (engine, tokenizer, chat_template). `backends`
     (k3.ops.registry.Backends) picks the ops' implementations, `cuda_graphs` is EngineConfig.cuda_graphs.
     `verify`: check the shards against the SHA-256 digests their index records. `speculative`, `num_draft_tokens`:
     EngineConfig's; `draft`: the EAGLE-3 draft's directory (default with speculative='eagle3': CK/draft);
     `speculative_auto`: EngineConfig.speculative_auto (on: speculation per batch size where it measures faster);
-    `compile_decode`: EngineConfig.compile_decode; `fused_replay`: EngineConfig.fused_replay."""
+    `compile_decode`: EngineConfig.compile_decode; `fused_replay`: EngineConfig.fused_replay; `verify_ahead`:
+    EngineConfig.verify_ahead."""
     from k3.data.tokenizer import load_any_tokenizer
     from k3.devices import pick_device
     from k3.serve.chat import load_chat_template
@@ -32,12 +34,15 @@ def build_engine(ckpt_dir: str, cache_memory_mb: float | None = None, page_token
     sched = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_step_tokens", max_step_tokens),
                                                  ("prefill_chunk", prefill_chunk)) if v is not None})
     ecfg = EngineConfig(scheduler=sched, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
-                        compile_decode=compile_decode, fused_replay=fused_replay,
+                        compile_decode=compile_decode, fused_replay=fused_replay, verify_ahead=verify_ahead,
                         speculative=speculative, num_draft_tokens=num_draft_tokens, speculative_auto=speculative_auto,
                         draft=draft_dir(ckpt_dir, speculative, draft),
                         **{k: v for k, v in (("cache_memory_mb", cache_memory_mb), ("page_tokens", page_tokens),
                                              ("hash_block_tokens", hash_block_tokens)) if v is not None})
     ecfg.validate()  # before the (possibly slow) load
+    if verify_ahead and (speculative == "off" or fused_replay is False):
+        raise ValueError("--verify-ahead launches the next verification with the accepted drafts replayed in it: it "
+                         "needs --speculative mtp or eagle3 with the fused replay (not --no-fused-replay)")
     if fused_replay is True and speculative == "off":
         raise ValueError("--fused-replay fuses the replay of accepted drafts into the next verification: it needs "
                          "--speculative mtp or eagle3")

@@ -22,7 +22,7 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
           cuda_graphs: bool | str = True, max_request_mb: float | None = None, verify: bool = True,
           speculative: str = "off", num_draft_tokens: int = 3, draft: str | None = None,
           speculative_auto: bool = True, compile_decode: bool = False, image_limits=None,
-          fused_replay: bool | None = None) -> None:
+          fused_replay: bool | None = None, verify_ahead: bool = False) -> None:
     """Load `ckpt_dir` and serve it until interrupted. Binds 127.0.0.1 unless told otherwise. Engine options left
     as None take EngineConfig / SchedulerConfig defaults; `max_request_mb` (MiB) defaults to
     DEFAULT_MAX_REQUEST_BYTES; `image_limits` (k3.serve.images.ImageLimits) to its defaults."""
@@ -36,7 +36,8 @@ def serve(ckpt_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str
                                                backends=backends, cuda_graphs=cuda_graphs, verify=verify,
                                                speculative=speculative, num_draft_tokens=num_draft_tokens,
                                                draft=draft, speculative_auto=speculative_auto,
-                                               compile_decode=compile_decode, fused_replay=fused_replay)
+                                               compile_decode=compile_decode, fused_replay=fused_replay,
+                                               verify_ahead=verify_ahead)
     t0 = time.perf_counter()
     warm = engine.warm_up()  # graphs captured and the draft's kernels tuned now, so no request waits for them
     if warm["graphs"] or warm["draft_counts"]:
@@ -89,7 +90,7 @@ def cmd_serve(args) -> int:
               speculative=getattr(args, "speculative", "off"), num_draft_tokens=getattr(args, "num_draft_tokens", 3),
               draft=getattr(args, "draft", None), speculative_auto=getattr(args, "speculative_auto", True),
               compile_decode=getattr(args, "compile_decode", False), image_limits=image_limits(args),
-              fused_replay=getattr(args, "fused_replay", None))
+              fused_replay=getattr(args, "fused_replay", None), verify_ahead=getattr(args, "verify_ahead", False))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"k3 serve: {e}", file=sys.stderr)
         return 2

@@ -41,8 +41,9 @@ def _draft_count(text: str) -> int:
 
 
 def add_speculative_arguments(parser) -> None:
-    """--speculative, --draft, --num-draft-tokens, --speculative-auto and --fused-replay (`k3 serve` and
-    `k3 generate`): EngineConfig.speculative, .draft, .num_draft_tokens, .speculative_auto and .fused_replay."""
+    """--speculative, --draft, --num-draft-tokens, --speculative-auto, --fused-replay and --verify-ahead (`k3 serve`
+    and `k3 generate`): EngineConfig.speculative, .draft, .num_draft_tokens, .speculative_auto, .fused_replay and
+    .verify_ahead."""
     parser.add_argument("--speculative", choices=["off", "mtp", "eagle3"], default="off",
                         help="speculative decoding: 'mtp' drafts with the model's MTP layer, 'eagle3' with an "
                              "EAGLE-3 draft trained by `k3 train-draft` (--draft), and verifies the drafts in one "
@@ -62,6 +63,11 @@ def add_speculative_arguments(parser) -> None:
                              "the request's next verification (op kda_verify_step) instead of right after "
                              "acceptance; the outputs are the same (default: on with --speculative; "
                              "--no-fused-replay: the replay right after acceptance)")
+    parser.add_argument("--verify-ahead", action="store_true",
+                        help="with --speculative on a draft's captured chains (CUDA graphs): launch the verification "
+                             "of each proposal drafted ahead before the acceptance before it is read back, kept where "
+                             "every draft was accepted (EngineConfig.verify_ahead); the outputs are the same "
+                             "(default off: not yet measured on a GPU)")
 
 
 def add_serve_arguments(parser) -> None:

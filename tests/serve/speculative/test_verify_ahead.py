@@ -178,3 +178,33 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def test_the_verify_ahead_flag(tmp_path, monkeypatch):
+    import argparse
+
+    from k3 import cli
+    from k3.serve import cli as serve_cli
+    from k3.serve.build import build_engine
+    from k3.serve.options import add_speculative_arguments
+
+    parser = argparse.ArgumentParser()
+    add_speculative_arguments(parser)
+    assert parser.parse_args([]).verify_ahead is False
+    assert parser.parse_args(["--speculative", "mtp", "--verify-ahead"]).verify_ahead is True
+    for kw in (dict(speculative="off"), dict(speculative="mtp", fused_replay=False)):  # refused before any load
+        with pytest.raises(ValueError, match="--verify-ahead .*needs --speculative mtp or eagle3 with the fused"):
+            build_engine(str(tmp_path), verify_ahead=True, **kw)
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory, as --ckpt's resolver wants one
+    seen = []
+
+    def fake_build(*a, **kw):
+        seen.append(kw["verify_ahead"])
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(serve_cli, "build_engine", fake_build)
+    parse = cli.build_parser().parse_args
+    for argv, want in ((["serve", "--ckpt", str(tmp_path)], False),
+                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--verify-ahead"], True)):
+        assert serve_cli.cmd_serve(parse(argv)) == 2 and seen[-1] is want
+    assert parse(["generate", "--ckpt", str(tmp_path), "x", "--verify-ahead"]).verify_ahead is True
