@@ -145,12 +145,13 @@ STEPS = {
                                   "tests/ops/test_rms_norm_pair.py", "tests/ops/test_kda_decode.py",
                                   "tests/ops/test_moe_route.py", "tests/ops/test_moe_out.py"],
                         PYTEST + [COMPILE_TEST_FILE, "-k", "fused_decode_kernels"]], 480),
-    # the fused KDA decode step and router kernel, the fused replay and the draft's captured chains: their GPU tests
-    # (about 7.5 minutes on a fresh machine, most of it compiling)
+    # the fused KDA decode step and router kernel, the fused replay, the draft's captured chains and verifying ahead:
+    # their GPU tests (about 8 minutes on a fresh machine, most of it compiling)
     "decode_fused": ([PYTEST + ["tests/ops/test_kda_decode.py", "tests/ops/test_moe_route.py",
                                 "tests/ops/test_kda_verify_replay.py", "tests/ops/test_kda_verify_step.py",
                                 "tests/serve/speculative/test_fused_replay.py",
-                                "tests/serve/speculative/test_batched_draft.py"]], 540),
+                                "tests/serve/speculative/test_batched_draft.py",
+                                "tests/serve/speculative/test_verify_ahead.py"]], 560),
     # decode with every fused decode kernel on and off, side by side (the first pass compiles: about 2 minutes on a
     # fresh machine), then kernels per layer on and off
     "decode_bench": ([_FUSED_ON + _DECODE, _FUSED_OFF + _DECODE, _FUSED_ON + _KERNELS, _FUSED_OFF + _KERNELS], 540),
