@@ -177,6 +177,17 @@ STEPS = {
     "spec": ([[PY, "benchmarks/spec_decode.py", "--ckpt", "runs/spec_gpu", "--batch", "1", "4", "16", "64",
                "--max-tokens", "128", "--replay-after", "--stage-times", "--stage-kernels", "8", "--json",
                "{out}/spec.json"]], 560),
+    # the speculative cycle at full acceptance without training (a random k3-mini whose draft is made always right,
+    # spec_decode --right-draft): drafting after, ahead (the default) and verifying ahead side by side, batch 1 with
+    # the stages timed, then batch 64 (the first run on a fresh machine compiles: about 2 minutes)
+    "spec_right": ([[PY, "-m", "k3", "init", "--preset", "k3-mini", "--tokenizer", "bytes", "--out",
+                     "runs/random_mini"],
+                    [PY, "benchmarks/spec_decode.py", "--ckpt", "runs/random_mini", "--batch", "1", "--max-tokens",
+                     "96", "--prompt-tokens", "128", "--right-draft", "--draft-after", "--verify-ahead", "--no-auto",
+                     "--stage-times", "--json", "{out}/spec_right_b1.json"],
+                    [PY, "benchmarks/spec_decode.py", "--ckpt", "runs/random_mini", "--batch", "64", "--max-tokens",
+                     "48", "--prompt-tokens", "128", "--right-draft", "--draft-after", "--verify-ahead", "--no-auto",
+                     "--json", "{out}/spec_right_b64.json"]], 560),
 }
 
 
