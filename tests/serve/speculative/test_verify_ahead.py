@@ -6,7 +6,7 @@ finish reasons, streamed outputs) equal plain decoding's, and after every step e
 (its pending positions replayed on a copy of the pool) are a plain run's at its num_computed (test_fused_replay's
 check, same tolerances): with a draft that is always right (launched and used), with a random one (launched after
 every verification and dropped: the restore), with plain steps of the switch in between, an abort, requests joining
-mid-stream, and random request mixes (stop strings, max_tokens inside a verification, prefix-cache hits, chunked
+mid-stream, an EAGLE-3 draft (whose launched verifications carry the AttnRes features), and random request mixes (stop strings, max_tokens inside a verification, prefix-cache hits, chunked
 prefill, preemption). Verifications and chains run on static buffers uncaptured (cuda_graphs="eager")."""
 
 import functools
@@ -102,6 +102,43 @@ def test_plain_steps_and_an_abort_between_drop_what_was_launched():
     for s in (seqs[0], seqs[2]):
         assert (s.output_ids, s.text, s.finish_reason) == da.reference(True, tuple(s.prompt_ids), 40, ())
     assert eng.metrics.spec_verified_ahead > 0
+
+
+def test_an_eagle3_draft_verified_ahead_reads_the_launched_verifications_features():
+    # an EAGLE-3 draft on the chains (it observes AttnRes block features beside the hidden states): a verification
+    # launched ahead carries them as any other; its random draft makes every launch a restore
+    from k3.model.eagle3 import Eagle3Layer
+    from k3.serve.engine import LLMEngine
+    from k3.serve.scheduler import SchedulerConfig
+    from k3.serve.speculative.draft import Eagle3Draft
+
+    model = da._model(False)
+    layer = Eagle3Layer.from_target(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the fused features matter: W_E3 away from [0 0 I]
+        layer.fc.weight.add_(torch.randn(layer.fc.weight.shape, generator=g) * 0.05)
+    eng = LLMEngine(model, fx._tok(), EngineConfig(
+        cache_memory_mb=4.0, page_tokens=fx.PAGE, hash_block_tokens=fx.HB, num_draft_tokens=3, cuda_graphs="eager",
+        verify_ahead=True, scheduler=SchedulerConfig(max_step_tokens=96, prefill_chunk=40, max_num_seqs=8)),
+        draft=Eagle3Draft(model, layer, chain_graphs="eager"))
+    eng.eos_id = None
+    assert eng.draft.features == (1, 2) and eng.draft.chains is not None
+    spec = eng.speculative
+    spec.ahead_after_full = False
+    widths, real = [], spec._verify_ahead
+
+    def launch(work, v, targets):  # each launched verification's hidden rows hold the features, as `v`'s do
+        real(work, v, targets)
+        if spec._launched is not None:
+            widths.append((spec._launched.v.hidden.shape[-1], v.hidden.shape[-1]))
+
+    spec._verify_ahead = launch
+    prompts = fx._prompts(1, 3)
+    params = [SamplingParams(max_tokens=16, temperature=0)] * len(prompts)
+    results, _ = _drive(eng, False, [list(zip(prompts, params))])
+    da._check(False, results, params)
+    D = model.config.hidden_size
+    assert eng.metrics.spec_verified_ahead > 0 and widths and all(a == b == 3 * D for a, b in widths)
 
 
 def test_verify_ahead_is_checked_and_off_by_default():
