@@ -316,3 +316,23 @@ def assert_same_greedy(runs, logprob_tol: float) -> None:
     for (ids_a, lp_a), (ids_b, lp_b) in zip(*runs):
         assert ids_a == ids_b
         assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= logprob_tol
+
+
+def serve_flag_reaches_the_engine(monkeypatch, tmp_path, key: str, cases) -> None:
+    """`k3 serve` hands a flag to the engine's builder: for each (extra argv, value) of `cases`, `cmd_serve` on a
+    checkpoint directory in tmp_path passes build_engine `key`=value (a fake builder that stops before loading)."""
+    from k3 import cli
+    from k3.serve import cli as serve_cli
+
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory, as --ckpt's resolver wants one
+    seen = []
+
+    def fake_build(*a, **kw):
+        seen.append(kw[key])
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(serve_cli, "build_engine", fake_build)
+    parse = cli.build_parser().parse_args
+    for extra, want in cases:
+        assert serve_cli.cmd_serve(parse(["serve", "--ckpt", str(tmp_path), *extra])) == 2
+        assert seen[-1] is want, (key, extra, seen[-1], want)

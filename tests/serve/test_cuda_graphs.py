@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from helpers import DECODE_KERNELS, randomize_, rel_err
+from helpers import DECODE_KERNELS, randomize_, rel_err, serve_flag_reaches_the_engine
 from k3.config import K3Config
 from k3.model.model import K3ForCausalLM
 from k3.ops import mla_decode, registry
@@ -279,22 +279,7 @@ def test_serve_flag_turns_graphs_off(monkeypatch):
 
 
 def test_serve_flag_compile_decode_reaches_the_engine(monkeypatch, tmp_path):
-    from k3 import cli
-    from k3.serve import cli as serve_cli
-
-    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory, as --ckpt's resolver wants one
-    seen = []
-
-    def fake_build(*a, **kw):
-        seen.append(kw["compile_decode"])
-        raise ValueError("stop before loading")
-
-    monkeypatch.setattr(serve_cli, "build_engine", fake_build)
-    parse = cli.build_parser().parse_args
-    ck = str(tmp_path)
-    for argv, want in ((["serve", "--ckpt", ck], False), (["serve", "--ckpt", ck, "--compile-decode"], True)):
-        args = parse(argv)
-        assert serve_cli.cmd_serve(args) == 2 and seen[-1] is want
+    serve_flag_reaches_the_engine(monkeypatch, tmp_path, "compile_decode", [([], False), (["--compile-decode"], True)])
 
 
 def _fake_compile(monkeypatch, fail: bool = False):

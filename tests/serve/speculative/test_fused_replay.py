@@ -29,7 +29,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from helpers import one_torch_thread
+from helpers import one_torch_thread, serve_flag_reaches_the_engine
 from k3.ops.registry import Backends
 from k3.serve import runner as runner_mod
 from k3.serve.cache import views as views_mod
@@ -612,7 +612,6 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
     import argparse
 
     from k3 import cli
-    from k3.serve import cli as serve_cli
     from k3.serve.build import build_engine
     from k3.serve.options import add_speculative_arguments
 
@@ -625,19 +624,10 @@ def test_the_fused_replay_flag(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--fused-replay .*needs --speculative mtp or eagle3"):
         build_engine(str(tmp_path), speculative="off", fused_replay=True)  # refused before anything is loaded
     # `k3 serve` hands it to the engine's builder; `k3 generate` takes it too
-    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory, as --ckpt's resolver wants one
-    seen = []
-
-    def fake_build(*a, **kw):
-        seen.append(kw["fused_replay"])
-        raise ValueError("stop before loading")
-
-    monkeypatch.setattr(serve_cli, "build_engine", fake_build)
+    serve_flag_reaches_the_engine(monkeypatch, tmp_path, "fused_replay",
+                                  [([], None), (["--speculative", "mtp", "--fused-replay"], True),
+                                   (["--speculative", "mtp", "--no-fused-replay"], False)])
     parse = cli.build_parser().parse_args
-    for argv, want in ((["serve", "--ckpt", str(tmp_path)], None),
-                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--fused-replay"], True),
-                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--no-fused-replay"], False)):
-        assert serve_cli.cmd_serve(parse(argv)) == 2 and seen[-1] is want
     assert parse(["generate", "--ckpt", str(tmp_path), "x", "--fused-replay"]).fused_replay is True
 
 

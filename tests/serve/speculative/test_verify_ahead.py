@@ -6,8 +6,9 @@ finish reasons, streamed outputs) equal plain decoding's, and after every step e
 (its pending positions replayed on a copy of the pool) are a plain run's at its num_computed (test_fused_replay's
 check, same tolerances): with a draft that is always right (launched and used), with a random one (launched after
 every verification and dropped: the restore), with plain steps of the switch in between, an abort, requests joining
-mid-stream, an EAGLE-3 draft (whose launched verifications carry the AttnRes features), and random request mixes (stop strings, max_tokens inside a verification, prefix-cache hits, chunked
-prefill, preemption). Verifications and chains run on static buffers uncaptured (cuda_graphs="eager")."""
+mid-stream, an EAGLE-3 draft (whose launched verifications carry the AttnRes features), and random request mixes
+(stop strings, max_tokens inside a verification, prefix-cache hits, chunked prefill, preemption). Verifications and
+chains run on static buffers uncaptured (cuda_graphs="eager")."""
 
 import functools
 import importlib.util
@@ -18,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from helpers import serve_flag_reaches_the_engine
 from k3.serve.engine import EngineConfig
 from k3.serve.metrics import render_metrics
 from k3.serve.sampling import SamplingParams
@@ -221,7 +223,6 @@ def test_the_verify_ahead_flag(tmp_path, monkeypatch):
     import argparse
 
     from k3 import cli
-    from k3.serve import cli as serve_cli
     from k3.serve.build import build_engine
     from k3.serve.options import add_speculative_arguments
 
@@ -232,16 +233,7 @@ def test_the_verify_ahead_flag(tmp_path, monkeypatch):
     for kw in (dict(speculative="off"), dict(speculative="mtp", fused_replay=False)):  # refused before any load
         with pytest.raises(ValueError, match="--verify-ahead .*needs --speculative mtp or eagle3 with the fused"):
             build_engine(str(tmp_path), verify_ahead=True, **kw)
-    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory, as --ckpt's resolver wants one
-    seen = []
-
-    def fake_build(*a, **kw):
-        seen.append(kw["verify_ahead"])
-        raise ValueError("stop before loading")
-
-    monkeypatch.setattr(serve_cli, "build_engine", fake_build)
+    serve_flag_reaches_the_engine(monkeypatch, tmp_path, "verify_ahead",
+                                  [([], False), (["--speculative", "mtp", "--verify-ahead"], True)])
     parse = cli.build_parser().parse_args
-    for argv, want in ((["serve", "--ckpt", str(tmp_path)], False),
-                       (["serve", "--ckpt", str(tmp_path), "--speculative", "mtp", "--verify-ahead"], True)):
-        assert serve_cli.cmd_serve(parse(argv)) == 2 and seen[-1] is want
     assert parse(["generate", "--ckpt", str(tmp_path), "x", "--verify-ahead"]).verify_ahead is True
