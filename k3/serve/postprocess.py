@@ -72,35 +72,7 @@ class Postprocessor:
     def emit(self, seq: Sequence, tok: int, lp: dict | None = None) -> RequestOutput:
         """Take the token `tok` for seq: its logprob entry `lp` (`logprob_entries`: given when the request asks for
         logprobs), timing metrics, stop rules, text."""
-        p = seq.params
-        if p.logprobs is not None and not lp:
-            raise ValueError(f"request {seq.request_id} asks for logprobs: emit needs the token's logprob entry")
-        lp = lp if p.logprobs is not None else {}
-        self._taken(seq)
-        reason = None
-        if (self.eos_id is not None and tok == self.eos_id) or tok in p.stop_token_ids:
-            reason = "stop"
-            new_ids = []
-        else:
-            seq.output_ids.append(tok)
-            if lp:
-                seq.logprobs.append(lp)
-            new_ids = [tok]
-        prev_text = seq.text
-        if self.tokenizer is not None:
-            full = self.decode(seq)
-            stop_at = min((full.find(s) for s in p.stop if s and s in full), default=-1)
-            if stop_at >= 0:
-                full, reason = full[:stop_at], "stop"
-            if reason is None:
-                full = full[: len(full) - _held_back(full, p.stop)]
-            seq.text = full if len(full) >= len(prev_text) or reason else prev_text
-        if reason is None and len(seq.output_ids) >= p.max_tokens:
-            reason = "length"
-        if reason is not None:
-            self.end(seq, reason)  # releases any held-back tail of the text
-        delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
-        return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, [lp] if lp else [])
+        return self._take(seq, [tok], None if lp is None else [lp])[0]
 
     def emit_many(self, seq: Sequence, toks: list[int], lps: list[dict] | None = None) -> tuple[RequestOutput, int]:
         """Take the tokens `toks` for seq in order (a speculative step's accepted tokens; lps[j] the logprob entry of
@@ -109,17 +81,22 @@ class Postprocessor:
         for all of them where the request has no stop strings (the other stop rules read ids and counts alone, and
         the text after the last token is the one `emit` leaves); with stop strings, token by token (one may end
         inside any of them)."""
+        if not seq.params.stop:
+            return self._take(seq, toks, lps)
+        got = []
+        for j, t in enumerate(toks):
+            got.append(self.emit(seq, t, lps[j] if lps else None))
+            if got[-1].finished:
+                break
+        return merge(got), len(got)
+
+    def _take(self, seq: Sequence, toks: list[int], lps: list[dict] | None) -> tuple[RequestOutput, int]:
+        """`toks` taken in order up to the one that ends the request by its id (EOS, stop token ids) or by
+        max_tokens, then the text once, where a stop string ends the request too (its callers give one token at a
+        time to a request with stop strings): (the output of those tokens, how many were taken)."""
         p = seq.params
-        if p.stop or len(toks) < 2:
-            got = []
-            for j, t in enumerate(toks):
-                got.append(self.emit(seq, t, lps[j] if lps else None))
-                if got[-1].finished:
-                    break
-            return merge(got), len(got)
-        if p.logprobs is not None and (lps is None or len(lps) < len(toks) or not all(lps)):
-            raise ValueError(f"request {seq.request_id} asks for logprobs: emit_many needs every token's logprob "
-                             "entry")
+        if p.logprobs is not None and (lps is None or len(lps) < len(toks) or not all(lps[:len(toks)])):
+            raise ValueError(f"request {seq.request_id} asks for logprobs: emit needs every token's logprob entry")
         new_ids, entries, reason, n = [], [], None, 0
         for j, tok in enumerate(toks):
             n += 1
@@ -135,16 +112,20 @@ class Postprocessor:
                 seq.logprobs.append(lp)
             new_ids.append(tok)
             if len(seq.output_ids) >= p.max_tokens:
-                reason = "length"
                 break
         prev_text = seq.text
         if self.tokenizer is not None:
             full = self.decode(seq)
+            stop_at = min((full.find(s) for s in p.stop if s and s in full), default=-1)
+            if stop_at >= 0:
+                full, reason = full[:stop_at], "stop"
             if reason is None:
                 full = full[: len(full) - _held_back(full, p.stop)]
             seq.text = full if len(full) >= len(prev_text) or reason else prev_text
+        if reason is None and len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
         if reason is not None:
-            self.end(seq, reason)
+            self.end(seq, reason)  # releases any held-back tail of the text
         delta = seq.text[len(prev_text):] if self.tokenizer is not None else ""
         return RequestOutput(seq.request_id, new_ids, delta, reason is not None, reason, entries), n
 
